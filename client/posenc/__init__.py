@@ -1,0 +1,1 @@
+"""posenc: exact sinusoidal positional-encoding tables from a gRPC service."""

@@ -1,0 +1,1 @@
+"""posenc server: computes, caches and streams positional-encoding tables over gRPC."""
