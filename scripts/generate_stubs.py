@@ -20,10 +20,17 @@ PROTO_ROOT = ROOT / "proto"
 PROTO_FILES = sorted(str(p.relative_to(PROTO_ROOT)) for p in PROTO_ROOT.rglob("*.proto"))
 
 
+def _plugin(name: str) -> str:
+    # mypy-protobuf installs its plugins beside this interpreter, which may not be on PATH.
+    path = shutil.which(name, path=str(Path(sys.executable).parent)) or shutil.which(name)
+    if path is None:
+        raise SystemExit(f"{name} not found: install the dev extra (mypy-protobuf)")
+    return path
+
+
 def generate(output_root: Path) -> None:
     """Run protoc with the grpc and mypy-protobuf plugins into output_root."""
     output_root.mkdir(parents=True, exist_ok=True)
-    plugin_dir = Path(sys.executable).parent
     well_known = Path(protoc.__file__).parent / "_proto"
     args = [
         "grpc_tools.protoc",
@@ -31,8 +38,8 @@ def generate(output_root: Path) -> None:
         f"-I{well_known}",
         f"--python_out={output_root}",
         f"--grpc_python_out={output_root}",
-        f"--plugin=protoc-gen-mypy={shutil.which('protoc-gen-mypy', path=str(plugin_dir))}",
-        f"--plugin=protoc-gen-mypy_grpc={shutil.which('protoc-gen-mypy_grpc', path=str(plugin_dir))}",
+        f"--plugin=protoc-gen-mypy={_plugin('protoc-gen-mypy')}",
+        f"--plugin=protoc-gen-mypy_grpc={_plugin('protoc-gen-mypy_grpc')}",
         f"--mypy_out={output_root}",
         f"--mypy_grpc_out={output_root}",
         *PROTO_FILES,

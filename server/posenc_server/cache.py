@@ -1,0 +1,129 @@
+"""A byte-bounded, thread-safe LRU cache of table blocks with single-flight computation."""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from collections.abc import Callable, Hashable
+from dataclasses import dataclass
+from typing import Generic, TypeVar
+
+import numpy as np
+import numpy.typing as npt
+
+Key = TypeVar("Key", bound=Hashable)
+Block = npt.NDArray[np.generic]
+
+
+@dataclass(frozen=True)
+class CacheStats:
+    """A consistent snapshot of the cache counters."""
+
+    hits: int
+    misses: int
+    evictions: int
+    bytes: int
+    entries: int
+    budget_bytes: int
+
+
+class _Pending:
+    """A computation in progress that other threads asking for the same key wait on."""
+
+    def __init__(self) -> None:
+        self.done = threading.Event()
+        self.value: Block | None = None
+        self.error: BaseException | None = None
+
+
+class BlockCache(Generic[Key]):
+    """LRU cache of read-only numpy blocks whose total ``nbytes`` never exceeds a budget.
+
+    ``get_or_compute`` runs the computation outside the lock, and only once when several
+    threads miss the same key at the same time: the others wait for that result instead of
+    computing it again. A block larger than the whole budget is returned but not stored.
+    """
+
+    def __init__(self, budget_bytes: int) -> None:
+        if budget_bytes < 0:
+            raise ValueError("budget_bytes must be >= 0")
+        self._budget = budget_bytes
+        self._blocks: OrderedDict[Key, Block] = OrderedDict()
+        self._pending: dict[Key, _Pending] = {}
+        self._lock = threading.Lock()
+        self._bytes = 0
+        self._hits = 0
+        self._misses = 0
+        self._evictions = 0
+
+    def get(self, key: Key) -> Block | None:
+        """The cached block for ``key`` (counted as a hit or a miss), or None."""
+        with self._lock:
+            block = self._blocks.get(key)
+            if block is None:
+                self._misses += 1
+                return None
+            self._blocks.move_to_end(key)
+            self._hits += 1
+            return block
+
+    def get_or_compute(self, key: Key, compute: Callable[[], Block]) -> Block:
+        """The cached block for ``key``, computing and storing it on a miss."""
+        with self._lock:
+            block = self._blocks.get(key)
+            if block is not None:
+                self._blocks.move_to_end(key)
+                self._hits += 1
+                return block
+            self._misses += 1
+            pending = self._pending.get(key)
+            owner = pending is None
+            if pending is None:
+                pending = self._pending[key] = _Pending()
+        if not owner:
+            pending.done.wait()
+            if pending.error is not None:
+                raise pending.error
+            assert pending.value is not None
+            return pending.value
+        try:
+            block = compute()
+            block.flags.writeable = False
+            pending.value = block
+        except BaseException as error:
+            pending.error = error
+            raise
+        finally:
+            with self._lock:
+                del self._pending[key]
+                if pending.value is not None:
+                    self._store(key, pending.value)
+            pending.done.set()
+        return block
+
+    def _store(self, key: Key, block: Block) -> None:
+        # Called with the lock held.
+        size = block.nbytes
+        if size > self._budget:
+            return
+        old = self._blocks.pop(key, None)
+        if old is not None:
+            self._bytes -= old.nbytes
+        while self._bytes + size > self._budget:
+            _, evicted = self._blocks.popitem(last=False)
+            self._bytes -= evicted.nbytes
+            self._evictions += 1
+        self._blocks[key] = block
+        self._bytes += size
+
+    def stats(self) -> CacheStats:
+        """Counters since creation, and what is held now."""
+        with self._lock:
+            return CacheStats(
+                hits=self._hits,
+                misses=self._misses,
+                evictions=self._evictions,
+                bytes=self._bytes,
+                entries=len(self._blocks),
+                budget_bytes=self._budget,
+            )

@@ -1,0 +1,170 @@
+"""Server configuration: one frozen dataclass, from command-line flags and POSENC_* variables.
+
+Precedence: a flag beats its environment variable, which beats the embedded default, so
+``posenc serve`` alone runs. Every field is a flag ``--field-name`` and a variable
+``POSENC_FIELD_NAME``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+MIB = 1 << 20
+GIB = 1 << 30
+# What a default gRPC client accepts in one message.
+DEFAULT_CLIENT_RECEIVE_LIMIT = 4 * MIB
+# Room for the protobuf framing around a payload (a few dozen bytes in practice).
+MESSAGE_OVERHEAD = 16 * 1024
+# A packed int64 takes at most 10 bytes on the wire.
+MAX_VARINT_BYTES = 10
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """Everything the server can be configured with; the defaults are production defaults."""
+
+    host: str = field(default="127.0.0.1", metadata={"help": "address to listen on"})
+    port: int = field(default=50051, metadata={"help": "gRPC port (0 picks a free one)"})
+    max_d_model: int = field(default=65536, metadata={"help": "largest d_model accepted"})
+    max_abs_position: int = field(default=1 << 42, metadata={"help": "largest |position|"})
+    max_positions: int = field(default=1 << 20, metadata={"help": "largest explicit position list"})
+    max_unary_bytes: int = field(
+        default=DEFAULT_CLIENT_RECEIVE_LIMIT - MESSAGE_OVERHEAD,
+        metadata={"help": "largest GetEncoding result in bytes (fits a default client)"},
+    )
+    max_stream_bytes: int = field(
+        default=16 * GIB, metadata={"help": "largest StreamEncoding result in bytes"}
+    )
+    max_chunk_bytes: int = field(
+        default=MIB, metadata={"help": "largest stream chunk in bytes (at most 4 MiB)"}
+    )
+    cache_bytes: int = field(default=512 * MIB, metadata={"help": "cache budget in bytes"})
+    workers: int = field(default=16, metadata={"help": "threads serving requests"})
+    grace_seconds: float = field(
+        default=30.0, metadata={"help": "on SIGTERM, time in-flight calls get to finish"}
+    )
+    log_level: str = field(default="INFO", metadata={"help": "DEBUG, INFO, WARNING or ERROR"})
+
+    def __post_init__(self) -> None:
+        problems = []
+        if not 0 <= self.port <= 65535:
+            problems.append("port must be in 0..65535")
+        if not 1 <= self.max_d_model <= 1 << 20:
+            problems.append("max_d_model must be in 1..1048576")
+        if not 0 <= self.max_abs_position <= 1 << 52:
+            problems.append("max_abs_position must be in 0..2**52 (exact in float64)")
+        if self.max_positions < 1:
+            problems.append("max_positions must be >= 1")
+        if not self.max_d_model * 8 <= self.max_chunk_bytes <= DEFAULT_CLIENT_RECEIVE_LIMIT:
+            problems.append(
+                "max_chunk_bytes must hold one float64 row of max_d_model "
+                f"({self.max_d_model * 8} bytes) and be at most 4 MiB"
+            )
+        if self.max_unary_bytes < 0 or self.max_stream_bytes < 0 or self.cache_bytes < 0:
+            problems.append("byte limits must be >= 0")
+        if self.workers < 1:
+            problems.append("workers must be >= 1")
+        if self.grace_seconds < 0:
+            problems.append("grace_seconds must be >= 0")
+        if self.log_level.upper() not in {"DEBUG", "INFO", "WARNING", "ERROR"}:
+            problems.append("log_level must be DEBUG, INFO, WARNING or ERROR")
+        if problems:
+            raise ValueError("invalid configuration: " + "; ".join(problems))
+
+    @property
+    def address(self) -> str:
+        """The host:port the server binds (IPv6 hosts bracketed)."""
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"{host}:{self.port}"
+
+    @property
+    def max_receive_message_bytes(self) -> int:
+        """Large enough for the largest accepted request: a full position list."""
+        return self.max_positions * MAX_VARINT_BYTES + MESSAGE_OVERHEAD
+
+    @property
+    def max_send_message_bytes(self) -> int:
+        """Large enough for the largest unary result or stream chunk."""
+        return max(self.max_unary_bytes, self.max_chunk_bytes) + MESSAGE_OVERHEAD
+
+    @classmethod
+    def from_args(
+        cls, argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None
+    ) -> ServerConfig:
+        """Build from flags (``argv``, default none) over ``POSENC_*`` variables over defaults.
+
+        Raises ValueError naming the flag or variable when a value is malformed or invalid.
+        """
+        environ = os.environ if environ is None else environ
+        parser = argparse.ArgumentParser(
+            prog="posenc serve",
+            description="Serve positional-encoding tables over gRPC.",
+            epilog="Every flag can also be set as POSENC_<FLAG> (e.g. POSENC_PORT=50052).",
+        )
+        for spec in dataclasses.fields(cls):
+            parser.add_argument(
+                "--" + spec.name.replace("_", "-"),
+                dest=spec.name,
+                type=_parse_int if spec.type == "int" else str,
+                default=None,
+                help=f"{spec.metadata['help']} (default {spec.default}; "
+                f"env {_env_name(spec.name)})",
+            )
+        parsed = parser.parse_args(list(argv or []))
+        values: dict[str, Any] = {}
+        for spec in dataclasses.fields(cls):
+            raw = getattr(parsed, spec.name)
+            source = f"--{spec.name.replace('_', '-')}"
+            if raw is None and _env_name(spec.name) in environ:
+                raw, source = environ[_env_name(spec.name)], _env_name(spec.name)
+            if raw is None:
+                continue
+            try:
+                values[spec.name] = _convert(spec.type, raw)
+            except ValueError as error:
+                raise ValueError(f"{source}: {error}") from None
+        return cls(**values)
+
+    def public_limits(self) -> dict[str, int]:
+        """The limits clients should know, by name."""
+        return {
+            "max_d_model": self.max_d_model,
+            "max_abs_position": self.max_abs_position,
+            "max_positions": self.max_positions,
+            "max_unary_bytes": self.max_unary_bytes,
+            "max_stream_bytes": self.max_stream_bytes,
+            "max_chunk_bytes": self.max_chunk_bytes,
+        }
+
+
+def _env_name(name: str) -> str:
+    return "POSENC_" + name.upper()
+
+
+def _parse_int(raw: str) -> int:
+    # Accepts 1048576, 1_048_576, 0x100000 and 2**20 style sizes.
+    text = raw.strip().replace("_", "")
+    if "**" in text:
+        base, exponent = text.split("**", 1)
+        return int(int(base, 0) ** int(exponent, 0))
+    return int(text, 0)
+
+
+def _convert(type_name: object, raw: object) -> object:
+    text = str(raw)
+    if type_name == "int":
+        try:
+            return _parse_int(text)
+        except ValueError:
+            raise ValueError(f"expected an integer, got {text!r}") from None
+    if type_name == "float":
+        try:
+            return float(text)
+        except ValueError:
+            raise ValueError(f"expected a number, got {text!r}") from None
+    return text

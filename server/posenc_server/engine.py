@@ -1,0 +1,233 @@
+"""Exact sinusoidal positional-encoding tables, in pure numpy.
+
+The table is ``PE[pos, 2i] = sin(pos * inv_freq[i])``, ``PE[pos, 2i+1] = cos(pos * inv_freq[i])``
+(see ``Layout`` and ``Schedule`` for the variants). Computing ``pos * inv_freq`` in float64
+loses the angle at large positions: at ``pos = 2**42`` one float64 ulp of the angle is about
+1e-3 radians. So the angle is carried in turns (``pos * inv_freq / 2pi``) as a double-double:
+
+1. ``inv_freq / 2pi`` is computed once per (base, d_model, schedule) with 50 significant
+   digits (``decimal``) and split into ``hi + lo`` float64 pairs (~106 bits).
+2. ``pos * hi`` is an exact two-product (Dekker); its integer part is dropped exactly, leaving
+   the fractional turn with an absolute error near 2**-64.
+3. The fraction times 2pi (again double-double) is the angle reduced to [-pi, pi], and
+   ``sin(a + da) = sin(a) + cos(a) * da`` folds in the low part.
+
+The float64 result is within about 2**-52 of the exact value, which rounds to float32, float16
+and bfloat16 within one ulp. The module imports no gRPC: it is the domain core.
+"""
+
+from __future__ import annotations
+
+import enum
+import functools
+import math
+from dataclasses import dataclass
+from decimal import Decimal, localcontext
+from typing import Final
+
+import ml_dtypes
+import numpy as np
+import numpy.typing as npt
+
+Float64Array = npt.NDArray[np.float64]
+Int64Array = npt.NDArray[np.int64]
+
+
+class Layout(enum.Enum):
+    """Column order of a row."""
+
+    INTERLEAVED = "interleaved"
+    """``sin_0, cos_0, sin_1, cos_1, ...`` (Vaswani et al. 2017)."""
+    SPLIT = "split"
+    """``sin_0 .. sin_{h-1}, cos_0 .. cos_{h-1}``."""
+
+
+class Schedule(enum.Enum):
+    """Frequency schedule ``inv_freq[i]``."""
+
+    PAPER = "paper"
+    """``base ** (-2i / d_model)`` for ``i < ceil(d_model / 2)``; odd widths end with a sin."""
+    TENSOR2TENSOR = "tensor2tensor"
+    """``base ** (-i / max(h - 1, 1))``, ``h = d_model // 2``; odd widths end with a zero."""
+
+
+DTYPES: Final[dict[str, np.dtype[np.generic]]] = {
+    "float32": np.dtype("<f4"),
+    "float16": np.dtype("<f2"),
+    "bfloat16": np.dtype(ml_dtypes.bfloat16),
+    "float64": np.dtype("<f8"),
+}
+"""Output dtypes by name; all little-endian, as they travel on the wire."""
+
+DEFAULT_BASE: Final = 10000.0
+
+# 2pi to 60 significant digits; the engine tests check it against mpmath.
+_TWO_PI = Decimal("6.28318530717958647692528676655900576839433879875021164194989")
+_TWO_PI_HI: Final = float(_TWO_PI)
+_TWO_PI_LO: Final = float(_TWO_PI - Decimal(_TWO_PI_HI))
+# Veltkamp's constant 2**27 + 1 splits a float64 into two halves of at most 26 bits each,
+# whose pairwise products are exact.
+_SPLITTER: Final = 134217729.0
+# Elements per numpy pass: keeps the float64 temporaries of one pass inside the L2 cache.
+_ELEMENTS_PER_PASS: Final = 1 << 15
+
+
+@dataclass(frozen=True)
+class EncodingSpec:
+    """Everything that determines the values and bytes of a table."""
+
+    d_model: int
+    base: float = DEFAULT_BASE
+    dtype: str = "float32"
+    layout: Layout = Layout.INTERLEAVED
+    schedule: Schedule = Schedule.PAPER
+
+    @property
+    def numpy_dtype(self) -> np.dtype[np.generic]:
+        """The numpy dtype of the table's elements."""
+        return DTYPES[self.dtype]
+
+    @property
+    def row_bytes(self) -> int:
+        """Bytes of one table row."""
+        return self.d_model * self.numpy_dtype.itemsize
+
+    @property
+    def sin_columns(self) -> int:
+        """Number of sin columns (frequencies)."""
+        if self.schedule is Schedule.TENSOR2TENSOR:
+            return self.d_model // 2
+        return (self.d_model + 1) // 2
+
+    @property
+    def cos_columns(self) -> int:
+        """Number of cos columns."""
+        return self.d_model // 2
+
+
+def inverse_frequencies_in_turns(spec: EncodingSpec) -> tuple[Float64Array, Float64Array]:
+    """``inv_freq[i] / 2pi`` as double-double ``(hi, lo)`` arrays, one entry per sin column."""
+    return _turn_frequencies(spec.base, spec.d_model, spec.schedule)
+
+
+@functools.lru_cache(maxsize=32)
+def _turn_frequencies(
+    base: float, d_model: int, schedule: Schedule
+) -> tuple[Float64Array, Float64Array]:
+    spec = EncodingSpec(d_model=d_model, base=base, schedule=schedule)
+    count = spec.sin_columns
+    hi = np.empty(count, dtype=np.float64)
+    lo = np.empty(count, dtype=np.float64)
+    with localcontext() as context:
+        # 50 digits keep the relative error of inv_freq near 1e-45 after the 32768 products
+        # below, far under the 2**-97 that position 2**42 needs.
+        context.prec = 50
+        log_base = Decimal(base).ln()
+        if schedule is Schedule.PAPER:
+            exponent_step = Decimal(2) / Decimal(d_model)
+        else:
+            exponent_step = Decimal(1) / Decimal(max(count - 1, 1))
+        ratio = (-exponent_step * log_base).exp()
+        # inv_freq[i] = ratio ** i: one product per column instead of one exp per column.
+        turns = 1 / _TWO_PI
+        for i in range(count):
+            head = float(turns)
+            hi[i] = head
+            lo[i] = float(turns - Decimal(head))
+            turns *= ratio
+    hi.flags.writeable = False
+    lo.flags.writeable = False
+    return hi, lo
+
+
+def _split(values: Float64Array) -> tuple[Float64Array, Float64Array]:
+    """Veltkamp split: ``values == high + low`` with both halves at most 26 bits wide."""
+    scaled = values * _SPLITTER
+    high = scaled - (scaled - values)
+    return high, values - high
+
+
+# The two halves of 2pi's high part, for the exact product of the turn fraction with 2pi.
+_TWO_PI_SPLIT: Final = tuple(float(half[0]) for half in _split(np.array([_TWO_PI_HI])))
+
+
+def _sin_cos_rows(
+    positions: Float64Array, freq_hi: Float64Array, freq_lo: Float64Array
+) -> tuple[Float64Array, Float64Array]:
+    """sin and cos of ``2pi * positions[:, None] * (freq_hi + freq_lo)[None, :]`` in float64."""
+    pos = positions[:, None]
+    pos_high, pos_low = _split(positions)
+    freq_high, freq_low = _split(freq_hi)
+    ph, pl = pos_high[:, None], pos_low[:, None]
+
+    # Exact two-product pos * freq_hi = product + product_error (Dekker).
+    product = pos * freq_hi
+    product_error = ph * freq_high - product
+    product_error += ph * freq_low
+    product_error += pl * freq_high
+    product_error += pl * freq_low
+
+    # Dropping whole turns is exact; what is left lies in [-0.5, 0.5].
+    turns = product - np.rint(product)
+    correction = product_error + pos * freq_lo
+    # Two-sum: turns + correction == turns_hi + turns_lo exactly.
+    turns_hi = turns + correction
+    virtual = turns_hi - turns
+    turns_lo = (turns - (turns_hi - virtual)) + (correction - virtual)
+
+    # angle = (turns_hi + turns_lo) * 2pi as double-double.
+    angle = turns_hi * _TWO_PI_HI
+    high, low = _split(turns_hi)
+    angle_lo = high * _TWO_PI_SPLIT[0] - angle
+    angle_lo += high * _TWO_PI_SPLIT[1]
+    angle_lo += low * _TWO_PI_SPLIT[0]
+    angle_lo += low * _TWO_PI_SPLIT[1]
+    angle_lo += turns_hi * _TWO_PI_LO + turns_lo * _TWO_PI_HI
+
+    sin = np.sin(angle)
+    cos = np.cos(angle)
+    # First-order correction for the low part of the angle (|angle_lo| < 2**-50).
+    sin_exact = sin + cos * angle_lo
+    cos_exact = cos - sin * angle_lo
+    return sin_exact, cos_exact
+
+
+def encode_positions(spec: EncodingSpec, positions: npt.ArrayLike) -> npt.NDArray[np.generic]:
+    """The table rows for ``positions`` (any int64 values with ``|pos| <= 2**52``).
+
+    Returns a C-contiguous array of shape ``(len(positions), d_model)`` in ``spec.dtype``.
+    Callers validate ``spec`` and the positions; this function trusts them.
+    """
+    pos = np.asarray(positions, dtype=np.int64).reshape(-1)
+    out = np.zeros((pos.size, spec.d_model), dtype=spec.numpy_dtype)
+    n_sin, n_cos = spec.sin_columns, spec.cos_columns
+    if n_sin == 0 or pos.size == 0:
+        return out
+    freq_hi, freq_lo = inverse_frequencies_in_turns(spec)
+    rows_per_pass = max(1, _ELEMENTS_PER_PASS // n_sin)
+    for first in range(0, pos.size, rows_per_pass):
+        last = min(first + rows_per_pass, pos.size)
+        sin, cos = _sin_cos_rows(pos[first:last].astype(np.float64), freq_hi, freq_lo)
+        block = out[first:last]
+        if spec.layout is Layout.INTERLEAVED:
+            block[:, 0 : 2 * n_sin : 2] = sin
+            block[:, 1 : 2 * n_cos : 2] = cos[:, :n_cos]
+        else:
+            block[:, :n_sin] = sin
+            block[:, n_sin : n_sin + n_cos] = cos[:, :n_cos]
+    return out
+
+
+def encode_range(spec: EncodingSpec, start: int, stop: int) -> npt.NDArray[np.generic]:
+    """The table rows for positions ``start, start + 1, ..., stop - 1``."""
+    return encode_positions(spec, np.arange(start, stop, dtype=np.int64))
+
+
+def result_bytes(spec: EncodingSpec, rows: int) -> int:
+    """Bytes of a ``rows``-row table for ``spec``."""
+    return rows * spec.row_bytes
+
+
+def is_valid_base(base: float) -> bool:
+    """Whether ``base`` is accepted: finite and greater than 1."""
+    return math.isfinite(base) and base > 1.0

@@ -1,0 +1,277 @@
+"""The encoding service as plain Python: validation, limits, block caching, chunking.
+
+Rows are computed in fixed blocks of ``block_rows`` consecutive positions, aligned to
+multiples of ``block_rows``, so that any range request reuses the blocks of earlier ones. A
+block is at most ``max_chunk_bytes``, so a cached block never has to be re-split to respect
+the chunk limit unless the client asks for smaller chunks.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import numpy as np
+import numpy.typing as npt
+
+from posenc_server import engine
+from posenc_server.cache import BlockCache, CacheStats
+from posenc_server.config import ServerConfig
+from posenc_server.engine import EncodingSpec
+from posenc_server.errors import FieldViolation, InvalidRequestError, LimitExceededError
+
+Table = npt.NDArray[np.generic]
+BlockKey = tuple[EncodingSpec, int]
+# Cache lookups worth making for one chunk of an explicit position list.
+_MAX_BLOCK_LOOKUPS = 256
+
+
+@dataclass(frozen=True)
+class PositionRange:
+    """Positions ``start .. stop - 1``."""
+
+    start: int
+    stop: int
+
+    @property
+    def rows(self) -> int:
+        """Number of rows selected."""
+        return self.stop - self.start
+
+
+@dataclass(frozen=True, eq=False)
+class PositionList:
+    """Explicit positions, in the order the rows are wanted."""
+
+    positions: npt.NDArray[np.int64]
+
+    @property
+    def rows(self) -> int:
+        """Number of rows selected."""
+        return int(self.positions.size)
+
+
+Selection = PositionRange | PositionList
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """Rows ``row_offset .. row_offset + len(rows) - 1`` of a selection's table."""
+
+    row_offset: int
+    rows: Table
+
+
+class EncodingService:
+    """Validates requests against the limits and produces their tables, through the cache."""
+
+    def __init__(self, config: ServerConfig) -> None:
+        self.config = config
+        self.cache: BlockCache[BlockKey] = BlockCache(config.cache_bytes)
+        self.server_id = f"{socket.gethostname()}:{os.getpid()}"
+        self._rows_computed = 0
+        self._counter_lock = threading.Lock()
+
+    # Validation -----------------------------------------------------------------------------
+
+    def validate_spec(
+        self, d_model: int, base: float, violations: list[FieldViolation] | None = None
+    ) -> list[FieldViolation]:
+        """Append the problems of ``d_model`` and ``base`` to ``violations`` and return it."""
+        violations = [] if violations is None else violations
+        if not 1 <= d_model <= self.config.max_d_model:
+            violations.append(
+                FieldViolation(
+                    "spec.d_model",
+                    f"must be between 1 and {self.config.max_d_model}, got {d_model}",
+                )
+            )
+        if not engine.is_valid_base(base):
+            violations.append(
+                FieldViolation("spec.base", f"must be finite and greater than 1, got {base!r}")
+            )
+        return violations
+
+    def validate_selection(
+        self, selection: Selection, violations: list[FieldViolation]
+    ) -> list[FieldViolation]:
+        """Append the problems of ``selection`` to ``violations`` and return it."""
+        limit = self.config.max_abs_position
+        if isinstance(selection, PositionRange):
+            if selection.start > selection.stop:
+                violations.append(
+                    FieldViolation(
+                        "range.stop",
+                        f"must be >= range.start ({selection.start}), got {selection.stop}",
+                    )
+                )
+            if abs(selection.start) > limit:
+                violations.append(
+                    FieldViolation(
+                        "range.start",
+                        f"|position| must be at most {limit}, got {selection.start}",
+                    )
+                )
+            # stop is exclusive: the last row is stop - 1.
+            if selection.stop - 1 > limit or selection.stop < -limit:
+                violations.append(
+                    FieldViolation(
+                        "range.stop",
+                        f"must be between {-limit} and {limit + 1}, got {selection.stop}",
+                    )
+                )
+            return violations
+        count = selection.rows
+        if not 1 <= count <= self.config.max_positions:
+            violations.append(
+                FieldViolation(
+                    "positions.positions",
+                    f"must hold 1 to {self.config.max_positions} positions, got {count}",
+                )
+            )
+        elif (bad := np.flatnonzero(np.abs(selection.positions) > limit)).size:
+            index = int(bad[0])
+            violations.append(
+                FieldViolation(
+                    f"positions.positions[{index}]",
+                    f"|position| must be at most {limit}, got {int(selection.positions[index])}"
+                    + (f" ({bad.size} positions out of range)" if bad.size > 1 else ""),
+                )
+            )
+        return violations
+
+    @staticmethod
+    def raise_if_invalid(violations: list[FieldViolation]) -> None:
+        """Raise InvalidRequestError when ``violations`` is not empty."""
+        if violations:
+            raise InvalidRequestError(violations)
+
+    def check_unary_size(self, spec: EncodingSpec, selection: Selection) -> None:
+        """Refuse a GetEncoding result over the unary limit."""
+        size = engine.result_bytes(spec, selection.rows)
+        if size > self.config.max_unary_bytes:
+            raise LimitExceededError(
+                f"the result is {size} bytes, over the unary limit of "
+                f"{self.config.max_unary_bytes} bytes: use StreamEncoding for large results"
+            )
+
+    def check_stream_size(self, spec: EncodingSpec, selection: Selection) -> None:
+        """Refuse a StreamEncoding result over the stream limit."""
+        size = engine.result_bytes(spec, selection.rows)
+        if size > self.config.max_stream_bytes:
+            raise LimitExceededError(
+                f"the result is {size} bytes, over the stream limit of "
+                f"{self.config.max_stream_bytes} bytes: split the request into smaller ranges"
+            )
+
+    def chunk_rows(self, spec: EncodingSpec, requested_chunk_bytes: int) -> int:
+        """Rows per stream chunk for a client asking for ``requested_chunk_bytes`` (0: max)."""
+        limit = self.config.max_chunk_bytes
+        chunk_bytes = limit if requested_chunk_bytes == 0 else min(requested_chunk_bytes, limit)
+        if chunk_bytes < spec.row_bytes:
+            raise InvalidRequestError(
+                [
+                    FieldViolation(
+                        "max_chunk_bytes",
+                        f"must hold at least one row ({spec.row_bytes} bytes), "
+                        f"got {requested_chunk_bytes}",
+                    )
+                ]
+            )
+        return chunk_bytes // spec.row_bytes
+
+    # Tables ---------------------------------------------------------------------------------
+
+    def block_rows(self, spec: EncodingSpec) -> int:
+        """Rows per cached block: as many as fit in one maximal chunk."""
+        return max(1, self.config.max_chunk_bytes // spec.row_bytes)
+
+    def table(self, spec: EncodingSpec, selection: Selection) -> Table:
+        """The whole table of a (validated) selection, in one array."""
+        out = np.empty((selection.rows, spec.d_model), dtype=spec.numpy_dtype)
+        for chunk in self.chunks(spec, selection, self.block_rows(spec)):
+            out[chunk.row_offset : chunk.row_offset + len(chunk.rows)] = chunk.rows
+        return out
+
+    def chunks(self, spec: EncodingSpec, selection: Selection, chunk_rows: int) -> Iterator[Chunk]:
+        """The table of a (validated) selection as consecutive chunks of <= chunk_rows rows.
+
+        Lazy: each chunk is computed when the consumer asks for it, so a cancelled stream stops
+        computing and memory stays at a few chunks whatever the size of the selection.
+        """
+        if isinstance(selection, PositionRange):
+            yield from self._range_chunks(spec, selection, chunk_rows)
+        else:
+            for first in range(0, selection.rows, chunk_rows):
+                positions = selection.positions[first : first + chunk_rows]
+                yield Chunk(first, self._rows_for_positions(spec, positions))
+
+    def _range_chunks(
+        self, spec: EncodingSpec, selection: PositionRange, chunk_rows: int
+    ) -> Iterator[Chunk]:
+        block_rows = self.block_rows(spec)
+        position = selection.start
+        while position < selection.stop:
+            index = position // block_rows
+            block = self._block(spec, index, block_rows)
+            block_start = index * block_rows
+            block_stop = min(block_start + block_rows, selection.stop)
+            while position < block_stop:
+                end = min(position + chunk_rows, block_stop)
+                yield Chunk(
+                    position - selection.start,
+                    block[position - block_start : end - block_start],
+                )
+                position = end
+
+    def _block(self, spec: EncodingSpec, index: int, block_rows: int) -> Table:
+        def compute() -> Table:
+            self._count_rows(block_rows)
+            start = index * block_rows
+            return engine.encode_range(spec, start, start + block_rows)
+
+        return self.cache.get_or_compute((spec, index), compute)
+
+    def _rows_for_positions(self, spec: EncodingSpec, positions: npt.NDArray[np.int64]) -> Table:
+        """Rows for arbitrary positions: copied from cached blocks, computed directly otherwise.
+
+        Computing a whole block for each scattered position would multiply the work by the
+        block size, so uncached positions are computed one row each and not cached.
+        """
+        block_rows = self.block_rows(spec)
+        out = np.empty((positions.size, spec.d_model), dtype=spec.numpy_dtype)
+        block_ids = positions // block_rows
+        missing = np.ones(positions.size, dtype=bool)
+        distinct_blocks = np.unique(block_ids)
+        if distinct_blocks.size > _MAX_BLOCK_LOOKUPS:
+            # Widely scattered positions: one lookup per position would cost more than it saves.
+            distinct_blocks = distinct_blocks[:0]
+        for block_id in distinct_blocks:
+            block = self.cache.get((spec, int(block_id)))
+            if block is not None:
+                rows = np.flatnonzero(block_ids == block_id)
+                out[rows] = block[positions[rows] - int(block_id) * block_rows]
+                missing[rows] = False
+        if missing.any():
+            self._count_rows(int(missing.sum()))
+            out[missing] = engine.encode_positions(spec, positions[missing])
+        return out
+
+    def _count_rows(self, rows: int) -> None:
+        with self._counter_lock:
+            self._rows_computed += rows
+
+    # Introspection --------------------------------------------------------------------------
+
+    @property
+    def rows_computed(self) -> int:
+        """Rows computed by the engine since start (cache hits excluded)."""
+        with self._counter_lock:
+            return self._rows_computed
+
+    def cache_stats(self) -> CacheStats:
+        """The cache counters."""
+        return self.cache.stats()

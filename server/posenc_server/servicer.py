@@ -1,0 +1,227 @@
+"""The gRPC servicer: protobuf <-> domain types, and the one place errors become status codes."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+from collections.abc import Iterator
+
+import grpc
+import numpy as np
+from google.protobuf import any_pb2
+from google.rpc import code_pb2, error_details_pb2, status_pb2
+from grpc_status import rpc_status
+
+from posenc.v1 import posenc_pb2, posenc_pb2_grpc
+from posenc_server import engine
+from posenc_server.engine import EncodingSpec, Layout, Schedule
+from posenc_server.errors import (
+    FieldViolation,
+    InvalidRequestError,
+    LimitExceededError,
+    PosencServerError,
+    ShuttingDownError,
+)
+from posenc_server.service import Chunk, EncodingService, PositionList, PositionRange, Selection
+
+log = logging.getLogger("posenc_server")
+
+DTYPE_NAMES: dict[int, str] = {
+    posenc_pb2.DTYPE_UNSPECIFIED: "float32",
+    posenc_pb2.DTYPE_FLOAT32: "float32",
+    posenc_pb2.DTYPE_FLOAT16: "float16",
+    posenc_pb2.DTYPE_BFLOAT16: "bfloat16",
+    posenc_pb2.DTYPE_FLOAT64: "float64",
+}
+DTYPE_ENUMS: dict[str, posenc_pb2.Dtype.ValueType] = {
+    "float32": posenc_pb2.DTYPE_FLOAT32,
+    "float16": posenc_pb2.DTYPE_FLOAT16,
+    "bfloat16": posenc_pb2.DTYPE_BFLOAT16,
+    "float64": posenc_pb2.DTYPE_FLOAT64,
+}
+LAYOUTS: dict[int, Layout] = {
+    posenc_pb2.LAYOUT_UNSPECIFIED: Layout.INTERLEAVED,
+    posenc_pb2.LAYOUT_INTERLEAVED: Layout.INTERLEAVED,
+    posenc_pb2.LAYOUT_SPLIT: Layout.SPLIT,
+}
+SCHEDULES: dict[int, Schedule] = {
+    posenc_pb2.SCHEDULE_UNSPECIFIED: Schedule.PAPER,
+    posenc_pb2.SCHEDULE_PAPER: Schedule.PAPER,
+    posenc_pb2.SCHEDULE_TENSOR2TENSOR: Schedule.TENSOR2TENSOR,
+}
+
+
+class PositionalEncodingServicer(posenc_pb2_grpc.PositionalEncodingServiceServicer):
+    """Implements posenc.v1.PositionalEncodingService over an EncodingService."""
+
+    def __init__(self, service: EncodingService, version: str) -> None:
+        self.service = service
+        self.version = version
+        self._draining = False
+        self._in_flight = 0
+        self._idle = threading.Condition()
+
+    # Draining -------------------------------------------------------------------------------
+
+    def begin_drain(self) -> None:
+        """Refuse new encoding calls with UNAVAILABLE; calls in flight go on."""
+        with self._idle:
+            self._draining = True
+
+    def wait_idle(self, timeout: float) -> bool:
+        """Wait until no encoding call is in flight; False if ``timeout`` passed first."""
+        with self._idle:
+            return self._idle.wait_for(lambda: self._in_flight == 0, timeout)
+
+    @contextlib.contextmanager
+    def _tracked(self) -> Iterator[None]:
+        with self._idle:
+            if self._draining:
+                raise ShuttingDownError("the server is shutting down: retry on another replica")
+            self._in_flight += 1
+        try:
+            yield
+        finally:
+            with self._idle:
+                self._in_flight -= 1
+                self._idle.notify_all()
+
+    # RPCs -----------------------------------------------------------------------------------
+
+    def GetEncoding(
+        self, request: posenc_pb2.GetEncodingRequest, context: grpc.ServicerContext
+    ) -> posenc_pb2.GetEncodingResponse:
+        """Answer a small table in one message."""
+        with _status_on_error(context), self._tracked():
+            spec, selection = self._parse(request)
+            self.service.check_unary_size(spec, selection)
+            table = self.service.table(spec, selection)
+            return posenc_pb2.GetEncodingResponse(tensor=_tensor(spec, Chunk(0, table)))
+        raise AssertionError("unreachable: _status_on_error aborts")  # pragma: no cover
+
+    def StreamEncoding(
+        self, request: posenc_pb2.StreamEncodingRequest, context: grpc.ServicerContext
+    ) -> Iterator[posenc_pb2.StreamEncodingResponse]:
+        """Stream a table of any size as row-aligned chunks."""
+        with _status_on_error(context), self._tracked():
+            spec, selection = self._parse(request)
+            self.service.check_stream_size(spec, selection)
+            chunk_rows = self.service.chunk_rows(spec, request.max_chunk_bytes)
+            for chunk in self.service.chunks(spec, selection, chunk_rows):
+                yield posenc_pb2.StreamEncodingResponse(chunk=_tensor(spec, chunk))
+
+    def GetServerInfo(
+        self, request: posenc_pb2.GetServerInfoRequest, context: grpc.ServicerContext
+    ) -> posenc_pb2.GetServerInfoResponse:
+        """Describe this server."""
+        config = self.service.config
+        stats = self.service.cache_stats()
+        return posenc_pb2.GetServerInfoResponse(
+            version=self.version,
+            server_id=self.service.server_id,
+            limits=posenc_pb2.Limits(
+                **config.public_limits(),
+                max_receive_message_bytes=config.max_receive_message_bytes,
+            ),
+            dtypes=list(DTYPE_ENUMS.values()),
+            layouts=[posenc_pb2.LAYOUT_INTERLEAVED, posenc_pb2.LAYOUT_SPLIT],
+            schedules=[posenc_pb2.SCHEDULE_PAPER, posenc_pb2.SCHEDULE_TENSOR2TENSOR],
+            cache=posenc_pb2.CacheStats(
+                hits=stats.hits,
+                misses=stats.misses,
+                evictions=stats.evictions,
+                bytes=stats.bytes,
+                entries=stats.entries,
+                budget_bytes=stats.budget_bytes,
+            ),
+            rows_computed=self.service.rows_computed,
+        )
+
+    # Protobuf -> domain -----------------------------------------------------------------------
+
+    def _parse(
+        self, request: posenc_pb2.GetEncodingRequest | posenc_pb2.StreamEncodingRequest
+    ) -> tuple[EncodingSpec, Selection]:
+        violations: list[FieldViolation] = []
+        proto_spec = request.spec
+        base = proto_spec.base if proto_spec.HasField("base") else engine.DEFAULT_BASE
+        self.service.validate_spec(proto_spec.d_model, base, violations)
+        dtype = DTYPE_NAMES.get(proto_spec.dtype)
+        layout = LAYOUTS.get(proto_spec.layout)
+        schedule = SCHEDULES.get(proto_spec.schedule)
+        for name, value, parsed, known in (
+            ("dtype", proto_spec.dtype, dtype, DTYPE_NAMES),
+            ("layout", proto_spec.layout, layout, LAYOUTS),
+            ("schedule", proto_spec.schedule, schedule, SCHEDULES),
+        ):
+            if parsed is None:
+                violations.append(
+                    FieldViolation(f"spec.{name}", f"unknown value {value}; known: {sorted(known)}")
+                )
+        selection: Selection | None = None
+        which = request.WhichOneof("selection")
+        if which == "range":
+            selection = PositionRange(request.range.start, request.range.stop)
+        elif which == "positions":
+            selection = PositionList(np.array(request.positions.positions, dtype=np.int64))
+        else:
+            violations.append(FieldViolation("selection", "set either range or positions"))
+        if selection is not None:
+            self.service.validate_selection(selection, violations)
+        self.service.raise_if_invalid(violations)
+        assert dtype is not None and layout is not None and schedule is not None
+        assert selection is not None
+        spec = EncodingSpec(
+            d_model=proto_spec.d_model, base=base, dtype=dtype, layout=layout, schedule=schedule
+        )
+        return spec, selection
+
+
+def _tensor(spec: EncodingSpec, chunk: Chunk) -> posenc_pb2.Tensor:
+    rows = chunk.rows
+    return posenc_pb2.Tensor(
+        dtype=DTYPE_ENUMS[spec.dtype],
+        row_offset=chunk.row_offset,
+        rows=rows.shape[0],
+        columns=spec.d_model,
+        data=rows.tobytes(),
+    )
+
+
+@contextlib.contextmanager
+def _status_on_error(context: grpc.ServicerContext) -> Iterator[None]:
+    """Turn domain errors into their status codes; anything else is a bug: INTERNAL."""
+    try:
+        yield
+    except InvalidRequestError as error:
+        context.abort_with_status(_bad_request_status(error))
+    except LimitExceededError as error:
+        context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(error))
+    except ShuttingDownError as error:
+        context.abort(grpc.StatusCode.UNAVAILABLE, str(error))
+    except PosencServerError as error:  # pragma: no cover - every subclass is mapped above
+        context.abort(grpc.StatusCode.INTERNAL, str(error))
+    except Exception:
+        if not context.is_active():
+            # The client went away (cancelled or deadline): nothing to answer.
+            return
+        log.exception("unexpected error while serving a request")
+        context.abort(grpc.StatusCode.INTERNAL, "internal error; see the server log")
+
+
+def _bad_request_status(error: InvalidRequestError) -> grpc.Status:
+    details = any_pb2.Any()
+    details.Pack(
+        error_details_pb2.BadRequest(
+            field_violations=[
+                error_details_pb2.BadRequest.FieldViolation(
+                    field=violation.field, description=violation.description
+                )
+                for violation in error.violations
+            ]
+        )
+    )
+    return rpc_status.to_status(
+        status_pb2.Status(code=code_pb2.INVALID_ARGUMENT, message=str(error), details=[details])
+    )

@@ -1,0 +1,129 @@
+"""Shared fixtures: real servers on ephemeral loopback ports, in-process or as subprocesses."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO
+
+import grpc
+import pytest
+
+from posenc.v1 import posenc_pb2_grpc
+from posenc_server.app import RunningServer, start_server
+from posenc_server.config import ServerConfig
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def free_port() -> int:
+    """A loopback port that was free a moment ago."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@pytest.fixture
+def server_factory() -> Iterator[Callable[..., RunningServer]]:
+    """Start in-process servers with config overrides; all are stopped at teardown."""
+    started: list[RunningServer] = []
+
+    def start(**overrides: object) -> RunningServer:
+        config = ServerConfig(**{"port": 0, "grace_seconds": 1.0, **overrides})  # type: ignore[arg-type]
+        running = start_server(config)
+        started.append(running)
+        return running
+
+    yield start
+    for running in started:
+        running.server.stop(0).wait()
+
+
+@pytest.fixture
+def server(server_factory: Callable[..., RunningServer]) -> RunningServer:
+    """A server with the default limits on an ephemeral loopback port."""
+    return server_factory()
+
+
+@pytest.fixture
+def stub(server: RunningServer) -> Iterator[posenc_pb2_grpc.PositionalEncodingServiceStub]:
+    """A raw generated stub on ``server``, for protocol-level tests."""
+    with grpc.insecure_channel(
+        server.target, options=[("grpc.max_send_message_length", 64 << 20)]
+    ) as channel:
+        yield posenc_pb2_grpc.PositionalEncodingServiceStub(channel)
+
+
+@dataclass
+class ServerProcess:
+    """A ``python -m posenc_server`` subprocess."""
+
+    process: subprocess.Popen[str]
+    port: int
+    log_lines: list[str]
+
+    @property
+    def target(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def kill(self) -> None:
+        """SIGKILL: no drain, no goodbye."""
+        self.process.kill()
+        self.process.wait(10)
+
+    def terminate(self) -> None:
+        """SIGTERM: graceful drain."""
+        self.process.send_signal(signal.SIGTERM)
+
+    def logs(self) -> list[dict[str, object]]:
+        """The structured log lines written so far."""
+        return [json.loads(line) for line in list(self.log_lines) if line.startswith("{")]
+
+
+def _collect(stream: IO[str], lines: list[str]) -> None:
+    for line in stream:
+        lines.append(line)
+
+
+@pytest.fixture
+def spawn_server() -> Iterator[Callable[..., ServerProcess]]:
+    """Start ``python -m posenc_server`` subprocesses; returns once each one serves."""
+    processes: list[ServerProcess] = []
+
+    def spawn(port: int = 0, *args: str, env: dict[str, str] | None = None) -> ServerProcess:
+        port = port or free_port()
+        process = subprocess.Popen(
+            [sys.executable, "-m", "posenc_server", "--port", str(port), *args],
+            stderr=subprocess.PIPE,
+            stdout=subprocess.DEVNULL,
+            text=True,
+            env={**os.environ, **(env or {})},
+        )
+        lines: list[str] = []
+        assert process.stderr is not None
+        threading.Thread(target=_collect, args=(process.stderr, lines), daemon=True).start()
+        handle = ServerProcess(process, port, lines)
+        processes.append(handle)
+        deadline = time.monotonic() + 30
+        while not any('"listening"' in line for line in lines):
+            if process.poll() is not None:
+                raise RuntimeError(f"server exited with {process.returncode}: {''.join(lines)}")
+            if time.monotonic() > deadline:
+                raise TimeoutError("server did not start within 30 s")
+            time.sleep(0.05)
+        return handle
+
+    yield spawn
+    for handle in processes:
+        if handle.process.poll() is None:
+            handle.process.kill()
+            handle.process.wait(10)
