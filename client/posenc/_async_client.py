@@ -1,0 +1,246 @@
+"""The asyncio client: :class:`posenc.Client`'s methods, awaitable. As there, only the I/O
+is here; the protocol logic is shared in :mod:`posenc._protocol`."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
+from types import TracebackType
+from typing import Any, TypeVar
+
+import grpc
+import grpc.aio
+import numpy.typing as npt
+from grpc_health.v1 import health_pb2_grpc
+
+from posenc import _protocol as proto
+from posenc._protocol import DEFAULT, CallBudget, DTypeArg, Query, ServerInfo, StreamCursor, Timeout
+from posenc.errors import ResourceExhaustedError
+from posenc.v1 import posenc_pb2 as pb
+from posenc.v1 import posenc_pb2_grpc as pb_grpc
+
+__all__ = ["AsyncClient"]
+
+_Request = TypeVar("_Request")
+_Response = TypeVar("_Response")
+
+
+class AsyncClient:
+    """asyncio client of a posenc server (or several, balanced round robin).
+
+    Same constructor arguments, methods and behaviour as :class:`posenc.Client`, with
+    ``await`` (and ``async for`` over :meth:`iter_range` / :meth:`iter_positions`). Create
+    it inside the event loop that uses it::
+
+        async with posenc.AsyncClient("127.0.0.1:50051") as client:
+            table = await client.get_range(0, 8192, 512)
+            async for first, rows in client.iter_range(0, 10**7, 512, timeout=None):
+                ...
+
+    Cancelling the awaiting task cancels the call (``asyncio.CancelledError`` propagates).
+    """
+
+    def __init__(
+        self,
+        target: str | Sequence[str] = proto.DEFAULT_TARGET,
+        *,
+        timeout: float | None = proto.DEFAULT_TIMEOUT,
+        max_retries: int = proto.DEFAULT_MAX_RETRIES,
+        retry_backoff: float = proto.DEFAULT_RETRY_BACKOFF,
+        chunk_bytes: int | None = None,
+        unary_max_bytes: int = proto.DEFAULT_UNARY_MAX_BYTES,
+        credentials: grpc.ChannelCredentials | None = None,
+        options: Iterable[tuple[str, Any]] | None = None,
+    ) -> None:
+        self._settings = proto.Settings.create(
+            target,
+            timeout=timeout,
+            max_retries=max_retries,
+            retry_backoff=retry_backoff,
+            chunk_bytes=chunk_bytes,
+            unary_max_bytes=unary_max_bytes,
+            options=options,
+            user_agent=proto.user_agent(),
+        )
+        target_uri, channel_options = self._settings.target, self._settings.options
+        if credentials is None:
+            self._channel = grpc.aio.insecure_channel(target_uri, channel_options)
+        else:
+            self._channel = grpc.aio.secure_channel(target_uri, credentials, channel_options)
+        self._stub = pb_grpc.PositionalEncodingServiceStub(self._channel)
+        self._health = health_pb2_grpc.HealthStub(self._channel)
+
+    @property
+    def target(self) -> str:
+        """The gRPC target the channel connects to."""
+        return self._settings.target
+
+    def __repr__(self) -> str:
+        return f"AsyncClient({self._settings.target!r})"
+
+    async def __aenter__(self) -> AsyncClient:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        """Closes the channel; calls in flight are cancelled."""
+        await self._channel.close(None)
+
+    # -- tables ---------------------------------------------------------------------------
+
+    async def get_range(
+        self,
+        start: int,
+        stop: int,
+        d_model: int,
+        *,
+        base: float = 10000.0,
+        dtype: DTypeArg = "float32",
+        layout: str = "interleaved",
+        schedule: str = "paper",
+        timeout: Timeout = DEFAULT,
+    ) -> npt.NDArray[Any]:
+        """Returns the rows of positions ``[start, stop)``; see :meth:`Client.get_range`."""
+        query = proto.range_query(
+            start, stop, d_model, base=base, dtype=dtype, layout=layout, schedule=schedule
+        )
+        return await self._fetch(query, timeout)
+
+    async def get_positions(
+        self,
+        positions: npt.ArrayLike,
+        d_model: int,
+        *,
+        base: float = 10000.0,
+        dtype: DTypeArg = "float32",
+        layout: str = "interleaved",
+        schedule: str = "paper",
+        timeout: Timeout = DEFAULT,
+    ) -> npt.NDArray[Any]:
+        """Returns the rows of arbitrary ``positions``; see :meth:`Client.get_positions`."""
+        query = proto.positions_query(
+            positions, d_model, base=base, dtype=dtype, layout=layout, schedule=schedule
+        )
+        return await self._fetch(query, timeout)
+
+    def iter_range(
+        self,
+        start: int,
+        stop: int,
+        d_model: int,
+        *,
+        base: float = 10000.0,
+        dtype: DTypeArg = "float32",
+        layout: str = "interleaved",
+        schedule: str = "paper",
+        chunk_bytes: int | None = None,
+        timeout: Timeout = DEFAULT,
+    ) -> AsyncIterator[tuple[int, npt.NDArray[Any]]]:
+        """``async for first_position, rows in ...``; see :meth:`Client.iter_range`.
+
+        Arguments are checked when this is called, not at the first iteration.
+        """
+        query = proto.range_query(
+            start, stop, d_model, base=base, dtype=dtype, layout=layout, schedule=schedule
+        )
+        return self._stream(self._settings.cursor(query, chunk_bytes), self._budget(timeout))
+
+    def iter_positions(
+        self,
+        positions: npt.ArrayLike,
+        d_model: int,
+        *,
+        base: float = 10000.0,
+        dtype: DTypeArg = "float32",
+        layout: str = "interleaved",
+        schedule: str = "paper",
+        chunk_bytes: int | None = None,
+        timeout: Timeout = DEFAULT,
+    ) -> AsyncIterator[tuple[int, npt.NDArray[Any]]]:
+        """``async for first_index, rows in ...``; see :meth:`Client.iter_positions`."""
+        query = proto.positions_query(
+            positions, d_model, base=base, dtype=dtype, layout=layout, schedule=schedule
+        )
+        return self._stream(self._settings.cursor(query, chunk_bytes), self._budget(timeout))
+
+    # -- service --------------------------------------------------------------------------
+
+    async def server_info(self, *, timeout: Timeout = DEFAULT) -> ServerInfo:
+        """Describes the server that answers; see :meth:`Client.server_info`."""
+        response = await self._call(
+            self._stub.GetServerInfo, pb.GetServerInfoRequest(), self._budget(timeout)
+        )
+        return proto.server_info_from_proto(response)
+
+    async def health(self, service: str = "", *, timeout: Timeout = DEFAULT) -> str:
+        """The ``grpc.health.v1`` status of ``service``; see :meth:`Client.health`."""
+        budget = self._budget(timeout, retry=False)
+        try:
+            response = await self._health.Check(
+                proto.health_request(service), timeout=budget.attempt_timeout()
+            )
+        except grpc.RpcError as error:
+            return proto.health_status_from_error(error)
+        return proto.health_status(response)
+
+    # -- I/O ------------------------------------------------------------------------------
+
+    def _budget(self, timeout: Timeout, *, retry: bool = True) -> CallBudget:
+        return self._settings.budget(timeout, retry=retry)
+
+    async def _fetch(self, query: Query, timeout: Timeout) -> npt.NDArray[Any]:
+        budget = self._budget(timeout)
+        if not proto.use_stream(query, self._settings.unary_max_bytes):
+            try:
+                response = await self._call(self._stub.GetEncoding, query.unary_request(), budget)
+                return proto.decode_unary(response, query)
+            except ResourceExhaustedError:
+                pass  # the server's unary limit is below ours: stream instead
+        out = query.empty()
+        cursor = StreamCursor(query, self._settings.chunk_bytes, out)
+        async for _ in self._stream(cursor, budget):
+            pass  # the cursor copies every chunk into `out`
+        return out
+
+    async def _call(
+        self,
+        method: Callable[..., Awaitable[_Response]],
+        request: _Request,
+        budget: CallBudget,
+    ) -> _Response:
+        """One unary call, retried on UNAVAILABLE within the budget."""
+        while True:
+            try:
+                return await method(request, timeout=budget.attempt_timeout())
+            except grpc.RpcError as error:
+                delay = budget.on_error(error)
+            await asyncio.sleep(delay)
+
+    async def _stream(
+        self, cursor: StreamCursor, budget: CallBudget
+    ) -> AsyncIterator[tuple[int, npt.NDArray[Any]]]:
+        """Yields the cursor's chunks; an interrupted call resumes with the missing rows."""
+        while True:
+            call = self._stub.StreamEncoding(cursor.request(), timeout=budget.attempt_timeout())
+            try:
+                async for response in call:
+                    yield cursor.accept(response)
+                    budget.progress()
+                cursor.check_complete()
+                return
+            except grpc.RpcError as error:
+                if cursor.done:
+                    return  # the failure came after the last row: nothing is missing
+                delay = budget.on_error(error)
+            finally:
+                # A no-op when the call finished; frees the server's stream when the
+                # caller abandoned the iterator or a chunk failed validation.
+                call.cancel()
+            await asyncio.sleep(delay)
