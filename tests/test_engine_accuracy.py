@@ -1,0 +1,105 @@
+"""The accuracy contract (PRODUCT section 3) against mpmath at 50 digits, extremes included."""
+
+from __future__ import annotations
+
+import itertools
+
+import mpmath
+import numpy as np
+import pytest
+from reference import exact, within_contract
+
+from posenc_server import engine
+from posenc_server.engine import EncodingSpec, Layout, Schedule
+
+POSITIONS = [0, 1, 2**31 - 1, 2**40 + 7, 2**42, -(2**42)]
+D_MODELS = [1, 2, 3, 64, 4096, 65536]
+BASES = [2.0, 100.0, 10000.0, 500000.0, 1e9]
+VARIANTS = list(itertools.product(Layout, Schedule))
+
+
+def sample_points(seed: int) -> list[tuple[float, int, Layout, Schedule, list[int], list[int]]]:
+    """(base, d_model, layout, schedule, positions, columns) covering every required extreme."""
+    rng = np.random.default_rng(seed)
+    cases = []
+    for n, (base, d_model) in enumerate(itertools.product(BASES, D_MODELS)):
+        layout, schedule = VARIANTS[n % len(VARIANTS)]
+        # Log-uniform magnitudes reach every scale from 1 to 2**42, both signs.
+        magnitudes = np.exp2(rng.uniform(0, 42, size=10)).astype(np.int64)
+        signs = rng.choice([-1, 1], size=10)
+        positions = POSITIONS + [int(m * s) for m, s in zip(magnitudes, signs, strict=True)]
+        columns = {0, d_model - 1, min(1, d_model - 1), max(d_model - 2, 0)}
+        columns.update(int(c) for c in rng.integers(0, d_model, size=5))
+        cases.append((base, d_model, layout, schedule, positions, sorted(columns)))
+    return cases
+
+
+@pytest.mark.parametrize("dtype", list(engine.DTYPES))
+def test_every_sampled_element_meets_the_contract(dtype: str) -> None:
+    checked = 0
+    failures = []
+    for base, d_model, layout, schedule, positions, columns in sample_points(seed=len(dtype)):
+        spec = EncodingSpec(d_model, base, dtype, layout, schedule)
+        table = engine.encode_positions(spec, positions)
+        for row, position in enumerate(positions):
+            for column in columns:
+                value = table[row, column]
+                reference = exact(base, d_model, layout, schedule, position, column)
+                checked += 1
+                if not within_contract(value, reference):
+                    failures.append((base, d_model, layout, schedule, position, column, value))
+    assert checked >= 2000
+    assert not failures, failures[:10]
+
+
+def test_contract_check_rejects_a_two_ulp_error() -> None:
+    # The checker itself must be able to fail: one float32 ulp off passes, two do not.
+    reference = mpmath.sin(mpmath.mpf(10**6))
+    correct = np.float32(float(reference))
+    one_off = np.nextafter(correct, np.float32(2))
+    two_off = np.nextafter(one_off, np.float32(2))
+    assert within_contract(correct, reference)
+    assert within_contract(one_off, reference) or within_contract(
+        np.nextafter(correct, np.float32(-2)), reference
+    )
+    assert not within_contract(two_off, reference)
+    assert not within_contract(np.float64(float(reference) + 2**-48), reference)
+
+
+def test_naive_float32_fails_where_the_engine_passes() -> None:
+    # The bug the service exists to avoid: the usual position * div_term in float32.
+    position, d_model = 10**6, 64
+    div_term = np.exp(
+        np.arange(0, d_model, 2, dtype=np.float32) * np.float32(-np.log(1e4) / d_model)
+    )
+    naive = np.sin(np.float32(position) * div_term)
+    spec = EncodingSpec(d_model)
+    ours = engine.encode_positions(spec, [position])[0, 0::2]
+    references = [
+        exact(10000.0, d_model, Layout.INTERLEAVED, Schedule.PAPER, position, 2 * i)
+        for i in range(d_model // 2)
+    ]
+    naive_error = max(abs(float(n) - float(r)) for n, r in zip(naive, references, strict=True))
+    assert naive_error > 0.01
+    assert all(within_contract(v, r) for v, r in zip(ours, references, strict=True))
+
+
+def test_two_pi_constant_matches_mpmath() -> None:
+    with mpmath.workdps(80):
+        assert abs(mpmath.mpf(str(engine._TWO_PI)) - 2 * mpmath.pi) < mpmath.mpf(10) ** -58
+        pair = mpmath.mpf(engine._TWO_PI_HI) + mpmath.mpf(engine._TWO_PI_LO)
+        assert abs(pair - 2 * mpmath.pi) < mpmath.mpf(2) ** -104
+
+
+def test_frequency_table_matches_mpmath_to_double_double_precision() -> None:
+    for schedule in Schedule:
+        spec = EncodingSpec(65536, 500000.0, schedule=schedule)
+        hi, lo = engine.inverse_frequencies_in_turns(spec)
+        for i in (0, 1, 777, len(hi) - 1):
+            value = mpmath.mpf(float(hi[i])) + mpmath.mpf(float(lo[i]))
+            reference = mpmath.mpf(500000.0) ** (
+                -mpmath.mpf(2 * i) / 65536
+                if schedule is Schedule.PAPER
+                else -mpmath.mpf(i) / (32768 - 1)
+            ) / (2 * mpmath.pi)
+            assert abs(value / reference - 1) < mpmath.mpf(2) ** -100
