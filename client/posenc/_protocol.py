@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import ipaddress
+import logging
 import math
 import operator
 import random
@@ -37,6 +38,8 @@ from posenc.errors import (
     error_class_for_code,
 )
 from posenc.v1 import posenc_pb2 as pb
+
+log = logging.getLogger("posenc")
 
 # --------------------------------------------------------------------------------------
 # Defaults
@@ -549,6 +552,13 @@ class CallBudget:
                 f"deadline of {self.timeout} s exceeded while retrying: {mapped}"
             ) from error
         self._failures += 1
+        log.info(
+            "retrying in %.2f s (retry %d of %d): %s",
+            delay,
+            self._failures,
+            self._max_retries,
+            mapped,
+        )
         return delay
 
 
