@@ -1,0 +1,179 @@
+"""Bad input: the documented status code, a message naming the field, and the server lives on."""
+
+from __future__ import annotations
+
+import grpc
+import numpy as np
+import pytest
+from google.rpc import error_details_pb2
+from grpc_status import rpc_status
+
+from posenc.v1 import posenc_pb2 as pb
+from posenc.v1 import posenc_pb2_grpc
+from posenc_server.app import RunningServer
+
+LIMIT = 2**42
+GET = "/posenc.v1.PositionalEncodingService/GetEncoding"
+
+
+def request(
+    d_model: int = 8, start: int = 0, stop: int = 4, **spec: object
+) -> pb.GetEncodingRequest:
+    return pb.GetEncodingRequest(
+        spec=pb.EncodingSpec(d_model=d_model, **spec),  # type: ignore[arg-type]
+        range=pb.PositionRange(start=start, stop=stop),
+    )
+
+
+def field_violations(error: grpc.RpcError) -> list[str]:
+    status = rpc_status.from_call(error)  # type: ignore[arg-type]
+    assert status is not None, "INVALID_ARGUMENT without google.rpc.Status details"
+    fields = []
+    for detail in status.details:
+        bad_request = error_details_pb2.BadRequest()
+        assert detail.Unpack(bad_request)
+        fields += [violation.field for violation in bad_request.field_violations]
+    return fields
+
+
+def assert_still_serves(stub: posenc_pb2_grpc.PositionalEncodingServiceStub) -> None:
+    response = stub.GetEncoding(request(d_model=4, start=0, stop=2))
+    table = np.frombuffer(response.tensor.data, "<f4").reshape(2, 4)
+    np.testing.assert_allclose(table[1], [np.sin(1), np.cos(1), np.sin(0.01), np.cos(0.01)], 1e-6)
+
+
+INVALID_UNARY = {
+    "d_model 0": (request(d_model=0), "spec.d_model"),
+    "d_model 10**9": (request(d_model=10**9), "spec.d_model"),
+    "base 1": (request(base=1.0), "spec.base"),
+    "base 0.5": (request(base=0.5), "spec.base"),
+    "base NaN": (request(base=float("nan")), "spec.base"),
+    "base inf": (request(base=float("inf")), "spec.base"),
+    "base -inf": (request(base=float("-inf")), "spec.base"),
+    "base 0 explicitly": (request(base=0.0), "spec.base"),
+    "start > stop": (request(start=10, stop=5), "range.stop"),
+    "start over the limit": (request(start=LIMIT + 1, stop=LIMIT + 2), "range.start"),
+    "stop past the limit": (request(start=LIMIT, stop=LIMIT + 2), "range.stop"),
+    "start under -limit": (request(start=-LIMIT - 1, stop=0), "range.start"),
+    "unknown dtype": (request(dtype=7), "spec.dtype"),
+    "unknown layout": (request(layout=9), "spec.layout"),
+    "unknown schedule": (request(schedule=5), "spec.schedule"),
+    "position over the limit": (
+        pb.GetEncodingRequest(
+            spec=pb.EncodingSpec(d_model=8), positions=pb.PositionList(positions=[1, -(2**43)])
+        ),
+        "positions.positions[1]",
+    ),
+    "empty position list": (
+        pb.GetEncodingRequest(spec=pb.EncodingSpec(d_model=8), positions=pb.PositionList()),
+        "positions.positions",
+    ),
+    "no selection": (pb.GetEncodingRequest(spec=pb.EncodingSpec(d_model=8)), "selection"),
+}
+
+
+@pytest.mark.parametrize("case", list(INVALID_UNARY))
+def test_invalid_argument_names_the_field(
+    case: str, stub: posenc_pb2_grpc.PositionalEncodingServiceStub
+) -> None:
+    message, field = INVALID_UNARY[case]
+    with pytest.raises(grpc.RpcError) as raised:
+        stub.GetEncoding(message)
+    assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert field in raised.value.details()
+    assert field in field_violations(raised.value)
+    assert_still_serves(stub)
+
+
+def test_invalid_stream_requests_fail_the_same_way(
+    stub: posenc_pb2_grpc.PositionalEncodingServiceStub,
+) -> None:
+    for message, field in INVALID_UNARY.values():
+        streamed = pb.StreamEncodingRequest()
+        streamed.spec.CopyFrom(message.spec)
+        which = message.WhichOneof("selection")
+        if which == "range":
+            streamed.range.CopyFrom(message.range)
+        elif which == "positions":
+            streamed.positions.CopyFrom(message.positions)
+        with pytest.raises(grpc.RpcError) as raised:
+            list(stub.StreamEncoding(streamed))
+        assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert field in field_violations(raised.value)
+    assert_still_serves(stub)
+
+
+def test_negative_d_model_on_the_wire_is_refused(server: RunningServer) -> None:
+    # uint32 cannot hold -1, but a client can still send its 10-byte varint.
+    spec = b"\x08" + b"\xff" * 9 + b"\x01"
+    selection = pb.PositionRange(start=0, stop=1).SerializeToString()
+    raw = b"\x0a" + bytes([len(spec)]) + spec + b"\x12" + bytes([len(selection)]) + selection
+    with grpc.insecure_channel(server.target) as channel:
+        call = channel.unary_unary(GET)
+        with pytest.raises(grpc.RpcError) as raised:
+            call(raw)
+        assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "spec.d_model" in raised.value.details()
+        assert_still_serves(posenc_pb2_grpc.PositionalEncodingServiceStub(channel))
+
+
+def test_oversized_position_list_is_refused(
+    stub: posenc_pb2_grpc.PositionalEncodingServiceStub,
+) -> None:
+    positions = pb.PositionList(positions=range(1_048_577))
+    with pytest.raises(grpc.RpcError) as raised:
+        stub.GetEncoding(
+            pb.GetEncodingRequest(spec=pb.EncodingSpec(d_model=1), positions=positions)
+        )
+    assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "positions.positions" in field_violations(raised.value)
+    assert "1048576" in raised.value.details()
+    assert_still_serves(stub)
+
+
+def test_largest_position_list_is_received(
+    stub: posenc_pb2_grpc.PositionalEncodingServiceStub,
+) -> None:
+    # 2**20 negative positions take 10 bytes each on the wire: the receive limit must fit them.
+    positions = pb.PositionList(positions=range(-(2**20), 0))
+    chunks = stub.StreamEncoding(
+        pb.StreamEncodingRequest(spec=pb.EncodingSpec(d_model=1), positions=positions)
+    )
+    assert sum(chunk.chunk.rows for chunk in chunks) == 2**20
+
+
+def test_unary_result_over_its_limit_says_to_stream(
+    stub: posenc_pb2_grpc.PositionalEncodingServiceStub,
+) -> None:
+    with pytest.raises(grpc.RpcError) as raised:
+        stub.GetEncoding(request(d_model=1024, start=0, stop=1025))
+    assert raised.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "StreamEncoding" in raised.value.details()
+    assert "unary limit" in raised.value.details()
+    assert_still_serves(stub)
+
+
+def test_stream_over_its_limit_is_refused_before_computing(
+    stub: posenc_pb2_grpc.PositionalEncodingServiceStub,
+) -> None:
+    huge = pb.StreamEncodingRequest(
+        spec=pb.EncodingSpec(d_model=4096), range=pb.PositionRange(start=0, stop=2**20 + 1)
+    )
+    with pytest.raises(grpc.RpcError) as raised:
+        next(iter(stub.StreamEncoding(huge)))
+    assert raised.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "stream limit" in raised.value.details()
+    assert_still_serves(stub)
+
+
+def test_chunk_smaller_than_a_row_is_refused(
+    stub: posenc_pb2_grpc.PositionalEncodingServiceStub,
+) -> None:
+    message = pb.StreamEncodingRequest(
+        spec=pb.EncodingSpec(d_model=1024), range=pb.PositionRange(start=0, stop=10)
+    )
+    message.max_chunk_bytes = 4095
+    with pytest.raises(grpc.RpcError) as raised:
+        list(stub.StreamEncoding(message))
+    assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "max_chunk_bytes" in field_violations(raised.value)
