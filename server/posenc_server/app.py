@@ -158,7 +158,10 @@ def run(argv: Sequence[str] | None = None) -> int:
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
-    stop.wait()
+    # Any thread may receive the signal, and then a blocked main thread is not woken: poll, so
+    # that the Python handler (which only runs on the main thread) runs within a moment.
+    while not stop.wait(0.2):
+        pass
     log.info("draining", extra={"fields": {"signal": received[0], "grace": config.grace_seconds}})
     drained = running.shutdown()
     log.info("stopped", extra={"fields": {"drained": drained}})
