@@ -324,7 +324,7 @@ def test_round_robin_over_two_servers(server_factory: Callable[..., RunningServe
     targets = [first.target, f"localhost:{second.port}"]
     with posenc.Client(targets) as client:
         assert client.target == f"ipv4:127.0.0.1:{first.port},127.0.0.1:{second.port}"
-        for i in range(12):
+        for i in range(40):
             client.get_range(i * 10_000, i * 10_000 + 10, 8)
         server_ids = {client.server_info().server_id for _ in range(6)}
     for server in (first, second):

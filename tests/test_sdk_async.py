@@ -1,0 +1,177 @@
+"""The asyncio SDK against real servers on loopback: the same behaviour as the blocking one."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Callable, Coroutine
+from typing import Any, TypeVar
+
+import grpc
+import ml_dtypes
+import numpy as np
+import pytest
+from conftest import ServerProcess, free_port
+
+import posenc
+from posenc_server.app import RunningServer
+
+T = TypeVar("T")
+
+
+def run(
+    coroutine_function: Callable[[posenc.AsyncClient], Coroutine[Any, Any, T]],
+    target: str,
+    **options: Any,
+) -> T:
+    """Runs ``coroutine_function(client)`` in a fresh event loop with a fresh AsyncClient."""
+
+    async def main() -> T:
+        async with posenc.AsyncClient(target, **options) as client:
+            return await coroutine_function(client)
+
+    return asyncio.run(main())
+
+
+def same_bits(a: np.ndarray[Any, Any], b: np.ndarray[Any, Any]) -> bool:
+    return (
+        a.shape == b.shape
+        and a.dtype == b.dtype
+        and bool(np.array_equal(a.view(f"u{a.itemsize}"), b.view(f"u{b.itemsize}")))
+    )
+
+
+def test_same_results_as_the_blocking_client(server: RunningServer) -> None:
+    positions = [5, -9, 1 << 41, 5]
+
+    async def fetch(client: posenc.AsyncClient) -> list[np.ndarray[Any, Any]]:
+        return [
+            await client.get_range(0, 300, 24, dtype="float16", layout="split"),
+            await client.get_range(0, 8192, 256),  # 8 MiB: streamed
+            await client.get_positions(positions, 24, schedule="tensor2tensor"),
+        ]
+
+    got = run(fetch, server.target)
+    with posenc.Client(server.target) as client:
+        expected = [
+            client.get_range(0, 300, 24, dtype="float16", layout="split"),
+            client.get_range(0, 8192, 256),
+            client.get_positions(positions, 24, schedule="tensor2tensor"),
+        ]
+    for a, b in zip(got, expected, strict=True):
+        assert same_bits(a, b)
+
+
+def test_unary_and_streaming_identical(server: RunningServer) -> None:
+    async def fetch(client: posenc.AsyncClient) -> np.ndarray[Any, Any]:
+        return await client.get_range(-50, 2000, 40, dtype="bfloat16")
+
+    unary = run(fetch, server.target)
+    streamed = run(fetch, server.target, unary_max_bytes=0, chunk_bytes=1000)
+    assert unary.dtype == np.dtype(ml_dtypes.bfloat16)
+    assert same_bits(unary, streamed)
+
+
+def test_iterators(server: RunningServer) -> None:
+    positions = np.arange(500) * 7
+
+    async def iterate(client: posenc.AsyncClient) -> tuple[list[int], list[int]]:
+        range_labels, list_labels = [], []
+        async for first, rows in client.iter_range(10, 510, 16, chunk_bytes=640):
+            assert rows.shape[1] == 16 and rows.nbytes <= 640
+            range_labels.append(first)
+        async for first, rows in client.iter_positions(positions, 16, chunk_bytes=640):
+            assert same_bits(
+                rows, await client.get_positions(positions[first : first + len(rows)], 16)
+            )
+            list_labels.append(first)
+        return range_labels, list_labels
+
+    range_labels, list_labels = run(iterate, server.target)
+    assert range_labels == list(range(10, 510, 10))
+    assert list_labels == list(range(0, 500, 10))
+
+
+def test_server_info_and_health(server: RunningServer) -> None:
+    async def ask(client: posenc.AsyncClient) -> tuple[posenc.ServerInfo, str, str]:
+        await client.get_range(0, 3, 3)
+        return await client.server_info(), await client.health(), await client.health("x.Y")
+
+    info, health, unknown = run(ask, server.target)
+    assert info.rows_computed > 0 and set(info.dtypes) == set(posenc.DTYPE_NAMES)
+    assert (health, unknown) == ("SERVING", "SERVICE_UNKNOWN")
+
+
+def test_invalid_argument_with_field_violations(server: RunningServer) -> None:
+    async def bad(client: posenc.AsyncClient) -> None:
+        await client.get_positions([1, -(1 << 45)], 8, base=float("nan"))
+
+    with pytest.raises(posenc.InvalidArgumentError) as caught:
+        run(bad, server.target)
+    fields = [field for field, _ in caught.value.field_violations]
+    assert "spec.base" in fields
+    assert any(field.startswith("positions") for field in fields)
+
+
+def test_timeout_raises_deadline_exceeded(server: RunningServer) -> None:
+    async def slow(client: posenc.AsyncClient) -> None:
+        await client.get_range(0, 1 << 20, 256, timeout=1e-4)
+
+    with pytest.raises(posenc.DeadlineExceededError) as caught:
+        run(slow, server.target)
+    assert isinstance(caught.value, TimeoutError)
+    assert caught.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
+
+
+def test_unavailable_after_retries() -> None:
+    async def call(client: posenc.AsyncClient) -> None:
+        await client.server_info()
+
+    with pytest.raises(posenc.UnavailableError):
+        run(call, f"127.0.0.1:{free_port()}", max_retries=1, retry_backoff=0.01)
+
+
+@pytest.mark.timeout(60)
+def test_retry_waits_for_a_server_that_is_starting(
+    spawn_server: Callable[..., ServerProcess],
+) -> None:
+    port = free_port()
+    starter = threading.Thread(target=spawn_server, args=(port,))
+
+    async def call(client: posenc.AsyncClient) -> np.ndarray[Any, Any]:
+        starter.start()  # only once the client exists: its first attempts fail
+        return await client.get_range(0, 10, 8)
+
+    try:
+        assert run(call, f"127.0.0.1:{port}").shape == (10, 8)
+    finally:
+        starter.join()
+
+
+def test_round_robin_over_two_servers(server_factory: Callable[..., RunningServer]) -> None:
+    servers = [server_factory(), server_factory()]
+
+    async def spread(client: posenc.AsyncClient) -> None:
+        # One after the other: a burst sent while the channel connects all goes to the
+        # first backend that is ready, which is gRPC's round_robin behaviour.
+        for i in range(40):
+            await client.get_range(i * 5000, i * 5000 + 5, 8)
+
+    run(spread, [s.target for s in servers])
+    for s in servers:
+        with posenc.Client(s.target) as client:
+            assert client.server_info().rows_computed > 0
+
+
+def test_cancelling_the_task_cancels_the_call(server: RunningServer) -> None:
+    async def cancel(client: posenc.AsyncClient) -> bool:
+        task = asyncio.ensure_future(client.get_range(0, 1 << 20, 256, timeout=None))
+        await asyncio.sleep(0.05)
+        task.cancel()
+        try:
+            await task
+        except asyncio.CancelledError:
+            return (await client.get_range(0, 2, 2)).shape == (2, 2)
+        return False
+
+    assert run(cancel, server.target)
