@@ -1,0 +1,186 @@
+"""The ``posenc`` command line, against real servers on loopback."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+import pytest
+from conftest import free_port
+
+import posenc
+from posenc.cli import main
+from posenc_server.app import RunningServer
+
+BIN = Path(sys.executable).parent
+
+
+def test_fetch_writes_npy_equal_to_get_range(
+    server: RunningServer, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "table.npy"
+    argv = ["fetch", "-100", "20000", "--d-model", "128", "-o", str(out)]
+    assert main([*argv, "--target", server.target, "--chunk-bytes", "50000"]) == 0
+    with posenc.Client(server.target) as client:
+        expected = client.get_range(-100, 20000, 128)
+    table = np.load(out)
+    assert table.dtype == np.float32
+    assert np.array_equal(table, expected)
+    assert "20,100 x 128 float32 rows" in capsys.readouterr().err
+    assert [p.name for p in tmp_path.iterdir()] == ["table.npy"]  # no partial file left
+
+
+def test_fetch_options_and_bfloat16(server: RunningServer, tmp_path: Path) -> None:
+    out = tmp_path / "bf16.npy"
+    argv = ["fetch", "0", "3000", "--d-model", "63", "--dtype", "bfloat16", "--layout", "split"]
+    argv += ["--schedule", "tensor2tensor", "--base", "500", "-o", str(out)]
+    assert main([*argv, "--target", server.target]) == 0
+    raw = np.load(out)
+    # What the --help text promises: .npy has no bfloat16, numpy reads 2-byte voids.
+    assert raw.dtype == np.dtype("V2")
+    with posenc.Client(server.target) as client:
+        expected = client.get_range(
+            0, 3000, 63, dtype="bfloat16", layout="split", schedule="tensor2tensor", base=500
+        )
+    assert np.array_equal(raw.view(ml_dtypes.bfloat16), expected)
+
+
+def test_fetch_positions_file(server: RunningServer, tmp_path: Path) -> None:
+    positions = np.array([9, 1 << 40, -3, 9], dtype=np.int64)
+    as_npy, as_text = tmp_path / "p.npy", tmp_path / "p.txt"
+    np.save(as_npy, positions)
+    as_text.write_text("\n".join(map(str, positions)) + "\n")
+    with posenc.Client(server.target) as client:
+        expected = client.get_positions(positions, 16)
+    for source in (as_npy, as_text):
+        out = tmp_path / f"out-{source.suffix[1:]}.npy"
+        argv = ["fetch", "--positions-file", str(source), "--d-model", "16", "-o", str(out)]
+        assert main([*argv, "--target", server.target]) == 0
+        assert np.array_equal(np.load(out), expected)
+
+
+def test_fetch_uses_env_target(
+    server: RunningServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("POSENC_TARGET", server.target)
+    assert main(["fetch", "0", "10", "--d-model", "4", "-o", str(tmp_path / "t.npy")]) == 0
+
+
+def test_fetch_error_is_one_line_without_traceback(
+    server: RunningServer, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "bad.npy"
+    argv = ["fetch", "0", "10", "--d-model", "100000", "-o", str(out), "--target", server.target]
+    assert main(argv) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "INVALID_ARGUMENT" in err and "spec.d_model" in err
+    assert "Traceback" not in err
+    assert not list(tmp_path.iterdir())
+
+
+def test_fetch_usage_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = str(tmp_path / "x.npy")
+    assert main(["fetch", "--d-model", "4", "-o", out]) == 1
+    assert "START and STOP are required" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exited:
+        main(["fetch", "0", "10", "-o", out])  # no --d-model
+    assert exited.value.code == 2
+
+
+def test_fetch_unreachable(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    target = f"127.0.0.1:{free_port()}"
+    argv = ["fetch", "0", "10", "--d-model", "4", "-o", str(tmp_path / "x.npy")]
+    assert main([*argv, "--target", target, "--timeout", "1"]) == 1
+    err = capsys.readouterr().err
+    assert "DEADLINE_EXCEEDED" in err and "UNAVAILABLE" in err and "Traceback" not in err
+
+
+def test_info(server: RunningServer, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["info", "--target", server.target]) == 0
+    text = capsys.readouterr().out
+    assert "max_d_model:" in text and "bfloat16" in text
+    assert main(["info", "--json", "--target", server.target]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert info["limits"]["max_d_model"] == 65536
+    assert set(info["cache"]) >= {"hits", "misses", "budget_bytes"}
+
+
+def test_health_serving(server: RunningServer, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["health", "--target", server.target]) == 0
+    assert capsys.readouterr().out == "SERVING\n"
+
+
+def test_health_not_serving(server: RunningServer, capsys: pytest.CaptureFixture[str]) -> None:
+    server.health.enter_graceful_shutdown()
+    assert main(["health", "--target", server.target]) == 1
+    assert capsys.readouterr().out == "NOT_SERVING\n"
+
+
+def test_health_nothing_listening(capsys: pytest.CaptureFixture[str]) -> None:
+    started = time.monotonic()
+    assert main(["health", "--target", f"127.0.0.1:{free_port()}"]) == 1
+    assert time.monotonic() - started < 3
+    captured = capsys.readouterr()
+    assert captured.out == "UNREACHABLE\n"
+    assert "UNAVAILABLE" in captured.err and "Traceback" not in captured.err
+
+
+def test_health_of_several_targets(
+    server_factory: Callable[..., RunningServer], capsys: pytest.CaptureFixture[str]
+) -> None:
+    up, dead = server_factory().target, f"127.0.0.1:{free_port()}"
+    assert main(["health", "--target", up, "--target", dead]) == 1
+    assert capsys.readouterr().out == f"{up}: SERVING\n{dead}: UNREACHABLE\n"
+
+
+@pytest.mark.timeout(60)
+def test_console_script_serve_and_health() -> None:
+    port = free_port()
+    server = subprocess.Popen(
+        [BIN / "posenc", "serve", "--port", str(port)],
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert server.stderr is not None
+        for line in server.stderr:  # the server logs one JSON line once it listens
+            if '"listening"' in line:
+                assert json.loads(line)["port"] == port
+                break
+        health = subprocess.run(
+            [BIN / "posenc", "health", "--target", f"127.0.0.1:{port}"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
+        assert (health.returncode, health.stdout) == (0, "SERVING\n")
+    finally:
+        server.terminate()
+        server.wait(30)
+
+
+def test_serve_without_the_server_extra() -> None:
+    # Simulates an install without posenc[server]: importing posenc_server fails.
+    code = (
+        "import sys; sys.modules['posenc_server'] = None; "
+        "from posenc.cli import main; raise SystemExit(main(['serve', '--port', '0']))"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60
+    )
+    assert result.returncode == 2
+    assert "pip install 'posenc[server]'" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_version() -> None:
+    result = subprocess.run(
+        [BIN / "posenc", "--version"], capture_output=True, text=True, timeout=60
+    )
+    assert result.stdout.strip() == f"posenc {posenc.__version__}"
