@@ -6,7 +6,7 @@ import ipaddress
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import grpc
@@ -42,9 +42,9 @@ def same_bits(a: np.ndarray[Any, Any], b: np.ndarray[Any, Any]) -> bool:
 
 
 @pytest.fixture
-def client(server: RunningServer) -> posenc.Client:
+def client(server: RunningServer) -> Iterator[posenc.Client]:
     with posenc.Client(server.target, timeout=30) as c:
-        yield c  # type: ignore[misc]
+        yield c
 
 
 # -- results ----------------------------------------------------------------------------
@@ -57,7 +57,12 @@ def client(server: RunningServer) -> posenc.Client:
 def test_get_range_matches_engine(
     client: posenc.Client, dtype: str, layout: str, schedule: str
 ) -> None:
-    options = {"dtype": dtype, "layout": layout, "schedule": schedule, "base": 500.0}
+    options: dict[str, Any] = {
+        "dtype": dtype,
+        "layout": layout,
+        "schedule": schedule,
+        "base": 500.0,
+    }
     table = client.get_range(-7, 93, 33, **options)
     assert table.shape == (100, 33)
     assert same_bits(table, reference(-7, 93, 33, **options))
@@ -81,11 +86,12 @@ def test_unary_and_streaming_give_identical_arrays(server: RunningServer) -> Non
         posenc.Client(server.target, unary_max_bytes=0, chunk_bytes=4096) as streaming,
     ):
         positions = np.random.default_rng(0).integers(-(1 << 42), 1 << 42, 700)
-        for fetch in (
+        fetches: list[Callable[[posenc.Client], np.ndarray[Any, Any]]] = [
             lambda c: c.get_range(1000, 3000, 96),
             lambda c: c.get_range(1000, 3000, 96, dtype="bfloat16", layout="split"),
             lambda c: c.get_positions(positions, 96, dtype="float64"),
-        ):
+        ]
+        for fetch in fetches:
             assert same_bits(fetch(unary), fetch(streaming))
 
 

@@ -21,7 +21,7 @@ T = TypeVar("T")
 
 def run(
     coroutine_function: Callable[[posenc.AsyncClient], Coroutine[Any, Any, T]],
-    target: str,
+    target: str | list[str],
     **options: Any,
 ) -> T:
     """Runs ``coroutine_function(client)`` in a fresh event loop with a fresh AsyncClient."""
