@@ -216,6 +216,12 @@ def test_resource_exhausted(server_factory: Callable[..., RunningServer]) -> Non
         client.get_range(0, 4096, 512)
 
 
+def test_over_the_stream_limit_fails_before_allocating(client: posenc.Client) -> None:
+    # 16 PiB: refused by the server, not a MemoryError from preallocating the result.
+    with pytest.raises(posenc.ResourceExhaustedError, match="stream limit"):
+        client.get_range(0, 1 << 40, 4096)
+
+
 def test_unary_refusal_falls_back_to_streaming(
     server_factory: Callable[..., RunningServer],
 ) -> None:

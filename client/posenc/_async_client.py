@@ -203,11 +203,10 @@ class AsyncClient:
                 return proto.decode_unary(response, query)
             except ResourceExhaustedError:
                 pass  # the server's unary limit is below ours: stream instead
-        out = query.empty()
-        cursor = StreamCursor(query, self._settings.chunk_bytes, out)
+        cursor = self._settings.cursor(query, collect=True)
         async for _ in self._stream(cursor, budget):
-            pass  # the cursor copies every chunk into `out`
-        return out
+            pass  # the cursor copies each chunk into its result array
+        return cursor.result()
 
     async def _call(
         self,

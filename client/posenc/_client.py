@@ -257,11 +257,10 @@ class Client:
                 return proto.decode_unary(response, query)
             except ResourceExhaustedError:
                 pass  # the server's unary limit is below ours: stream instead
-        out = query.empty()
-        cursor = StreamCursor(query, self._settings.chunk_bytes, out)
+        cursor = self._settings.cursor(query, collect=True)
         for _ in self._stream(cursor, budget):
-            pass  # the cursor copies every chunk into `out`
-        return out
+            pass  # the cursor copies each chunk into its result array
+        return cursor.result()
 
     def _call(
         self,

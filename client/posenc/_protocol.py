@@ -400,17 +400,13 @@ class StreamCursor:
     request's own selection, so they are checked against ``received - base``.
     """
 
-    def __init__(
-        self,
-        query: Query,
-        max_chunk_bytes: int | None,
-        out: np.ndarray[Any, Any] | None = None,
-    ) -> None:
+    def __init__(self, query: Query, max_chunk_bytes: int | None, *, collect: bool = False) -> None:
         self.query = query
         self.max_chunk_bytes = max_chunk_bytes
-        self.out = out
         self.received = 0
         self._base = 0  # first row of the current call's selection
+        self._collect = collect
+        self._out: np.ndarray[Any, Any] | None = None
 
     @property
     def done(self) -> bool:
@@ -424,8 +420,8 @@ class StreamCursor:
     def accept(self, response: pb.StreamEncodingResponse) -> tuple[int, np.ndarray[Any, Any]]:
         """Takes one chunk: returns ``(label of its first row, its rows)``.
 
-        With an output array the rows are copied into it (and a view of them returned);
-        otherwise into a new array of the chunk's size.
+        When collecting, the rows are copied into the one result array (and a view of them
+        returned); otherwise into a new array of the chunk's size.
         """
         chunk = response.chunk
         if chunk.row_offset != self.received - self._base:
@@ -438,13 +434,22 @@ class StreamCursor:
                 f"server sent {chunk.rows} rows at row {self.received} of {self.query.rows}"
             )
         first = self.received
-        if self.out is not None:
-            rows = self.out[first : first + chunk.rows]
+        if self._collect:
+            if self._out is None:
+                # Allocated at the first chunk rather than before the call: a request the
+                # server refuses (over its limits, invalid) fails without first reserving
+                # memory for the whole result.
+                self._out = self.query.empty()
+            rows = self._out[first : first + chunk.rows]
         else:
             rows = np.empty((chunk.rows, self.query.d_model), dtype=self.query.dtype.numpy)
         _copy_tensor(chunk, self.query, rows)
         self.received += chunk.rows
         return self.query.label(first), rows
+
+    def result(self) -> np.ndarray[Any, Any]:
+        """The collected table, once :attr:`done`."""
+        return self._out if self._out is not None else self.query.empty()
 
     def check_complete(self) -> None:
         """Called when a call ended without error: every row must have arrived."""
@@ -799,6 +804,9 @@ class Settings:
             self.retry_backoff,
         )
 
-    def cursor(self, query: Query, chunk_bytes: int | None = None) -> StreamCursor:
+    def cursor(
+        self, query: Query, chunk_bytes: int | None = None, *, collect: bool = False
+    ) -> StreamCursor:
         """A stream cursor with the call's chunk size, else the client's."""
-        return StreamCursor(query, check_chunk_bytes(chunk_bytes) or self.chunk_bytes)
+        chunk = check_chunk_bytes(chunk_bytes) or self.chunk_bytes
+        return StreamCursor(query, chunk, collect=collect)
