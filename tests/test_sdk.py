@@ -10,10 +10,13 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import grpc
+import grpc.aio
 import ml_dtypes
 import numpy as np
 import pytest
 from conftest import ServerProcess, free_port
+from google.protobuf import any_pb2
+from google.rpc import error_details_pb2, status_pb2
 
 import posenc
 from posenc import _protocol as proto
@@ -247,6 +250,27 @@ def test_per_call_timeout_overrides_the_default(server: RunningServer) -> None:
             client.get_range(0, 1 << 18, 256)
         assert client.get_range(0, 1 << 18, 256, timeout=60).shape == (1 << 18, 256)
         assert client.get_range(0, 10, 8, timeout=None).shape == (10, 8)
+
+
+def test_field_violations_survive_a_mismatched_rich_status() -> None:
+    # grpc_status.from_call refuses a rich status whose message differs from the call's;
+    # the SDK still reads the violations from the grpc-status-details-bin trailer.
+    detail = any_pb2.Any()
+    detail.Pack(
+        error_details_pb2.BadRequest(
+            field_violations=[
+                error_details_pb2.BadRequest.FieldViolation(field="f", description="d")
+            ]
+        )
+    )
+    status = status_pb2.Status(code=3, message="other words", details=[detail])
+    trailer = grpc.aio.Metadata(("grpc-status-details-bin", status.SerializeToString()))
+    error = grpc.aio.AioRpcError(
+        grpc.StatusCode.INVALID_ARGUMENT, grpc.aio.Metadata(), trailer, "bad", None
+    )
+    mapped = proto.map_rpc_error(error)
+    assert isinstance(mapped, posenc.InvalidArgumentError)
+    assert (mapped.details, mapped.field_violations) == ("bad", [("f", "d")])
 
 
 def test_every_status_code_maps_to_a_posenc_error() -> None:

@@ -14,6 +14,7 @@ import enum
 import ipaddress
 import logging
 import math
+import numbers
 import operator
 import random
 import socket
@@ -26,6 +27,7 @@ import grpc
 import ml_dtypes
 import numpy as np
 import numpy.typing as npt
+from google.protobuf.message import DecodeError
 from google.rpc import error_details_pb2, status_pb2
 from grpc_health.v1 import health_pb2
 from grpc_status import rpc_status
@@ -198,7 +200,7 @@ def _as_int64(value: object, field: str) -> int:
 
 
 def _as_base(base: object) -> float:
-    if isinstance(base, bool) or not isinstance(base, int | float | np.integer | np.floating):
+    if isinstance(base, bool | np.bool_) or not isinstance(base, numbers.Real):
         raise _bad_argument("spec.base", f"must be a real number, got {type(base).__name__}")
     return float(base)
 
@@ -480,7 +482,7 @@ def _rich_status(error: grpc.RpcError) -> status_pb2.Status | None:
         if key == _DETAILS_KEY and isinstance(value, bytes):
             try:
                 return status_pb2.Status.FromString(value)
-            except Exception:
+            except DecodeError:
                 return None
     return None
 
@@ -525,11 +527,9 @@ class CallBudget:
         self._max_retries = max_retries
         self._backoff = backoff
         self._failures = 0  # consecutive failed attempts without progress
-        self.attempts = 0
 
     def attempt_timeout(self) -> float | None:
         """The timeout of the next attempt: what remains of the call's deadline."""
-        self.attempts += 1
         if self._deadline is None:
             return None
         remaining = self._deadline - time.monotonic()
