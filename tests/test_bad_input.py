@@ -2,15 +2,20 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import grpc
 import numpy as np
 import pytest
 from google.rpc import error_details_pb2
 from grpc_status import rpc_status
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from posenc.v1 import posenc_pb2 as pb
 from posenc.v1 import posenc_pb2_grpc
-from posenc_server.app import RunningServer
+from posenc_server.app import RunningServer, start_server
+from posenc_server.config import ServerConfig
 
 LIMIT = 2**42
 GET = "/posenc.v1.PositionalEncodingService/GetEncoding"
@@ -177,3 +182,55 @@ def test_chunk_smaller_than_a_row_is_refused(
         list(stub.StreamEncoding(message))
     assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "max_chunk_bytes" in field_violations(raised.value)
+
+
+@pytest.mark.parametrize(
+    ("method", "streaming"),
+    [("GetEncoding", False), ("StreamEncoding", True), ("GetServerInfo", False)],
+)
+def test_malformed_bytes_are_invalid_argument_not_internal(
+    server: RunningServer, method: str, streaming: bool
+) -> None:
+    with grpc.insecure_channel(server.target) as channel:
+        path = f"/posenc.v1.PositionalEncodingService/{method}"
+        call = channel.unary_stream(path) if streaming else channel.unary_unary(path)
+        with pytest.raises(grpc.RpcError) as raised:
+            result = call(b"\x0a\x05\x08")
+            if streaming:
+                list(result)
+        assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "request" in field_violations(raised.value)
+        assert_still_serves(posenc_pb2_grpc.PositionalEncodingServiceStub(channel))
+
+
+@settings(max_examples=150, deadline=None)
+@given(payload=st.binary(max_size=64), method=st.sampled_from(["GetEncoding", "StreamEncoding"]))
+def test_random_request_bytes_get_only_documented_codes(
+    fuzz_target: str, payload: bytes, method: str
+) -> None:
+    documented = {
+        grpc.StatusCode.OK,
+        grpc.StatusCode.INVALID_ARGUMENT,
+        grpc.StatusCode.RESOURCE_EXHAUSTED,
+    }
+    with grpc.insecure_channel(fuzz_target) as channel:
+        path = f"/posenc.v1.PositionalEncodingService/{method}"
+        try:
+            if method == "StreamEncoding":
+                # Only the first chunk: a valid random request may select a huge range.
+                next(iter(channel.unary_stream(path)(payload, timeout=30)), None)
+            else:
+                channel.unary_unary(path)(payload, timeout=30)
+            code = grpc.StatusCode.OK
+        except grpc.RpcError as error:
+            code = error.code()
+        assert code in documented, (payload, code)
+
+
+@pytest.fixture(scope="module")
+def fuzz_target() -> Iterator[str]:
+    running = start_server(ServerConfig(port=0))
+    yield running.target
+    with grpc.insecure_channel(running.target) as channel:
+        assert_still_serves(posenc_pb2_grpc.PositionalEncodingServiceStub(channel))
+    running.server.stop(0).wait()

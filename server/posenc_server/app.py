@@ -18,10 +18,10 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from posenc.v1 import posenc_pb2, posenc_pb2_grpc
+from posenc.v1 import posenc_pb2
 from posenc_server.config import ServerConfig
 from posenc_server.service import EncodingService
-from posenc_server.servicer import PositionalEncodingServicer
+from posenc_server.servicer import PositionalEncodingServicer, add_to_server
 
 log = logging.getLogger("posenc_server")
 
@@ -106,7 +106,7 @@ def start_server(config: ServerConfig) -> RunningServer:
             ("grpc.so_reuseport", 0),
         ],
     )
-    posenc_pb2_grpc.add_PositionalEncodingServiceServicer_to_server(servicer, server)
+    add_to_server(servicer, server)
     health_servicer = health.HealthServicer(experimental_non_blocking=True)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(

@@ -5,11 +5,14 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import TypeVar
 
 import grpc
 import numpy as np
 from google.protobuf import any_pb2
+from google.protobuf.message import DecodeError, Message
 from google.rpc import code_pb2, error_details_pb2, status_pb2
 from grpc_status import rpc_status
 
@@ -26,6 +29,44 @@ from posenc_server.errors import (
 from posenc_server.service import Chunk, EncodingService, PositionList, PositionRange, Selection
 
 log = logging.getLogger("posenc_server")
+
+RequestT = TypeVar("RequestT", bound=Message)
+
+
+@dataclass(frozen=True)
+class MalformedRequest:
+    """Request bytes that do not parse as the method's message.
+
+    gRPC's own deserialization failure is answered with INTERNAL; parsing through this
+    placeholder lets the servicer answer INVALID_ARGUMENT instead, as for any bad input.
+    """
+
+    message_type: str
+    error: str
+
+
+def _tolerant_parser(
+    message_type: type[RequestT],
+) -> Callable[[bytes], RequestT | MalformedRequest]:
+    def parse(data: bytes) -> RequestT | MalformedRequest:
+        try:
+            return message_type.FromString(data)
+        except DecodeError as error:
+            return MalformedRequest(message_type.DESCRIPTOR.full_name, str(error))
+
+    return parse
+
+
+def _parsed(request: RequestT | MalformedRequest) -> RequestT:
+    if isinstance(request, MalformedRequest):
+        raise InvalidRequestError(
+            [
+                FieldViolation(
+                    "request", f"not a valid {request.message_type} message: {request.error}"
+                )
+            ]
+        )
+    return request
 
 DTYPE_NAMES: dict[int, str] = {
     posenc_pb2.DTYPE_UNSPECIFIED: "float32",
@@ -90,21 +131,27 @@ class PositionalEncodingServicer(posenc_pb2_grpc.PositionalEncodingServiceServic
     # RPCs -----------------------------------------------------------------------------------
 
     def GetEncoding(
-        self, request: posenc_pb2.GetEncodingRequest, context: grpc.ServicerContext
+        self,
+        request: posenc_pb2.GetEncodingRequest | MalformedRequest,
+        context: grpc.ServicerContext,
     ) -> posenc_pb2.GetEncodingResponse:
         """Answer a small table in one message."""
+        response = posenc_pb2.GetEncodingResponse()
         with _status_on_error(context), self._tracked():
-            spec, selection = self._parse(request)
+            spec, selection = self._parse(_parsed(request))
             self.service.check_unary_size(spec, selection)
             table = self.service.table(spec, selection)
-            return posenc_pb2.GetEncodingResponse(tensor=_tensor(spec, Chunk(0, table)))
-        raise AssertionError("unreachable: _status_on_error aborts")  # pragma: no cover
+            response.tensor.CopyFrom(_tensor(spec, Chunk(0, table)))
+        return response
 
     def StreamEncoding(
-        self, request: posenc_pb2.StreamEncodingRequest, context: grpc.ServicerContext
+        self,
+        request: posenc_pb2.StreamEncodingRequest | MalformedRequest,
+        context: grpc.ServicerContext,
     ) -> Iterator[posenc_pb2.StreamEncodingResponse]:
         """Stream a table of any size as row-aligned chunks."""
         with _status_on_error(context), self._tracked():
+            request = _parsed(request)
             spec, selection = self._parse(request)
             self.service.check_stream_size(spec, selection)
             chunk_rows = self.service.chunk_rows(spec, request.max_chunk_bytes)
@@ -112,9 +159,13 @@ class PositionalEncodingServicer(posenc_pb2_grpc.PositionalEncodingServiceServic
                 yield posenc_pb2.StreamEncodingResponse(chunk=_tensor(spec, chunk))
 
     def GetServerInfo(
-        self, request: posenc_pb2.GetServerInfoRequest, context: grpc.ServicerContext
+        self,
+        request: posenc_pb2.GetServerInfoRequest | MalformedRequest,
+        context: grpc.ServicerContext,
     ) -> posenc_pb2.GetServerInfoResponse:
         """Describe this server."""
+        with _status_on_error(context):
+            _parsed(request)
         config = self.service.config
         stats = self.service.cache_stats()
         return posenc_pb2.GetServerInfoResponse(
@@ -176,6 +227,29 @@ class PositionalEncodingServicer(posenc_pb2_grpc.PositionalEncodingServiceServic
             d_model=proto_spec.d_model, base=base, dtype=dtype, layout=layout, schedule=schedule
         )
         return spec, selection
+
+
+def add_to_server(servicer: PositionalEncodingServicer, server: grpc.Server) -> None:
+    """Register ``servicer`` like the generated function does, but with tolerant parsers."""
+    handlers = {
+        "GetEncoding": grpc.unary_unary_rpc_method_handler(
+            servicer.GetEncoding,
+            request_deserializer=_tolerant_parser(posenc_pb2.GetEncodingRequest),
+            response_serializer=posenc_pb2.GetEncodingResponse.SerializeToString,
+        ),
+        "StreamEncoding": grpc.unary_stream_rpc_method_handler(
+            servicer.StreamEncoding,
+            request_deserializer=_tolerant_parser(posenc_pb2.StreamEncodingRequest),
+            response_serializer=posenc_pb2.StreamEncodingResponse.SerializeToString,
+        ),
+        "GetServerInfo": grpc.unary_unary_rpc_method_handler(
+            servicer.GetServerInfo,
+            request_deserializer=_tolerant_parser(posenc_pb2.GetServerInfoRequest),
+            response_serializer=posenc_pb2.GetServerInfoResponse.SerializeToString,
+        ),
+    }
+    service = posenc_pb2.DESCRIPTOR.services_by_name["PositionalEncodingService"].full_name
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service, handlers),))
 
 
 def _tensor(spec: EncodingSpec, chunk: Chunk) -> posenc_pb2.Tensor:
