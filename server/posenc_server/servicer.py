@@ -68,6 +68,7 @@ def _parsed(request: RequestT | MalformedRequest) -> RequestT:
         )
     return request
 
+
 DTYPE_NAMES: dict[int, str] = {
     posenc_pb2.DTYPE_UNSPECIFIED: "float32",
     posenc_pb2.DTYPE_FLOAT32: "float32",
