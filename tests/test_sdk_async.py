@@ -175,3 +175,20 @@ def test_cancelling_the_task_cancels_the_call(server: RunningServer) -> None:
         return False
 
     assert run(cancel, server.target)
+
+
+def test_client_created_outside_the_event_loop(server: RunningServer) -> None:
+    client = posenc.AsyncClient(server.target)  # before asyncio.run, as module globals are
+
+    async def use() -> tuple[int, int]:
+        async with client:
+            shape = (await client.get_range(0, 3, 4)).shape
+            return (shape[0], shape[1])
+
+    assert asyncio.run(use()) == (3, 4)
+
+    async def after_close() -> None:
+        await client.get_range(0, 3, 4)
+
+    with pytest.raises(ValueError, match="closed"):
+        asyncio.run(after_close())

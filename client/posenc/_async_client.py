@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
 from types import TracebackType
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import grpc
 import grpc.aio
@@ -19,6 +19,9 @@ from posenc.errors import ResourceExhaustedError
 from posenc.v1 import posenc_pb2 as pb
 from posenc.v1 import posenc_pb2_grpc as pb_grpc
 
+if TYPE_CHECKING:
+    from posenc.v1.posenc_pb2_grpc import PositionalEncodingServiceAsyncStub
+
 __all__ = ["AsyncClient"]
 
 _Request = TypeVar("_Request")
@@ -29,8 +32,9 @@ class AsyncClient:
     """asyncio client of a posenc server (or several, balanced round robin).
 
     Same constructor arguments, methods and behaviour as :class:`posenc.Client`, with
-    ``await`` (and ``async for`` over :meth:`iter_range` / :meth:`iter_positions`). Create
-    it inside the event loop that uses it::
+    ``await`` (and ``async for`` over :meth:`iter_range` / :meth:`iter_positions`). It may
+    be created anywhere, but used from one event loop only (its channel is created in the
+    loop of the first call)::
 
         async with posenc.AsyncClient("127.0.0.1:50051") as client:
             table = await client.get_range(0, 8192, 512)
@@ -62,13 +66,31 @@ class AsyncClient:
             options=options,
             user_agent=proto.user_agent(),
         )
-        target_uri, channel_options = self._settings.target, self._settings.options
-        if credentials is None:
-            self._channel = grpc.aio.insecure_channel(target_uri, channel_options)
-        else:
-            self._channel = grpc.aio.secure_channel(target_uri, credentials, channel_options)
-        self._stub = pb_grpc.PositionalEncodingServiceStub(self._channel)
-        self._health = health_pb2_grpc.HealthStub(self._channel)
+        self._credentials = credentials
+        self._channel: grpc.aio.Channel | None = None
+        self._stubs: tuple[PositionalEncodingServiceAsyncStub, Any] | None = None
+        self._closed = False
+
+    def _connect(self) -> tuple[PositionalEncodingServiceAsyncStub, Any]:
+        """The service and health stubs, creating the channel at first use.
+
+        A grpc.aio channel belongs to the event loop it is created in, and clients are often
+        built before ``asyncio.run``: creating it in the first call puts it in the right loop.
+        """
+        if self._closed:
+            raise ValueError("the client is closed")
+        if self._stubs is None:
+            target, options = self._settings.target, self._settings.options
+            if self._credentials is None:
+                channel = grpc.aio.insecure_channel(target, options)
+            else:
+                channel = grpc.aio.secure_channel(target, self._credentials, options)
+            self._channel = channel
+            self._stubs = (
+                pb_grpc.PositionalEncodingServiceStub(channel),
+                health_pb2_grpc.HealthStub(channel),
+            )
+        return self._stubs
 
     @property
     def target(self) -> str:
@@ -91,7 +113,9 @@ class AsyncClient:
 
     async def close(self) -> None:
         """Closes the channel; calls in flight are cancelled."""
-        await self._channel.close(None)
+        self._closed = True
+        if self._channel is not None:
+            await self._channel.close(None)
 
     # -- tables ---------------------------------------------------------------------------
 
@@ -175,7 +199,7 @@ class AsyncClient:
     async def server_info(self, *, timeout: Timeout = DEFAULT) -> ServerInfo:
         """Describes the server that answers; see :meth:`Client.server_info`."""
         response = await self._call(
-            self._stub.GetServerInfo, pb.GetServerInfoRequest(), self._budget(timeout)
+            self._connect()[0].GetServerInfo, pb.GetServerInfoRequest(), self._budget(timeout)
         )
         return proto.server_info_from_proto(response)
 
@@ -183,7 +207,7 @@ class AsyncClient:
         """The ``grpc.health.v1`` status of ``service``; see :meth:`Client.health`."""
         budget = self._budget(timeout, retry=False)
         try:
-            response = await self._health.Check(
+            response = await self._connect()[1].Check(
                 proto.health_request(service), timeout=budget.attempt_timeout()
             )
         except grpc.RpcError as error:
@@ -199,7 +223,8 @@ class AsyncClient:
         budget = self._budget(timeout)
         if not proto.use_stream(query, self._settings.unary_max_bytes):
             try:
-                response = await self._call(self._stub.GetEncoding, query.unary_request(), budget)
+                method = self._connect()[0].GetEncoding
+                response = await self._call(method, query.unary_request(), budget)
                 return proto.decode_unary(response, query)
             except ResourceExhaustedError:
                 pass  # the server's unary limit is below ours: stream instead
@@ -227,7 +252,9 @@ class AsyncClient:
     ) -> AsyncIterator[tuple[int, npt.NDArray[Any]]]:
         """Yields the cursor's chunks; an interrupted call resumes with the missing rows."""
         while True:
-            call = self._stub.StreamEncoding(cursor.request(), timeout=budget.attempt_timeout())
+            call = self._connect()[0].StreamEncoding(
+                cursor.request(), timeout=budget.attempt_timeout()
+            )
             try:
                 async for response in call:
                     yield cursor.accept(response)
