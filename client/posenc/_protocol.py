@@ -64,12 +64,14 @@ DEFAULT_UNARY_MAX_BYTES: Final = 1 << 20
 _MAX_RECEIVE_BYTES: Final = 64 << 20
 # 1,048,576 positions at up to 10 varint bytes each (negative int64) is ~10.5 MB.
 _MAX_SEND_BYTES: Final = 32 << 20
-# gRPC reconnects to a failed server with 1 s initial, 120 s max backoff by default: a
-# replica that restarts in 2 s could stay unreachable for the channel well past our retry
-# budget. Reconnecting every second at most keeps the channel and the retries in step.
+# gRPC reconnects to a failed server with 1 s initial, 120 s max backoff by default, and
+# while it waits, calls fail at once without trying: a replica back after 2 s could stay
+# unreachable for the channel well past our retry budget. Reconnecting at least every
+# 0.5 s means the channel sees a restarted server within ~0.6 s, so the default budget
+# (about 5 s of sleeps) rides out some 4.5 s of downtime.
 _RECONNECT_OPTIONS: Final = (
     ("grpc.initial_reconnect_backoff_ms", 100),
-    ("grpc.max_reconnect_backoff_ms", 1000),
+    ("grpc.max_reconnect_backoff_ms", 500),
 )
 
 
