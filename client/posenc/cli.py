@@ -208,7 +208,6 @@ def _fetch(args: argparse.Namespace) -> int:
         "layout": args.layout,
         "schedule": args.schedule,
         "chunk_bytes": args.chunk_bytes,
-        "timeout": args.timeout,
     }
     with Client(_targets(args), timeout=args.timeout) as client:
         # Slices arrive labelled by position (range) or by index (list): `origin` maps
