@@ -172,6 +172,24 @@ def test_invalid_argument_names_fields(client: posenc.Client) -> None:
     assert isinstance(error, ValueError)
 
 
+@pytest.mark.parametrize(
+    ("call", "field"),
+    [
+        (lambda c: c.get_range(5, 3, 8), "range.stop"),
+        (lambda c: list(c.iter_range(5, 3, 8)), "range.stop"),
+        (lambda c: c.get_range(0, 3, 0), "spec.d_model"),
+        (lambda c: c.get_positions([], 8), "positions.positions"),
+    ],
+)
+def test_values_are_judged_by_the_server(
+    client: posenc.Client, call: Callable[[posenc.Client], object], field: str
+) -> None:
+    with pytest.raises(posenc.InvalidArgumentError) as caught:
+        call(client)
+    assert [f for f, _ in caught.value.field_violations] == [field]
+    assert "must" in caught.value.field_violations[0][1]
+
+
 def test_invalid_positions_from_server(client: posenc.Client) -> None:
     with pytest.raises(posenc.InvalidArgumentError) as caught:
         client.get_positions([0, 1 << 50], 8)
@@ -190,8 +208,9 @@ def test_invalid_positions_from_server(client: posenc.Client) -> None:
         (lambda c: c.get_positions("12", 8), "positions"),
         (lambda c: c.get_positions([1 << 64], 8), "positions"),
         (lambda c: c.get_range(0.5, 3, 8), "range.start"),
-        (lambda c: c.get_range(5, 3, 8), "range.stop"),
-        (lambda c: c.get_range(0, 3, 0), "spec.d_model"),
+        (lambda c: c.get_range(0, 1 << 63, 8), "range.stop"),
+        (lambda c: c.get_range(0, 3, -1), "spec.d_model"),
+        (lambda c: c.get_range(0, 3, 1 << 32), "spec.d_model"),
         (lambda c: c.get_range(0, 3, 8, dtype="int8"), "spec.dtype"),
         (lambda c: c.get_range(0, 3, 8, layout="sideways"), "spec.layout"),
         (lambda c: c.get_range(0, 3, 8, schedule="t5"), "spec.schedule"),

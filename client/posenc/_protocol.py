@@ -176,7 +176,8 @@ def _enum_name(enum_type: Any, value: int) -> str:
 
 
 # --------------------------------------------------------------------------------------
-# Client-side argument checks (types only: value limits are the server's configuration)
+# Client-side argument checks: types, and what the wire types cannot carry. Values are
+# the server's to judge: its limits are configurable and its messages name them.
 # --------------------------------------------------------------------------------------
 
 
@@ -301,9 +302,9 @@ def _spec(
     d_model: object, base: object, dtype: DTypeArg, layout: str, schedule: str
 ) -> tuple[pb.EncodingSpec, _DtypeInfo, int]:
     d = _as_int(d_model, "spec.d_model")
-    if not 1 <= d < 1 << 32:
-        # Needed before any call: it sizes the result array and must fit the uint32 field.
-        raise _bad_argument("spec.d_model", f"must be a positive uint32, got {d}")
+    if not 0 <= d < 1 << 32:
+        # Values the uint32 field cannot carry; the server judges the others (its limits).
+        raise _bad_argument("spec.d_model", f"must be a positive integer below 2**32, got {d}")
     info = _DTYPES[dtype_name(dtype)]
     spec = pb.EncodingSpec(
         d_model=d,
@@ -327,10 +328,9 @@ def range_query(
 ) -> Query:
     """Builds the query for positions ``[start, stop)``."""
     first, end = _as_int64(start, "range.start"), _as_int64(stop, "range.stop")
-    if end < first:
-        # Needed before any call too: the row count sizes the result array.
-        raise _bad_argument("range.stop", f"must be >= range.start ({first}), got {end}")
     spec, info, d = _spec(d_model, base, dtype, layout, schedule)
+    # A negative row count (stop < start) goes to the server, which refuses it with its
+    # own field violation; results are only allocated once the server has answered.
     return Query(spec, info, d, rows=end - first, start=first)
 
 
@@ -414,7 +414,11 @@ class StreamCursor:
 
     @property
     def done(self) -> bool:
-        return self.received >= self.query.rows
+        """Every row arrived, so a failure now (after the last chunk) loses nothing.
+
+        Never true for an empty or negative selection: its errors must be raised.
+        """
+        return 0 < self.query.rows == self.received
 
     def request(self) -> pb.StreamEncodingRequest:
         """The request for the rows not yet received."""
@@ -452,12 +456,12 @@ class StreamCursor:
         return self.query.label(first), rows
 
     def result(self) -> np.ndarray[Any, Any]:
-        """The collected table, once :attr:`done`."""
+        """The collected table, once every row arrived."""
         return self._out if self._out is not None else self.query.empty()
 
     def check_complete(self) -> None:
         """Called when a call ended without error: every row must have arrived."""
-        if not self.done:
+        if self.received != self.query.rows:
             raise InternalError(
                 f"stream ended after {self.received} of {self.query.rows} rows without an error"
             )
