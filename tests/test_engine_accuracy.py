@@ -103,3 +103,37 @@ def test_frequency_table_matches_mpmath_to_double_double_precision() -> None:
                 else -mpmath.mpf(i) / (32768 - 1)
             ) / (2 * mpmath.pi)
             assert abs(value / reference - 1) < mpmath.mpf(2) ** -100
+
+
+RANGE_STARTS = [0, 2**31 - 100, 2**40 + 7, 2**42 - 300, -(2**42), -12345]
+
+
+@pytest.mark.parametrize("dtype", list(engine.DTYPES))
+def test_ranges_meet_the_contract_up_to_the_position_limit(dtype: str) -> None:
+    # encode_range takes the block-rotation path for ranges longer than two blocks.
+    rng = np.random.default_rng(7)
+    checked = 0
+    failures = []
+    for n, (base, d_model) in enumerate(itertools.product(BASES, [1, 3, 64, 4096])):
+        layout, schedule = VARIANTS[n % len(VARIANTS)]
+        spec = EncodingSpec(d_model, base, dtype, layout, schedule)
+        start = RANGE_STARTS[n % len(RANGE_STARTS)]
+        rows = 300
+        table = engine.encode_range(spec, start, start + rows)
+        for row in {0, 1, 63, 64, 65, rows - 1, *rng.integers(0, rows, size=8).tolist()}:
+            for column in {0, d_model - 1, *rng.integers(0, d_model, size=4).tolist()}:
+                reference = exact(base, d_model, layout, schedule, start + row, column)
+                checked += 1
+                if not within_contract(table[row, column], reference):
+                    failures.append((base, d_model, layout, start + row, column))
+    assert checked >= 500
+    assert not failures, failures[:10]
+
+
+def test_range_and_position_paths_agree() -> None:
+    for layout, schedule in VARIANTS:
+        for d_model in (1, 2, 5, 64, 129):
+            spec = EncodingSpec(d_model, 500.0, "float64", layout, schedule)
+            by_range = engine.encode_range(spec, 2**42 - 1000, 2**42)
+            by_list = engine.encode_positions(spec, np.arange(2**42 - 1000, 2**42))
+            np.testing.assert_array_equal(by_range, by_list)
