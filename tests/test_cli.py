@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import fcntl
 import json
+import os
+import pty
+import struct
 import subprocess
 import sys
+import termios
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -184,3 +189,37 @@ def test_version() -> None:
         [BIN / "posenc", "--version"], capture_output=True, text=True, timeout=60
     )
     assert result.stdout.strip() == f"posenc {posenc.__version__}"
+
+
+def test_fetch_shows_a_progress_bar_on_a_terminal_only(
+    server: RunningServer, tmp_path: Path
+) -> None:
+
+    posenc = str(Path(sys.executable).parent / "posenc")
+    argv = [posenc, "fetch", "0", "200000", "--d-model", "64", "--target", server.target]
+    controller, terminal = pty.openpty()
+    # A real terminal has a size; a fresh pty is 0 x 0.
+    fcntl.ioctl(terminal, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 100, 0, 0))
+    with subprocess.Popen(
+        [*argv, "-o", str(tmp_path / "tty.npy")], stderr=terminal, stdout=subprocess.DEVNULL
+    ) as process:
+        os.close(terminal)
+        output = b""
+        while True:
+            try:
+                data = os.read(controller, 4096)
+            except OSError:  # the terminal closed: the process exited
+                break
+            if not data:
+                break
+            output += data
+        assert process.wait(60) == 0
+    os.close(controller)
+    text = output.decode(errors="replace")
+    assert "100%" in text and "row" in text, text
+    piped = subprocess.run(
+        [*argv, "-o", str(tmp_path / "pipe.npy")], capture_output=True, timeout=60
+    )
+    assert piped.returncode == 0
+    assert b"100%" not in piped.stderr
+    np.testing.assert_array_equal(np.load(tmp_path / "tty.npy"), np.load(tmp_path / "pipe.npy"))

@@ -46,6 +46,7 @@ def test_config_is_frozen() -> None:
         (["--max-chunk-bytes", "1000"], {}, "max_chunk_bytes"),
         (["--grace-seconds", "soon"], {}, "--grace-seconds"),
         (["--log-level", "LOUD"], {}, "log_level"),
+        ([], {"POSENC_CACHE_BYTES": "2**1000000000"}, "POSENC_CACHE_BYTES"),
     ],
 )
 def test_invalid_values_are_refused_naming_the_setting(

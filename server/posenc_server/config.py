@@ -150,8 +150,10 @@ def _parse_int(raw: str) -> int:
     # Accepts 1048576, 1_048_576, 0x100000 and 2**20 style sizes.
     text = raw.strip().replace("_", "")
     if "**" in text:
-        base, exponent = text.split("**", 1)
-        return int(int(base, 0) ** int(exponent, 0))
+        base, exponent = (int(part, 0) for part in text.split("**", 1))
+        if not 0 <= exponent <= 64:
+            raise ValueError(f"exponent must be in 0..64, got {exponent}")
+        return int(base**exponent)
     return int(text, 0)
 
 

@@ -9,6 +9,7 @@ the chunk limit unless the client asks for smaller chunks.
 from __future__ import annotations
 
 import os
+import secrets
 import socket
 import threading
 from collections.abc import Iterator
@@ -71,7 +72,8 @@ class EncodingService:
     def __init__(self, config: ServerConfig) -> None:
         self.config = config
         self.cache: BlockCache[BlockKey] = BlockCache(config.cache_bytes)
-        self.server_id = f"{socket.gethostname()}:{os.getpid()}"
+        # Host and pid for operators; the random part tells apart servers of one process.
+        self.server_id = f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(3)}"
         self._rows_computed = 0
         self._counter_lock = threading.Lock()
 
