@@ -200,6 +200,11 @@ def encode_positions(spec: EncodingSpec, positions: npt.ArrayLike) -> npt.NDArra
     function of (spec, position) alone: the same bytes as ``encode_range`` gives for it.
     """
     pos = np.asarray(positions, dtype=np.int64).reshape(-1)
+    if pos.size and (span := int(pos.max()) - int(pos.min()) + 1) <= 4 * pos.size:
+        # Clustered positions (a decode window, a shuffled range): the covering range is
+        # cheaper than one extended-precision angle per row, and gives the same rows.
+        low = int(pos.min())
+        return encode_range(spec, low, low + span)[pos - low]
     out = np.zeros((pos.size, spec.d_model), dtype=spec.numpy_dtype)
     if spec.sin_columns == 0 or pos.size == 0:
         return out
@@ -210,8 +215,16 @@ def encode_positions(spec: EncodingSpec, positions: npt.ArrayLike) -> npt.NDArra
     for first in range(0, pos.size, rows_per_pass):
         chunk = pos[first : first + rows_per_pass]
         offset = chunk % block
-        base_sin, base_cos = _sin_cos_rows((chunk - offset).astype(np.float64), freq_hi, freq_lo)
-        _write_rows(spec, out[first : first + chunk.size], base_sin, base_cos, offsets[offset])
+        # Nearby positions share a block base: take its extended-precision angle once.
+        bases, base_of_row = np.unique(chunk - offset, return_inverse=True)
+        base_sin, base_cos = _sin_cos_rows(bases.astype(np.float64), freq_hi, freq_lo)
+        _write_rows(
+            spec,
+            out[first : first + chunk.size],
+            base_sin[base_of_row],
+            base_cos[base_of_row],
+            offsets[offset],
+        )
     return out
 
 
@@ -227,14 +240,17 @@ def encode_range(spec: EncodingSpec, start: int, stop: int) -> npt.NDArray[np.ge
     """
     rows = stop - start
     block = _block_rows(spec.sin_columns)
-    if rows < 2 * block or spec.sin_columns == 0:
-        return encode_positions(spec, np.arange(start, stop, dtype=np.int64))
+    if spec.sin_columns == 0 or rows == 0:
+        return np.zeros((rows, spec.d_model), dtype=spec.numpy_dtype)
     freq_hi, freq_lo = inverse_frequencies_in_turns(spec)
     offsets = _offset_rotations(spec.base, spec.d_model, spec.schedule, block)
     aligned = start - start % block
     block_starts = aligned + block * np.arange(-(-(stop - aligned) // block), dtype=np.int64)
     base_sin, base_cos = _sin_cos_rows(block_starts.astype(np.float64), freq_hi, freq_lo)
     out = np.zeros((rows, spec.d_model), dtype=spec.numpy_dtype)
+    # One scratch buffer for all blocks: a fresh multi-MiB array per block costs more in page
+    # faults than the multiplication itself.
+    scratch = np.empty((block, spec.sin_columns), dtype=np.complex128)
     for index, block_start in enumerate(block_starts.tolist()):
         first = max(start, block_start)
         last = min(stop, block_start + block)
@@ -244,6 +260,7 @@ def encode_range(spec: EncodingSpec, start: int, stop: int) -> npt.NDArray[np.ge
             base_sin[index : index + 1],
             base_cos[index : index + 1],
             offsets[first - block_start : last - block_start],
+            scratch[: last - first],
         )
     return out
 
@@ -254,6 +271,7 @@ def _write_rows(
     base_sin: Float64Array,
     base_cos: Float64Array,
     offsets: npt.NDArray[np.complex128],
+    scratch: npt.NDArray[np.complex128] | None = None,
 ) -> None:
     """Write rows ``v(base) * conj(u(offset))`` into ``target`` in the spec's layout.
 
@@ -265,7 +283,7 @@ def _write_rows(
     base = np.empty(base_sin.shape, dtype=np.complex128)
     base.real = base_sin
     base.imag = base_cos
-    product = np.multiply(base, offsets)
+    product = np.multiply(base, offsets, out=scratch)
     if spec.layout is Layout.INTERLEAVED:
         width = n_sin + n_cos
         target[:, :width] = product.view(np.float64)[:, :width]

@@ -26,8 +26,8 @@ from posenc_server.errors import FieldViolation, InvalidRequestError, LimitExcee
 
 Table = npt.NDArray[np.generic]
 BlockKey = tuple[EncodingSpec, int]
-# Cache lookups worth making for one chunk of an explicit position list.
-_MAX_BLOCK_LOOKUPS = 256
+# Beyond this many blocks in one chunk of a position list, rows are computed one by one.
+_MAX_BLOCKS_PER_LIST_CHUNK = 64
 
 
 @dataclass(frozen=True)
@@ -238,28 +238,27 @@ class EncodingService:
         return self.cache.get_or_compute((spec, index), compute)
 
     def _rows_for_positions(self, spec: EncodingSpec, positions: npt.NDArray[np.int64]) -> Table:
-        """Rows for arbitrary positions: copied from cached blocks, computed directly otherwise.
+        """Rows for arbitrary positions, through the cache when they fall in a few blocks.
 
-        Computing a whole block for each scattered position would multiply the work by the
-        block size, so uncached positions are computed one row each and not cached.
+        A decode loop asks for the next position of each sequence at every step, so a block
+        computed once serves the following steps too (a block costs only a few single rows:
+        one extended-precision angle, then multiplications). Widely scattered positions are
+        computed one row each and not cached, so they cannot flush the cache.
         """
         block_rows = self.block_rows(spec)
-        out = np.empty((positions.size, spec.d_model), dtype=spec.numpy_dtype)
         block_ids = positions // block_rows
-        missing = np.ones(positions.size, dtype=bool)
         distinct_blocks = np.unique(block_ids)
-        if distinct_blocks.size > _MAX_BLOCK_LOOKUPS:
-            # Widely scattered positions: one lookup per position would cost more than it saves.
-            distinct_blocks = distinct_blocks[:0]
-        for block_id in distinct_blocks:
-            block = self.cache.get((spec, int(block_id)))
-            if block is not None:
-                rows = np.flatnonzero(block_ids == block_id)
-                out[rows] = block[positions[rows] - int(block_id) * block_rows]
-                missing[rows] = False
-        if missing.any():
-            self._count_rows(int(missing.sum()))
-            out[missing] = engine.encode_positions(spec, positions[missing])
+        if distinct_blocks.size > _MAX_BLOCKS_PER_LIST_CHUNK:
+            self._count_rows(positions.size)
+            return engine.encode_positions(spec, positions)
+        if distinct_blocks.size == 1:
+            block = self._block(spec, int(distinct_blocks[0]), block_rows)
+            return block[positions - int(distinct_blocks[0]) * block_rows]
+        out = np.empty((positions.size, spec.d_model), dtype=spec.numpy_dtype)
+        for block_id in distinct_blocks.tolist():
+            rows = np.flatnonzero(block_ids == block_id)
+            block = self._block(spec, block_id, block_rows)
+            out[rows] = block[positions[rows] - block_id * block_rows]
         return out
 
     def _count_rows(self, rows: int) -> None:
