@@ -68,10 +68,10 @@ class AsyncClient:
         )
         self._credentials = credentials
         self._channel: grpc.aio.Channel | None = None
-        self._stubs: tuple[PositionalEncodingServiceAsyncStub, Any] | None = None
+        self._stubs: tuple[PositionalEncodingServiceAsyncStub, Any, proto.TableCalls] | None = None
         self._closed = False
 
-    def _connect(self) -> tuple[PositionalEncodingServiceAsyncStub, Any]:
+    def _connect(self) -> tuple[PositionalEncodingServiceAsyncStub, Any, proto.TableCalls]:
         """The service and health stubs, creating the channel at first use.
 
         A grpc.aio channel belongs to the event loop it is created in, and clients are often
@@ -89,6 +89,7 @@ class AsyncClient:
             self._stubs = (
                 pb_grpc.PositionalEncodingServiceStub(channel),
                 health_pb2_grpc.HealthStub(channel),
+                proto.TableCalls(channel),
             )
         return self._stubs
 
@@ -223,9 +224,9 @@ class AsyncClient:
         budget = self._budget(timeout)
         if not proto.use_stream(query, self._settings.unary_max_bytes):
             try:
-                method = self._connect()[0].GetEncoding
-                response = await self._call(method, query.unary_request(), budget)
-                return proto.decode_unary(response, query)
+                method = self._connect()[2].get_encoding
+                tensor = await self._call(method, query.unary_request(), budget)
+                return proto.decode_unary(tensor, query)
             except ResourceExhaustedError:
                 pass  # the server's unary limit is below ours: stream instead
         cursor = self._settings.cursor(query, collect=True)
@@ -252,12 +253,12 @@ class AsyncClient:
     ) -> AsyncIterator[tuple[int, npt.NDArray[Any]]]:
         """Yields the cursor's chunks; an interrupted call resumes with the missing rows."""
         while True:
-            call = self._connect()[0].StreamEncoding(
+            call = self._connect()[2].stream_encoding(
                 cursor.request(), timeout=budget.attempt_timeout()
             )
             try:
-                async for response in call:
-                    yield cursor.accept(response)
+                async for chunk in call:
+                    yield cursor.accept(chunk)
                     budget.progress()
                 cursor.check_complete()
                 return

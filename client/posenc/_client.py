@@ -79,6 +79,7 @@ class Client:
         else:
             self._channel = grpc.secure_channel(target_uri, credentials, channel_options)
         self._stub = pb_grpc.PositionalEncodingServiceStub(self._channel)
+        self._tables = proto.TableCalls(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)
 
     @property
@@ -253,8 +254,8 @@ class Client:
         budget = self._budget(timeout)
         if not proto.use_stream(query, self._settings.unary_max_bytes):
             try:
-                response = self._call(self._stub.GetEncoding, query.unary_request(), budget)
-                return proto.decode_unary(response, query)
+                tensor = self._call(self._tables.get_encoding, query.unary_request(), budget)
+                return proto.decode_unary(tensor, query)
             except ResourceExhaustedError:
                 pass  # the server's unary limit is below ours: stream instead
         cursor = self._settings.cursor(query, collect=True)
@@ -281,10 +282,10 @@ class Client:
     ) -> Iterator[tuple[int, npt.NDArray[Any]]]:
         """Yields the cursor's chunks; an interrupted call resumes with the missing rows."""
         while True:
-            call = self._stub.StreamEncoding(cursor.request(), timeout=budget.attempt_timeout())
+            call = self._tables.stream_encoding(cursor.request(), timeout=budget.attempt_timeout())
             try:
-                for response in call:
-                    yield cursor.accept(response)
+                for chunk in call:
+                    yield cursor.accept(chunk)
                     budget.progress()
                 cursor.check_complete()
                 return
@@ -295,5 +296,5 @@ class Client:
             finally:
                 # A no-op when the call finished; frees the server's stream when the
                 # caller abandoned the iterator or a chunk failed validation.
-                call.cancel()  # type: ignore[no-untyped-call]
+                call.cancel()
             time.sleep(delay)

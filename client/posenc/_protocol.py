@@ -32,6 +32,7 @@ from google.rpc import error_details_pb2, status_pb2
 from grpc_health.v1 import health_pb2
 from grpc_status import rpc_status
 
+from posenc import _wire
 from posenc.errors import (
     DeadlineExceededError,
     InternalError,
@@ -369,7 +370,28 @@ def check_chunk_bytes(chunk_bytes: object) -> int | None:
 # --------------------------------------------------------------------------------------
 
 
-def _copy_tensor(tensor: pb.Tensor, query: Query, out: np.ndarray[Any, Any]) -> None:
+class TableCalls:
+    """GetEncoding and StreamEncoding on a channel, sync or asyncio alike.
+
+    Responses are parsed by :mod:`posenc._wire`, which hands out the payload as a view of
+    the received message, so each chunk is copied once: into the result array.
+    """
+
+    def __init__(self, channel: grpc.Channel | grpc.aio.Channel) -> None:
+        service = "/posenc.v1.PositionalEncodingService/"
+        self.get_encoding: Any = channel.unary_unary(
+            service + "GetEncoding",
+            request_serializer=pb.GetEncodingRequest.SerializeToString,
+            response_deserializer=_wire.decode_tensor_response,
+        )
+        self.stream_encoding: Any = channel.unary_stream(
+            service + "StreamEncoding",
+            request_serializer=pb.StreamEncodingRequest.SerializeToString,
+            response_deserializer=_wire.decode_tensor_response,
+        )
+
+
+def _copy_tensor(tensor: _wire.TensorView, query: Query, out: np.ndarray[Any, Any]) -> None:
     """Validates ``tensor`` against the query and copies its rows into ``out``."""
     rows = out.shape[0]
     if tensor.dtype != query.dtype.enum or tensor.columns != query.d_model or tensor.rows != rows:
@@ -386,9 +408,8 @@ def _copy_tensor(tensor: pb.Tensor, query: Query, out: np.ndarray[Any, Any]) -> 
     out.view(query.dtype.native_bits)[...] = source
 
 
-def decode_unary(response: pb.GetEncodingResponse, query: Query) -> np.ndarray[Any, Any]:
+def decode_unary(tensor: _wire.TensorView, query: Query) -> np.ndarray[Any, Any]:
     """The result array of a GetEncoding response (writable, owns its memory)."""
-    tensor = response.tensor
     if tensor.row_offset != 0:
         raise InternalError(f"server sent row_offset {tensor.row_offset} in a unary response")
     out = query.empty()
@@ -425,13 +446,12 @@ class StreamCursor:
         self._base = self.received
         return self.query.stream_request(self.received, self.max_chunk_bytes)
 
-    def accept(self, response: pb.StreamEncodingResponse) -> tuple[int, np.ndarray[Any, Any]]:
+    def accept(self, chunk: _wire.TensorView) -> tuple[int, np.ndarray[Any, Any]]:
         """Takes one chunk: returns ``(label of its first row, its rows)``.
 
         When collecting, the rows are copied into the one result array (and a view of them
         returned); otherwise into a new array of the chunk's size.
         """
-        chunk = response.chunk
         if chunk.row_offset != self.received - self._base:
             raise InternalError(
                 f"server sent row_offset {chunk.row_offset}, expected "

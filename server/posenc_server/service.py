@@ -26,7 +26,8 @@ from posenc_server.errors import FieldViolation, InvalidRequestError, LimitExcee
 
 Table = npt.NDArray[np.generic]
 BlockKey = tuple[EncodingSpec, int]
-# Beyond this many blocks in one chunk of a position list, rows are computed one by one.
+# Beyond this many blocks in one unary position list, rows are computed one by one: at most
+# this many blocks (of max_chunk_bytes each) are computed for one request.
 _MAX_BLOCKS_PER_LIST_CHUNK = 64
 
 
@@ -192,9 +193,15 @@ class EncodingService:
         return max(1, self.config.max_chunk_bytes // spec.row_bytes)
 
     def table(self, spec: EncodingSpec, selection: Selection) -> Table:
-        """The whole table of a (validated) selection, in one array."""
+        """The whole table of a small (unary) selection, in one array.
+
+        Position lists go through the cache here: they are decode steps, whose blocks the
+        next steps ask for again.
+        """
+        if isinstance(selection, PositionList):
+            return self._rows_for_positions(spec, selection.positions, through_cache=True)
         out = np.empty((selection.rows, spec.d_model), dtype=spec.numpy_dtype)
-        for chunk in self.chunks(spec, selection, self.block_rows(spec)):
+        for chunk in self._range_chunks(spec, selection, self.block_rows(spec)):
             out[chunk.row_offset : chunk.row_offset + len(chunk.rows)] = chunk.rows
         return out
 
@@ -202,14 +209,16 @@ class EncodingService:
         """The table of a (validated) selection as consecutive chunks of <= chunk_rows rows.
 
         Lazy: each chunk is computed when the consumer asks for it, so a cancelled stream stops
-        computing and memory stays at a few chunks whatever the size of the selection.
+        computing and memory stays at a few chunks whatever the size of the selection. Long
+        position lists are computed row by row: whole blocks for scattered positions could
+        cost a block per row and flush the cache.
         """
         if isinstance(selection, PositionRange):
             yield from self._range_chunks(spec, selection, chunk_rows)
         else:
             for first in range(0, selection.rows, chunk_rows):
                 positions = selection.positions[first : first + chunk_rows]
-                yield Chunk(first, self._rows_for_positions(spec, positions))
+                yield Chunk(first, self._rows_for_positions(spec, positions, through_cache=False))
 
     def _range_chunks(
         self, spec: EncodingSpec, selection: PositionRange, chunk_rows: int
@@ -237,18 +246,20 @@ class EncodingService:
 
         return self.cache.get_or_compute((spec, index), compute)
 
-    def _rows_for_positions(self, spec: EncodingSpec, positions: npt.NDArray[np.int64]) -> Table:
-        """Rows for arbitrary positions, through the cache when they fall in a few blocks.
+    def _rows_for_positions(
+        self, spec: EncodingSpec, positions: npt.NDArray[np.int64], *, through_cache: bool
+    ) -> Table:
+        """Rows for arbitrary positions; through cached blocks when asked and they are few.
 
         A decode loop asks for the next position of each sequence at every step, so a block
         computed once serves the following steps too (a block costs only a few single rows:
-        one extended-precision angle, then multiplications). Widely scattered positions are
-        computed one row each and not cached, so they cannot flush the cache.
+        one extended-precision angle, then multiplications). Otherwise, and for widely
+        scattered positions, rows are computed one by one and not cached.
         """
         block_rows = self.block_rows(spec)
         block_ids = positions // block_rows
         distinct_blocks = np.unique(block_ids)
-        if distinct_blocks.size > _MAX_BLOCKS_PER_LIST_CHUNK:
+        if not through_cache or distinct_blocks.size > _MAX_BLOCKS_PER_LIST_CHUNK:
             self._count_rows(positions.size)
             return engine.encode_positions(spec, positions)
         if distinct_blocks.size == 1:

@@ -16,7 +16,8 @@ from google.protobuf.message import DecodeError, Message
 from google.rpc import code_pb2, error_details_pb2, status_pb2
 from grpc_status import rpc_status
 
-from posenc.v1 import posenc_pb2, posenc_pb2_grpc
+from posenc._wire import encode_tensor_response
+from posenc.v1 import posenc_pb2
 from posenc_server import engine
 from posenc_server.engine import EncodingSpec, Layout, Schedule
 from posenc_server.errors import (
@@ -94,7 +95,7 @@ SCHEDULES: dict[int, Schedule] = {
 }
 
 
-class PositionalEncodingServicer(posenc_pb2_grpc.PositionalEncodingServiceServicer):
+class PositionalEncodingServicer:
     """Implements posenc.v1.PositionalEncodingService over an EncodingService."""
 
     def __init__(self, service: EncodingService, version: str) -> None:
@@ -135,29 +136,28 @@ class PositionalEncodingServicer(posenc_pb2_grpc.PositionalEncodingServiceServic
         self,
         request: posenc_pb2.GetEncodingRequest | MalformedRequest,
         context: grpc.ServicerContext,
-    ) -> posenc_pb2.GetEncodingResponse:
-        """Answer a small table in one message."""
-        response = posenc_pb2.GetEncodingResponse()
+    ) -> bytes:
+        """Answer a small table in one (serialized GetEncodingResponse) message."""
+        response = b""
         with _status_on_error(context), self._tracked():
             spec, selection = self._parse(_parsed(request))
             self.service.check_unary_size(spec, selection)
-            table = self.service.table(spec, selection)
-            response.tensor.CopyFrom(_tensor(spec, Chunk(0, table)))
+            response = _tensor_response(spec, Chunk(0, self.service.table(spec, selection)))
         return response
 
     def StreamEncoding(
         self,
         request: posenc_pb2.StreamEncodingRequest | MalformedRequest,
         context: grpc.ServicerContext,
-    ) -> Iterator[posenc_pb2.StreamEncodingResponse]:
-        """Stream a table of any size as row-aligned chunks."""
+    ) -> Iterator[bytes]:
+        """Stream a table of any size as row-aligned chunks (serialized responses)."""
         with _status_on_error(context), self._tracked():
             request = _parsed(request)
             spec, selection = self._parse(request)
             self.service.check_stream_size(spec, selection)
             chunk_rows = self.service.chunk_rows(spec, request.max_chunk_bytes)
             for chunk in self.service.chunks(spec, selection, chunk_rows):
-                yield posenc_pb2.StreamEncodingResponse(chunk=_tensor(spec, chunk))
+                yield _tensor_response(spec, chunk)
 
     def GetServerInfo(
         self,
@@ -231,17 +231,21 @@ class PositionalEncodingServicer(posenc_pb2_grpc.PositionalEncodingServiceServic
 
 
 def add_to_server(servicer: PositionalEncodingServicer, server: grpc.Server) -> None:
-    """Register ``servicer`` like the generated function does, but with tolerant parsers."""
+    """Register ``servicer`` like the generated function does, with two differences.
+
+    Requests are parsed by tolerant parsers (malformed bytes become INVALID_ARGUMENT), and
+    table responses arrive already serialized (see ``posenc._wire``).
+    """
     handlers = {
         "GetEncoding": grpc.unary_unary_rpc_method_handler(
             servicer.GetEncoding,
             request_deserializer=_tolerant_parser(posenc_pb2.GetEncodingRequest),
-            response_serializer=posenc_pb2.GetEncodingResponse.SerializeToString,
+            response_serializer=None,  # the servicer returns serialized responses
         ),
         "StreamEncoding": grpc.unary_stream_rpc_method_handler(
             servicer.StreamEncoding,
             request_deserializer=_tolerant_parser(posenc_pb2.StreamEncodingRequest),
-            response_serializer=posenc_pb2.StreamEncodingResponse.SerializeToString,
+            response_serializer=None,
         ),
         "GetServerInfo": grpc.unary_unary_rpc_method_handler(
             servicer.GetServerInfo,
@@ -253,14 +257,16 @@ def add_to_server(servicer: PositionalEncodingServicer, server: grpc.Server) -> 
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service, handlers),))
 
 
-def _tensor(spec: EncodingSpec, chunk: Chunk) -> posenc_pb2.Tensor:
-    rows = chunk.rows
-    return posenc_pb2.Tensor(
-        dtype=DTYPE_ENUMS[spec.dtype],
-        row_offset=chunk.row_offset,
-        rows=rows.shape[0],
-        columns=spec.d_model,
-        data=rows.tobytes(),
+def _tensor_response(spec: EncodingSpec, chunk: Chunk) -> bytes:
+    """A serialized Get/StreamEncodingResponse, encoded by hand to copy the rows only once."""
+    rows = np.ascontiguousarray(chunk.rows)
+    return encode_tensor_response(
+        DTYPE_ENUMS[spec.dtype],
+        chunk.row_offset,
+        rows.shape[0],
+        spec.d_model,
+        # Bytes, whatever the dtype: memoryview cannot export bfloat16.
+        rows.reshape(-1).view(np.uint8).data,
     )
 
 

@@ -1,0 +1,130 @@
+"""Hand-written protobuf encoding of the two table responses, without copying the payload.
+
+``GetEncodingResponse`` and ``StreamEncodingResponse`` both hold one ``Tensor`` in field 1.
+The generated classes copy a ``bytes`` field on every step: into the message, out of it when
+serializing, and again when a parsed field is read. A megabyte chunk costs more in those
+copies than in everything else, so both ends use this codec instead. It writes exactly what
+protobuf writes (fields in number order, proto3 zero values omitted), so stock parsers read
+the messages, and it reads what any protobuf library writes: fields in any order, unknown
+fields skipped.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from google.protobuf.message import DecodeError
+
+_VARINT = 0
+_I64 = 1
+_LEN = 2
+_I32 = 5
+_TENSOR_FIELD = 1
+# Tensor fields: dtype = 1, row_offset = 2, rows = 3, columns = 4, data = 5.
+_DATA_FIELD = 5
+_MAX_VARINT_BYTES = 10
+_NO_DATA = memoryview(b"")
+
+
+@dataclass(frozen=True, slots=True)
+class TensorView:
+    """A parsed ``Tensor`` whose ``data`` is a zero-copy view of the received message."""
+
+    dtype: int = 0
+    row_offset: int = 0
+    rows: int = 0
+    columns: int = 0
+    data: memoryview = _NO_DATA
+
+
+def _varint(value: int) -> bytes:
+    out = bytearray()
+    while value > 0x7F:
+        out.append((value & 0x7F) | 0x80)
+        value >>= 7
+    out.append(value)
+    return bytes(out)
+
+
+def encode_tensor_response(
+    dtype: int, row_offset: int, rows: int, columns: int, data: bytes | memoryview
+) -> bytes:
+    """Serialize a ``GetEncodingResponse``/``StreamEncodingResponse`` holding one Tensor.
+
+    ``data`` is the payload as bytes or a byte view (``array.reshape(-1).view(np.uint8).data``
+    for a C-contiguous numpy array): it is copied once, into the returned message.
+    """
+    payload = memoryview(data)
+    header = bytearray()
+    for field, value in ((1, dtype), (2, row_offset), (3, rows), (4, columns)):
+        if value:  # proto3 omits zero scalars
+            header += _varint(field << 3 | _VARINT) + _varint(value)
+    if payload.nbytes:
+        header += _varint(_DATA_FIELD << 3 | _LEN) + _varint(payload.nbytes)
+    prefix = _varint(_TENSOR_FIELD << 3 | _LEN) + _varint(len(header) + payload.nbytes)
+    return b"".join((prefix, header, payload))
+
+
+def _read_varint(buffer: memoryview, position: int, end: int) -> tuple[int, int]:
+    result = shift = 0
+    for index in range(position, min(position + _MAX_VARINT_BYTES, end)):
+        byte = buffer[index]
+        result |= (byte & 0x7F) << shift
+        if not byte & 0x80:
+            return result & 0xFFFFFFFFFFFFFFFF, index + 1
+        shift += 7
+    raise DecodeError("truncated or overlong varint")
+
+
+def _skip(buffer: memoryview, wire_type: int, position: int, end: int) -> int:
+    if wire_type == _VARINT:
+        return _read_varint(buffer, position, end)[1]
+    if wire_type == _LEN:
+        length, position = _read_varint(buffer, position, end)
+        return position + length
+    if wire_type == _I64:
+        return position + 8
+    if wire_type == _I32:
+        return position + 4
+    raise DecodeError(f"unsupported wire type {wire_type}")
+
+
+def _parse_tensor(buffer: memoryview, position: int, end: int) -> TensorView:
+    scalars = [0, 0, 0, 0, 0]
+    data = buffer[0:0]
+    while position < end:
+        key, position = _read_varint(buffer, position, end)
+        field, wire_type = key >> 3, key & 7
+        if 1 <= field <= 4 and wire_type == _VARINT:
+            scalars[field], position = _read_varint(buffer, position, end)
+        elif field == _DATA_FIELD and wire_type == _LEN:
+            length, position = _read_varint(buffer, position, end)
+            data = buffer[position : position + length]
+            position += length
+        else:
+            position = _skip(buffer, wire_type, position, end)
+        if position > end:
+            raise DecodeError("field runs past the end of the Tensor")
+    return TensorView(scalars[1], scalars[2], scalars[3], scalars[4], data)
+
+
+def decode_tensor_response(message: bytes) -> TensorView:
+    """Parse a ``GetEncodingResponse``/``StreamEncodingResponse`` into its Tensor."""
+    buffer = memoryview(message)
+    end = len(buffer)
+    position = 0
+    tensor = TensorView()
+    while position < end:
+        key, position = _read_varint(buffer, position, end)
+        field, wire_type = key >> 3, key & 7
+        if field == _TENSOR_FIELD and wire_type == _LEN:
+            length, position = _read_varint(buffer, position, end)
+            if position + length > end:
+                raise DecodeError("Tensor runs past the end of the message")
+            tensor = _parse_tensor(buffer, position, position + length)
+            position += length
+        else:
+            position = _skip(buffer, wire_type, position, end)
+            if position > end:
+                raise DecodeError("field runs past the end of the message")
+    return tensor
