@@ -96,13 +96,17 @@ def _collect(stream: IO[str], lines: list[str]) -> None:
 
 @pytest.fixture
 def spawn_server() -> Iterator[Callable[..., ServerProcess]]:
-    """Start ``python -m posenc_server`` subprocesses; returns once each one serves."""
+    """Start ``python -m posenc_server`` subprocesses; returns once each one serves.
+
+    One server process unless ``args`` say otherwise (``--processes N``), so that tests can
+    watch the process that serves.
+    """
     processes: list[ServerProcess] = []
 
     def spawn(port: int = 0, *args: str, env: dict[str, str] | None = None) -> ServerProcess:
         port = port or free_port()
         process = subprocess.Popen(
-            [sys.executable, "-m", "posenc_server", "--port", str(port), *args],
+            [sys.executable, "-m", "posenc_server", "--processes", "1", "--port", str(port), *args],
             stderr=subprocess.PIPE,
             stdout=subprocess.DEVNULL,
             text=True,

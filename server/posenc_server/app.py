@@ -19,6 +19,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from posenc.v1 import posenc_pb2
+from posenc_server import supervisor
 from posenc_server.config import ServerConfig
 from posenc_server.service import EncodingService
 from posenc_server.servicer import PositionalEncodingServicer, add_to_server
@@ -39,6 +40,10 @@ def version() -> str:
 class JsonFormatter(logging.Formatter):
     """One JSON object per line, with any ``extra={"fields": {...}}`` merged in."""
 
+    def __init__(self, static_fields: dict[str, object] | None = None) -> None:
+        super().__init__()
+        self.static_fields = static_fields or {}
+
     def format(self, record: logging.LogRecord) -> str:
         entry: dict[str, object] = {
             "time": self.formatTime(record, "%Y-%m-%dT%H:%M:%S%z"),
@@ -46,16 +51,17 @@ class JsonFormatter(logging.Formatter):
             "logger": record.name,
             "message": record.getMessage(),
         }
+        entry.update(self.static_fields)
         entry.update(getattr(record, "fields", {}))
         if record.exc_info:
             entry["exception"] = self.formatException(record.exc_info)
         return json.dumps(entry, default=str)
 
 
-def configure_logging(level: str) -> None:
-    """Send structured logs to stderr at ``level``."""
+def configure_logging(level: str, static_fields: dict[str, object] | None = None) -> None:
+    """Send structured logs to stderr at ``level``, each line with ``static_fields``."""
     handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(JsonFormatter())
+    handler.setFormatter(JsonFormatter(static_fields))
     log.handlers[:] = [handler]
     log.setLevel(level.upper())
     log.propagate = False
@@ -93,8 +99,12 @@ class RunningServer:
         return drained
 
 
-def start_server(config: ServerConfig) -> RunningServer:
-    """Start serving ``config`` in background threads and return the running server."""
+def start_server(config: ServerConfig, *, reuse_port: bool = False) -> RunningServer:
+    """Start serving ``config`` in background threads and return the running server.
+
+    ``reuse_port`` lets several processes listen on one port (the supervisor's workers);
+    otherwise a busy port is an error rather than silently shared.
+    """
     service = EncodingService(config)
     servicer = PositionalEncodingServicer(service, version())
     server = grpc.server(
@@ -102,8 +112,7 @@ def start_server(config: ServerConfig) -> RunningServer:
         options=[
             ("grpc.max_receive_message_length", config.max_receive_message_bytes),
             ("grpc.max_send_message_length", config.max_send_message_bytes),
-            # A second server on a busy port must fail rather than share it silently.
-            ("grpc.so_reuseport", 0),
+            ("grpc.so_reuseport", int(reuse_port)),
         ],
     )
     add_to_server(servicer, server)
@@ -121,48 +130,57 @@ def start_server(config: ServerConfig) -> RunningServer:
     return RunningServer(config, port, server, servicer, health_servicer)
 
 
+def startup_fields(config: ServerConfig, port: int) -> dict[str, object]:
+    """What the startup log line says: address, version and limits."""
+    return {
+        "address": f"{config.host}:{port}",
+        "port": port,
+        "version": version(),
+        "limits": config.public_limits(),
+        "cache_bytes": config.cache_bytes,
+        "workers": config.workers,
+        "grace_seconds": config.grace_seconds,
+    }
+
+
 def run(argv: Sequence[str] | None = None) -> int:
     """Serve until SIGTERM or SIGINT, then drain; the exit code of ``posenc serve``."""
+    argv = list(argv or [])
     try:
         config = ServerConfig.from_args(argv)
     except ValueError as error:
         print(f"posenc serve: {error}", file=sys.stderr)
         return 2
-    configure_logging(config.log_level)
-    try:
-        running = start_server(config)
-    except (OSError, RuntimeError) as error:
-        log.error("cannot start", extra={"fields": {"address": config.address}})
-        print(f"posenc serve: cannot listen on {config.address}: {error}", file=sys.stderr)
-        return 1
-    log.info(
-        "listening",
-        extra={
-            "fields": {
-                "address": f"{config.host}:{running.port}",
-                "port": running.port,
-                "version": version(),
-                "limits": config.public_limits(),
-                "cache_bytes": config.cache_bytes,
-                "workers": config.workers,
-                "grace_seconds": config.grace_seconds,
-            }
-        },
-    )
+    worker = supervisor.worker_index()
+    configure_logging(config.log_level, None if worker is None else {"worker": worker})
     stop = threading.Event()
-    received: list[str] = []
+    signals: list[str] = []
 
     def on_signal(signum: int, frame: FrameType | None) -> None:
-        received.append(signal.Signals(signum).name)
+        signals.append(signal.Signals(signum).name)
         stop.set()
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
+    if worker is None and config.process_count > 1:
+        return supervisor.supervise(config, argv, stop, signals)
+    if worker is not None:
+        supervisor.die_with_supervisor()
+    try:
+        running = start_server(config, reuse_port=worker is not None)
+    except (OSError, RuntimeError) as error:
+        print(f"posenc serve: cannot listen on {config.address}: {error}", file=sys.stderr)
+        return 1
+    fields = startup_fields(config, running.port)
+    if worker is None:
+        log.info("listening", extra={"fields": fields})
+    else:
+        log.info(supervisor.WORKER_READY, extra={"fields": fields})
     # Any thread may receive the signal, and then a blocked main thread is not woken: poll, so
     # that the Python handler (which only runs on the main thread) runs within a moment.
     while not stop.wait(0.2):
         pass
-    log.info("draining", extra={"fields": {"signal": received[0], "grace": config.grace_seconds}})
+    log.info("draining", extra={"fields": {"signal": signals[0], "grace": config.grace_seconds}})
     drained = running.shutdown()
     log.info("stopped", extra={"fields": {"drained": drained}})
     return 0

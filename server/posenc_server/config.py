@@ -44,7 +44,11 @@ class ServerConfig:
         default=MIB, metadata={"help": "largest stream chunk in bytes (at most 4 MiB)"}
     )
     cache_bytes: int = field(default=512 * MIB, metadata={"help": "cache budget in bytes"})
-    workers: int = field(default=16, metadata={"help": "threads serving requests"})
+    processes: int = field(
+        default=0,
+        metadata={"help": "server processes sharing the port (0: one per available core)"},
+    )
+    workers: int = field(default=16, metadata={"help": "threads serving requests, per process"})
     grace_seconds: float = field(
         default=30.0, metadata={"help": "on SIGTERM, time in-flight calls get to finish"}
     )
@@ -67,6 +71,8 @@ class ServerConfig:
             )
         if self.max_unary_bytes < 0 or self.max_stream_bytes < 0 or self.cache_bytes < 0:
             problems.append("byte limits must be >= 0")
+        if not 0 <= self.processes <= 256:
+            problems.append("processes must be in 0..256")
         if self.workers < 1:
             problems.append("workers must be >= 1")
         if self.grace_seconds < 0:
@@ -75,6 +81,11 @@ class ServerConfig:
             problems.append("log_level must be DEBUG, INFO, WARNING or ERROR")
         if problems:
             raise ValueError("invalid configuration: " + "; ".join(problems))
+
+    @property
+    def process_count(self) -> int:
+        """Server processes to run: ``processes``, or one per core this process may use."""
+        return self.processes or len(os.sched_getaffinity(0))
 
     @property
     def address(self) -> str:

@@ -1,0 +1,113 @@
+"""Several server processes on one port: all serve, drain together, die with the supervisor."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import time
+from collections.abc import Callable
+
+import numpy as np
+import pytest
+from conftest import ServerProcess
+
+import posenc
+from posenc_server import engine
+from posenc_server.engine import EncodingSpec
+
+
+def worker_pids(supervisor_pid: int) -> set[int]:
+    children = set()
+    for task in os.listdir(f"/proc/{supervisor_pid}/task"):
+        with open(f"/proc/{supervisor_pid}/task/{task}/children") as listing:
+            children.update(int(pid) for pid in listing.read().split())
+    return children
+
+
+def alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/status") as status:
+            return "State:\tZ" not in status.read()
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.timeout(120)
+def test_workers_share_the_port_and_each_serves(
+    spawn_server: Callable[..., ServerProcess],
+) -> None:
+    process = spawn_server(0, "--processes", "2", "--cache-bytes", str(64 << 20))
+    assert len(worker_pids(process.process.pid)) == 2
+    startup = [entry for entry in process.logs() if entry["message"] == "listening"]
+    assert len(startup) == 1 and startup[0]["processes"] == 2
+    server_ids = set()
+    expected = engine.encode_range(EncodingSpec(64), 1000, 1100)
+    # The kernel spreads connections over the workers; one client is one connection.
+    for _ in range(24):
+        with posenc.Client(process.target) as client:
+            info = client.server_info()
+            assert np.array_equal(client.get_range(1000, 1100, 64), expected)
+        server_ids.add(info.server_id)
+        assert info.cache.budget_bytes == 32 << 20  # the budget is split between workers
+        if len(server_ids) == 2:
+            break
+    assert len(server_ids) == 2
+
+
+@pytest.mark.timeout(120)
+def test_sigterm_drains_every_worker_and_exits_zero(
+    spawn_server: Callable[..., ServerProcess],
+) -> None:
+    process = spawn_server(0, "--processes", "2", "--grace-seconds", "10")
+    workers = worker_pids(process.process.pid)
+    with posenc.Client(process.target) as client:
+        stream = client.iter_range(0, 4096, 1024, chunk_bytes=64 * 1024)
+        _, rows = next(stream)
+        process.terminate()
+        received = len(rows) + sum(len(rows) for _, rows in stream)
+    assert received == 4096  # the stream in flight finished during the drain
+    assert process.process.wait(30) == 0
+    assert not any(alive(pid) for pid in workers)
+    messages = [entry["message"] for entry in process.logs() if "worker" not in entry]
+    assert messages[-2:] == ["draining", "stopped"]
+
+
+@pytest.mark.timeout(120)
+def test_workers_die_with_a_killed_supervisor_and_free_the_port(
+    spawn_server: Callable[..., ServerProcess],
+) -> None:
+    process = spawn_server(0, "--processes", "2")
+    workers = worker_pids(process.process.pid)
+    process.kill()
+    deadline = time.monotonic() + 10
+    while any(alive(pid) for pid in workers) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not any(alive(pid) for pid in workers)
+    with socket.socket() as sock:  # no SO_REUSEPORT: fails if anyone still holds the port
+        sock.bind(("127.0.0.1", process.port))
+
+
+@pytest.mark.timeout(120)
+def test_a_dead_worker_is_replaced(spawn_server: Callable[..., ServerProcess]) -> None:
+    process = spawn_server(0, "--processes", "2")
+    victim = min(worker_pids(process.process.pid))
+    os.kill(victim, signal.SIGKILL)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        workers = worker_pids(process.process.pid)
+        if victim not in workers and len(workers) == 2:
+            break
+        time.sleep(0.1)
+    assert victim not in workers and len(workers) == 2
+    assert any(entry["message"] == "worker exited; starting a new one" for entry in process.logs())
+    with posenc.Client(process.target) as client:
+        assert client.health() == "SERVING"
+
+
+def test_a_busy_port_is_an_error(spawn_server: Callable[..., ServerProcess]) -> None:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen()
+        with pytest.raises(RuntimeError, match="cannot listen"):
+            spawn_server(sock.getsockname()[1], "--processes", "2")
