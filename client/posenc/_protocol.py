@@ -539,12 +539,26 @@ def map_rpc_error(error: grpc.RpcError) -> PosencError:
     return cls(details, code=code)
 
 
+def is_transient(error: PosencError) -> bool:
+    """Whether the same request may succeed when tried again.
+
+    UNAVAILABLE, and the INTERNAL that gRPC reports when an HTTP/2 stream is reset under it
+    (a proxy such as nginx resets a client's stream when its upstream replica dies). The
+    server's own INTERNAL is a bug and is not retried. Every posenc call only reads, so
+    repeating one is safe.
+    """
+    if error.code == grpc.StatusCode.UNAVAILABLE:
+        return True
+    return error.code == grpc.StatusCode.INTERNAL and "RST_STREAM" in error.details
+
+
 class CallBudget:
     """Deadline and retries of one SDK call, shared by all its attempts.
 
     The timeout bounds the whole call, retries and resumed streams included: each attempt
-    gets what remains of it. Only UNAVAILABLE is retried; the other codes say retrying
-    the same request would fail the same way (or, for DEADLINE_EXCEEDED, too late).
+    gets what remains of it. Only transient failures are retried (see :func:`is_transient`);
+    the other codes say retrying the same request would fail the same way (or, for
+    DEADLINE_EXCEEDED, too late).
     """
 
     def __init__(self, timeout: float | None, max_retries: int, backoff: float) -> None:
@@ -570,7 +584,7 @@ class CallBudget:
     def on_error(self, error: grpc.RpcError) -> float:
         """Returns how long to sleep before retrying, or raises the mapped exception."""
         mapped = map_rpc_error(error)
-        if mapped.code != grpc.StatusCode.UNAVAILABLE or self._failures >= self._max_retries:
+        if not is_transient(mapped) or self._failures >= self._max_retries:
             if self._failures:
                 mapped.details += f" (after {self._failures + 1} attempts)"
             raise mapped from error
