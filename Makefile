@@ -34,3 +34,18 @@ stubs: $(STAMP)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
+
+# Benchmarks against the physical floors (bench/README.md): results in bench/results/.
+BENCH_STAMP := $(VENV)/.installed-bench
+
+.PHONY: bench bench-quick
+
+$(BENCH_STAMP): $(STAMP)
+	$(BIN)/python -m pip install --quiet -e '.[dev,bench]'
+	touch $(BENCH_STAMP)
+
+bench: $(STAMP) $(BENCH_STAMP)
+	$(BIN)/python -m bench
+
+bench-quick: $(STAMP) $(BENCH_STAMP)
+	$(BIN)/python -m bench --quick
