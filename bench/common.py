@@ -1,0 +1,311 @@
+"""Shared pieces: run sizes, statistics, /proc readers, and the shape of a section's results."""
+
+from __future__ import annotations
+
+import datetime
+import operator
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+MIB = 1 << 20
+GIB = 1 << 30
+REPO = Path(__file__).resolve().parent.parent
+
+
+@dataclass(frozen=True)
+class Sizes:
+    """Every size and count of one run; ``quick`` keeps ``make bench-quick`` under 3 minutes."""
+
+    quick: bool
+    repeats: int
+    # a. engine
+    engine_shapes: tuple[tuple[int, int], ...] = ((8192, 1024), (4096, 4096))
+    engine_start: int = 10**6
+    # b. end to end
+    e2e_rows: int = 16384
+    e2e_d_model: int = 4096
+    e2e_repeats: int = 11
+    # c. latency
+    latency_rounds: int = 1000
+    latency_warmup: int = 100
+    # d. concurrency
+    concurrency_levels: tuple[int, ...] = (1, 2, 4, 8, 16)
+    concurrency_window: float = 3.0
+    concurrency_stream_bytes: int = 64 * MIB
+    concurrency_repeats: int = 3
+    # e. growth
+    growth_d_model: int = 256
+    growth_rows: tuple[int, ...] = (1, 10, 100, 1_000, 10_000, 100_000, 1_000_000)
+    growth_widths: tuple[int, ...] = (64, 256, 1024, 4096, 16384)
+    growth_width_bytes: int = 64 * MIB
+    stream_bytes: int = 8 * GIB
+    # f. client memory
+    client_get_bytes: int = GIB
+    client_get_repeats: int = 3
+
+    @classmethod
+    def for_mode(cls, quick: bool) -> Sizes:
+        if not quick:
+            return cls(quick=False, repeats=5, latency_rounds=3000)
+        return cls(
+            quick=True,
+            repeats=3,
+            e2e_repeats=9,
+            latency_rounds=1000,
+            latency_warmup=50,
+            concurrency_window=1.0,
+            concurrency_repeats=3,
+            growth_rows=(1, 10, 100, 1_000, 10_000, 100_000),
+            growth_width_bytes=16 * MIB,
+            stream_bytes=GIB,
+        )
+
+
+# -- statistics ------------------------------------------------------------------------------
+
+
+def median(values: Sequence[float]) -> float:
+    return float(statistics.median(values)) if values else float("nan")
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    return float(np.percentile(np.asarray(values, dtype=np.float64), q)) if values else float("nan")
+
+
+def ratio(numerator: float, denominator: float) -> float:
+    return numerator / denominator if denominator else float("nan")
+
+
+def mib_per_s(nbytes: float, seconds: float) -> float:
+    return nbytes / MIB / seconds if seconds > 0 else float("nan")
+
+
+def timed(function: Callable[[], object]) -> float:
+    """Seconds one call of ``function`` takes (its result is dropped before returning)."""
+    start = time.perf_counter()
+    function()
+    return time.perf_counter() - start
+
+
+def rotated(items: Sequence[Any], shift: int) -> list[Any]:
+    """``items`` rotated left by ``shift``: interleaved runs change who goes first."""
+    if not items:
+        return []
+    k = shift % len(items)
+    return list(items[k:]) + list(items[:k])
+
+
+# -- results ---------------------------------------------------------------------------------
+
+
+@dataclass
+class Target:
+    """One target of issue 3: ``value op threshold``, or informational when ``op`` is empty."""
+
+    name: str
+    value: float
+    op: str  # ">=", "<=", "<", ">" or "" (reported, not judged)
+    threshold: float
+    unit: str = "x"
+
+    @property
+    def passed(self) -> bool | None:
+        if not self.op:
+            return None
+        if self.value != self.value:  # NaN: the measurement failed
+            return False
+        compare = {">=": operator.ge, "<=": operator.le, "<": operator.lt, ">": operator.gt}
+        return bool(compare[self.op](self.value, self.threshold))
+
+    def verdict(self) -> str:
+        return {True: "PASS", False: "FAIL", None: "info"}[self.passed]
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "value": self.value,
+            "op": self.op,
+            "threshold": self.threshold,
+            "unit": self.unit,
+            "verdict": self.verdict(),
+        }
+
+
+@dataclass
+class Table:
+    caption: str
+    columns: list[str]
+    rows: list[list[Any]]
+
+    def to_json(self) -> dict[str, Any]:
+        return {"caption": self.caption, "columns": self.columns, "rows": self.rows}
+
+
+@dataclass
+class Section:
+    """What one section of the suite measured."""
+
+    key: str
+    title: str
+    method: str = ""
+    tables: list[Table] = field(default_factory=list)
+    targets: list[Target] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    data: dict[str, Any] = field(default_factory=dict)
+    seconds: float = 0.0
+    error: str | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "key": self.key,
+            "title": self.title,
+            "method": self.method,
+            "tables": [t.to_json() for t in self.tables],
+            "targets": [t.to_json() for t in self.targets],
+            "notes": self.notes,
+            "data": self.data,
+            "seconds": self.seconds,
+            "error": self.error,
+        }
+
+
+# -- /proc -----------------------------------------------------------------------------------
+
+
+def proc_status_kib(pid: int | str, key: str) -> int:
+    """A ``kB`` field of /proc/PID/status (``VmRSS``, ``VmHWM``), in KiB; 0 if gone."""
+    try:
+        with open(f"/proc/{pid}/status") as status:
+            for line in status:
+                if line.startswith(key + ":"):
+                    return int(line.split()[1])
+    except (FileNotFoundError, ProcessLookupError, PermissionError):
+        pass
+    return 0
+
+
+def process_tree(pid: int) -> list[int]:
+    """``pid`` and all its descendants, from /proc/PID/task/*/children."""
+    seen: list[int] = []
+    todo = [pid]
+    while todo and len(seen) < 4096:
+        current = todo.pop()
+        if current in seen:
+            continue
+        seen.append(current)
+        try:
+            tasks = os.listdir(f"/proc/{current}/task")
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+        for task in tasks:
+            try:
+                with open(f"/proc/{current}/task/{task}/children") as children:
+                    todo.extend(int(child) for child in children.read().split())
+            except (FileNotFoundError, ProcessLookupError):
+                continue
+    return seen
+
+
+def tree_kib(pid: int, key: str) -> int:
+    """A status field summed over ``pid`` and its descendants."""
+    return sum(proc_status_kib(p, key) for p in process_tree(pid))
+
+
+def reset_peak_rss() -> bool:
+    """Resets this process's VmHWM to its current RSS (Linux >= 4.0); False if refused."""
+    try:
+        with open("/proc/self/clear_refs", "w") as clear:
+            clear.write("5")
+        return True
+    except OSError:
+        return False
+
+
+# -- machine ---------------------------------------------------------------------------------
+
+
+def _version(package: str) -> str:
+    try:
+        return metadata.version(package)
+    except metadata.PackageNotFoundError:
+        return "not installed"
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            for line in cpuinfo:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def _mem_total_gib() -> float:
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemTotal:"):
+                    return int(line.split()[1]) / (1 << 20)
+    except OSError:
+        pass
+    return float("nan")
+
+
+def _git(*args: str) -> str:
+    try:
+        out = subprocess.run(
+            ["git", *args], cwd=REPO, capture_output=True, text=True, timeout=10, check=False
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return ""
+    return out.stdout.strip()
+
+
+def machine() -> dict[str, Any]:
+    """What the figures came from: hardware, software versions, code revision, date."""
+    affinity = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
+    return {
+        "cpu_model": _cpu_model(),
+        "logical_cpus": os.cpu_count(),
+        "usable_cpus": affinity,
+        "ram_gib": round(_mem_total_gib(), 1),
+        "kernel": platform.release(),
+        "python": platform.python_version(),
+        "numpy": np.__version__,
+        "grpcio": _version("grpcio"),
+        "protobuf": _version("protobuf"),
+        "posenc": _version("posenc"),
+        "git_commit": _git("rev-parse", "--short", "HEAD"),
+        "git_dirty": bool(_git("status", "--porcelain", "--untracked-files=no")),
+        "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
+        "command": " ".join([os.path.basename(sys.executable), "-m", "bench", *sys.argv[1:]]),
+    }
+
+
+_TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+
+def cpu_seconds(pids: Sequence[int]) -> float:
+    """User + system CPU seconds used so far by ``pids`` (threads included)."""
+    total = 0
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat") as stat:
+                fields = stat.read().rsplit(")", 1)[1].split()
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+        total += int(fields[11]) + int(fields[12])  # utime, stime (fields 14 and 15)
+    return total / _TICKS

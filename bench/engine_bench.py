@@ -1,0 +1,157 @@
+"""a. Engine, cold: posenc's encode_range against plain float64 numpy and naive float32."""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from bench.common import MIB, Section, Sizes, Table, Target, median, ratio, rotated
+
+Array = npt.NDArray[Any]
+
+
+def _clear_engine_caches() -> None:
+    """Empties every memoized table of the engine, so a run pays for all its work."""
+    from posenc_server import engine
+
+    for name in dir(engine):
+        cache_clear = getattr(getattr(engine, name), "cache_clear", None)
+        if callable(cache_clear):
+            cache_clear()
+
+
+def engine_float32(start: int, rows: int, d_model: int) -> Array:
+    from posenc_server import engine
+
+    _clear_engine_caches()
+    spec = engine.EncodingSpec(d_model=d_model, dtype="float32")
+    return engine.encode_range(spec, start, start + rows)
+
+
+def engine_float64(start: int, rows: int, d_model: int) -> Array:
+    from posenc_server import engine
+
+    spec = engine.EncodingSpec(d_model=d_model, dtype="float64")
+    return engine.encode_range(spec, start, start + rows)
+
+
+def plain_numpy(start: int, rows: int, d_model: int, base: float = 10000.0) -> Array:
+    """The plain accurate way: float64 angles, np.sin / np.cos, interleaved, cast to float32."""
+    positions = np.arange(start, start + rows, dtype=np.float64)
+    inv_freq = base ** (-np.arange(0, d_model, 2, dtype=np.float64) / d_model)
+    angles = positions[:, None] * inv_freq[None, :]
+    out = np.empty((rows, d_model), dtype=np.float32)
+    out[:, 0::2] = np.sin(angles)
+    out[:, 1::2] = np.cos(angles[:, : d_model // 2])
+    return out
+
+
+def naive_float32(start: int, rows: int, d_model: int, base: float = 10000.0) -> Array:
+    """The usual PyTorch code, in numpy: everything float32, ``position * div_term``."""
+    position = np.arange(start, start + rows, dtype=np.float32)[:, None]
+    div_term = np.exp(
+        np.arange(0, d_model, 2, dtype=np.float32) * np.float32(-(math.log(base) / d_model))
+    )
+    out = np.zeros((rows, d_model), dtype=np.float32)
+    out[:, 0::2] = np.sin(position * div_term)
+    out[:, 1::2] = np.cos(position * div_term[: d_model // 2])
+    return out
+
+
+def run(sizes: Sizes) -> Section:
+    section = Section(
+        "a",
+        "Engine, cold",
+        method=(
+            f"float32 tables of rows x d_model starting at position {sizes.engine_start}, "
+            "computed in the harness process. posenc = `posenc_server.engine.encode_range` "
+            "with every engine lru_cache cleared before each run; plain numpy = float64 "
+            "angles `positions[:, None] * inv_freq[None, :]`, np.sin/np.cos, interleaved and "
+            "cast to float32; naive float32 = the usual PyTorch code (`div_term = exp(arange(0, "
+            "d, 2) * -(log(10000)/d))` and `position * div_term` all in float32). The three "
+            f"run interleaved, {sizes.repeats} times each (order rotated); medians. Errors are "
+            "max |x - reference| against the engine's float64 table of the same positions."
+        ),
+    )
+    methods: dict[str, Callable[[int, int, int], Array]] = {
+        "posenc engine": engine_float32,
+        "plain numpy (float64 angles)": plain_numpy,
+        "naive float32": naive_float32,
+    }
+    rows_out: list[list[Any]] = []
+    data: dict[str, Any] = {}
+    for rows, d_model in sizes.engine_shapes:
+        start = sizes.engine_start
+        nbytes = rows * d_model * 4
+        samples: dict[str, list[float]] = {name: [] for name in methods}
+        for method in methods.values():  # warm-up: imports, page faults, numpy dispatch
+            method(start, min(rows, 64), d_model)
+        for repeat in range(sizes.repeats):
+            for name in rotated(list(methods), repeat):
+                t0 = time.perf_counter()
+                methods[name](start, rows, d_model)
+                samples[name].append(time.perf_counter() - t0)
+        reference = engine_float64(start, rows, d_model)
+        errors = {
+            "posenc engine": float(
+                np.max(np.abs(engine_float32(start, rows, d_model) - reference))
+            ),
+            "plain numpy (float64 angles)": float(
+                np.max(np.abs(plain_numpy(start, rows, d_model) - reference))
+            ),
+            "naive float32": float(np.max(np.abs(naive_float32(start, rows, d_model) - reference))),
+        }
+        del reference
+        speeds = {name: nbytes / MIB / median(s) for name, s in samples.items()}
+        key = f"{rows}x{d_model}"
+        data[key] = {
+            "rows": rows,
+            "d_model": d_model,
+            "start": start,
+            "bytes": nbytes,
+            "seconds": samples,
+            "mib_per_s": speeds,
+            "max_abs_error": errors,
+        }
+        for name in methods:
+            rows_out.append(
+                [
+                    key,
+                    name,
+                    f"{median(samples[name]) * 1e3:.1f}",
+                    f"{speeds[name]:.0f}",
+                    f"{ratio(speeds[name], speeds['plain numpy (float64 angles)']):.2f}",
+                    f"{errors[name]:.2e}",
+                ]
+            )
+        section.targets.append(
+            Target(
+                f"engine {key} cold MiB/s / plain numpy MiB/s",
+                ratio(speeds["posenc engine"], speeds["plain numpy (float64 angles)"]),
+                ">=",
+                4.0,
+            )
+        )
+        section.targets.append(
+            Target(
+                f"naive float32 max abs error at {key} from position {start}",
+                errors["naive float32"],
+                "",
+                0.0,
+                unit="",
+            )
+        )
+    section.tables.append(
+        Table(
+            "float32 output, cold",
+            ["rows x d_model", "method", "median ms", "MiB/s", "x plain numpy", "max abs error"],
+            rows_out,
+        )
+    )
+    section.data = data
+    return section

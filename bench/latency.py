@@ -1,0 +1,130 @@
+"""c. Decode-step latency: get_positions of 1 and 64 positions against trivial unary calls."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+import posenc
+from bench.common import Section, Sizes, Table, Target, median, percentile, ratio
+from bench.floor import FloorClient
+
+D_MODEL = 4096
+BATCH = 64
+# Prompt lengths far from any range the run fetches, so no step is a cache hit: every step
+# is computed, as in a decode loop past the cached prompt.
+FIRST_LENGTH = 1_000_003
+LENGTH_STRIDE = 9_973
+
+
+def run(sizes: Sizes, posenc_target: str, floor_target: str) -> Section:
+    one_bytes = D_MODEL * 4
+    batch_bytes = BATCH * D_MODEL * 4
+    section = Section(
+        "c",
+        "Decode-step latency",
+        method=(
+            f"A decode loop at d_model {D_MODEL}, float32: step t calls "
+            f"`get_positions([L + t], {D_MODEL})` for one sequence, and "
+            f"`get_positions([L_i + t for i in range({BATCH})], {D_MODEL})` for {BATCH} "
+            f"sequences of distinct lengths L_i = {FIRST_LENGTH} + {LENGTH_STRIDE} i (never "
+            "cached: every step is computed). Against unary calls to the trivial server: "
+            f"empty (b'' -> b''), and pre-built payloads of the results' sizes ({one_bytes // 1024}"
+            f" KiB, {batch_bytes // 1024} KiB) copied into a numpy array. One call of each kind "
+            f"per round, in a random order each round; {sizes.latency_warmup} warm-up rounds, then "
+            f"{sizes.latency_rounds} measured rounds. Client in the harness process."
+        ),
+    )
+    kinds = [
+        "posenc 1 position",
+        f"posenc {BATCH} positions",
+        "empty unary",
+        "unary 16 KiB",
+        "unary 1 MiB",
+    ]
+    samples: dict[str, list[float]] = {kind: [] for kind in kinds}
+    lengths = FIRST_LENGTH + LENGTH_STRIDE * np.arange(BATCH, dtype=np.int64)
+    with posenc.Client(posenc_target, timeout=30.0) as client:
+        floor = FloorClient(floor_target)
+        try:
+            floor.wait_ready()
+            step = [0]
+            calls: dict[str, Callable[[], object]] = {
+                kinds[0]: lambda: client.get_positions([FIRST_LENGTH + step[0]], D_MODEL),
+                kinds[1]: lambda: client.get_positions(lengths + step[0], D_MODEL),
+                kinds[2]: floor.empty,
+                kinds[3]: lambda: floor.unary(one_bytes),
+                kinds[4]: lambda: floor.unary(batch_bytes),
+            }
+            # A fresh random order each round: no kind always follows the same other kind
+            # (a call right after a heavy one finds the CPUs and caches busier).
+            rng = np.random.default_rng(3)
+            total = sizes.latency_warmup + sizes.latency_rounds
+            for round_index in range(total):
+                step[0] = round_index
+                for kind in rng.permutation(kinds).tolist():
+                    call = calls[kind]
+                    t0 = time.perf_counter()
+                    call()
+                    elapsed = time.perf_counter() - t0
+                    if round_index >= sizes.latency_warmup:
+                        samples[kind].append(elapsed)
+        finally:
+            floor.close()
+
+    p50 = {kind: median(v) for kind, v in samples.items()}
+    p99 = {kind: percentile(v, 99) for kind, v in samples.items()}
+    empty = p50["empty unary"]
+    same_size = {
+        kinds[0]: p50["unary 16 KiB"],
+        kinds[1]: p50["unary 1 MiB"],
+    }
+    rows: list[list[Any]] = []
+    for kind in kinds:
+        rows.append(
+            [
+                kind,
+                f"{p50[kind] * 1e6:.0f}",
+                f"{p99[kind] * 1e6:.0f}",
+                f"{ratio(p50[kind], empty):.2f}",
+                f"{ratio(p50[kind], same_size[kind]):.2f}" if kind in same_size else "",
+            ]
+        )
+    section.tables.append(
+        Table(
+            f"d_model {D_MODEL}, float32, {sizes.latency_rounds} calls each",
+            ["call", "p50 us", "p99 us", "p50 x empty", "p50 x same-size unary"],
+            rows,
+        )
+    )
+    section.targets += [
+        Target("p50 get_positions(1) / p50 empty unary", ratio(p50[kinds[0]], empty), "<=", 1.3),
+        Target(
+            f"p50 get_positions({BATCH}) / p50 empty unary", ratio(p50[kinds[1]], empty), "<=", 1.6
+        ),
+        Target(
+            "p50 get_positions(1) / p50 16 KiB unary",
+            ratio(p50[kinds[0]], same_size[kinds[0]]),
+            "",
+            0.0,
+        ),
+        Target(
+            f"p50 get_positions({BATCH}) / p50 1 MiB unary",
+            ratio(p50[kinds[1]], same_size[kinds[1]]),
+            "",
+            0.0,
+        ),
+    ]
+    section.data = {
+        "calls": {kind: len(v) for kind, v in samples.items()},
+        "p50_s": p50,
+        "p90_s": {kind: percentile(v, 90) for kind, v in samples.items()},
+        "p99_s": p99,
+        "min_s": {kind: min(v) for kind, v in samples.items()},
+        "d_model": D_MODEL,
+        "batch": BATCH,
+    }
+    return section
