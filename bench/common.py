@@ -274,6 +274,15 @@ def _git(*args: str) -> str:
     return out.stdout.strip()
 
 
+def load_average() -> str:
+    """/proc/loadavg's 1, 5 and 15 minute averages: how busy the machine was."""
+    try:
+        with open("/proc/loadavg") as loadavg:
+            return " ".join(loadavg.read().split()[:3])
+    except OSError:
+        return "unknown"
+
+
 def machine() -> dict[str, Any]:
     """What the figures came from: hardware, software versions, code revision, date."""
     affinity = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
@@ -290,6 +299,7 @@ def machine() -> dict[str, Any]:
         "posenc": _version("posenc"),
         "git_commit": _git("rev-parse", "--short", "HEAD"),
         "git_dirty": bool(_git("status", "--porcelain", "--untracked-files=no")),
+        "load_average_at_start": load_average(),
         "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
         "command": " ".join([os.path.basename(sys.executable), "-m", "bench", *sys.argv[1:]]),
     }

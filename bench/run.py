@@ -19,7 +19,7 @@ if __package__ in (None, ""):  # run as a script: make `bench` importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench import procs
-from bench.common import REPO, Section, Sizes, machine
+from bench.common import REPO, Section, Sizes, load_average, machine
 
 SECTIONS = "abcdef"
 
@@ -141,6 +141,7 @@ def main(argv: list[str] | None = None) -> int:
     sections.sort(key=lambda s: s.key)
     wall = time.monotonic() - started
     about["wall_seconds"] = round(wall, 1)
+    about["load_average_at_end"] = load_average()
     about["mode"] = "quick" if sizes.quick else "full"
     paths = report.write(args.out, args.name, about, sizes, sections)
     print(f"[bench] {wall:.0f} s; wrote {', '.join(str(p) for p in paths)}", file=sys.stderr)
