@@ -106,7 +106,10 @@ def spawn_server() -> Iterator[Callable[..., ServerProcess]]:
     def spawn(port: int = 0, *args: str, env: dict[str, str] | None = None) -> ServerProcess:
         port = port or free_port()
         process = subprocess.Popen(
-            [sys.executable, "-m", "posenc_server", "--processes", "1", "--port", str(port), *args],
+            [
+                *(sys.executable, "-m", "posenc_server", "--processes", "1", "--port", str(port)),
+                *("--metrics-port", "0", *args),
+            ],
             stderr=subprocess.PIPE,
             stdout=subprocess.DEVNULL,
             text=True,

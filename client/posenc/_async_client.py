@@ -55,6 +55,7 @@ class AsyncClient:
         unary_max_bytes: int = proto.DEFAULT_UNARY_MAX_BYTES,
         credentials: grpc.ChannelCredentials | None = None,
         options: Iterable[tuple[str, Any]] | None = None,
+        token: str | None = None,
     ) -> None:
         self._settings = proto.Settings.create(
             target,
@@ -65,6 +66,7 @@ class AsyncClient:
             unary_max_bytes=unary_max_bytes,
             options=options,
             user_agent=proto.user_agent(),
+            token=token,
         )
         self._credentials = credentials
         self._channel: grpc.aio.Channel | None = None
@@ -209,7 +211,9 @@ class AsyncClient:
         budget = self._budget(timeout, retry=False)
         try:
             response = await self._connect()[1].Check(
-                proto.health_request(service), timeout=budget.attempt_timeout()
+                proto.health_request(service),
+                timeout=budget.attempt_timeout(),
+                metadata=self._settings.metadata,
             )
         except grpc.RpcError as error:
             return proto.health_status_from_error(error)
@@ -243,7 +247,9 @@ class AsyncClient:
         """One unary call, retried on UNAVAILABLE within the budget."""
         while True:
             try:
-                return await method(request, timeout=budget.attempt_timeout())
+                return await method(
+                    request, timeout=budget.attempt_timeout(), metadata=self._settings.metadata
+                )
             except grpc.RpcError as error:
                 delay = budget.on_error(error)
             await asyncio.sleep(delay)
@@ -254,7 +260,7 @@ class AsyncClient:
         """Yields the cursor's chunks; an interrupted call resumes with the missing rows."""
         while True:
             call = self._connect()[2].stream_encoding(
-                cursor.request(), timeout=budget.attempt_timeout()
+                cursor.request(), timeout=budget.attempt_timeout(), metadata=self._settings.metadata
             )
             try:
                 async for chunk in call:

@@ -43,6 +43,8 @@ class Client:
             ones are streamed.
         credentials: ``grpc.ChannelCredentials`` for TLS; plaintext when ``None``.
         options: Extra gRPC channel options, overriding the SDK's.
+        token: Bearer token sent with every call, for servers started with
+            ``--auth-token-file``.
 
     Example::
 
@@ -62,6 +64,7 @@ class Client:
         unary_max_bytes: int = proto.DEFAULT_UNARY_MAX_BYTES,
         credentials: grpc.ChannelCredentials | None = None,
         options: Iterable[tuple[str, Any]] | None = None,
+        token: str | None = None,
     ) -> None:
         self._settings = proto.Settings.create(
             target,
@@ -72,6 +75,7 @@ class Client:
             unary_max_bytes=unary_max_bytes,
             options=options,
             user_agent=proto.user_agent(),
+            token=token,
         )
         target_uri, channel_options = self._settings.target, self._settings.options
         if credentials is None:
@@ -239,7 +243,9 @@ class Client:
         budget = self._budget(timeout, retry=False)
         try:
             response = self._health.Check(
-                proto.health_request(service), timeout=budget.attempt_timeout()
+                proto.health_request(service),
+                timeout=budget.attempt_timeout(),
+                metadata=self._settings.metadata,
             )
         except grpc.RpcError as error:
             return proto.health_status_from_error(error)
@@ -272,7 +278,9 @@ class Client:
         """One unary call, retried on UNAVAILABLE within the budget."""
         while True:
             try:
-                return method(request, timeout=budget.attempt_timeout())
+                return method(
+                    request, timeout=budget.attempt_timeout(), metadata=self._settings.metadata
+                )
             except grpc.RpcError as error:
                 delay = budget.on_error(error)
             time.sleep(delay)
@@ -282,7 +290,9 @@ class Client:
     ) -> Iterator[tuple[int, npt.NDArray[Any]]]:
         """Yields the cursor's chunks; an interrupted call resumes with the missing rows."""
         while True:
-            call = self._tables.stream_encoding(cursor.request(), timeout=budget.attempt_timeout())
+            call = self._tables.stream_encoding(
+                cursor.request(), timeout=budget.attempt_timeout(), metadata=self._settings.metadata
+            )
             try:
                 for chunk in call:
                     yield cursor.accept(chunk)

@@ -804,6 +804,8 @@ class Settings:
     chunk_bytes: int | None
     unary_max_bytes: int
     options: list[tuple[str, Any]]
+    # Sent with every call: the bearer token, when there is one.
+    metadata: tuple[tuple[str, str], ...]
 
     @classmethod
     def create(
@@ -817,6 +819,7 @@ class Settings:
         unary_max_bytes: int,
         options: Iterable[tuple[str, Any]] | None,
         user_agent: str,
+        token: str | None = None,
     ) -> Settings:
         retries = operator.index(max_retries)
         if retries < 0:
@@ -834,6 +837,7 @@ class Settings:
             chunk_bytes=check_chunk_bytes(chunk_bytes),
             unary_max_bytes=unary_max,
             options=channel_options(options, user_agent),
+            metadata=(("authorization", f"Bearer {token}"),) if token else (),
         )
 
     def budget(self, timeout: Timeout, *, retry: bool = True) -> CallBudget:

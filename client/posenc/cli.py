@@ -15,6 +15,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+import grpc
 import numpy as np
 import numpy.typing as npt
 from numpy.lib.format import open_memmap
@@ -34,6 +35,7 @@ EXIT_FAILURE = 1
 EXIT_USAGE = 2
 
 _TARGET_ENV = "POSENC_TARGET"
+_TOKEN_FILE_ENV = "POSENC_TOKEN_FILE"
 
 _FETCH_EPILOG = f"""\
 The table is written to a temporary file next to OUTPUT and renamed to OUTPUT when
@@ -84,6 +86,35 @@ def _add_client_arguments(parser: argparse.ArgumentParser, timeout: float | None
         metavar="SECONDS",
         help=f"deadline of the whole command (default: {timeout or 'none'})",
     )
+    security = parser.add_argument_group("security")
+    security.add_argument(
+        "--token-file",
+        metavar="FILE",
+        default=os.environ.get(_TOKEN_FILE_ENV),
+        help=f"file holding the bearer token to send (default: ${_TOKEN_FILE_ENV})",
+    )
+    security.add_argument("--tls-ca", metavar="PEM", help="connect with TLS, trusting this CA")
+    security.add_argument(
+        "--tls-cert", metavar="PEM", help="client certificate, for mutual TLS (with --tls-key)"
+    )
+    security.add_argument("--tls-key", metavar="PEM", help="client private key, for mutual TLS")
+
+
+def _client(args: argparse.Namespace, targets: Sequence[str], **settings: Any) -> Client:
+    """A client for the command's targets, with its timeout, token and TLS settings."""
+    token = None
+    if args.token_file:
+        token = Path(args.token_file).read_text(encoding="utf-8").strip()
+    credentials = None
+    if args.tls_ca or args.tls_cert:
+
+        def read(path: str | None) -> bytes | None:
+            return Path(path).read_bytes() if path else None
+
+        credentials = grpc.ssl_channel_credentials(
+            read(args.tls_ca), read(args.tls_key), read(args.tls_cert)
+        )
+    return Client(targets, timeout=args.timeout, token=token, credentials=credentials, **settings)
 
 
 def _build_parser() -> argparse.ArgumentParser:
@@ -209,7 +240,7 @@ def _fetch(args: argparse.Namespace) -> int:
         "schedule": args.schedule,
         "chunk_bytes": args.chunk_bytes,
     }
-    with Client(_targets(args), timeout=args.timeout) as client:
+    with _client(args, _targets(args)) as client:
         # Slices arrive labelled by position (range) or by index (list): `origin` maps
         # either to the row of the output array.
         slices: Iterator[tuple[int, npt.NDArray[Any]]]
@@ -275,7 +306,7 @@ def _write_npy(
 
 
 def _info(args: argparse.Namespace) -> int:
-    with Client(_targets(args), timeout=args.timeout) as client:
+    with _client(args, _targets(args)) as client:
         info = client.server_info()
     if args.json:
         print(json.dumps(info.to_dict(), indent=2))
@@ -298,7 +329,7 @@ def _health(args: argparse.Namespace) -> int:
     healthy = True
     for target in targets:
         # A probe reports the present: no retries, and a short deadline.
-        with Client(target, timeout=args.timeout, max_retries=0) as client:
+        with _client(args, [target], max_retries=0) as client:
             try:
                 status = client.health(args.service)
             except PosencError as error:

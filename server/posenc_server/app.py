@@ -13,13 +13,14 @@ from concurrent import futures
 from dataclasses import dataclass
 from importlib import metadata
 from types import FrameType
+from typing import Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from posenc.v1 import posenc_pb2
-from posenc_server import supervisor
+from posenc_server import auth, metrics, supervisor
 from posenc_server.config import ServerConfig
 from posenc_server.service import EncodingService
 from posenc_server.servicer import PositionalEncodingServicer, add_to_server
@@ -99,6 +100,23 @@ class RunningServer:
         return drained
 
 
+def server_credentials(config: ServerConfig) -> grpc.ServerCredentials | None:
+    """TLS credentials from the configured PEM files; mutual TLS with a client CA."""
+    if not config.tls_cert_file:
+        return None
+
+    def read(path: str) -> bytes:
+        with open(path, "rb") as file:
+            return file.read()
+
+    client_ca = read(config.tls_client_ca_file) if config.tls_client_ca_file else None
+    return grpc.ssl_server_credentials(
+        [(read(config.tls_key_file), read(config.tls_cert_file))],
+        root_certificates=client_ca,
+        require_client_auth=client_ca is not None,
+    )
+
+
 def start_server(config: ServerConfig, *, reuse_port: bool = False) -> RunningServer:
     """Start serving ``config`` in background threads and return the running server.
 
@@ -107,8 +125,12 @@ def start_server(config: ServerConfig, *, reuse_port: bool = False) -> RunningSe
     """
     service = EncodingService(config)
     servicer = PositionalEncodingServicer(service, version())
+    interceptors: list[grpc.ServerInterceptor[Any, Any]] = []
+    if config.auth_token_file:
+        interceptors.append(auth.BearerTokenInterceptor(auth.read_token(config.auth_token_file)))
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=config.workers, thread_name_prefix="posenc"),
+        interceptors=interceptors,
         options=[
             ("grpc.max_receive_message_length", config.max_receive_message_bytes),
             ("grpc.max_send_message_length", config.max_send_message_bytes),
@@ -121,7 +143,11 @@ def start_server(config: ServerConfig, *, reuse_port: bool = False) -> RunningSe
     reflection.enable_server_reflection(
         (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server
     )
-    port = server.add_insecure_port(config.address)
+    credentials = server_credentials(config)
+    if credentials is None:
+        port = server.add_insecure_port(config.address)
+    else:
+        port = server.add_secure_port(config.address, credentials)
     if port == 0:
         raise OSError(f"cannot listen on {config.address}")
     server.start()
@@ -130,11 +156,12 @@ def start_server(config: ServerConfig, *, reuse_port: bool = False) -> RunningSe
     return RunningServer(config, port, server, servicer, health_servicer)
 
 
-def startup_fields(config: ServerConfig, port: int) -> dict[str, object]:
+def startup_fields(config: ServerConfig, port: int, metrics_port: int) -> dict[str, object]:
     """What the startup log line says: address, version and limits."""
     return {
         "address": f"{config.host}:{port}",
         "port": port,
+        "metrics_port": metrics_port,
         "version": version(),
         "limits": config.public_limits(),
         "cache_bytes": config.cache_bytes,
@@ -167,15 +194,16 @@ def run(argv: Sequence[str] | None = None) -> int:
     if worker is not None:
         supervisor.die_with_supervisor()
     try:
+        # The supervisor serves the metrics of all its workers.
+        metrics_port = -1
+        if worker is None and config.metrics_port >= 0:
+            metrics_port = metrics.serve(config.host, config.metrics_port)
         running = start_server(config, reuse_port=worker is not None)
-    except (OSError, RuntimeError) as error:
-        print(f"posenc serve: cannot listen on {config.address}: {error}", file=sys.stderr)
+    except (OSError, RuntimeError, ValueError) as error:
+        print(f"posenc serve: cannot listen: {error}", file=sys.stderr)
         return 1
-    fields = startup_fields(config, running.port)
-    if worker is None:
-        log.info("listening", extra={"fields": fields})
-    else:
-        log.info(supervisor.WORKER_READY, extra={"fields": fields})
+    fields = startup_fields(config, running.port, metrics_port)
+    log.info("listening" if worker is None else supervisor.WORKER_READY, extra={"fields": fields})
     # Any thread may receive the signal, and then a blocked main thread is not woken: poll, so
     # that the Python handler (which only runs on the main thread) runs within a moment.
     while not stop.wait(0.2):

@@ -49,10 +49,32 @@ class ServerConfig:
         metadata={"help": "server processes sharing the port (0: one per available core)"},
     )
     workers: int = field(default=16, metadata={"help": "threads serving requests, per process"})
+    max_concurrent_streams: int = field(
+        default=12,
+        metadata={
+            "help": "streams one process serves at once; more get RESOURCE_EXHAUSTED "
+            "(below workers, so unary calls and health checks always find a thread)"
+        },
+    )
     grace_seconds: float = field(
         default=30.0, metadata={"help": "on SIGTERM, time in-flight calls get to finish"}
     )
     log_level: str = field(default="INFO", metadata={"help": "DEBUG, INFO, WARNING or ERROR"})
+    metrics_port: int = field(
+        default=9464,
+        metadata={"help": "Prometheus metrics HTTP port on the same host (0: a free one; -1: off)"},
+    )
+    tls_cert_file: str = field(
+        default="", metadata={"help": "PEM certificate chain: serve TLS (with tls_key_file)"}
+    )
+    tls_key_file: str = field(default="", metadata={"help": "PEM private key of tls_cert_file"})
+    tls_client_ca_file: str = field(
+        default="", metadata={"help": "PEM CA bundle: require client certificates (mutual TLS)"}
+    )
+    auth_token_file: str = field(
+        default="",
+        metadata={"help": "file holding the bearer token clients must send (health is exempt)"},
+    )
 
     def __post_init__(self) -> None:
         problems = []
@@ -77,6 +99,14 @@ class ServerConfig:
             problems.append("workers must be >= 1")
         if self.grace_seconds < 0:
             problems.append("grace_seconds must be >= 0")
+        if not 1 <= self.max_concurrent_streams < self.workers:
+            problems.append("max_concurrent_streams must be between 1 and workers - 1")
+        if not -1 <= self.metrics_port <= 65535:
+            problems.append("metrics_port must be in -1..65535")
+        if bool(self.tls_cert_file) != bool(self.tls_key_file):
+            problems.append("tls_cert_file and tls_key_file go together")
+        if self.tls_client_ca_file and not self.tls_cert_file:
+            problems.append("tls_client_ca_file needs tls_cert_file and tls_key_file")
         if self.log_level.upper() not in {"DEBUG", "INFO", "WARNING", "ERROR"}:
             problems.append("log_level must be DEBUG, INFO, WARNING or ERROR")
         if problems:

@@ -18,13 +18,12 @@ from grpc_status import rpc_status
 
 from posenc._wire import encode_tensor_response
 from posenc.v1 import posenc_pb2
-from posenc_server import engine
+from posenc_server import engine, metrics
 from posenc_server.engine import EncodingSpec, Layout, Schedule
 from posenc_server.errors import (
     FieldViolation,
     InvalidRequestError,
     LimitExceededError,
-    PosencServerError,
     ShuttingDownError,
 )
 from posenc_server.service import Chunk, EncodingService, PositionList, PositionRange, Selection
@@ -103,7 +102,9 @@ class PositionalEncodingServicer:
         self.version = version
         self._draining = False
         self._in_flight = 0
+        self._streams = 0
         self._idle = threading.Condition()
+        self._publisher = metrics.ServicePublisher()
 
     # Draining -------------------------------------------------------------------------------
 
@@ -118,17 +119,31 @@ class PositionalEncodingServicer:
             return self._idle.wait_for(lambda: self._in_flight == 0, timeout)
 
     @contextlib.contextmanager
-    def _tracked(self) -> Iterator[None]:
+    def _tracked(self, *, stream: bool = False) -> Iterator[None]:
+        """Count a call in flight (for the drain), refusing it while draining or at the cap."""
+        limit = self.service.config.max_concurrent_streams
         with self._idle:
             if self._draining:
                 raise ShuttingDownError("the server is shutting down: retry on another replica")
+            if stream and self._streams >= limit:
+                raise LimitExceededError(
+                    f"this server process already serves {limit} streams, its limit: "
+                    "retry later or on another replica"
+                )
             self._in_flight += 1
+            self._streams += stream
+        if stream:
+            metrics.STREAMS_IN_FLIGHT.inc()
         try:
             yield
         finally:
+            if stream:
+                metrics.STREAMS_IN_FLIGHT.dec()
             with self._idle:
                 self._in_flight -= 1
+                self._streams -= stream
                 self._idle.notify_all()
+            self._publisher.publish(self.service.cache_stats(), self.service.rows_computed)
 
     # RPCs -----------------------------------------------------------------------------------
 
@@ -139,10 +154,11 @@ class PositionalEncodingServicer:
     ) -> bytes:
         """Answer a small table in one (serialized GetEncodingResponse) message."""
         response = b""
-        with _status_on_error(context), self._tracked():
+        with _serving(context, "GetEncoding"), self._tracked():
             spec, selection = self._parse(_parsed(request))
             self.service.check_unary_size(spec, selection)
             response = _tensor_response(spec, Chunk(0, self.service.table(spec, selection)))
+            metrics.PAYLOAD_BYTES.labels("GetEncoding").inc(len(response))
         return response
 
     def StreamEncoding(
@@ -151,13 +167,16 @@ class PositionalEncodingServicer:
         context: grpc.ServicerContext,
     ) -> Iterator[bytes]:
         """Stream a table of any size as row-aligned chunks (serialized responses)."""
-        with _status_on_error(context), self._tracked():
+        with _serving(context, "StreamEncoding"), self._tracked(stream=True):
             request = _parsed(request)
             spec, selection = self._parse(request)
             self.service.check_stream_size(spec, selection)
             chunk_rows = self.service.chunk_rows(spec, request.max_chunk_bytes)
+            sent = metrics.PAYLOAD_BYTES.labels("StreamEncoding")
             for chunk in self.service.chunks(spec, selection, chunk_rows):
-                yield _tensor_response(spec, chunk)
+                message = _tensor_response(spec, chunk)
+                sent.inc(len(message))
+                yield message
 
     def GetServerInfo(
         self,
@@ -165,7 +184,7 @@ class PositionalEncodingServicer:
         context: grpc.ServicerContext,
     ) -> posenc_pb2.GetServerInfoResponse:
         """Describe this server."""
-        with _status_on_error(context):
+        with _serving(context, "GetServerInfo"):
             _parsed(request)
         config = self.service.config
         stats = self.service.cache_stats()
@@ -271,24 +290,35 @@ def _tensor_response(spec: EncodingSpec, chunk: Chunk) -> bytes:
 
 
 @contextlib.contextmanager
-def _status_on_error(context: grpc.ServicerContext) -> Iterator[None]:
-    """Turn domain errors into their status codes; anything else is a bug: INTERNAL."""
-    try:
-        yield
-    except InvalidRequestError as error:
-        context.abort_with_status(_bad_request_status(error))
-    except LimitExceededError as error:
-        context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(error))
-    except ShuttingDownError as error:
-        context.abort(grpc.StatusCode.UNAVAILABLE, str(error))
-    except PosencServerError as error:  # pragma: no cover - every subclass is mapped above
-        context.abort(grpc.StatusCode.INTERNAL, str(error))
-    except Exception:
-        if not context.is_active():
-            # The client went away (cancelled or deadline): nothing to answer.
-            return
-        log.exception("unexpected error while serving a request")
-        context.abort(grpc.StatusCode.INTERNAL, "internal error; see the server log")
+def _serving(context: grpc.ServicerContext, method: str) -> Iterator[None]:
+    """Record the call in the metrics and turn domain errors into their status codes.
+
+    The one place where errors become codes: anything that is not a domain error is a bug
+    and becomes INTERNAL, logged with its traceback.
+    """
+    with metrics.observe_call(method) as outcome:
+        try:
+            yield
+        except InvalidRequestError as error:
+            outcome["code"] = "INVALID_ARGUMENT"
+            context.abort_with_status(_bad_request_status(error))
+        except LimitExceededError as error:
+            outcome["code"] = "RESOURCE_EXHAUSTED"
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(error))
+        except ShuttingDownError as error:
+            outcome["code"] = "UNAVAILABLE"
+            context.abort(grpc.StatusCode.UNAVAILABLE, str(error))
+        except GeneratorExit:
+            # gRPC closes a stream's generator when the client cancels or its deadline passes.
+            outcome["code"] = "CANCELLED"
+            raise
+        except Exception:
+            if not context.is_active():
+                outcome["code"] = "CANCELLED"  # the client went away: nothing to answer
+                return
+            outcome["code"] = "INTERNAL"
+            log.exception("unexpected error while serving a request")
+            context.abort(grpc.StatusCode.INTERNAL, "internal error; see the server log")
 
 
 def _bad_request_status(error: InvalidRequestError) -> grpc.Status:

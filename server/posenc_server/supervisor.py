@@ -16,11 +16,13 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from posenc_server import metrics
 from posenc_server.config import ServerConfig
 
 log = logging.getLogger("posenc_server")
@@ -95,6 +97,8 @@ def supervise(
         print(f"posenc serve: cannot listen on {config.address}: {error}", file=sys.stderr)
         return 1
     port = int(port_holder.getsockname()[1])
+    # Workers write their metrics here; the supervisor serves the sum.
+    metrics_dir = tempfile.TemporaryDirectory(prefix="posenc-metrics-")
     worker_argv = [
         *argv,
         # Later flags win: these override whatever argv said.
@@ -109,6 +113,7 @@ def supervise(
                 **os.environ,
                 WORKER_INDEX_ENV: str(index),
                 SUPERVISOR_PID_ENV: str(os.getpid()),
+                metrics.MULTIPROCESS_DIR_ENV: metrics_dir.name,
             },
             stdin=subprocess.DEVNULL,
             stderr=subprocess.PIPE,
@@ -132,9 +137,15 @@ def supervise(
                     return 0
         from posenc_server.app import startup_fields  # app imports this module
 
-        log.info(
-            "listening", extra={"fields": {**startup_fields(config, port), "processes": count}}
-        )
+        metrics_port = -1
+        if config.metrics_port >= 0:
+            try:
+                metrics_port = metrics.serve(config.host, config.metrics_port, metrics_dir.name)
+            except OSError as error:
+                print(f"posenc serve: cannot serve metrics: {error}", file=sys.stderr)
+                return 1
+        fields = startup_fields(config, port, metrics_port)
+        log.info("listening", extra={"fields": {**fields, "processes": count}})
         while not stop.wait(0.2):
             for position, worker in enumerate(workers):
                 if worker.process.poll() is not None and not stop.is_set():
@@ -144,6 +155,7 @@ def supervise(
                             "fields": {"worker": worker.index, "code": worker.process.returncode}
                         },
                     )
+                    metrics.forget_process(worker.process.pid, metrics_dir.name)
                     time.sleep(_RESTART_DELAY)
                     workers[position] = start(worker.index)
         log.info(
@@ -155,6 +167,7 @@ def supervise(
     finally:
         drained = _stop_workers(workers, config.grace_seconds)
         port_holder.close()
+        metrics_dir.cleanup()
     log.info("stopped", extra={"fields": {"drained": drained}})
     return 0
 

@@ -1,0 +1,129 @@
+"""TLS, mutual TLS and bearer tokens, with certificates the test makes."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import grpc
+import numpy as np
+import pytest
+import trustme
+from conftest import ServerProcess
+
+import posenc
+from posenc_server.app import RunningServer
+
+POSENC = str(Path(sys.executable).parent / "posenc")
+
+
+@pytest.fixture(scope="module")
+def authority() -> trustme.CA:
+    return trustme.CA()
+
+
+def pem_files(authority: trustme.CA, directory: Path) -> dict[str, Path]:
+    server = authority.issue_cert("127.0.0.1", "localhost")
+    client = authority.issue_cert("client.posenc.test")
+    files = {
+        "ca": directory / "ca.pem",
+        "server_cert": directory / "server.pem",
+        "server_key": directory / "server.key",
+        "client_cert": directory / "client.pem",
+        "client_key": directory / "client.key",
+    }
+    authority.cert_pem.write_to_path(str(files["ca"]))
+    server.private_key_pem.write_to_path(str(files["server_key"]))
+    server.cert_chain_pems[0].write_to_path(str(files["server_cert"]))
+    client.private_key_pem.write_to_path(str(files["client_key"]))
+    client.cert_chain_pems[0].write_to_path(str(files["client_cert"]))
+    return files
+
+
+def credentials(files: dict[str, Path], *, client_cert: bool) -> grpc.ChannelCredentials:
+    return grpc.ssl_channel_credentials(
+        files["ca"].read_bytes(),
+        files["client_key"].read_bytes() if client_cert else None,
+        files["client_cert"].read_bytes() if client_cert else None,
+    )
+
+
+def test_tls_serves_encrypted_and_refuses_plaintext(
+    server_factory: Callable[..., RunningServer], authority: trustme.CA, tmp_path: Path
+) -> None:
+    files = pem_files(authority, tmp_path)
+    server = server_factory(
+        tls_cert_file=str(files["server_cert"]), tls_key_file=str(files["server_key"])
+    )
+    with posenc.Client(server.target, credentials=credentials(files, client_cert=False)) as client:
+        np.testing.assert_allclose(client.get_range(1, 2, 2), [[np.sin(1), np.cos(1)]], 1e-6)
+    with (
+        posenc.Client(server.target, max_retries=0, timeout=5) as plaintext,
+        pytest.raises(posenc.UnavailableError),
+    ):
+        plaintext.get_range(0, 1, 2)
+
+
+def test_mutual_tls_requires_a_client_certificate(
+    server_factory: Callable[..., RunningServer], authority: trustme.CA, tmp_path: Path
+) -> None:
+    files = pem_files(authority, tmp_path)
+    server = server_factory(
+        tls_cert_file=str(files["server_cert"]),
+        tls_key_file=str(files["server_key"]),
+        tls_client_ca_file=str(files["ca"]),
+    )
+    with posenc.Client(server.target, credentials=credentials(files, client_cert=True)) as client:
+        assert client.get_range(0, 3, 8).shape == (3, 8)
+    anonymous = credentials(files, client_cert=False)
+    with (
+        posenc.Client(server.target, credentials=anonymous, max_retries=0, timeout=5) as client,
+        pytest.raises(posenc.UnavailableError),
+    ):
+        client.get_range(0, 3, 8)
+
+
+def test_bearer_token_is_required_except_for_health(
+    server_factory: Callable[..., RunningServer], tmp_path: Path
+) -> None:
+    token_file = tmp_path / "token"
+    token_file.write_text("s3cret-token\n")
+    server = server_factory(auth_token_file=str(token_file))
+    with posenc.Client(server.target, token="s3cret-token") as client:
+        assert client.get_range(0, 2, 4).shape == (2, 4)
+        assert client.server_info().version == "1.0.0"
+        assert [len(rows) for _, rows in client.iter_range(0, 10, 4)] == [10]
+    for token in (None, "wrong", "s3cret-token-but-longer"):
+        with posenc.Client(server.target, token=token, max_retries=0) as client:
+            with pytest.raises(posenc.UnauthenticatedError):
+                client.get_range(0, 2, 4)
+            with pytest.raises(posenc.UnauthenticatedError):
+                list(client.iter_range(0, 10, 4))
+            # Probes carry no token: health stays open.
+            assert client.health() == "SERVING"
+
+
+def test_cli_sends_token_and_tls_settings(
+    spawn_server: Callable[..., ServerProcess], authority: trustme.CA, tmp_path: Path
+) -> None:
+    files = pem_files(authority, tmp_path)
+    token_file = tmp_path / "token"
+    token_file.write_text("cli-token")
+    process = spawn_server(
+        0,
+        *("--tls-cert-file", str(files["server_cert"]), "--tls-key-file", str(files["server_key"])),
+        *("--tls-client-ca-file", str(files["ca"]), "--auth-token-file", str(token_file)),
+    )
+    tls = ["--tls-ca", str(files["ca"]), "--tls-cert", str(files["client_cert"])]
+    tls += ["--tls-key", str(files["client_key"])]
+    base = [POSENC, "info", "--target", process.target, *tls]
+    ok = subprocess.run([*base, "--token-file", str(token_file)], capture_output=True, timeout=30)
+    assert ok.returncode == 0, ok.stderr
+    refused = subprocess.run(base, capture_output=True, text=True, timeout=30)
+    assert refused.returncode != 0 and "UNAUTHENTICATED" in refused.stderr
+    health = subprocess.run(
+        [POSENC, "health", "--target", process.target, *tls], capture_output=True, timeout=30
+    )
+    assert health.returncode == 0, health.stderr
