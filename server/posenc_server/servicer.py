@@ -105,6 +105,7 @@ class PositionalEncodingServicer:
         self._streams = 0
         self._idle = threading.Condition()
         self._publisher = metrics.ServicePublisher()
+        self._publisher.publish(service.cache_stats(), service.rows_computed)
 
     # Draining -------------------------------------------------------------------------------
 

@@ -1,0 +1,143 @@
+"""Operations: Prometheus metrics move with traffic, stream cap, cancellation stops work."""
+
+from __future__ import annotations
+
+import time
+import urllib.request
+from collections.abc import Callable
+
+import grpc
+import pytest
+from conftest import ServerProcess
+from prometheus_client.parser import text_string_to_metric_families
+
+import posenc
+from posenc.v1 import posenc_pb2 as pb
+from posenc.v1 import posenc_pb2_grpc
+from posenc_server.app import RunningServer
+
+MIB = 1 << 20
+
+
+def scrape(port: int) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """Every sample of the /metrics page, keyed by name and sorted labels."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as page:
+        text = page.read().decode()
+    samples = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            samples[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
+    return samples
+
+
+def metric(samples: dict, name: str, **labels: str) -> float:  # type: ignore[type-arg]
+    return float(samples.get((name, tuple(sorted(labels.items()))), 0.0))
+
+
+def metrics_port(process: ServerProcess) -> int:
+    startup = next(entry for entry in process.logs() if entry["message"] == "listening")
+    return int(startup["metrics_port"])  # type: ignore[call-overload]
+
+
+@pytest.mark.parametrize("processes", [1, 2])
+@pytest.mark.timeout(120)
+def test_metrics_move_with_traffic(
+    spawn_server: Callable[..., ServerProcess], processes: int
+) -> None:
+    process = spawn_server(0, "--processes", str(processes))
+    port = metrics_port(process)
+    before = scrape(port)
+    clients = [posenc.Client(process.target) for _ in range(4)]  # connections reach workers
+    try:
+        for client in clients:
+            client.get_range(0, 100, 256)  # unary, misses then hits
+            client.get_range(0, 100, 256)
+            client.get_range(0, 8192, 256)  # 8 MiB: streamed
+            with pytest.raises(posenc.InvalidArgumentError):
+                client.get_range(0, 10, 0)
+    finally:
+        for client in clients:
+            client.close()
+    after = scrape(port)
+
+    def grew(name: str, **labels: str) -> float:
+        return metric(after, name, **labels) - metric(before, name, **labels)
+
+    assert grew("posenc_requests_total", method="GetEncoding", code="OK") == 8
+    assert grew("posenc_requests_total", method="GetEncoding", code="INVALID_ARGUMENT") == 4
+    assert grew("posenc_requests_total", method="StreamEncoding", code="OK") == 4
+    assert grew("posenc_request_duration_seconds_count", method="StreamEncoding") == 4
+    assert grew("posenc_payload_bytes_total", method="StreamEncoding") >= 4 * 8 * MIB
+    assert grew("posenc_cache_hits_total") > 0
+    assert grew("posenc_cache_misses_total") > 0
+    assert grew("posenc_rows_computed_total") >= 8192
+    assert metric(after, "posenc_cache_bytes") > 0
+    assert metric(after, "posenc_cache_budget_bytes") == 512 * MIB
+    assert metric(after, "posenc_streams_in_flight") == 0
+
+
+def stream_request(rows: int, chunk: int = 64 * 1024) -> pb.StreamEncodingRequest:
+    return pb.StreamEncodingRequest(
+        spec=pb.EncodingSpec(d_model=1024),
+        range=pb.PositionRange(start=0, stop=rows),
+        max_chunk_bytes=chunk,
+    )
+
+
+def test_concurrent_streams_over_the_cap_get_resource_exhausted(
+    server_factory: Callable[..., RunningServer],
+) -> None:
+    server = server_factory(max_concurrent_streams=2, workers=4)
+    with grpc.insecure_channel(server.target) as channel:
+        stub = posenc_pb2_grpc.PositionalEncodingServiceStub(channel)
+        # Two big streams, each read once and then left waiting: both stay in flight.
+        held = [stub.StreamEncoding(stream_request(1 << 16)) for _ in range(2)]
+        for call in held:
+            next(call)
+        with pytest.raises(grpc.RpcError) as raised:
+            next(stub.StreamEncoding(stream_request(16)))
+        assert raised.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "streams" in raised.value.details()
+        # Unary calls still find a thread.
+        stub.GetEncoding(
+            pb.GetEncodingRequest(spec=pb.EncodingSpec(d_model=8), range=pb.PositionRange(stop=2))
+        )
+        for call in held:
+            call.cancel()
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                assert sum(m.chunk.rows for m in stub.StreamEncoding(stream_request(16))) == 16
+                break
+            except grpc.RpcError as error:
+                assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+                assert time.monotonic() < deadline, "cancelled streams were never released"
+                time.sleep(0.05)
+
+
+def test_a_cancelled_stream_stops_computing(server: RunningServer) -> None:
+    rows_total = 1 << 20  # 4 GiB at d_model 1024
+    with posenc.Client(server.target) as client:
+        before = client.server_info().rows_computed
+        stream = client.iter_range(0, rows_total, 1024, chunk_bytes=MIB)
+        next(stream)
+        stream.close()  # the SDK cancels the call
+        time.sleep(1.0)
+        after_cancel = client.server_info().rows_computed
+        time.sleep(1.0)
+        later = client.server_info().rows_computed
+    computed = after_cancel - before
+    assert later == after_cancel, "the server went on computing after the cancel"
+    # A handful of 1 MiB blocks at most (what gRPC buffered), not the 4 GiB asked for.
+    assert computed < 64 * 1024, computed
+
+
+def test_deadlines_are_honoured_by_server_and_sdk(server: RunningServer) -> None:
+    with posenc.Client(server.target, max_retries=0) as client:
+        started = time.monotonic()
+        with pytest.raises(posenc.DeadlineExceededError):
+            client.get_range(0, 1 << 20, 1024, timeout=0.5)  # 4 GiB cannot arrive in 0.5 s
+        assert time.monotonic() - started < 3
+        before = client.server_info().rows_computed
+        time.sleep(0.5)
+        assert client.server_info().rows_computed == before  # and the server stopped
