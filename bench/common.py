@@ -39,6 +39,7 @@ class Sizes:
     # c. latency
     latency_rounds: int = 1000
     latency_warmup: int = 100
+    latency_cpu_calls: int = 1000
     # d. concurrency
     concurrency_levels: tuple[int, ...] = (1, 2, 4, 8, 16)
     concurrency_window: float = 3.0
@@ -64,6 +65,7 @@ class Sizes:
             e2e_repeats=9,
             latency_rounds=1000,
             latency_warmup=50,
+            latency_cpu_calls=300,
             concurrency_window=1.0,
             concurrency_repeats=3,
             growth_rows=(1, 10, 100, 1_000, 10_000, 100_000),

@@ -6,6 +6,7 @@ import contextlib
 import multiprocessing
 import os
 import time
+from collections.abc import Callable
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -115,11 +116,11 @@ def run(
     sizes: Sizes,
     posenc_target: str,
     floor_target: str,
-    posenc_pids: Any,
-    floor_pids: Any,
+    posenc_pids: Callable[[], list[int]],
+    floor_pids: Callable[[], list[int]],
     server_processes: int,
 ) -> Section:
-    """``posenc_pids`` / ``floor_pids``: callables returning the servers' current pids."""
+    """``posenc_pids`` / ``floor_pids`` return the servers' current pids (for their CPU)."""
     levels = sizes.concurrency_levels
     window = sizes.concurrency_window
     stream_mib = sizes.concurrency_stream_bytes // MIB

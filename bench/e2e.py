@@ -7,13 +7,31 @@ from collections.abc import Callable
 from typing import Any
 
 import posenc
-from bench.common import MIB, Section, Sizes, Table, Target, median, mib_per_s, ratio, rotated
+from bench.common import (
+    GIB,
+    MIB,
+    Section,
+    Sizes,
+    Table,
+    Target,
+    cpu_seconds,
+    median,
+    mib_per_s,
+    ratio,
+    rotated,
+)
 from bench.floor import FloorClient
 
 TIMEOUT = 600.0
 
 
-def run(sizes: Sizes, posenc_target: str, floor_target: str) -> Section:
+def run(
+    sizes: Sizes,
+    posenc_target: str,
+    floor_target: str,
+    posenc_pids: Callable[[], list[int]],
+    floor_pids: Callable[[], list[int]],
+) -> Section:
     rows, d_model = sizes.e2e_rows, sizes.e2e_d_model
     f32_bytes = rows * d_model * 4
     section = Section(
@@ -28,7 +46,9 @@ def run(sizes: Sizes, posenc_target: str, floor_target: str) -> Section:
             f"{f32_bytes // MIB} pre-built 1 MiB `bytes` messages (identity serializers), "
             "received with the SDK's channel options and copied into one numpy array "
             "allocated per call, as get_range does. Units run interleaved (order rotated), "
-            f"{sizes.e2e_repeats} repetitions; medians (best: the fastest repetition)."
+            f"{sizes.e2e_repeats} repetitions; medians (best: the fastest repetition). CPU: "
+            "user + system seconds of the server's processes (/proc/PID/stat) and of the "
+            "harness process (all its threads) during each call, per GiB of output."
         ),
     )
     samples: dict[str, list[float]] = {
@@ -45,6 +65,17 @@ def run(sizes: Sizes, posenc_target: str, floor_target: str) -> Section:
         "bfloat16 cold": f32_bytes // 2,
         "bfloat16 warm": f32_bytes // 2,
     }
+    server_cpu: dict[str, list[float]] = {name: [] for name in samples}
+    client_cpu: dict[str, list[float]] = {name: [] for name in samples}
+
+    def measured(name: str, pids: Callable[[], list[int]], call: Callable[[], object]) -> None:
+        server_before, client_before = cpu_seconds(pids()), time.process_time()
+        t0 = time.perf_counter()
+        call()
+        samples[name].append(time.perf_counter() - t0)
+        client_cpu[name].append(time.process_time() - client_before)
+        server_cpu[name].append(cpu_seconds(pids()) - server_before)
+
     with posenc.Client(posenc_target, timeout=TIMEOUT) as client:
         floor = FloorClient(floor_target)
         try:
@@ -53,19 +84,17 @@ def run(sizes: Sizes, posenc_target: str, floor_target: str) -> Section:
             floor.get(MIB)
 
             def floor_unit(repeat: int) -> None:
-                t0 = time.perf_counter()
-                floor.get(f32_bytes, TIMEOUT)
-                samples["floor"].append(time.perf_counter() - t0)
+                measured("floor", floor_pids, lambda: floor.get(f32_bytes, TIMEOUT))
 
             def posenc_unit(dtype: str, repeat: int) -> None:
                 # A start no other call of the run uses: the server has to compute it.
                 start = 5 * 10**9 + (repeat * 2 + (dtype == "bfloat16")) * 2**22
                 for state in ("cold", "warm"):
-                    t0 = time.perf_counter()
-                    table = client.get_range(start, start + rows, d_model, dtype=dtype)
-                    samples[f"{dtype} {state}"].append(time.perf_counter() - t0)
-                    assert table.shape == (rows, d_model)
-                    del table
+                    measured(
+                        f"{dtype} {state}",
+                        posenc_pids,
+                        lambda: client.get_range(start, start + rows, d_model, dtype=dtype),
+                    )
 
             units: list[Callable[[int], None]] = [
                 floor_unit,
@@ -90,12 +119,23 @@ def run(sizes: Sizes, posenc_target: str, floor_target: str) -> Section:
                 f"{min(values) * 1e3:.0f}",
                 f"{speeds[name]:.0f}",
                 f"{ratio(speeds[name], floor_speed):.2f}",
+                f"{median(server_cpu[name]) * GIB / nbytes[name] * 1e3:.0f}",
+                f"{median(client_cpu[name]) * GIB / nbytes[name] * 1e3:.0f}",
             ]
         )
     section.tables.append(
         Table(
             f"get_range {rows} x {d_model}",
-            ["what", "MiB", "median ms", "best ms", "MiB/s", "x floor MiB/s"],
+            [
+                "what",
+                "MiB",
+                "median ms",
+                "best ms",
+                "MiB/s",
+                "x floor MiB/s",
+                "server CPU ms/GiB",
+                "client CPU ms/GiB",
+            ],
             table_rows,
         )
     )
@@ -119,5 +159,11 @@ def run(sizes: Sizes, posenc_target: str, floor_target: str) -> Section:
             0.0,
         ),
     ]
-    section.data = {"seconds": samples, "bytes": nbytes, "mib_per_s": speeds}
+    section.data = {
+        "seconds": samples,
+        "bytes": nbytes,
+        "mib_per_s": speeds,
+        "server_cpu_s": server_cpu,
+        "client_cpu_s": client_cpu,
+    }
     return section

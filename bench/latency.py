@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 
 import posenc
-from bench.common import Section, Sizes, Table, Target, median, percentile, ratio
+from bench.common import Section, Sizes, Table, Target, cpu_seconds, median, percentile, ratio
 from bench.floor import FloorClient
 
 D_MODEL = 4096
@@ -20,7 +20,13 @@ FIRST_LENGTH = 1_000_003
 LENGTH_STRIDE = 9_973
 
 
-def run(sizes: Sizes, posenc_target: str, floor_target: str) -> Section:
+def run(
+    sizes: Sizes,
+    posenc_target: str,
+    floor_target: str,
+    posenc_pids: Callable[[], list[int]],
+    floor_pids: Callable[[], list[int]],
+) -> Section:
     one_bytes = D_MODEL * 4
     batch_bytes = BATCH * D_MODEL * 4
     section = Section(
@@ -35,7 +41,10 @@ def run(sizes: Sizes, posenc_target: str, floor_target: str) -> Section:
             f"empty (b'' -> b''), and pre-built payloads of the results' sizes ({one_bytes // 1024}"
             f" KiB, {batch_bytes // 1024} KiB) copied into a numpy array. One call of each kind "
             f"per round, in a random order each round; {sizes.latency_warmup} warm-up rounds, then "
-            f"{sizes.latency_rounds} measured rounds. Client in the harness process."
+            f"{sizes.latency_rounds} measured rounds. Client in the harness process. CPU per "
+            "call: user + system CPU of the server's processes and of the harness process "
+            f"over {sizes.latency_cpu_calls} further calls of each kind, run one kind after "
+            "the other."
         ),
     )
     kinds = [
@@ -46,6 +55,8 @@ def run(sizes: Sizes, posenc_target: str, floor_target: str) -> Section:
         "unary 1 MiB",
     ]
     samples: dict[str, list[float]] = {kind: [] for kind in kinds}
+    server_cpu: dict[str, float] = {}
+    client_cpu: dict[str, float] = {}
     lengths = FIRST_LENGTH + LENGTH_STRIDE * np.arange(BATCH, dtype=np.int64)
     with posenc.Client(posenc_target, timeout=30.0) as client:
         floor = FloorClient(floor_target)
@@ -72,6 +83,16 @@ def run(sizes: Sizes, posenc_target: str, floor_target: str) -> Section:
                     elapsed = time.perf_counter() - t0
                     if round_index >= sizes.latency_warmup:
                         samples[kind].append(elapsed)
+            # Where the time goes: CPU per call, server and client, in a separate
+            # sequential pass (reading /proc between timed calls would disturb them).
+            for kind in kinds:
+                pids = posenc_pids if kind.startswith("posenc") else floor_pids
+                server_before, client_before = cpu_seconds(pids()), time.process_time()
+                for _ in range(sizes.latency_cpu_calls):
+                    step[0] += 1
+                    calls[kind]()
+                server_cpu[kind] = (cpu_seconds(pids()) - server_before) / sizes.latency_cpu_calls
+                client_cpu[kind] = (time.process_time() - client_before) / sizes.latency_cpu_calls
         finally:
             floor.close()
 
@@ -91,12 +112,22 @@ def run(sizes: Sizes, posenc_target: str, floor_target: str) -> Section:
                 f"{p99[kind] * 1e6:.0f}",
                 f"{ratio(p50[kind], empty):.2f}",
                 f"{ratio(p50[kind], same_size[kind]):.2f}" if kind in same_size else "",
+                f"{server_cpu[kind] * 1e6:.0f}",
+                f"{client_cpu[kind] * 1e6:.0f}",
             ]
         )
     section.tables.append(
         Table(
             f"d_model {D_MODEL}, float32, {sizes.latency_rounds} calls each",
-            ["call", "p50 us", "p99 us", "p50 x empty", "p50 x same-size unary"],
+            [
+                "call",
+                "p50 us",
+                "p99 us",
+                "p50 x empty",
+                "p50 x same-size unary",
+                "server CPU us/call",
+                "client CPU us/call",
+            ],
             rows,
         )
     )
@@ -124,6 +155,8 @@ def run(sizes: Sizes, posenc_target: str, floor_target: str) -> Section:
         "p90_s": {kind: percentile(v, 90) for kind, v in samples.items()},
         "p99_s": p99,
         "min_s": {kind: min(v) for kind, v in samples.items()},
+        "server_cpu_s_per_call": server_cpu,
+        "client_cpu_s_per_call": client_cpu,
         "d_model": D_MODEL,
         "batch": BATCH,
     }

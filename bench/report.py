@@ -141,9 +141,11 @@ def plot(sections: list[Section], about: dict[str, Any], path: Path) -> None:
             values = [a.data[s]["mib_per_s"][method] for s in shapes]
             ax.bar([x + i * width for x in range(len(shapes))], values, width, label=method)
         ax.set_xticks([x + width for x in range(len(shapes))], shapes)
+        top = max(max(a.data[s]["mib_per_s"].values()) for s in shapes)
+        ax.set_ylim(0, top * 1.35)  # room for the legend above the bars
         ax.set_ylabel("MiB/s of float32 output")
         ax.set_title("a. engine, cold (from position 1e6)")
-        ax.legend(fontsize=8)
+        ax.legend(fontsize=8, loc="upper left")
 
     if (b := _section(sections, "b")) is not None:
         ax = grid[1]

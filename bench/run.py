@@ -66,6 +66,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         server = procs.start_posenc(extra)
         floor = procs.FloorServer(server_processes)
+
+        def floor_pids() -> list[int]:
+            return [pid for member in floor.members for pid in member.pids()]
+
         server.wait_ready()
         procs.wait_serving(server.target)
         if "a" in wanted:  # in-process, once the servers are up and idle
@@ -75,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
                 _guarded(
                     "b",
                     "End to end through the SDK",
-                    lambda: e2e.run(sizes, server.target, floor.target),
+                    lambda: e2e.run(sizes, server.target, floor.target, server.pids, floor_pids),
                 )
             )
         if "c" in wanted:
@@ -83,7 +87,9 @@ def main(argv: list[str] | None = None) -> int:
                 _guarded(
                     "c",
                     "Decode-step latency",
-                    lambda: latency.run(sizes, server.target, floor.target),
+                    lambda: latency.run(
+                        sizes, server.target, floor.target, server.pids, floor_pids
+                    ),
                 )
             )
         if "d" in wanted:
@@ -96,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
                         server.target,
                         floor.target,
                         server.pids,
-                        lambda: [p for member in floor.members for p in member.pids()],
+                        floor_pids,
                         server_processes,
                     ),
                 )
