@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 
 import grpc
 import numpy as np
 import pytest
 from google.rpc import error_details_pb2
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_status import rpc_status
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -203,7 +205,7 @@ def test_malformed_bytes_are_invalid_argument_not_internal(
         assert_still_serves(posenc_pb2_grpc.PositionalEncodingServiceStub(channel))
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=3000 if os.environ.get("POSENC_SOAK") == "1" else 150, deadline=None)
 @given(payload=st.binary(max_size=64), method=st.sampled_from(["GetEncoding", "StreamEncoding"]))
 def test_random_request_bytes_get_only_documented_codes(
     fuzz_target: str, payload: bytes, method: str
@@ -233,4 +235,6 @@ def fuzz_target() -> Iterator[str]:
     yield running.target
     with grpc.insecure_channel(running.target) as channel:
         assert_still_serves(posenc_pb2_grpc.PositionalEncodingServiceStub(channel))
+        health = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest())
+        assert health.status == health_pb2.HealthCheckResponse.SERVING
     running.server.stop(0).wait()

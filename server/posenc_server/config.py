@@ -48,9 +48,9 @@ class ServerConfig:
         default=0,
         metadata={"help": "server processes sharing the port (0: one per available core)"},
     )
-    workers: int = field(default=16, metadata={"help": "threads serving requests, per process"})
+    workers: int = field(default=64, metadata={"help": "threads serving requests, per process"})
     max_concurrent_streams: int = field(
-        default=12,
+        default=48,
         metadata={
             "help": "streams one process serves at once; more get RESOURCE_EXHAUSTED "
             "(below workers, so unary calls and health checks always find a thread)"
