@@ -23,6 +23,7 @@ from posenc._protocol import (
     SCHEDULE_NAMES,
     CacheStats,
     Limits,
+    PresetInfo,
     ServerInfo,
 )
 from posenc.errors import (
@@ -38,6 +39,7 @@ from posenc.errors import (
     UnavailableError,
     UnimplementedError,
 )
+from posenc.presets import RotaryPreset, SinusoidalPreset
 
 __version__ = "1.0.0"
 
@@ -57,8 +59,11 @@ __all__ = [
     "NotFoundError",
     "PermissionDeniedError",
     "PosencError",
+    "PresetInfo",
     "ResourceExhaustedError",
+    "RotaryPreset",
     "ServerInfo",
+    "SinusoidalPreset",
     "UnauthenticatedError",
     "UnavailableError",
     "UnimplementedError",

@@ -16,6 +16,7 @@ from grpc_health.v1 import health_pb2_grpc
 from posenc import _protocol as proto
 from posenc._protocol import DEFAULT, CallBudget, DTypeArg, Query, ServerInfo, StreamCursor, Timeout
 from posenc.errors import ResourceExhaustedError
+from posenc.presets import Preset
 from posenc.v1 import posenc_pb2 as pb
 from posenc.v1 import posenc_pb2_grpc as pb_grpc
 
@@ -126,34 +127,49 @@ class AsyncClient:
         self,
         start: int,
         stop: int,
-        d_model: int,
+        d_model: int | None = None,
         *,
         base: float = 10000.0,
         dtype: DTypeArg = "float32",
         layout: str = "interleaved",
         schedule: str = "paper",
+        preset: Preset | None = None,
         timeout: Timeout = DEFAULT,
     ) -> npt.NDArray[Any]:
         """Returns the rows of positions ``[start, stop)``; see :meth:`Client.get_range`."""
         query = proto.range_query(
-            start, stop, d_model, base=base, dtype=dtype, layout=layout, schedule=schedule
+            start,
+            stop,
+            d_model,
+            base=base,
+            dtype=dtype,
+            layout=layout,
+            schedule=schedule,
+            preset=preset,
         )
         return await self._fetch(query, timeout)
 
     async def get_positions(
         self,
         positions: npt.ArrayLike,
-        d_model: int,
+        d_model: int | None = None,
         *,
         base: float = 10000.0,
         dtype: DTypeArg = "float32",
         layout: str = "interleaved",
         schedule: str = "paper",
+        preset: Preset | None = None,
         timeout: Timeout = DEFAULT,
     ) -> npt.NDArray[Any]:
         """Returns the rows of arbitrary ``positions``; see :meth:`Client.get_positions`."""
         query = proto.positions_query(
-            positions, d_model, base=base, dtype=dtype, layout=layout, schedule=schedule
+            positions,
+            d_model,
+            base=base,
+            dtype=dtype,
+            layout=layout,
+            schedule=schedule,
+            preset=preset,
         )
         return await self._fetch(query, timeout)
 
@@ -161,12 +177,13 @@ class AsyncClient:
         self,
         start: int,
         stop: int,
-        d_model: int,
+        d_model: int | None = None,
         *,
         base: float = 10000.0,
         dtype: DTypeArg = "float32",
         layout: str = "interleaved",
         schedule: str = "paper",
+        preset: Preset | None = None,
         chunk_bytes: int | None = None,
         timeout: Timeout = DEFAULT,
     ) -> AsyncIterator[tuple[int, npt.NDArray[Any]]]:
@@ -175,25 +192,39 @@ class AsyncClient:
         Arguments are checked when this is called, not at the first iteration.
         """
         query = proto.range_query(
-            start, stop, d_model, base=base, dtype=dtype, layout=layout, schedule=schedule
+            start,
+            stop,
+            d_model,
+            base=base,
+            dtype=dtype,
+            layout=layout,
+            schedule=schedule,
+            preset=preset,
         )
         return self._stream(self._settings.cursor(query, chunk_bytes), self._budget(timeout))
 
     def iter_positions(
         self,
         positions: npt.ArrayLike,
-        d_model: int,
+        d_model: int | None = None,
         *,
         base: float = 10000.0,
         dtype: DTypeArg = "float32",
         layout: str = "interleaved",
         schedule: str = "paper",
+        preset: Preset | None = None,
         chunk_bytes: int | None = None,
         timeout: Timeout = DEFAULT,
     ) -> AsyncIterator[tuple[int, npt.NDArray[Any]]]:
         """``async for first_index, rows in ...``; see :meth:`Client.iter_positions`."""
         query = proto.positions_query(
-            positions, d_model, base=base, dtype=dtype, layout=layout, schedule=schedule
+            positions,
+            d_model,
+            base=base,
+            dtype=dtype,
+            layout=layout,
+            schedule=schedule,
+            preset=preset,
         )
         return self._stream(self._settings.cursor(query, chunk_bytes), self._budget(timeout))
 

@@ -14,6 +14,7 @@ from grpc_health.v1 import health_pb2_grpc
 from posenc import _protocol as proto
 from posenc._protocol import DEFAULT, CallBudget, DTypeArg, Query, ServerInfo, StreamCursor, Timeout
 from posenc.errors import ResourceExhaustedError
+from posenc.presets import Preset
 from posenc.v1 import posenc_pb2 as pb
 from posenc.v1 import posenc_pb2_grpc as pb_grpc
 
@@ -115,12 +116,13 @@ class Client:
         self,
         start: int,
         stop: int,
-        d_model: int,
+        d_model: int | None = None,
         *,
         base: float = 10000.0,
         dtype: DTypeArg = "float32",
         layout: str = "interleaved",
         schedule: str = "paper",
+        preset: Preset | None = None,
         timeout: Timeout = DEFAULT,
     ) -> npt.NDArray[Any]:
         """Returns the rows of positions ``[start, stop)``, shape ``(stop - start, d_model)``.
@@ -135,6 +137,10 @@ class Client:
             layout: ``"interleaved"`` (sin, cos, sin, cos, ...) or ``"split"`` (all sines,
                 then all cosines).
             schedule: ``"paper"`` (Vaswani et al.) or ``"tensor2tensor"``.
+            preset: A model family's table instead (:mod:`posenc.presets`): a sinusoidal
+                preset's name such as ``"whisper"``, a ``SinusoidalPreset`` or a
+                ``RotaryPreset`` (whose row width is ``d_model``'s default). With a
+                preset, leave ``layout`` and ``schedule`` at their defaults.
             timeout: Deadline of the whole call in seconds (``None``: none); defaults to
                 the client's.
 
@@ -148,19 +154,27 @@ class Client:
             UnavailableError: The server stayed unreachable through every retry.
         """
         query = proto.range_query(
-            start, stop, d_model, base=base, dtype=dtype, layout=layout, schedule=schedule
+            start,
+            stop,
+            d_model,
+            base=base,
+            dtype=dtype,
+            layout=layout,
+            schedule=schedule,
+            preset=preset,
         )
         return self._fetch(query, timeout)
 
     def get_positions(
         self,
         positions: npt.ArrayLike,
-        d_model: int,
+        d_model: int | None = None,
         *,
         base: float = 10000.0,
         dtype: DTypeArg = "float32",
         layout: str = "interleaved",
         schedule: str = "paper",
+        preset: Preset | None = None,
         timeout: Timeout = DEFAULT,
     ) -> npt.NDArray[Any]:
         """Returns the rows of arbitrary ``positions``, shape ``(len(positions), d_model)``.
@@ -169,7 +183,13 @@ class Client:
         are wanted (repeats allowed). Other arguments as in :meth:`get_range`.
         """
         query = proto.positions_query(
-            positions, d_model, base=base, dtype=dtype, layout=layout, schedule=schedule
+            positions,
+            d_model,
+            base=base,
+            dtype=dtype,
+            layout=layout,
+            schedule=schedule,
+            preset=preset,
         )
         return self._fetch(query, timeout)
 
@@ -177,12 +197,13 @@ class Client:
         self,
         start: int,
         stop: int,
-        d_model: int,
+        d_model: int | None = None,
         *,
         base: float = 10000.0,
         dtype: DTypeArg = "float32",
         layout: str = "interleaved",
         schedule: str = "paper",
+        preset: Preset | None = None,
         chunk_bytes: int | None = None,
         timeout: Timeout = DEFAULT,
     ) -> Iterator[tuple[int, npt.NDArray[Any]]]:
@@ -195,19 +216,27 @@ class Client:
         pass ``timeout=None`` for long jobs. Other arguments as in :meth:`get_range`.
         """
         query = proto.range_query(
-            start, stop, d_model, base=base, dtype=dtype, layout=layout, schedule=schedule
+            start,
+            stop,
+            d_model,
+            base=base,
+            dtype=dtype,
+            layout=layout,
+            schedule=schedule,
+            preset=preset,
         )
         return self._stream(self._settings.cursor(query, chunk_bytes), self._budget(timeout))
 
     def iter_positions(
         self,
         positions: npt.ArrayLike,
-        d_model: int,
+        d_model: int | None = None,
         *,
         base: float = 10000.0,
         dtype: DTypeArg = "float32",
         layout: str = "interleaved",
         schedule: str = "paper",
+        preset: Preset | None = None,
         chunk_bytes: int | None = None,
         timeout: Timeout = DEFAULT,
     ) -> Iterator[tuple[int, npt.NDArray[Any]]]:
@@ -217,7 +246,13 @@ class Client:
         :meth:`iter_range`.
         """
         query = proto.positions_query(
-            positions, d_model, base=base, dtype=dtype, layout=layout, schedule=schedule
+            positions,
+            d_model,
+            base=base,
+            dtype=dtype,
+            layout=layout,
+            schedule=schedule,
+            preset=preset,
         )
         return self._stream(self._settings.cursor(query, chunk_bytes), self._budget(timeout))
 

@@ -32,7 +32,7 @@ from google.rpc import error_details_pb2, status_pb2
 from grpc_health.v1 import health_pb2
 from grpc_status import rpc_status
 
-from posenc import _wire
+from posenc import _wire, presets
 from posenc.errors import (
     DeadlineExceededError,
     InternalError,
@@ -300,8 +300,15 @@ class Query:
 
 
 def _spec(
-    d_model: object, base: object, dtype: DTypeArg, layout: str, schedule: str
+    d_model: object,
+    base: object,
+    dtype: DTypeArg,
+    layout: str,
+    schedule: str,
+    preset: object = None,
 ) -> tuple[pb.EncodingSpec, _DtypeInfo, int]:
+    if preset is not None:
+        return _preset_spec(d_model, base, dtype, layout, schedule, preset)
     d = _as_int(d_model, "spec.d_model")
     if not 0 <= d < 1 << 32:
         # Values the uint32 field cannot carry; the server judges the others (its limits).
@@ -317,6 +324,30 @@ def _spec(
     return spec, info, d
 
 
+def _preset_spec(
+    d_model: object, base: object, dtype: DTypeArg, layout: str, schedule: str, preset: object
+) -> tuple[pb.EncodingSpec, _DtypeInfo, int]:
+    """The spec of a ``preset=`` request (see :mod:`posenc.presets`)."""
+    chosen = presets.as_preset(preset)
+    if layout != "interleaved" or schedule != "paper":
+        field = "spec.layout" if layout != "interleaved" else "spec.schedule"
+        raise _bad_argument(field, "a preset sets the layout and schedule: leave them unset")
+    info = _DTYPES[dtype_name(dtype)]
+    if isinstance(chosen, presets.RotaryPreset):
+        if _as_base(base) != 10000.0:
+            raise _bad_argument("spec.base", "a rotary preset carries its own rope_theta")
+        d = chosen.width if d_model is None else _as_int(d_model, "spec.d_model")
+        spec = pb.EncodingSpec(d_model=d, dtype=info.enum, rotary=chosen.to_proto())
+    else:
+        d = _as_int(d_model, "spec.d_model")
+        spec = pb.EncodingSpec(
+            d_model=d, base=_as_base(base), dtype=info.enum, sinusoidal=chosen.to_proto()
+        )
+    if not 0 <= d < 1 << 32:
+        raise _bad_argument("spec.d_model", f"must be a positive integer below 2**32, got {d}")
+    return spec, info, d
+
+
 def range_query(
     start: object,
     stop: object,
@@ -326,10 +357,11 @@ def range_query(
     dtype: DTypeArg,
     layout: str,
     schedule: str,
+    preset: object = None,
 ) -> Query:
     """Builds the query for positions ``[start, stop)``."""
     first, end = _as_int64(start, "range.start"), _as_int64(stop, "range.stop")
-    spec, info, d = _spec(d_model, base, dtype, layout, schedule)
+    spec, info, d = _spec(d_model, base, dtype, layout, schedule, preset)
     # A negative row count (stop < start) goes to the server, which refuses it with its
     # own field violation; results are only allocated once the server has answered.
     return Query(spec, info, d, rows=end - first, start=first)
@@ -343,10 +375,11 @@ def positions_query(
     dtype: DTypeArg,
     layout: str,
     schedule: str,
+    preset: object = None,
 ) -> Query:
     """Builds the query for an explicit list of positions."""
     array = as_positions(positions)
-    spec, info, d = _spec(d_model, base, dtype, layout, schedule)
+    spec, info, d = _spec(d_model, base, dtype, layout, schedule, preset)
     return Query(spec, info, d, rows=len(array), positions=array)
 
 
@@ -718,6 +751,24 @@ class CacheStats:
 
 
 @dataclass(frozen=True)
+class PresetParameter:
+    """A parameter of a preset: its request field, meaning and default (empty: required)."""
+
+    field: str
+    description: str
+    default: str
+
+
+@dataclass(frozen=True)
+class PresetInfo:
+    """A preset a server serves (``"whisper"``, ``"rotary:yarn"``, ...) and its parameters."""
+
+    name: str
+    description: str
+    parameters: tuple[PresetParameter, ...]
+
+
+@dataclass(frozen=True)
 class ServerInfo:
     """What :meth:`Client.server_info` returns: one server's description and counters."""
 
@@ -729,6 +780,7 @@ class ServerInfo:
     schedules: tuple[str, ...]
     cache: CacheStats
     rows_computed: int
+    presets: tuple[PresetInfo, ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready dictionary (nested dataclasses become dictionaries)."""
@@ -761,6 +813,16 @@ def server_info_from_proto(response: pb.GetServerInfoResponse) -> ServerInfo:
             budget_bytes=cache.budget_bytes,
         ),
         rows_computed=response.rows_computed,
+        presets=tuple(
+            PresetInfo(
+                name=preset.name,
+                description=preset.description,
+                parameters=tuple(
+                    PresetParameter(p.field, p.description, p.default) for p in preset.parameters
+                ),
+            )
+            for preset in response.presets
+        ),
     )
 
 

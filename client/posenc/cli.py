@@ -7,6 +7,7 @@ traceback: they run in scripts, cron jobs and container health checks.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -25,6 +26,7 @@ from posenc import _protocol as proto
 from posenc._client import Client
 from posenc._protocol import DTYPE_NAMES, LAYOUT_NAMES, SCHEDULE_NAMES
 from posenc.errors import PosencError
+from posenc.presets import SINUSOIDAL_PRESETS, RotaryPreset, SinusoidalPreset
 
 __all__ = ["main"]
 
@@ -149,11 +151,33 @@ def _build_parser() -> argparse.ArgumentParser:
         help="fetch these positions instead of a range: a .npy integer array, or text "
         "with one integer per line",
     )
-    fetch.add_argument("--d-model", type=int, required=True, metavar="N", help="row width")
+    fetch.add_argument(
+        "--d-model", type=int, metavar="N", help="row width (a rotary preset sets its own)"
+    )
     fetch.add_argument("--base", type=float, default=10000.0, help="frequency base (10000)")
     fetch.add_argument("--dtype", choices=DTYPE_NAMES, default="float32")
     fetch.add_argument("--layout", choices=LAYOUT_NAMES, default="interleaved")
     fetch.add_argument("--schedule", choices=SCHEDULE_NAMES, default="paper")
+    fetch.add_argument(
+        "--preset",
+        choices=(*SINUSOIDAL_PRESETS, "rotary"),
+        help="a model family's table (README: Presets); 'rotary' takes --preset-param "
+        "head_dim=... rope_type=... or --rope-config",
+    )
+    fetch.add_argument(
+        "--preset-param",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a preset parameter, e.g. padding_idx=1, factor=8.0, short_factor=1.0,1.1,... "
+        "(repeatable)",
+    )
+    fetch.add_argument(
+        "--rope-config",
+        type=Path,
+        metavar="CONFIG_JSON",
+        help="a transformers config.json: its rotary preset (implies --preset rotary)",
+    )
     fetch.add_argument("-o", "--output", type=Path, required=True, help="the .npy file to write")
     fetch.add_argument(
         "--chunk-bytes", type=int, metavar="BYTES", help="stream chunk size (server default)"
@@ -232,13 +256,68 @@ def _human_bytes(size: float) -> str:
     raise AssertionError("unreachable")
 
 
+def _preset_value(field: dataclasses.Field[Any], text: str) -> Any:
+    kind = str(field.type)
+    if "Sequence" in kind:
+        return [float(part) for part in text.split(",") if part.strip()]
+    if "bool" in kind:
+        if text.lower() not in ("true", "false", "1", "0"):
+            raise ValueError(f"{field.name} must be true or false, got {text!r}")
+        return text.lower() in ("true", "1")
+    if "int" in kind:
+        return int(text)
+    if "float" in kind:
+        return float(text)
+    return text
+
+
+def _preset(args: argparse.Namespace) -> SinusoidalPreset | RotaryPreset | None:
+    """The --preset, --preset-param and --rope-config of a fetch."""
+    name = "rotary" if args.rope_config is not None else args.preset
+    if name is None:
+        if args.preset_param:
+            raise ValueError("--preset-param needs --preset")
+        return None
+    cls: type[SinusoidalPreset] | type[RotaryPreset]
+    cls = RotaryPreset if name == "rotary" else SinusoidalPreset
+    known = {field.name: field for field in dataclasses.fields(cls) if field.name != "name"}
+    values: dict[str, Any] = {}
+    for item in args.preset_param:
+        key, sep, text = item.partition("=")
+        if not sep or key not in known:
+            raise ValueError(
+                f"--preset-param {item!r}: expected KEY=VALUE with KEY one of {', '.join(known)}"
+            )
+        values[key] = _preset_value(known[key], text)
+    if name != "rotary":
+        return SinusoidalPreset(name, **values)
+    if args.rope_config is None:
+        if "head_dim" not in values:
+            raise ValueError("--preset rotary needs --preset-param head_dim=N (or --rope-config)")
+        return RotaryPreset(**values)
+    config = json.loads(args.rope_config.read_text())
+    preset = RotaryPreset.from_config(config, layout=values.pop("layout", "transformers"))
+    return dataclasses.replace(preset, **values)
+
+
 def _fetch(args: argparse.Namespace) -> int:
+    preset = _preset(args)
+    if isinstance(preset, RotaryPreset):
+        args.d_model = args.d_model or preset.width
+    elif args.d_model is None:
+        # A usage error, as argparse reports them.
+        print(
+            "posenc fetch: error: --d-model is required (except with a rotary preset)",
+            file=sys.stderr,
+        )
+        raise SystemExit(EXIT_USAGE)
     spec: dict[str, Any] = {
         "base": args.base,
         "dtype": args.dtype,
         "layout": args.layout,
         "schedule": args.schedule,
         "chunk_bytes": args.chunk_bytes,
+        "preset": preset,
     }
     with _client(args, _targets(args)) as client:
         # Slices arrive labelled by position (range) or by index (list): `origin` maps
@@ -316,6 +395,7 @@ def _info(args: argparse.Namespace) -> int:
     print(f"dtypes:        {', '.join(info.dtypes)}")
     print(f"layouts:       {', '.join(info.layouts)}")
     print(f"schedules:     {', '.join(info.schedules)}")
+    print(f"presets:       {', '.join(preset.name for preset in info.presets)}")
     print(f"rows_computed: {info.rows_computed:,}")
     for title, section in (("limits", info.limits), ("cache", info.cache)):
         print(f"{title}:")

@@ -23,7 +23,7 @@ import functools
 import math
 from dataclasses import dataclass
 from decimal import Decimal, localcontext
-from typing import Final
+from typing import Final, Protocol
 
 import ml_dtypes
 import numpy as np
@@ -72,6 +72,18 @@ _SPLITTER: Final = 134217729.0
 _ELEMENTS_PER_PASS: Final = 1 << 15
 
 
+class TablePreset(Protocol):
+    """A model family's table (``posenc_server.presets``): frozen, hashable, all parameters."""
+
+    def encode_positions(
+        self, spec: EncodingSpec, positions: Int64Array
+    ) -> npt.NDArray[np.generic]: ...
+
+    def encode_range(
+        self, spec: EncodingSpec, start: int, stop: int
+    ) -> npt.NDArray[np.generic]: ...
+
+
 @dataclass(frozen=True)
 class EncodingSpec:
     """Everything that determines the values and bytes of a table."""
@@ -81,6 +93,9 @@ class EncodingSpec:
     dtype: str = "float32"
     layout: Layout = Layout.INTERLEAVED
     schedule: Schedule = Schedule.PAPER
+    preset: TablePreset | None = None
+    """When set, the preset computes the table (``d_model`` wide, in ``dtype``); the other
+    fields are then informative only."""
 
     @property
     def numpy_dtype(self) -> np.dtype[np.generic]:
@@ -200,6 +215,8 @@ def encode_positions(spec: EncodingSpec, positions: npt.ArrayLike) -> npt.NDArra
     function of (spec, position) alone: the same bytes as ``encode_range`` gives for it.
     """
     pos = np.asarray(positions, dtype=np.int64).reshape(-1)
+    if spec.preset is not None:
+        return spec.preset.encode_positions(spec, pos)
     if pos.size and (span := int(pos.max()) - int(pos.min()) + 1) <= 4 * pos.size:
         # Clustered positions (a decode window, a shuffled range): the covering range is
         # cheaper than one extended-precision angle per row, and gives the same rows.
@@ -238,6 +255,8 @@ def encode_range(spec: EncodingSpec, start: int, stop: int) -> npt.NDArray[np.ge
     ``j < block``. Each factor is within 2**-53 of exact, so a product is within about
     2**-51: the same contract at a fraction of the sin/cos evaluations.
     """
+    if spec.preset is not None:
+        return spec.preset.encode_range(spec, start, stop)
     rows = stop - start
     block = _block_rows(spec.sin_columns)
     if spec.sin_columns == 0 or rows == 0:

@@ -26,6 +26,7 @@ from posenc_server.errors import (
     LimitExceededError,
     ShuttingDownError,
 )
+from posenc_server.presets import parse_spec, server_info_presets
 from posenc_server.service import Chunk, EncodingService, PositionList, PositionRange, Selection
 
 log = logging.getLogger("posenc_server")
@@ -208,6 +209,7 @@ class PositionalEncodingServicer:
                 budget_bytes=stats.budget_bytes,
             ),
             rows_computed=self.service.rows_computed,
+            presets=server_info_presets(),
         )
 
     # Protobuf -> domain -----------------------------------------------------------------------
@@ -218,8 +220,13 @@ class PositionalEncodingServicer:
         violations: list[FieldViolation] = []
         proto_spec = request.spec
         base = proto_spec.base if proto_spec.HasField("base") else engine.DEFAULT_BASE
-        self.service.validate_spec(proto_spec.d_model, base, violations)
         dtype = DTYPE_NAMES.get(proto_spec.dtype)
+        preset_spec: EncodingSpec | None = None
+        if proto_spec.WhichOneof("preset") is None:
+            self.service.validate_spec(proto_spec.d_model, base, violations)
+        else:
+            config = self.service.config
+            preset_spec = parse_spec(proto_spec, dtype or "float32", config, violations)
         layout = LAYOUTS.get(proto_spec.layout)
         schedule = SCHEDULES.get(proto_spec.schedule)
         for name, value, parsed, known in (
@@ -244,7 +251,7 @@ class PositionalEncodingServicer:
         self.service.raise_if_invalid(violations)
         assert dtype is not None and layout is not None and schedule is not None
         assert selection is not None
-        spec = EncodingSpec(
+        spec = preset_spec or EncodingSpec(
             d_model=proto_spec.d_model, base=base, dtype=dtype, layout=layout, schedule=schedule
         )
         return spec, selection

@@ -1,0 +1,829 @@
+"""Model-exact presets: the tables real model families use, computed with the engine's precision.
+
+Sinusoidal presets (``vaswani`` ... ``transformer_xl``) are the engine's tables at mapped
+positions (an offset, a descending order, a clamp) with the odd details of each family (a
+zeroed padding row, a zero last column); ``tensor2tensor`` with a ``min_timescale`` has
+frequencies of its own. Rotary presets are the cos/sin tables of transformers'
+``modeling_rope_utils`` rope types in three layouts.
+
+Every frequency is computed from its definition with 50 significant digits (``decimal``),
+not in the float32 of the reference code, and every angle goes through the engine's
+double-double reduction (``engine._sin_cos_rows``), so the accuracy contract holds at any
+accepted position. Each row remains a function of (spec, position) alone: the table objects
+below are frozen dataclasses holding every parameter, and the service's cache key (the
+``EncodingSpec`` that carries them) therefore covers every parameter.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from decimal import Decimal, localcontext
+from typing import Any, Final
+
+import numpy as np
+import numpy.typing as npt
+
+from posenc.v1 import posenc_pb2
+from posenc_server import engine
+from posenc_server.engine import EncodingSpec, Layout, Schedule
+from posenc_server.errors import FieldViolation
+
+Float64Array = npt.NDArray[np.float64]
+Int64Array = npt.NDArray[np.int64]
+Table = npt.NDArray[np.generic]
+
+_PREC: Final = 50
+# Positions after a preset's offset stay where float64 holds them exactly.
+_MAX_MAPPED_POSITION: Final = 1 << 52
+
+
+# ------------------------------------------------------------------------------------------
+# Exact frequencies -> extended-precision sin and cos
+# ------------------------------------------------------------------------------------------
+
+
+@functools.lru_cache(maxsize=64)
+def _turn_table(frequencies: tuple[Decimal, ...]) -> tuple[Float64Array, Float64Array]:
+    """``inv_freq / 2pi`` as double-double ``(hi, lo)`` arrays."""
+    hi = np.empty(len(frequencies), dtype=np.float64)
+    lo = np.empty(len(frequencies), dtype=np.float64)
+    with localcontext() as context:
+        context.prec = _PREC
+        for i, frequency in enumerate(frequencies):
+            turns = frequency / engine._TWO_PI
+            hi[i] = float(turns)
+            lo[i] = float(turns - Decimal(hi[i]))
+    hi.flags.writeable = False
+    lo.flags.writeable = False
+    return hi, lo
+
+
+@functools.lru_cache(maxsize=16)
+def _rotations(frequencies: tuple[Decimal, ...], block: int) -> npt.NDArray[np.complex128]:
+    """``u(j) = cos(j w) + i sin(j w)`` for ``j < block``, each exact to about 2**-53."""
+    hi, lo = _turn_table(frequencies)
+    sin, cos = engine._sin_cos_rows(np.arange(block, dtype=np.float64), hi, lo)
+    rotations = np.empty(sin.shape, dtype=np.complex128)
+    rotations.real = cos
+    rotations.imag = sin
+    rotations.flags.writeable = False
+    return rotations
+
+
+def sin_cos(
+    frequencies: tuple[Decimal, ...], positions: Int64Array
+) -> tuple[Float64Array, Float64Array]:
+    """``sin`` and ``cos`` of ``positions[:, None] * frequencies[None, :]`` in float64.
+
+    As in the engine, a position ``p`` is its block base ``b = p - p % block`` (one
+    extended-precision angle, shared by the block) times the exact rotation ``u(p - b)``:
+    within about 2**-51 of the exact values, and a function of ``p`` alone.
+    """
+    count, rows = len(frequencies), positions.size
+    sin = np.empty((rows, count), dtype=np.float64)
+    cos = np.empty((rows, count), dtype=np.float64)
+    if count == 0 or rows == 0:
+        return sin, cos
+    hi, lo = _turn_table(frequencies)
+    block = engine._block_rows(count)
+    rotations = _rotations(frequencies, block)
+    rows_per_pass = max(1, engine._ELEMENTS_PER_PASS // count)
+    for first in range(0, rows, rows_per_pass):
+        chunk = positions[first : first + rows_per_pass]
+        offset = chunk % block
+        bases, base_of_row = np.unique(chunk - offset, return_inverse=True)
+        base_sin, base_cos = engine._sin_cos_rows(bases.astype(np.float64), hi, lo)
+        base = np.empty(base_sin.shape, dtype=np.complex128)
+        base.real = base_cos
+        base.imag = base_sin
+        product = base[base_of_row] * rotations[offset]
+        cos[first : first + chunk.size] = product.real
+        sin[first : first + chunk.size] = product.imag
+    return sin, cos
+
+
+def _exp(value: Decimal) -> Decimal:
+    return value.exp()
+
+
+# ------------------------------------------------------------------------------------------
+# Sinusoidal presets
+# ------------------------------------------------------------------------------------------
+
+SINUSOIDAL_NAMES: Final[dict[int, str]] = {
+    posenc_pb2.SINUSOIDAL_PRESET_NAME_VASWANI: "vaswani",
+    posenc_pb2.SINUSOIDAL_PRESET_NAME_VASWANI_SPLIT: "vaswani_split",
+    posenc_pb2.SINUSOIDAL_PRESET_NAME_TENSOR2TENSOR: "tensor2tensor",
+    posenc_pb2.SINUSOIDAL_PRESET_NAME_WHISPER: "whisper",
+    posenc_pb2.SINUSOIDAL_PRESET_NAME_FAIRSEQ: "fairseq",
+    posenc_pb2.SINUSOIDAL_PRESET_NAME_TRANSFORMER_XL: "transformer_xl",
+}
+
+# Parameters each sinusoidal preset takes (besides d_model, base and dtype).
+_SINUSOIDAL_PARAMETERS: Final[dict[str, tuple[str, ...]]] = {
+    "vaswani": (),
+    "vaswani_split": (),
+    "tensor2tensor": ("min_timescale", "start_index"),
+    "whisper": (),
+    "fairseq": ("padding_idx",),
+    "transformer_xl": ("clamp_len", "key_length"),
+}
+
+
+@dataclass(frozen=True)
+class MappedSinusoid:
+    """A sinusoidal preset's table: rows of a ``[sin | cos]``-style table at mapped positions.
+
+    Row ``p`` is the base table's row at ``m(p) = offset - p`` (``descending``) or
+    ``p + offset``, clamped to at most ``clamp_max``; the base table is the engine's
+    ``inner`` spec, or explicit ``frequencies`` in the split layout (tensor2tensor with a
+    ``min_timescale``). Row ``zero_row`` (fairseq's padding row) is all zeros.
+    """
+
+    inner: EncodingSpec | None
+    frequencies: tuple[Decimal, ...] = ()
+    offset: int = 0
+    descending: bool = False
+    clamp_max: int | None = None
+    zero_row: int | None = None
+
+    def _mapped(self, positions: Int64Array) -> Int64Array:
+        mapped = self.offset - positions if self.descending else positions + self.offset
+        if self.clamp_max is not None:
+            mapped = np.minimum(mapped, self.clamp_max)
+        return mapped
+
+    def encode_positions(self, spec: EncodingSpec, positions: Int64Array) -> Table:
+        """The rows of ``positions`` (see ``engine.encode_positions``)."""
+        mapped = self._mapped(positions)
+        if self.inner is not None:
+            out = engine.encode_positions(self.inner, mapped)
+        else:
+            sin, cos = sin_cos(self.frequencies, mapped)
+            out = np.zeros((positions.size, spec.d_model), dtype=spec.numpy_dtype)
+            count = len(self.frequencies)
+            out[:, :count] = sin
+            out[:, count : 2 * count] = cos
+        if self.zero_row is not None:
+            out[positions == self.zero_row] = 0
+        return out
+
+    def encode_range(self, spec: EncodingSpec, start: int, stop: int) -> Table:
+        """The rows of ``start .. stop - 1`` (see ``engine.encode_range``)."""
+        if self.inner is not None and not self.descending and self.clamp_max is None:
+            out = engine.encode_range(self.inner, start + self.offset, stop + self.offset)
+            if self.zero_row is not None and start <= self.zero_row < stop:
+                out[self.zero_row - start] = 0
+            return out
+        return self.encode_positions(spec, np.arange(start, stop, dtype=np.int64))
+
+
+def _t2t_frequencies(
+    d_model: int, min_timescale: float, max_timescale: float
+) -> tuple[Decimal, ...]:
+    """tensor2tensor: ``min * exp(-i * ln(max / min) / max(n - 1, 1))``, ``n = d // 2``."""
+    count = d_model // 2
+    with localcontext() as context:
+        context.prec = _PREC
+        low = Decimal(min_timescale)
+        step = (Decimal(max_timescale) / low).ln() / Decimal(max(count - 1, 1))
+        return tuple(low * _exp(-step * i) for i in range(count))
+
+
+@dataclass
+class _Checker:
+    """Collects field violations of one preset."""
+
+    prefix: str
+    violations: list[FieldViolation]
+
+    def add(self, field: str, description: str) -> None:
+        self.violations.append(FieldViolation(f"{self.prefix}.{field}", description))
+
+
+def parse_sinusoidal(
+    message: posenc_pb2.SinusoidalPreset,
+    d_model: int,
+    base: float,
+    dtype: str,
+    limits: Any,
+    violations: list[FieldViolation],
+) -> EncodingSpec | None:
+    """The spec of a sinusoidal preset, or None after appending its problems to violations.
+
+    ``limits`` is the server config (``max_d_model``, ``max_abs_position``).
+    """
+    check = _Checker("spec.sinusoidal", violations)
+    before = len(violations)
+    name = SINUSOIDAL_NAMES.get(message.name)
+    if name is None:
+        known = ", ".join(f"{value} ({n})" for value, n in SINUSOIDAL_NAMES.items())
+        check.add("name", f"unknown or unset preset {message.name}; known: {known}")
+        return None
+    taken = _SINUSOIDAL_PARAMETERS[name]
+    for field in ("min_timescale", "start_index", "padding_idx", "clamp_len", "key_length"):
+        if message.HasField(field) and field not in taken:
+            check.add(field, f"is not a parameter of preset {name}; leave it unset")
+    if not 1 <= d_model <= limits.max_d_model:
+        violations.append(
+            FieldViolation(
+                "spec.d_model", f"must be between 1 and {limits.max_d_model}, got {d_model}"
+            )
+        )
+    elif name == "whisper" and (d_model % 2 or d_model < 4):
+        violations.append(
+            FieldViolation("spec.d_model", f"whisper needs an even d_model >= 4, got {d_model}")
+        )
+    elif name == "fairseq" and d_model < 4:
+        # fairseq divides by half_dim - 1.
+        violations.append(
+            FieldViolation("spec.d_model", f"fairseq needs d_model >= 4, got {d_model}")
+        )
+    elif name == "transformer_xl" and d_model % 2:
+        # Its [sin | cos] of ceil(d / 2) frequencies each is d + 1 wide for odd d.
+        violations.append(
+            FieldViolation("spec.d_model", f"transformer_xl needs an even d_model, got {d_model}")
+        )
+    if not engine.is_valid_base(base):
+        violations.append(
+            FieldViolation("spec.base", f"must be finite and greater than 1, got {base!r}")
+        )
+    offset_limit = min(limits.max_abs_position, _MAX_MAPPED_POSITION - limits.max_abs_position)
+    min_timescale = message.min_timescale if message.HasField("min_timescale") else 1.0
+    if not (math.isfinite(min_timescale) and 0 < min_timescale < base):
+        check.add("min_timescale", f"must be > 0 and below base ({base!r}), got {min_timescale!r}")
+    for field, default, low in (
+        ("start_index", 0, -offset_limit),
+        ("padding_idx", 1, 0),
+        ("key_length", 0, 0),
+    ):
+        value = getattr(message, field) if message.HasField(field) else default  # type: ignore[arg-type]
+        if not low <= value <= offset_limit:
+            check.add(field, f"must be between {low} and {offset_limit}, got {value}")
+    if len(violations) > before:
+        return None
+
+    split = EncodingSpec(d_model, base, dtype, Layout.SPLIT, Schedule.PAPER)
+    if name == "vaswani":
+        return EncodingSpec(d_model, base, dtype)
+    if name == "vaswani_split":
+        return split
+    t2t = EncodingSpec(d_model, base, dtype, Layout.SPLIT, Schedule.TENSOR2TENSOR)
+    if name == "whisper":
+        return t2t
+    if name == "tensor2tensor":
+        start = message.start_index
+        if min_timescale == 1.0 and start == 0:
+            return t2t
+        if min_timescale == 1.0:
+            table = MappedSinusoid(inner=t2t, offset=start)
+        else:
+            frequencies = _t2t_frequencies(d_model, min_timescale, base)
+            table = MappedSinusoid(inner=None, frequencies=frequencies, offset=start)
+        return EncodingSpec(d_model, base, dtype, preset=table)
+    if name == "fairseq":
+        padding = message.padding_idx if message.HasField("padding_idx") else 1
+        return EncodingSpec(d_model, base, dtype, preset=MappedSinusoid(t2t, zero_row=padding))
+    # transformer_xl
+    clamp = message.clamp_len if message.clamp_len > 0 else None
+    if message.HasField("key_length"):
+        table = MappedSinusoid(
+            split, offset=message.key_length - 1, descending=True, clamp_max=clamp
+        )
+    else:
+        table = MappedSinusoid(split, clamp_max=clamp)
+    if table.clamp_max is None and not table.descending:
+        return split
+    return EncodingSpec(d_model, base, dtype, preset=table)
+
+
+# ------------------------------------------------------------------------------------------
+# Rotary presets
+# ------------------------------------------------------------------------------------------
+
+ROPE_TYPES: Final[dict[int, str]] = {
+    posenc_pb2.ROPE_TYPE_UNSPECIFIED: "default",
+    posenc_pb2.ROPE_TYPE_DEFAULT: "default",
+    posenc_pb2.ROPE_TYPE_LINEAR: "linear",
+    posenc_pb2.ROPE_TYPE_DYNAMIC: "dynamic",
+    posenc_pb2.ROPE_TYPE_YARN: "yarn",
+    posenc_pb2.ROPE_TYPE_LONGROPE: "longrope",
+    posenc_pb2.ROPE_TYPE_LLAMA3: "llama3",
+}
+ROPE_LAYOUTS: Final[dict[int, str]] = {
+    posenc_pb2.ROPE_LAYOUT_UNSPECIFIED: "transformers",
+    posenc_pb2.ROPE_LAYOUT_TRANSFORMERS: "transformers",
+    posenc_pb2.ROPE_LAYOUT_VLLM: "vllm",
+    posenc_pb2.ROPE_LAYOUT_GPTJ: "gptj",
+}
+
+# Optional and required fields of each rope type, beyond rope_type, layout, head_dim,
+# rope_theta and partial_rotary_factor.
+_ROPE_FIELDS: Final[dict[str, tuple[tuple[str, ...], tuple[str, ...]]]] = {
+    "default": ((), ()),
+    "linear": (("factor",), ()),
+    "dynamic": (("factor", "max_position_embeddings"), ("seq_len",)),
+    "yarn": (
+        ("original_max_position_embeddings",),
+        (
+            "factor",
+            "max_position_embeddings",
+            "beta_fast",
+            "beta_slow",
+            "mscale",
+            "mscale_all_dim",
+            "truncate",
+            "attention_factor",
+        ),
+    ),
+    "longrope": (
+        ("original_max_position_embeddings", "short_factor", "long_factor"),
+        ("factor", "max_position_embeddings", "attention_factor", "seq_len"),
+    ),
+    "llama3": (
+        ("factor", "original_max_position_embeddings", "low_freq_factor", "high_freq_factor"),
+        (),
+    ),
+}
+_SCALAR_ROPE_FIELDS: Final = (
+    "factor",
+    "original_max_position_embeddings",
+    "max_position_embeddings",
+    "low_freq_factor",
+    "high_freq_factor",
+    "beta_fast",
+    "beta_slow",
+    "mscale",
+    "mscale_all_dim",
+    "truncate",
+    "attention_factor",
+    "seq_len",
+)
+
+
+@dataclass(frozen=True)
+class RotaryTable:
+    """A rotary cos/sin table; every field of the request is here (the cache key)."""
+
+    rope_type: str
+    layout: str
+    head_dim: int
+    rope_theta: float
+    partial_rotary_factor: float
+    factor: float | None = None
+    original_max_position_embeddings: int | None = None
+    max_position_embeddings: int | None = None
+    low_freq_factor: float | None = None
+    high_freq_factor: float | None = None
+    beta_fast: float | None = None
+    beta_slow: float | None = None
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
+    truncate: bool = True
+    attention_factor: float | None = None
+    short_factor: tuple[float, ...] = ()
+    long_factor: tuple[float, ...] = ()
+    seq_len: int | None = None
+
+    @property
+    def rotary_dim(self) -> int:
+        """``int(head_dim * partial_rotary_factor)``, as transformers computes it."""
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    @property
+    def width(self) -> int:
+        """Columns of a row in this layout."""
+        return self.rotary_dim if self.layout == "vllm" else 2 * self.rotary_dim
+
+    def frequencies(self) -> tuple[tuple[Decimal, ...], float]:
+        """The exact inverse frequencies and the attention factor (see ``_rope``)."""
+        return _rope(self)
+
+    def encode_positions(self, spec: EncodingSpec, positions: Int64Array) -> Table:
+        """The rows of ``positions``: cos and sin times the attention factor, in the layout."""
+        frequencies, attention = self.frequencies()
+        sin, cos = sin_cos(frequencies, positions)
+        if attention != 1.0:
+            sin *= attention
+            cos *= attention
+        half = len(frequencies)
+        out = np.empty((positions.size, spec.d_model), dtype=spec.numpy_dtype)
+        if self.layout == "vllm":
+            out[:, :half] = cos
+            out[:, half:] = sin
+        elif self.layout == "transformers":
+            for index, values in enumerate((cos, cos, sin, sin)):
+                out[:, index * half : (index + 1) * half] = values
+        else:  # gptj
+            for index, values in enumerate((cos, sin)):
+                part = out[:, index * 2 * half : (index + 1) * 2 * half]
+                part[:, 0::2] = values
+                part[:, 1::2] = values
+        return out
+
+    def encode_range(self, spec: EncodingSpec, start: int, stop: int) -> Table:
+        """The rows of ``start .. stop - 1``."""
+        return self.encode_positions(spec, np.arange(start, stop, dtype=np.int64))
+
+
+@functools.lru_cache(maxsize=64)
+def _rope(table: RotaryTable) -> tuple[tuple[Decimal, ...], float]:
+    """inv_freq of ``modeling_rope_utils`` for the table's rope type, as exact real numbers.
+
+    The reference computes the same formulas in float32 (exponents, ramps, factors); here
+    every quantity is the real number the formula defines, to 50 digits, including the
+    discrete choices (YaRN's truncated correction range, Llama 3's wavelength bands).
+    """
+    dim = table.rotary_dim
+    with localcontext() as context:
+        context.prec = _PREC
+        pi = engine._TWO_PI / 2
+        theta = Decimal(table.rope_theta)
+        log_theta = theta.ln()
+        kind = table.rope_type
+        if kind == "dynamic":
+            assert table.factor is not None and table.max_position_embeddings is not None
+            factor = Decimal(table.factor)
+            original = Decimal(table.max_position_embeddings)
+            length = Decimal(max(table.seq_len or 0, table.max_position_embeddings))
+            stretch = factor * length / original - (factor - 1)
+            log_theta += Decimal(dim) / Decimal(dim - 2) * stretch.ln()
+        base = [_exp(-Decimal(2 * i) / Decimal(dim) * log_theta) for i in range(dim // 2)]
+        attention = Decimal(1)
+        if kind in ("default", "dynamic"):
+            frequencies = base
+        elif kind == "linear":
+            assert table.factor is not None
+            frequencies = [f / Decimal(table.factor) for f in base]
+        elif kind == "yarn":
+            frequencies, attention = _yarn(table, base, log_theta, pi)
+        elif kind == "longrope":
+            frequencies, attention = _longrope(table, base)
+        else:
+            frequencies = _llama3(table, base, pi)
+        return tuple(+f for f in frequencies), float(attention)
+
+
+def _scaling_factor(table: RotaryTable) -> Decimal:
+    """``factor``, else ``max_position_embeddings / original_max_position_embeddings``."""
+    if table.factor is not None:
+        return Decimal(table.factor)
+    assert table.max_position_embeddings and table.original_max_position_embeddings
+    return Decimal(table.max_position_embeddings) / Decimal(table.original_max_position_embeddings)
+
+
+def _yarn(
+    table: RotaryTable, base: list[Decimal], log_theta: Decimal, pi: Decimal
+) -> tuple[list[Decimal], Decimal]:
+    dim = table.rotary_dim
+    factor = _scaling_factor(table)
+
+    def mscale(scale: Decimal, weight: Decimal = Decimal(1)) -> Decimal:
+        return Decimal(1) if scale <= 1 else Decimal("0.1") * weight * scale.ln() + 1
+
+    if table.attention_factor is not None:
+        attention = Decimal(table.attention_factor)
+    elif table.mscale and table.mscale_all_dim:
+        attention = mscale(factor, Decimal(table.mscale)) / mscale(
+            factor, Decimal(table.mscale_all_dim)
+        )
+    else:
+        attention = mscale(factor)
+    # `or`: transformers treats 0 like unset.
+    beta_fast = Decimal(table.beta_fast or 32)
+    beta_slow = Decimal(table.beta_slow or 1)
+    assert table.original_max_position_embeddings is not None
+    original = Decimal(table.original_max_position_embeddings)
+
+    def correction_dim(rotations: Decimal) -> Decimal:
+        return Decimal(dim) * (original / (rotations * 2 * pi)).ln() / (2 * log_theta)
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if table.truncate:
+        low, high = Decimal(math.floor(low)), Decimal(math.ceil(high))
+    low, high = max(low, Decimal(0)), min(high, Decimal(dim - 1))
+    if low == high:
+        high += Decimal("0.001")
+    frequencies = []
+    for i, extrapolation in enumerate(base):
+        ramp = min(max((Decimal(i) - low) / (high - low), Decimal(0)), Decimal(1))
+        # ramp = 1 - the extrapolation factor: interpolated (divided by factor) where 1.
+        frequencies.append(extrapolation / factor * ramp + extrapolation * (1 - ramp))
+    return frequencies, attention
+
+
+def _longrope(table: RotaryTable, base: list[Decimal]) -> tuple[list[Decimal], Decimal]:
+    factor = _scaling_factor(table)
+    assert table.original_max_position_embeddings is not None
+    original = table.original_max_position_embeddings
+    if table.attention_factor is not None:
+        attention = Decimal(table.attention_factor)
+    elif factor <= 1:
+        attention = Decimal(1)
+    else:
+        attention = (1 + factor.ln() / Decimal(original).ln()).sqrt()
+    long = table.seq_len is not None and table.seq_len > original
+    factors = table.long_factor if long else table.short_factor
+    return [f / Decimal(s) for f, s in zip(base, factors, strict=True)], attention
+
+
+def _llama3(table: RotaryTable, base: list[Decimal], pi: Decimal) -> list[Decimal]:
+    assert table.factor is not None and table.original_max_position_embeddings is not None
+    assert table.low_freq_factor is not None and table.high_freq_factor is not None
+    factor = Decimal(table.factor)
+    original = Decimal(table.original_max_position_embeddings)
+    low_factor, high_factor = Decimal(table.low_freq_factor), Decimal(table.high_freq_factor)
+    low_wavelength, high_wavelength = original / low_factor, original / high_factor
+    frequencies = []
+    for frequency in base:
+        wavelength = 2 * pi / frequency
+        if wavelength > low_wavelength:
+            frequencies.append(frequency / factor)
+        elif wavelength < high_wavelength:
+            frequencies.append(frequency)
+        else:
+            smooth = (original / wavelength - low_factor) / (high_factor - low_factor)
+            frequencies.append((1 - smooth) * frequency / factor + smooth * frequency)
+    return frequencies
+
+
+def parse_rotary(
+    message: posenc_pb2.RotaryPreset,
+    d_model: int,
+    has_base: bool,
+    dtype: str,
+    limits: Any,
+    violations: list[FieldViolation],
+) -> EncodingSpec | None:
+    """The spec of a rotary preset, or None after appending its problems to violations."""
+    check = _Checker("spec.rotary", violations)
+    before = len(violations)
+    if has_base:
+        violations.append(
+            FieldViolation("spec.base", "must be unset with a rotary preset: set rotary.rope_theta")
+        )
+    kind = ROPE_TYPES.get(message.rope_type)
+    layout = ROPE_LAYOUTS.get(message.layout)
+    if kind is None:
+        check.add("rope_type", f"unknown value {message.rope_type}; known: {sorted(ROPE_TYPES)}")
+    if layout is None:
+        check.add("layout", f"unknown value {message.layout}; known: {sorted(ROPE_LAYOUTS)}")
+    if kind is None or layout is None:
+        return None
+    required, optional = _ROPE_FIELDS[kind]
+    for field in (*_SCALAR_ROPE_FIELDS, "short_factor", "long_factor"):
+        present = (
+            bool(getattr(message, field))
+            if field in ("short_factor", "long_factor")
+            else message.HasField(field)  # type: ignore[arg-type]
+        )
+        if field in required and not present:
+            check.add(field, f"is required by rope type {kind}")
+        elif present and field not in required and field not in optional:
+            check.add(field, f"is not a parameter of rope type {kind}; leave it unset")
+    if (
+        kind in ("yarn", "longrope")
+        and not message.HasField("factor")
+        and not message.HasField("max_position_embeddings")
+    ):
+        check.add("factor", f"rope type {kind} needs factor or max_position_embeddings")
+
+    def real(field: str, default: float | None, low: float, *, strict: bool = True) -> float | None:
+        if not message.HasField(field):  # type: ignore[arg-type]
+            return default
+        value = float(getattr(message, field))
+        if not math.isfinite(value) or value < low or (strict and value == low):
+            relation = ">" if strict else ">="
+            check.add(field, f"must be finite and {relation} {low:g}, got {value!r}")
+        return value
+
+    def count(field: str, low: int) -> int | None:
+        if not message.HasField(field):  # type: ignore[arg-type]
+            return None
+        value = int(getattr(message, field))
+        if not low <= value <= 1 << 62:
+            check.add(field, f"must be between {low} and 2**62, got {value}")
+        return value
+
+    theta = real("rope_theta", 10000.0, 1.0)
+    partial = real("partial_rotary_factor", 1.0, 0.0)
+    if partial is not None and partial > 1.0:
+        check.add("partial_rotary_factor", f"must be in (0, 1], got {partial!r}")
+    head_dim = message.head_dim
+    if head_dim < 2:
+        check.add("head_dim", f"must be at least 2, got {head_dim}")
+    table_fields: dict[str, Any] = {
+        "factor": real("factor", None, 0.0),
+        "original_max_position_embeddings": count("original_max_position_embeddings", 1),
+        "max_position_embeddings": count("max_position_embeddings", 1),
+        "low_freq_factor": real("low_freq_factor", None, 0.0),
+        "high_freq_factor": real("high_freq_factor", None, 0.0),
+        "beta_fast": real("beta_fast", None, 0.0),
+        "beta_slow": real("beta_slow", None, 0.0),
+        "mscale": real("mscale", None, 0.0, strict=False),
+        "mscale_all_dim": real("mscale_all_dim", None, 0.0, strict=False),
+        "truncate": message.truncate if message.HasField("truncate") else True,
+        "attention_factor": real("attention_factor", None, 0.0),
+        "seq_len": count("seq_len", 1),
+    }
+    low, high = table_fields["low_freq_factor"], table_fields["high_freq_factor"]
+    if low is not None and high is not None and not high > low:
+        check.add(
+            "high_freq_factor", f"must be greater than low_freq_factor ({low!r}), got {high!r}"
+        )
+    if len(violations) > before:
+        return None
+    assert theta is not None and partial is not None
+    rotary_dim = int(head_dim * partial)
+    minimum = 4 if kind == "dynamic" else 2  # dynamic divides by rotary_dim - 2
+    if rotary_dim < minimum or rotary_dim % 2:
+        check.add(
+            "head_dim",
+            f"rotary_dim = int(head_dim * partial_rotary_factor) = {rotary_dim} must be even "
+            f"and at least {minimum}",
+        )
+        return None
+    for field in ("short_factor", "long_factor"):
+        values = tuple(float(v) for v in getattr(message, field))
+        if values and len(values) != rotary_dim // 2:
+            check.add(
+                field, f"must hold rotary_dim / 2 = {rotary_dim // 2} values, got {len(values)}"
+            )
+        elif not all(math.isfinite(v) and v > 0 for v in values):
+            check.add(field, "every factor must be finite and > 0")
+        table_fields[field] = values
+    table = RotaryTable(
+        rope_type=kind,
+        layout=layout,
+        head_dim=head_dim,
+        rope_theta=theta,
+        partial_rotary_factor=partial,
+        **table_fields,
+    )
+    width = table.width
+    if d_model == 0:
+        d_model = width
+    if d_model != width:
+        violations.append(
+            FieldViolation(
+                "spec.d_model",
+                f"must be 0 or the preset's row width {width} (layout {layout}, rotary_dim "
+                f"{rotary_dim}), got {d_model}",
+            )
+        )
+    elif width > limits.max_d_model:
+        violations.append(
+            FieldViolation(
+                "spec.d_model",
+                f"the preset's row width {width} is over the server's max_d_model "
+                f"{limits.max_d_model}",
+            )
+        )
+    if len(violations) > before:
+        return None
+    return EncodingSpec(d_model, theta, dtype, preset=table)
+
+
+# ------------------------------------------------------------------------------------------
+# Protocol
+# ------------------------------------------------------------------------------------------
+
+
+def parse_spec(
+    spec: posenc_pb2.EncodingSpec,
+    dtype: str,
+    limits: Any,
+    violations: list[FieldViolation],
+) -> EncodingSpec | None:
+    """The EncodingSpec of a request with a preset; None after appending its problems."""
+    for field, unspecified in (
+        ("layout", posenc_pb2.LAYOUT_UNSPECIFIED),
+        ("schedule", posenc_pb2.SCHEDULE_UNSPECIFIED),
+    ):
+        if getattr(spec, field) != unspecified:
+            violations.append(
+                FieldViolation(f"spec.{field}", "must be unset with a preset (the preset sets it)")
+            )
+    if spec.WhichOneof("preset") == "sinusoidal":
+        base = spec.base if spec.HasField("base") else engine.DEFAULT_BASE
+        parsed = parse_sinusoidal(spec.sinusoidal, spec.d_model, base, dtype, limits, violations)
+    else:
+        parsed = parse_rotary(
+            spec.rotary, spec.d_model, spec.HasField("base"), dtype, limits, violations
+        )
+    return parsed if not violations else None
+
+
+def _parameter(field: str, description: str, default: str = "") -> posenc_pb2.PresetParameter:
+    return posenc_pb2.PresetParameter(field=field, description=description, default=default)
+
+
+_D_MODEL = "spec.d_model"
+_BASE = "spec.base"
+_SIN_DESCRIPTIONS: Final[dict[str, tuple[str, list[posenc_pb2.PresetParameter]]]] = {
+    "vaswani": (
+        "Vaswani et al. 2017: sin_0, cos_0, sin_1, cos_1, ...",
+        [_parameter(_D_MODEL, "row width"), _parameter(_BASE, "frequency base", "10000")],
+    ),
+    "vaswani_split": (
+        "Marian, Pegasus: the paper's frequencies, sin in the first ceil(d/2) columns",
+        [_parameter(_D_MODEL, "row width"), _parameter(_BASE, "frequency base", "10000")],
+    ),
+    "tensor2tensor": (
+        "tensor2tensor get_timing_signal_1d: [sin | cos] over d // 2 timescales, zero last "
+        "column for odd d; row p is position p + start_index",
+        [
+            _parameter(_D_MODEL, "row width"),
+            _parameter(_BASE, "max_timescale", "10000"),
+            _parameter("spec.sinusoidal.min_timescale", "min_timescale, > 0 and < base", "1"),
+            _parameter("spec.sinusoidal.start_index", "added to every position", "0"),
+        ],
+    ),
+    "whisper": (
+        "Whisper encoder sinusoids(length, d, max_timescale): [sin | cos], even d >= 4",
+        [_parameter(_D_MODEL, "row width"), _parameter(_BASE, "max_timescale", "10000")],
+    ),
+    "fairseq": (
+        "fairseq SinusoidalPositionalEmbedding and its ports (M2M100, Speech2Text): row p is "
+        "weight row p, token t is row padding_idx + 1 + t, row padding_idx is zero",
+        [
+            _parameter(_D_MODEL, "row width, >= 4"),
+            _parameter(_BASE, "frequency base", "10000"),
+            _parameter("spec.sinusoidal.padding_idx", "the zero row", "1"),
+        ],
+    ),
+    "transformer_xl": (
+        "Transformer-XL relative positions: [sin | cos] of min(r, clamp_len), "
+        "r = key_length - 1 - p when key_length is set, else p",
+        [
+            _parameter(_D_MODEL, "row width, even"),
+            _parameter(_BASE, "frequency base", "10000"),
+            _parameter("spec.sinusoidal.clamp_len", "clamp (<= 0: none)", "none"),
+            _parameter("spec.sinusoidal.key_length", "klen: rows descend from klen - 1", "none"),
+        ],
+    ),
+}
+
+_ROPE_DESCRIPTIONS: Final[dict[str, str]] = {
+    "default": "inv_freq[i] = rope_theta ** (-2i / rotary_dim)",
+    "linear": "default / factor (position interpolation)",
+    "dynamic": "NTK-aware: rope_theta scaled for seq_len beyond max_position_embeddings",
+    "yarn": "YaRN: interpolation ramp between beta_fast and beta_slow, attention factor",
+    "longrope": "LongRoPE (Phi-3): short or long factors by seq_len, attention factor",
+    "llama3": "Llama 3.1: low frequencies / factor, smooth band between",
+}
+_ROPE_PARAMETER_DESCRIPTIONS: Final[dict[str, tuple[str, str]]] = {
+    "factor": ("scaling factor", ""),
+    "original_max_position_embeddings": ("pre-training context length", ""),
+    "max_position_embeddings": ("context length of the config", ""),
+    "low_freq_factor": ("Llama 3 low_freq_factor", ""),
+    "high_freq_factor": ("Llama 3 high_freq_factor", ""),
+    "beta_fast": ("YaRN beta_fast", "32"),
+    "beta_slow": ("YaRN beta_slow", "1"),
+    "mscale": ("YaRN mscale", "none"),
+    "mscale_all_dim": ("YaRN mscale_all_dim", "none"),
+    "truncate": ("YaRN: floor/ceil the correction range", "true"),
+    "attention_factor": ("scale of cos and sin", "the rope type's"),
+    "short_factor": ("rotary_dim / 2 factors", ""),
+    "long_factor": ("rotary_dim / 2 factors", ""),
+    "seq_len": ("sequence length the frequencies are for", "the initial table"),
+}
+
+
+def server_info_presets() -> list[posenc_pb2.PresetInfo]:
+    """GetServerInfo's list of presets and their parameters."""
+    infos = [
+        posenc_pb2.PresetInfo(name=name, description=description, parameters=parameters)
+        for name, (description, parameters) in _SIN_DESCRIPTIONS.items()
+    ]
+    common = [
+        _parameter("spec.rotary.head_dim", "attention head width"),
+        _parameter("spec.rotary.rope_theta", "frequency base", "10000"),
+        _parameter("spec.rotary.partial_rotary_factor", "rotary_dim = int(head_dim * it)", "1"),
+        _parameter("spec.rotary.layout", "transformers, vllm or gptj", "transformers"),
+        _parameter(_D_MODEL, "0, or the layout's row width", "0"),
+    ]
+    for kind, description in _ROPE_DESCRIPTIONS.items():
+        required, optional = _ROPE_FIELDS[kind]
+        parameters = list(common)
+        for field in (*required, *optional):
+            text, default = _ROPE_PARAMETER_DESCRIPTIONS[field]
+            if field == "factor" and kind in ("yarn", "longrope"):
+                text, default = text + " (or max_position_embeddings / original)", ""
+            parameters.append(
+                _parameter(f"spec.rotary.{field}", text, "" if field in required else default)
+            )
+        infos.append(
+            posenc_pb2.PresetInfo(
+                name=f"rotary:{kind}", description=description, parameters=parameters
+            )
+        )
+    return infos
+
+
+def names() -> Sequence[str]:
+    """Every preset name GetServerInfo lists."""
+    return [info.name for info in server_info_presets()]
