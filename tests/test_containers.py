@@ -68,7 +68,10 @@ def test_compose_runs_serve_with_a_health_check_on_the_served_port() -> None:
     assert isinstance(check, dict)
     assert check["test"][:3] == ["CMD", "posenc", "health"]
     assert check["test"][-1] == f"127.0.0.1:{port}"
-    assert f"{port}:{port}" in service["ports"]  # type: ignore[operator]
+    # The replicas serve the port inside the compose network; nginx publishes it on the
+    # host (tests/test_deploy.py checks the balancer).
+    assert port in service["expose"]  # type: ignore[operator]
+    assert "ports" not in service
     assert environment["POSENC_HOST"] == "0.0.0.0"
 
 
@@ -89,21 +92,28 @@ def test_the_health_check_command_passes_on_a_live_server_and_fails_without_one(
 
 
 def test_the_compose_command_serves_with_the_compose_environment() -> None:
-    # `posenc serve` with the compose environment (except the port, which must be free here).
+    # `posenc serve` with the compose environment (except the ports, which must be free here).
     service = compose_service()
     environment = {k: str(v) for k, v in service["environment"].items()}  # type: ignore[attr-defined]
     environment.pop("POSENC_PORT")
+    environment.pop("POSENC_METRICS_PORT")
     serve = subprocess.Popen(
-        [POSENC, *service["command"], "--port", "0"],  # type: ignore[misc]
+        [POSENC, *service["command"], "--port", "0", "--metrics-port", "0"],  # type: ignore[misc]
         env={**environment, "PATH": str(Path(sys.executable).parent)},
         stderr=subprocess.PIPE,
         text=True,
     )
     try:
         assert serve.stderr is not None
-        startup = json.loads(serve.stderr.readline())
+        # The supervisor says "listening" once all its worker processes serve.
+        startup = {}
+        for line in serve.stderr:
+            startup = json.loads(line)
+            if startup["message"] == "listening" and "worker" not in startup:
+                break
         assert startup["message"] == "listening"
         assert startup["address"].startswith("0.0.0.0:")
+        assert startup["processes"] == int(environment["POSENC_PROCESSES"])
         info = subprocess.run(
             [POSENC, "info", "--target", f"127.0.0.1:{startup['port']}"],
             capture_output=True,
