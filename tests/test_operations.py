@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 import urllib.request
 from collections.abc import Callable
@@ -12,6 +13,7 @@ from conftest import ServerProcess
 from prometheus_client.parser import text_string_to_metric_families
 
 import posenc
+from posenc._protocol import _retry_after as proto_retry_after
 from posenc.v1 import posenc_pb2 as pb
 from posenc.v1 import posenc_pb2_grpc
 from posenc_server.app import RunningServer
@@ -113,6 +115,26 @@ def test_concurrent_streams_over_the_cap_get_resource_exhausted(
                 assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
                 assert time.monotonic() < deadline, "cancelled streams were never released"
                 time.sleep(0.05)
+
+
+def test_the_sdk_waits_at_the_stream_cap_as_the_server_asks(
+    server_factory: Callable[..., RunningServer],
+) -> None:
+    server = server_factory(max_concurrent_streams=1, workers=4)
+    with grpc.insecure_channel(server.target) as channel:
+        stub = posenc_pb2_grpc.PositionalEncodingServiceStub(channel)
+        held = stub.StreamEncoding(stream_request(1 << 16))
+        next(held)
+        with pytest.raises(grpc.RpcError) as raised:
+            next(stub.StreamEncoding(stream_request(16)))
+        retry_after = proto_retry_after(raised.value)
+        assert retry_after is not None and retry_after > 0
+        threading.Timer(1.0, held.cancel).start()
+        started = time.monotonic()
+        with posenc.Client(server.target) as client:
+            table = client.get_range(0, 4096, 1024)  # 16 MiB: a stream
+        assert table.shape == (4096, 1024)
+        assert time.monotonic() - started >= 0.9  # it waited for the held stream to go
 
 
 def test_a_cancelled_stream_stops_computing(server: RunningServer) -> None:

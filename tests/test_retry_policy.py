@@ -11,6 +11,15 @@ from posenc.errors import PosencError
 RESET = "Stream removed (RST_STREAM (Received RST_STREAM with error code 2))"
 
 
+def test_resource_exhausted_is_retried_only_when_the_server_says_when() -> None:
+    busy = PosencError(
+        "at the stream cap", code=grpc.StatusCode.RESOURCE_EXHAUSTED, retry_after=0.2
+    )
+    too_big = PosencError("over the stream limit", code=grpc.StatusCode.RESOURCE_EXHAUSTED)
+    assert proto.is_transient(busy)
+    assert not proto.is_transient(too_big)
+
+
 @pytest.mark.parametrize(
     ("code", "details", "transient"),
     [

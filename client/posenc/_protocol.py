@@ -569,19 +569,33 @@ def map_rpc_error(error: grpc.RpcError) -> PosencError:
     cls = error_class_for_code(code)
     if issubclass(cls, InvalidArgumentError):
         return cls(details, code=code, field_violations=_field_violations(error))
-    return cls(details, code=code)
+    return cls(details, code=code, retry_after=_retry_after(error))
+
+
+def _retry_after(error: grpc.RpcError) -> float | None:
+    """The delay of a ``google.rpc.RetryInfo`` detail, if the status carries one."""
+    status = _rich_status(error)
+    for detail in status.details if status is not None else ():
+        if detail.Is(error_details_pb2.RetryInfo.DESCRIPTOR):
+            info = error_details_pb2.RetryInfo()
+            detail.Unpack(info)
+            return float(info.retry_delay.ToTimedelta().total_seconds())
+    return None
 
 
 def is_transient(error: PosencError) -> bool:
     """Whether the same request may succeed when tried again.
 
-    UNAVAILABLE, and the INTERNAL that gRPC reports when an HTTP/2 stream is reset under it
-    (a proxy such as nginx resets a client's stream when its upstream replica dies). The
-    server's own INTERNAL is a bug and is not retried. Every posenc call only reads, so
-    repeating one is safe.
+    UNAVAILABLE; RESOURCE_EXHAUSTED when the server says when to retry (RetryInfo: it is at
+    a concurrency limit, unlike a request over a size limit); and the INTERNAL that gRPC
+    reports when an HTTP/2 stream is reset under it (a proxy such as nginx resets a
+    client's stream when its upstream replica dies). The server's own INTERNAL is a bug and
+    is not retried. Every posenc call only reads, so repeating one is safe.
     """
     if error.code == grpc.StatusCode.UNAVAILABLE:
         return True
+    if error.code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+        return error.retry_after is not None
     return error.code == grpc.StatusCode.INTERNAL and "RST_STREAM" in error.details
 
 
@@ -622,6 +636,7 @@ class CallBudget:
                 mapped.details += f" (after {self._failures + 1} attempts)"
             raise mapped from error
         delay = min(MAX_RETRY_BACKOFF, self._backoff * 2.0**self._failures)
+        delay = max(delay, mapped.retry_after or 0.0)
         # Jitter upwards only, so the documented budget stays a lower bound, while
         # clients that failed together do not all come back in the same millisecond.
         delay *= 1.0 + 0.2 * random.random()

@@ -46,14 +46,23 @@ class PosencError(Exception):
             any call (for example a non-integer position) carry the code the server would
             have answered with.
         details: The human-readable message, as sent by the server when there is one.
+        retry_after: Seconds the server asked the client to wait before trying again
+            (``google.rpc.RetryInfo``, e.g. at its stream cap), else None.
     """
 
     #: Status code used when the error is raised without an explicit one.
     default_code: grpc.StatusCode = grpc.StatusCode.UNKNOWN
 
-    def __init__(self, details: str, *, code: grpc.StatusCode | None = None) -> None:
+    def __init__(
+        self,
+        details: str,
+        *,
+        code: grpc.StatusCode | None = None,
+        retry_after: float | None = None,
+    ) -> None:
         self.code: grpc.StatusCode = code if code is not None else self.default_code
         self.details: str = details
+        self.retry_after = retry_after
         super().__init__(details)
 
     def __str__(self) -> str:

@@ -32,5 +32,13 @@ class LimitExceededError(PosencServerError):
     """The request is well formed but larger than a configured limit allows."""
 
 
+class OverloadedError(LimitExceededError):
+    """The server is at a concurrency limit: the same request may succeed a moment later."""
+
+    def __init__(self, message: str, retry_after_seconds: float) -> None:
+        super().__init__(message)
+        self.retry_after_seconds = retry_after_seconds
+
+
 class ShuttingDownError(PosencServerError):
     """The server is draining and accepts no new work."""

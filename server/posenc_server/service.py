@@ -8,10 +8,12 @@ the chunk limit unless the client asks for smaller chunks.
 
 from __future__ import annotations
 
+import itertools
 import os
 import secrets
 import socket
 import threading
+from collections import OrderedDict
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -25,7 +27,9 @@ from posenc_server.engine import EncodingSpec
 from posenc_server.errors import FieldViolation, InvalidRequestError, LimitExceededError
 
 Table = npt.NDArray[np.generic]
-BlockKey = tuple[EncodingSpec, int]
+BlockKey = tuple[int, int]  # (spec id, block index)
+# Specs with an id at once; beyond, the least recently used is forgotten.
+_MAX_SPEC_IDS = 4096
 # Beyond this many blocks in one unary position list, rows are computed one by one: at most
 # this many blocks (of max_chunk_bytes each) are computed for one request.
 _MAX_BLOCKS_PER_LIST_CHUNK = 64
@@ -77,6 +81,8 @@ class EncodingService:
         self.server_id = f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(3)}"
         self._rows_computed = 0
         self._counter_lock = threading.Lock()
+        self._spec_ids: OrderedDict[EncodingSpec, int] = OrderedDict()
+        self._next_spec_id = itertools.count()
 
     # Validation -----------------------------------------------------------------------------
 
@@ -224,10 +230,11 @@ class EncodingService:
         self, spec: EncodingSpec, selection: PositionRange, chunk_rows: int
     ) -> Iterator[Chunk]:
         block_rows = self.block_rows(spec)
+        spec_id = self._spec_id(spec)
         position = selection.start
         while position < selection.stop:
             index = position // block_rows
-            block = self._block(spec, index, block_rows)
+            block = self._block(spec, spec_id, index, block_rows)
             block_start = index * block_rows
             block_stop = min(block_start + block_rows, selection.stop)
             while position < block_stop:
@@ -238,13 +245,33 @@ class EncodingService:
                 )
                 position = end
 
-    def _block(self, spec: EncodingSpec, index: int, block_rows: int) -> Table:
+    def _block(self, spec: EncodingSpec, spec_id: int, index: int, block_rows: int) -> Table:
+        """Block ``index`` of ``spec`` (whose ``_spec_id`` is ``spec_id``), from the cache."""
+
         def compute() -> Table:
             self._count_rows(block_rows)
             start = index * block_rows
             return engine.encode_range(spec, start, start + block_rows)
 
-        return self.cache.get_or_compute((spec, index), compute)
+        return self.cache.get_or_compute((spec_id, index), compute)
+
+    def _spec_id(self, spec: EncodingSpec) -> int:
+        """A small integer standing for ``spec`` in cache keys.
+
+        Hashing a spec (a dataclass of floats, enums and preset parameters) costs
+        microseconds, and a decode step looks up dozens of blocks: an int hashes at once.
+        The table of ids is bounded; a forgotten spec gets a new id, and its old blocks
+        age out of the cache.
+        """
+        with self._counter_lock:
+            spec_id = self._spec_ids.get(spec)
+            if spec_id is None:
+                spec_id = self._spec_ids[spec] = next(self._next_spec_id)
+                if len(self._spec_ids) > _MAX_SPEC_IDS:
+                    self._spec_ids.popitem(last=False)
+            else:
+                self._spec_ids.move_to_end(spec)
+            return spec_id
 
     def _rows_for_positions(
         self, spec: EncodingSpec, positions: npt.NDArray[np.int64], *, through_cache: bool
@@ -262,14 +289,21 @@ class EncodingService:
         if not through_cache or distinct_blocks.size > _MAX_BLOCKS_PER_LIST_CHUNK:
             self._count_rows(positions.size)
             return engine.encode_positions(spec, positions)
+        offsets = positions - block_ids * block_rows
+        spec_id = self._spec_id(spec)
         if distinct_blocks.size == 1:
-            block = self._block(spec, int(distinct_blocks[0]), block_rows)
-            return block[positions - int(distinct_blocks[0]) * block_rows]
+            block = self._block(spec, spec_id, int(distinct_blocks[0]), block_rows)
+            rows: Table = block[offsets]
+            return rows
         out = np.empty((positions.size, spec.d_model), dtype=spec.numpy_dtype)
-        for block_id in distinct_blocks.tolist():
-            rows = np.flatnonzero(block_ids == block_id)
-            block = self._block(spec, block_id, block_rows)
-            out[rows] = block[positions[rows] - block_id * block_rows]
+        # Rows grouped by block: one gather per block.
+        order = np.argsort(block_ids, kind="stable")
+        bounds = np.searchsorted(block_ids[order], distinct_blocks, side="right").tolist()
+        first = 0
+        for block_id, last in zip(distinct_blocks.tolist(), bounds, strict=True):
+            group = order[first:last]
+            out[group] = self._block(spec, spec_id, block_id, block_rows)[offsets[group]]
+            first = last
         return out
 
     def _count_rows(self, rows: int) -> None:

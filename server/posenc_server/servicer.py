@@ -11,7 +11,7 @@ from typing import TypeVar
 
 import grpc
 import numpy as np
-from google.protobuf import any_pb2
+from google.protobuf import any_pb2, duration_pb2
 from google.protobuf.message import DecodeError, Message
 from google.rpc import code_pb2, error_details_pb2, status_pb2
 from grpc_status import rpc_status
@@ -24,12 +24,16 @@ from posenc_server.errors import (
     FieldViolation,
     InvalidRequestError,
     LimitExceededError,
+    OverloadedError,
     ShuttingDownError,
 )
 from posenc_server.presets import parse_spec, server_info_presets
 from posenc_server.service import Chunk, EncodingService, PositionList, PositionRange, Selection
 
 log = logging.getLogger("posenc_server")
+
+# How long a client turned away at the stream cap is told to wait before trying again.
+_STREAM_RETRY_AFTER = 0.2
 
 RequestT = TypeVar("RequestT", bound=Message)
 
@@ -128,9 +132,10 @@ class PositionalEncodingServicer:
             if self._draining:
                 raise ShuttingDownError("the server is shutting down: retry on another replica")
             if stream and self._streams >= limit:
-                raise LimitExceededError(
+                raise OverloadedError(
                     f"this server process already serves {limit} streams, its limit: "
-                    "retry later or on another replica"
+                    "retry later or on another replica",
+                    retry_after_seconds=_STREAM_RETRY_AFTER,
                 )
             self._in_flight += 1
             self._streams += stream
@@ -310,6 +315,9 @@ def _serving(context: grpc.ServicerContext, method: str) -> Iterator[None]:
         except InvalidRequestError as error:
             outcome["code"] = "INVALID_ARGUMENT"
             context.abort_with_status(_bad_request_status(error))
+        except OverloadedError as error:
+            outcome["code"] = "RESOURCE_EXHAUSTED"
+            context.abort_with_status(_overloaded_status(error))
         except LimitExceededError as error:
             outcome["code"] = "RESOURCE_EXHAUSTED"
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(error))
@@ -327,6 +335,23 @@ def _serving(context: grpc.ServicerContext, method: str) -> Iterator[None]:
             outcome["code"] = "INTERNAL"
             log.exception("unexpected error while serving a request")
             context.abort(grpc.StatusCode.INTERNAL, "internal error; see the server log")
+
+
+def _overloaded_status(error: OverloadedError) -> grpc.Status:
+    # google.rpc.RetryInfo tells clients this RESOURCE_EXHAUSTED is worth retrying (unlike
+    # a request over a size limit) and when.
+    details = any_pb2.Any()
+    details.Pack(
+        error_details_pb2.RetryInfo(
+            retry_delay=duration_pb2.Duration(
+                nanos=int(error.retry_after_seconds % 1 * 1e9),
+                seconds=int(error.retry_after_seconds),
+            )
+        )
+    )
+    return rpc_status.to_status(
+        status_pb2.Status(code=code_pb2.RESOURCE_EXHAUSTED, message=str(error), details=[details])
+    )
 
 
 def _bad_request_status(error: InvalidRequestError) -> grpc.Status:
