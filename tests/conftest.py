@@ -32,6 +32,15 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
+def peak_rss_mib(pid: int) -> float:
+    """The peak resident memory of process ``pid`` (VmHWM), in MiB."""
+    with open(f"/proc/{pid}/status") as status:
+        for line in status:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    raise AssertionError("no VmHWM")
+
+
 @pytest.fixture
 def server_factory() -> Iterator[Callable[..., RunningServer]]:
     """Start in-process servers with config overrides; all are stopped at teardown."""

@@ -9,7 +9,7 @@ from collections.abc import Callable
 import grpc
 import numpy as np
 import pytest
-from conftest import ServerProcess
+from conftest import ServerProcess, peak_rss_mib
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
@@ -149,14 +149,6 @@ def test_health_and_reflection_are_served(server: RunningServer) -> None:
         assert {"posenc.v1.PositionalEncodingService", "grpc.health.v1.Health"} <= names
 
 
-def _peak_rss_mib(pid: int) -> float:
-    with open(f"/proc/{pid}/status") as status:
-        for line in status:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) / 1024
-    raise AssertionError("no VmHWM")
-
-
 @pytest.mark.timeout(180)
 def test_a_stream_larger_than_the_cache_budget_keeps_server_memory_bounded(
     spawn_server: Callable[..., ServerProcess],
@@ -168,14 +160,14 @@ def test_a_stream_larger_than_the_cache_budget_keeps_server_memory_bounded(
         stub.GetEncoding(
             pb.GetEncodingRequest(spec=pb.EncodingSpec(d_model=8), range=pb.PositionRange(stop=1))
         )
-        baseline = _peak_rss_mib(process.process.pid)
+        baseline = peak_rss_mib(process.process.pid)
         rows = 0
         # 1 GiB, 32 times the budget.
         for message in stub.StreamEncoding(stream_request(4096, 0, 65536)):
             rows += message.chunk.rows
         assert rows == 65536
         response = info(stub)
-    growth = _peak_rss_mib(process.process.pid) - baseline
+    growth = peak_rss_mib(process.process.pid) - baseline
     assert response.cache.bytes <= budget
     assert response.cache.evictions > 0
     assert growth < budget / MIB + 64, f"server peak RSS grew {growth:.0f} MiB"

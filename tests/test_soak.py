@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import pytest
-from conftest import ServerProcess
+from conftest import ServerProcess, peak_rss_mib
 
 import posenc
 from posenc_server import engine
@@ -105,14 +105,6 @@ def test_load_32_clients_mixed_calls_zero_errors_every_result_exact(
     print("\n".join(report))
 
 
-def _peak_rss_mib(pid: int) -> float:
-    with open(f"/proc/{pid}/status") as status:
-        for line in status:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) / 1024
-    raise AssertionError("no VmHWM")
-
-
 @pytest.mark.timeout(900)
 def test_cache_churn_keeps_server_memory_under_the_budget(
     spawn_server: Callable[..., ServerProcess],
@@ -132,7 +124,7 @@ def test_cache_churn_keeps_server_memory_under_the_budget(
     assert info.cache.misses >= keys
     assert info.cache.evictions > 0
     assert info.cache.bytes <= budget
-    peak = _peak_rss_mib(process.process.pid)
+    peak = peak_rss_mib(process.process.pid)
     assert peak <= budget / MIB + 128, f"server peak RSS {peak:.0f} MiB"
     print(f"cache churn: {keys} keys, budget {budget // MIB} MiB, server peak RSS {peak:.0f} MiB")
 
