@@ -29,6 +29,7 @@ from posenc_server.servicer import PositionalEncodingServicer, add_to_server
 
 log = logging.getLogger("posenc_server")
 
+_CONNECTION_AGE_GRACE_MS = 30_000
 SERVICE_NAME = posenc_pb2.DESCRIPTOR.services_by_name["PositionalEncodingService"].full_name
 
 
@@ -151,6 +152,10 @@ def start_server(config: ServerConfig, *, reuse_port: bool = False) -> RunningSe
             ("grpc.max_receive_message_length", config.max_receive_message_bytes),
             ("grpc.max_send_message_length", config.max_send_message_bytes),
             ("grpc.so_reuseport", int(reuse_port)),
+            # Clients re-resolve names only when a connection closes: closing connections
+            # now and then lets them find replicas added since (the SDK resumes cut streams).
+            ("grpc.max_connection_age_ms", int(config.max_connection_age_seconds * 1000)),
+            ("grpc.max_connection_age_grace_ms", _CONNECTION_AGE_GRACE_MS),
         ],
     )
     add_to_server(servicer, server)

@@ -59,6 +59,13 @@ class ServerConfig:
     grace_seconds: float = field(
         default=30.0, metadata={"help": "on SIGTERM, time in-flight calls get to finish"}
     )
+    max_connection_age_seconds: float = field(
+        default=300.0,
+        metadata={
+            "help": "close client connections after this long (+30 s for calls in flight), "
+            "so clients re-resolve DNS and find new replicas"
+        },
+    )
     log_level: str = field(default="INFO", metadata={"help": "DEBUG, INFO, WARNING or ERROR"})
     metrics_port: int = field(
         default=9464,
@@ -97,6 +104,8 @@ class ServerConfig:
             problems.append("processes must be in 0..256")
         if self.workers < 1:
             problems.append("workers must be >= 1")
+        if self.max_connection_age_seconds <= 0:
+            problems.append("max_connection_age_seconds must be > 0")
         if self.grace_seconds < 0:
             problems.append("grace_seconds must be >= 0")
         if not 1 <= self.max_concurrent_streams < self.workers:
