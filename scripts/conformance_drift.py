@@ -1,0 +1,296 @@
+"""How far the models' own float32 tables drift from the exact ones, by position.
+
+Usage: python scripts/conformance_drift.py          (prints the README's drift table)
+
+Needs the conformance extra (torch, transformers). For each reference (a transformers
+module or function, built from a config, no weights), the error is the largest
+``|reference - exact|`` over every column of rows ``[p, p + 16)``, for ``p`` = 2^12, 2^16,
+2^20 and 2^24; "exact" is posenc's float64 table, within 2**-50 of the true value (the
+accuracy contract, tested against mpmath).
+
+Rotary modules take any ``position_ids``, so they are called as they are. The sinusoidal
+functions build whole tables of a given length (2^24 rows would take tens of GB), so their
+rows at large positions come from a replay of the function's own arithmetic on the chosen
+positions; ``tests/test_conformance.py`` checks that each replay is bit-identical to the
+real function on every row of a 2^16-row table.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+import torch
+
+from posenc.presets import RotaryPreset, SinusoidalPreset
+from posenc.v1 import posenc_pb2 as pb
+from posenc_server import engine, presets
+from posenc_server.config import ServerConfig
+from posenc_server.engine import EncodingSpec
+from posenc_server.errors import FieldViolation
+
+POSITIONS = (2**12, 2**16, 2**20, 2**24)
+WINDOW = 16
+Array = npt.NDArray[Any]
+
+
+def exact_spec(preset: SinusoidalPreset | RotaryPreset, d_model: int = 0) -> EncodingSpec:
+    """posenc's float64 spec of a preset (the server's own parsing)."""
+    if isinstance(preset, RotaryPreset):
+        proto_spec = pb.EncodingSpec(rotary=preset.to_proto())
+    else:
+        proto_spec = pb.EncodingSpec(d_model=d_model, sinusoidal=preset.to_proto())
+    violations: list[FieldViolation] = []
+    spec = presets.parse_spec(proto_spec, "float64", ServerConfig(), violations)
+    assert spec is not None, violations
+    return spec
+
+
+# -- references: the real modules, called as a model calls them -------------------------------
+
+
+def rotary_module(module: torch.nn.Module, positions: Array) -> Array:
+    """``[cos | sin]`` of a transformers rotary embedding (its float32 forward)."""
+    x = torch.zeros(1, dtype=torch.float32)
+    cos, sin = module(x, torch.as_tensor(positions, dtype=torch.int64)[None, :])
+    return np.concatenate([cos[0].numpy(), sin[0].numpy()], axis=1)
+
+
+def llama3_module() -> tuple[torch.nn.Module, RotaryPreset]:
+    """Llama 3.1 8B's rotary embedding and its preset (from the same config)."""
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    config = LlamaConfig(
+        hidden_size=4096,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        max_position_embeddings=131072,
+        rope_parameters={
+            "rope_type": "llama3",
+            "rope_theta": 500000.0,
+            "factor": 8.0,
+            "original_max_position_embeddings": 8192,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+        },
+    )
+    return LlamaRotaryEmbedding(config), RotaryPreset.from_config(config.to_dict())
+
+
+def mistral_module() -> tuple[torch.nn.Module, RotaryPreset]:
+    """Mistral 7B v0.2's rotary embedding (default rope, theta 1e6)."""
+    from transformers import MistralConfig
+    from transformers.models.mistral.modeling_mistral import MistralRotaryEmbedding
+
+    config = MistralConfig(
+        hidden_size=4096,
+        num_attention_heads=32,
+        max_position_embeddings=32768,
+        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+    )
+    return MistralRotaryEmbedding(config), RotaryPreset.from_config(config.to_dict())
+
+
+def qwen2_yarn_module() -> tuple[torch.nn.Module, RotaryPreset]:
+    """Qwen2.5 7B with its documented YaRN (factor 4 over 32768) rotary embedding."""
+    from transformers import Qwen2Config
+    from transformers.models.qwen2.modeling_qwen2 import Qwen2RotaryEmbedding
+
+    config = Qwen2Config(
+        hidden_size=3584,
+        num_attention_heads=28,
+        max_position_embeddings=131072,
+        rope_parameters={
+            "rope_type": "yarn",
+            "rope_theta": 1000000.0,
+            "factor": 4.0,
+            "original_max_position_embeddings": 32768,
+        },
+    )
+    return Qwen2RotaryEmbedding(config), RotaryPreset.from_config(config.to_dict())
+
+
+# Phi-3's real factors ship with its checkpoint; these have the same shape (48 each,
+# growing with the dimension) and exercise the same code.
+PHI3_SHORT = [1.0 + 0.05 * i / 47 for i in range(48)]
+PHI3_LONG = [1.0 + 60.0 * (i / 47) ** 2 for i in range(48)]
+
+
+def phi3_longrope_module() -> tuple[torch.nn.Module, Callable[[int], RotaryPreset]]:
+    """Phi-3-mini-128k's shape of LongRoPE (head 96, 4096 -> 131072), synthetic factors."""
+    from transformers import Phi3Config
+    from transformers.models.phi3.modeling_phi3 import Phi3RotaryEmbedding
+
+    config = Phi3Config(
+        hidden_size=3072,
+        num_attention_heads=32,
+        max_position_embeddings=131072,
+        original_max_position_embeddings=4096,
+        rope_parameters={
+            "rope_type": "longrope",
+            "rope_theta": 10000.0,
+            "short_factor": PHI3_SHORT,
+            "long_factor": PHI3_LONG,
+            "original_max_position_embeddings": 4096,
+        },
+    )
+    preset = RotaryPreset.from_config(config.to_dict())
+
+    def at(seq_len: int) -> RotaryPreset:
+        # transformers switches to the long factors once max(position_ids) + 1 > 4096.
+        return RotaryPreset(**{**preset.__dict__, "seq_len": seq_len})
+
+    return Phi3RotaryEmbedding(config), at
+
+
+# -- references built from whole tables: replays of their arithmetic on chosen rows -----------
+
+
+def whisper_replay(positions: Array, channels: int, max_timescale: float = 10000) -> Array:
+    """``modeling_whisper.sinusoids``' arithmetic for the given rows."""
+    log_timescale_increment = math.log(max_timescale) / (channels // 2 - 1)
+    inv_timescales = torch.exp(-log_timescale_increment * torch.arange(channels // 2))
+    scaled_time = torch.as_tensor(positions).view(-1, 1) * inv_timescales.view(1, -1)
+    return torch.cat([scaled_time.sin(), scaled_time.cos()], dim=1).numpy()
+
+
+def fairseq_replay(positions: Array, embedding_dim: int, padding_idx: int | None) -> Array:
+    """``M2M100SinusoidalPositionalEmbedding.get_embedding``'s arithmetic for the given rows."""
+    half_dim = embedding_dim // 2
+    emb_scale = math.log(10000) / (half_dim - 1)
+    emb = torch.exp(torch.arange(half_dim, dtype=torch.int64).float() * -emb_scale)
+    rows = torch.as_tensor(positions, dtype=torch.int64)
+    emb = rows.float().unsqueeze(1) * emb.unsqueeze(0)
+    emb = torch.cat([torch.sin(emb), torch.cos(emb)], dim=1).view(len(rows), -1)
+    if embedding_dim % 2 == 1:
+        emb = torch.cat([emb, torch.zeros(len(rows), 1)], dim=1)
+    if padding_idx is not None:
+        emb[rows == padding_idx, :] = 0
+    return emb.numpy()
+
+
+def gptj_replay(positions: Array, dim: int) -> Array:
+    """GPT-J's ``create_sinusoidal_positions`` for the given rows, as its attention applies
+    it: ``[repeat_interleave(cos) | repeat_interleave(sin)]``."""
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, dim, 2, dtype=torch.int64) / dim))
+    rows = torch.as_tensor(positions, dtype=torch.int64).float()
+    sinusoid_inp = torch.einsum("i , j -> i j", rows, inv_freq).float()
+    sincos = torch.cat((torch.sin(sinusoid_inp), torch.cos(sinusoid_inp)), dim=1)
+    sin, cos = torch.split(sincos, dim // 2, dim=-1)
+    doubled = [torch.repeat_interleave(t, 2, dim=-1) for t in (cos, sin)]
+    return torch.cat(doubled, dim=-1).numpy()
+
+
+def marian_replay(positions: Array, dim: int) -> Array:
+    """``MarianSinusoidalPositionalEmbedding.create_weight``'s arithmetic (float64 numpy,
+    stored as float32) for the given rows."""
+    position_enc = np.array(
+        [[pos / np.power(10000, 2 * (j // 2) / dim) for j in range(dim)] for pos in positions]
+    )
+    out = torch.empty(len(positions), dim, dtype=torch.float32)
+    sentinel = dim // 2 if dim % 2 == 0 else (dim // 2) + 1
+    out[:, 0:sentinel] = torch.FloatTensor(np.sin(position_enc[:, 0::2]))
+    out[:, sentinel:] = torch.FloatTensor(np.cos(position_enc[:, 1::2]))
+    return out.numpy()
+
+
+@dataclass(frozen=True)
+class Reference:
+    """One row of the drift table."""
+
+    label: str
+    preset: str
+    rows: Callable[[Array], Array]  # the reference's float32 rows at these positions
+    exact: Callable[[Array], Array]  # posenc's float64 rows
+
+
+def references() -> list[Reference]:
+    """Every reference of the drift table."""
+    out: list[Reference] = []
+    for label, build in (
+        ("`LlamaRotaryEmbedding`, Llama 3.1 8B", llama3_module),
+        ("`MistralRotaryEmbedding`, Mistral 7B v0.2", mistral_module),
+        ("`Qwen2RotaryEmbedding`, Qwen2.5 7B YaRN x4", qwen2_yarn_module),
+    ):
+        module, preset = build()
+        spec = exact_spec(preset)
+        out.append(
+            Reference(
+                label,
+                f"rotary `{preset.rope_type}`",
+                lambda p, m=module: rotary_module(m, p),  # type: ignore[misc]
+                lambda p, s=spec: engine.encode_positions(s, p),  # type: ignore[misc]
+            )
+        )
+    phi3, phi3_preset = phi3_longrope_module()
+    out.append(
+        Reference(
+            "`Phi3RotaryEmbedding`, Phi-3-mini-128k shape",
+            "rotary `longrope`",
+            lambda p: rotary_module(phi3, p),
+            lambda p: engine.encode_positions(exact_spec(phi3_preset(int(p.max()) + 1)), p),
+        )
+    )
+    gptj = exact_spec(RotaryPreset(head_dim=64, layout="gptj"))
+    whisper = exact_spec(SinusoidalPreset("whisper"), 384)
+    m2m = exact_spec(SinusoidalPreset("fairseq", padding_idx=1), 1024)
+    marian = exact_spec(SinusoidalPreset("vaswani_split"), 512)
+    out += [
+        Reference(
+            "GPT-J `create_sinusoidal_positions`, rotary_dim 64",
+            "rotary `default`, layout `gptj`",
+            lambda p: gptj_replay(p, 64),
+            lambda p: engine.encode_positions(gptj, p),
+        ),
+        Reference(
+            "Whisper `sinusoids`, d 384",
+            "`whisper`",
+            lambda p: whisper_replay(p, 384),
+            lambda p: engine.encode_positions(whisper, p),
+        ),
+        Reference(
+            "M2M100 / Speech2Text `get_embedding`, d 1024",
+            "`fairseq`",
+            lambda p: fairseq_replay(p, 1024, 1),
+            lambda p: engine.encode_positions(m2m, p),
+        ),
+        Reference(
+            "Marian / Pegasus `create_weight`, d 512",
+            "`vaswani_split`",
+            lambda p: marian_replay(p, 512),
+            lambda p: engine.encode_positions(marian, p),
+        ),
+    ]
+    return out
+
+
+def drift(reference: Reference, position: int) -> float:
+    """Largest ``|reference - exact|`` over rows ``[position, position + WINDOW)``."""
+    rows = np.arange(position, position + WINDOW, dtype=np.int64)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        theirs = reference.rows(rows).astype(np.float64)
+    return float(np.abs(theirs - reference.exact(rows)).max())
+
+
+def table() -> str:
+    """The README's drift table, in markdown."""
+    header = "| reference (float32) | preset | " + " | ".join(
+        f"2^{int(math.log2(p))}" for p in POSITIONS
+    )
+    lines = [header + " |", "|---|---|" + "---:|" * len(POSITIONS)]
+    for reference in references():
+        cells = " | ".join(f"{drift(reference, p):.2g}" for p in POSITIONS)
+        lines.append(f"| {reference.label} | {reference.preset} | {cells} |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    torch.set_num_threads(1)
+    print(table())
