@@ -84,8 +84,12 @@ def test_workers_die_with_a_killed_supervisor_and_free_the_port(
     while any(alive(pid) for pid in workers) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not any(alive(pid) for pid in workers)
-    with socket.socket() as sock:  # no SO_REUSEPORT: fails if anyone still holds the port
+    with socket.socket() as sock:
+        # No SO_REUSEPORT: fails while any process still listens on the port. (SO_REUSEADDR
+        # only lets the bind pass over connections left in TIME_WAIT.)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind(("127.0.0.1", process.port))
+        sock.listen()
 
 
 @pytest.mark.timeout(120)
