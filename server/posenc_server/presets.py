@@ -45,64 +45,80 @@ _MAX_MAPPED_POSITION: Final = 1 << 52
 # ------------------------------------------------------------------------------------------
 
 
-@functools.lru_cache(maxsize=64)
-def _turn_table(frequencies: tuple[Decimal, ...]) -> tuple[Float64Array, Float64Array]:
-    """``inv_freq / 2pi`` as double-double ``(hi, lo)`` arrays."""
-    hi = np.empty(len(frequencies), dtype=np.float64)
-    lo = np.empty(len(frequencies), dtype=np.float64)
-    with localcontext() as context:
-        context.prec = _PREC
-        for i, frequency in enumerate(frequencies):
-            turns = frequency / engine._TWO_PI
-            hi[i] = float(turns)
-            lo[i] = float(turns - Decimal(hi[i]))
-    hi.flags.writeable = False
-    lo.flags.writeable = False
-    return hi, lo
+class Waves:
+    """Exact frequencies as the engine needs them: ``inv_freq / 2pi`` in double-double and the
+    rotations ``u(j) = cos(j w) + i sin(j w)`` of one block, each exact to about 2**-53.
+
+    Built once per table (cached by the tables' small keys, never by the frequencies).
+    """
+
+    def __init__(self, frequencies: Sequence[Decimal]) -> None:
+        self.count = len(frequencies)
+        self.hi = np.empty(self.count, dtype=np.float64)
+        self.lo = np.empty(self.count, dtype=np.float64)
+        with localcontext() as context:
+            context.prec = _PREC
+            for i, frequency in enumerate(frequencies):
+                turns = frequency / engine._TWO_PI
+                self.hi[i] = float(turns)
+                self.lo[i] = float(turns - Decimal(self.hi[i]))
+        self.block = engine._block_rows(self.count)
+        sin, cos = engine._sin_cos_rows(np.arange(self.block, dtype=np.float64), self.hi, self.lo)
+        self.rotations = np.empty(sin.shape, dtype=np.complex128)
+        self.rotations.real = cos
+        self.rotations.imag = sin
+        for array in (self.hi, self.lo, self.rotations):
+            array.flags.writeable = False
+
+    def bases(self, positions: Int64Array) -> npt.NDArray[np.complex128]:
+        """``u(p)`` of block bases, through the engine's extended-precision angle."""
+        sin, cos = engine._sin_cos_rows(positions.astype(np.float64), self.hi, self.lo)
+        out = np.empty(sin.shape, dtype=np.complex128)
+        out.real = cos
+        out.imag = sin
+        return out
 
 
-@functools.lru_cache(maxsize=16)
-def _rotations(frequencies: tuple[Decimal, ...], block: int) -> npt.NDArray[np.complex128]:
-    """``u(j) = cos(j w) + i sin(j w)`` for ``j < block``, each exact to about 2**-53."""
-    hi, lo = _turn_table(frequencies)
-    sin, cos = engine._sin_cos_rows(np.arange(block, dtype=np.float64), hi, lo)
-    rotations = np.empty(sin.shape, dtype=np.complex128)
-    rotations.real = cos
-    rotations.imag = sin
-    rotations.flags.writeable = False
-    return rotations
-
-
-def sin_cos(
-    frequencies: tuple[Decimal, ...], positions: Int64Array
-) -> tuple[Float64Array, Float64Array]:
-    """``sin`` and ``cos`` of ``positions[:, None] * frequencies[None, :]`` in float64.
+def rotations(waves: Waves, positions: Int64Array) -> npt.NDArray[np.complex128]:
+    """``u(p) = cos(p w) + i sin(p w)`` for every position (rows) and frequency (columns).
 
     As in the engine, a position ``p`` is its block base ``b = p - p % block`` (one
     extended-precision angle, shared by the block) times the exact rotation ``u(p - b)``:
     within about 2**-51 of the exact values, and a function of ``p`` alone.
     """
-    count, rows = len(frequencies), positions.size
-    sin = np.empty((rows, count), dtype=np.float64)
-    cos = np.empty((rows, count), dtype=np.float64)
-    if count == 0 or rows == 0:
-        return sin, cos
-    hi, lo = _turn_table(frequencies)
-    block = engine._block_rows(count)
-    rotations = _rotations(frequencies, block)
-    rows_per_pass = max(1, engine._ELEMENTS_PER_PASS // count)
-    for first in range(0, rows, rows_per_pass):
+    out = np.empty((positions.size, waves.count), dtype=np.complex128)
+    if waves.count == 0 or positions.size == 0:
+        return out
+    rows_per_pass = max(1, engine._ELEMENTS_PER_PASS // waves.count)
+    for first in range(0, positions.size, rows_per_pass):
         chunk = positions[first : first + rows_per_pass]
-        offset = chunk % block
+        offset = chunk % waves.block
         bases, base_of_row = np.unique(chunk - offset, return_inverse=True)
-        base_sin, base_cos = engine._sin_cos_rows(bases.astype(np.float64), hi, lo)
-        base = np.empty(base_sin.shape, dtype=np.complex128)
-        base.real = base_cos
-        base.imag = base_sin
-        product = base[base_of_row] * rotations[offset]
-        cos[first : first + chunk.size] = product.real
-        sin[first : first + chunk.size] = product.imag
-    return sin, cos
+        np.multiply(
+            waves.bases(bases)[base_of_row],
+            waves.rotations[offset],
+            out=out[first : first + chunk.size],
+        )
+    return out
+
+
+def range_rotations(waves: Waves, start: int, stop: int) -> npt.NDArray[np.complex128]:
+    """``rotations`` of positions ``start .. stop - 1``, block by block (the same rows)."""
+    rows, block = stop - start, waves.block
+    out = np.empty((max(rows, 0), waves.count), dtype=np.complex128)
+    if waves.count == 0 or rows <= 0:
+        return out
+    aligned = start - start % block
+    block_starts = aligned + block * np.arange(-(-(stop - aligned) // block), dtype=np.int64)
+    bases = waves.bases(block_starts)
+    for index, block_start in enumerate(block_starts.tolist()):
+        first, last = max(start, block_start), min(stop, block_start + block)
+        np.multiply(
+            bases[index : index + 1],
+            waves.rotations[first - block_start : last - block_start],
+            out=out[first - start : last - start],
+        )
+    return out
 
 
 def _exp(value: Decimal) -> Decimal:
@@ -139,12 +155,13 @@ class MappedSinusoid:
 
     Row ``p`` is the base table's row at ``m(p) = offset - p`` (``descending``) or
     ``p + offset``, clamped to at most ``clamp_max``; the base table is the engine's
-    ``inner`` spec, or explicit ``frequencies`` in the split layout (tensor2tensor with a
+    ``inner`` spec, or the ``[sin | cos]`` of tensor2tensor ``timescales`` (with a
     ``min_timescale``). Row ``zero_row`` (fairseq's padding row) is all zeros.
     """
 
     inner: EncodingSpec | None
-    frequencies: tuple[Decimal, ...] = ()
+    timescales: tuple[int, float, float] | None = None
+    """tensor2tensor's ``(d_model, min_timescale, max_timescale)`` when ``inner`` is None."""
     offset: int = 0
     descending: bool = False
     clamp_max: int | None = None
@@ -162,23 +179,40 @@ class MappedSinusoid:
         if self.inner is not None:
             out = engine.encode_positions(self.inner, mapped)
         else:
-            sin, cos = sin_cos(self.frequencies, mapped)
-            out = np.zeros((positions.size, spec.d_model), dtype=spec.numpy_dtype)
-            count = len(self.frequencies)
-            out[:, :count] = sin
-            out[:, count : 2 * count] = cos
+            out = self._split_rows(spec, rotations(self._waves(), mapped))
         if self.zero_row is not None:
             out[positions == self.zero_row] = 0
         return out
 
     def encode_range(self, spec: EncodingSpec, start: int, stop: int) -> Table:
         """The rows of ``start .. stop - 1`` (see ``engine.encode_range``)."""
-        if self.inner is not None and not self.descending and self.clamp_max is None:
-            out = engine.encode_range(self.inner, start + self.offset, stop + self.offset)
-            if self.zero_row is not None and start <= self.zero_row < stop:
-                out[self.zero_row - start] = 0
-            return out
-        return self.encode_positions(spec, np.arange(start, stop, dtype=np.int64))
+        if self.descending or self.clamp_max is not None:
+            return self.encode_positions(spec, np.arange(start, stop, dtype=np.int64))
+        first, last = start + self.offset, stop + self.offset
+        if self.inner is not None:
+            out = engine.encode_range(self.inner, first, last)
+        else:
+            out = self._split_rows(spec, range_rotations(self._waves(), first, last))
+        if self.zero_row is not None and start <= self.zero_row < stop:
+            out[self.zero_row - start] = 0
+        return out
+
+    def _waves(self) -> Waves:
+        assert self.timescales is not None
+        return _t2t_waves(*self.timescales)
+
+    def _split_rows(self, spec: EncodingSpec, waves: npt.NDArray[np.complex128]) -> Table:
+        """``[sin | cos]``, zero padded to ``d_model``."""
+        out = np.zeros((waves.shape[0], spec.d_model), dtype=spec.numpy_dtype)
+        count = waves.shape[1]
+        out[:, :count] = waves.imag
+        out[:, count : 2 * count] = waves.real
+        return out
+
+
+@functools.lru_cache(maxsize=16)
+def _t2t_waves(d_model: int, min_timescale: float, max_timescale: float) -> Waves:
+    return Waves(_t2t_frequencies(d_model, min_timescale, max_timescale))
 
 
 def _t2t_frequencies(
@@ -281,8 +315,8 @@ def parse_sinusoidal(
         if min_timescale == 1.0:
             table = MappedSinusoid(inner=t2t, offset=start)
         else:
-            frequencies = _t2t_frequencies(d_model, min_timescale, base)
-            table = MappedSinusoid(inner=None, frequencies=frequencies, offset=start)
+            timescales = (d_model, min_timescale, base)
+            table = MappedSinusoid(inner=None, timescales=timescales, offset=start)
         return EncodingSpec(d_model, base, dtype, preset=table)
     if name == "fairseq":
         padding = message.padding_idx if message.HasField("padding_idx") else 1
@@ -404,13 +438,19 @@ class RotaryTable:
 
     def encode_positions(self, spec: EncodingSpec, positions: Int64Array) -> Table:
         """The rows of ``positions``: cos and sin times the attention factor, in the layout."""
-        frequencies, attention = self.frequencies()
-        sin, cos = sin_cos(frequencies, positions)
+        return self._layout(spec, rotations(_rope_waves(self), positions))
+
+    def encode_range(self, spec: EncodingSpec, start: int, stop: int) -> Table:
+        """The rows of ``start .. stop - 1``."""
+        return self._layout(spec, range_rotations(_rope_waves(self), start, stop))
+
+    def _layout(self, spec: EncodingSpec, waves: npt.NDArray[np.complex128]) -> Table:
+        _, attention = self.frequencies()
         if attention != 1.0:
-            sin *= attention
-            cos *= attention
-        half = len(frequencies)
-        out = np.empty((positions.size, spec.d_model), dtype=spec.numpy_dtype)
+            waves *= attention
+        cos, sin = waves.real, waves.imag
+        half = waves.shape[1]
+        out = np.empty((waves.shape[0], spec.d_model), dtype=spec.numpy_dtype)
         if self.layout == "vllm":
             out[:, :half] = cos
             out[:, half:] = sin
@@ -424,9 +464,10 @@ class RotaryTable:
                 part[:, 1::2] = values
         return out
 
-    def encode_range(self, spec: EncodingSpec, start: int, stop: int) -> Table:
-        """The rows of ``start .. stop - 1``."""
-        return self.encode_positions(spec, np.arange(start, stop, dtype=np.int64))
+
+@functools.lru_cache(maxsize=16)
+def _rope_waves(table: RotaryTable) -> Waves:
+    return Waves(_rope(table)[0])
 
 
 @functools.lru_cache(maxsize=64)
