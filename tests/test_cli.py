@@ -223,3 +223,23 @@ def test_fetch_shows_a_progress_bar_on_a_terminal_only(
     assert piped.returncode == 0
     assert b"100%" not in piped.stderr
     np.testing.assert_array_equal(np.load(tmp_path / "tty.npy"), np.load(tmp_path / "pipe.npy"))
+
+
+def test_fetch_of_a_refused_range_says_why_and_creates_no_file(
+    server: RunningServer, tmp_path: Path
+) -> None:
+    output = tmp_path / "never.npy"
+    for start, stop, d_model, expected in [
+        ("5", "1", "8", "range.stop"),
+        ("0", str(10**8), "4096", "stream limit"),
+    ]:
+        result = subprocess.run(
+            [str(Path(sys.executable).parent / "posenc"), "fetch", start, stop]
+            + ["--d-model", d_model, "-o", str(output), "--target", server.target],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert result.returncode == 1
+        assert expected in result.stderr and "Traceback" not in result.stderr
+        assert list(tmp_path.iterdir()) == []

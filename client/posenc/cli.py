@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import itertools
 import json
 import os
 import sys
@@ -350,6 +351,10 @@ def _write_npy(
     partial = output.with_name(f".{output.name}.{os.getpid()}.partial")
     started = time.monotonic()
     row_bytes = shape[1] * dtype.itemsize
+    # The first slice carries the server's verdict on the request (limits, bad arguments):
+    # have it before creating a file of the requested size.
+    first_slice = next(slices, None)
+    slices = itertools.chain([] if first_slice is None else [first_slice], slices)
     try:
         table = open_memmap(partial, mode="w+", dtype=dtype, shape=shape)
         with tqdm(
