@@ -233,10 +233,10 @@ def test_fetch_of_a_refused_range_says_why_and_creates_no_file(
         ("5", "1", "8", "range.stop"),
         ("0", str(10**8), "4096", "stream limit"),
     ]:
-        posenc_cli = str(Path(sys.executable).parent / "posenc")
+        argv = [str(Path(sys.executable).parent / "posenc"), "fetch", start, stop]
+        argv += ["--d-model", d_model, "-o", str(output), "--target", server.target]
         result = subprocess.run(
-            [posenc_cli, "fetch", start, stop, "--d-model", d_model, "-o", str(output)]
-            + ["--target", server.target],
+            argv,
             capture_output=True,
             text=True,
             timeout=60,
