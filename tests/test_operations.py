@@ -163,3 +163,16 @@ def test_deadlines_are_honoured_by_server_and_sdk(server: RunningServer) -> None
         before = client.server_info().rows_computed
         time.sleep(0.5)
         assert client.server_info().rows_computed == before  # and the server stopped
+
+
+def test_metrics_publishing_tolerates_snapshots_out_of_order() -> None:
+    from posenc_server import metrics
+    from posenc_server.cache import CacheStats
+
+    publisher = metrics.ServicePublisher()
+    before = metrics.CACHE_HITS._value.get()
+    newer = CacheStats(hits=11, misses=2, evictions=0, bytes=10, entries=1, budget_bytes=100)
+    older = CacheStats(hits=10, misses=2, evictions=0, bytes=10, entries=1, budget_bytes=100)
+    publisher.publish(newer, rows_computed=5)
+    publisher.publish(older, rows_computed=4)  # a slower thread's earlier snapshot
+    assert metrics.CACHE_HITS._value.get() - before == 11

@@ -65,16 +65,25 @@ class ServicePublisher:
         self._hits = self._misses = self._evictions = self._rows = 0
 
     def publish(self, stats: CacheStats, rows_computed: int) -> None:
-        """Report the service's current counters."""
+        """Report the service's counters, as read by the caller.
+
+        Concurrent calls may arrive with their snapshots out of order: a counter only ever
+        moves forward, to the largest value seen.
+        """
         with self._lock:
-            CACHE_HITS.inc(stats.hits - self._hits)
-            CACHE_MISSES.inc(stats.misses - self._misses)
-            CACHE_EVICTIONS.inc(stats.evictions - self._evictions)
-            ROWS_COMPUTED.inc(rows_computed - self._rows)
-            self._hits, self._misses = stats.hits, stats.misses
-            self._evictions, self._rows = stats.evictions, rows_computed
+            self._hits = _advance(CACHE_HITS, self._hits, stats.hits)
+            self._misses = _advance(CACHE_MISSES, self._misses, stats.misses)
+            self._evictions = _advance(CACHE_EVICTIONS, self._evictions, stats.evictions)
+            self._rows = _advance(ROWS_COMPUTED, self._rows, rows_computed)
             CACHE_BYTES.set(stats.bytes)
             CACHE_BUDGET.set(stats.budget_bytes)
+
+
+def _advance(counter: Counter, published: int, current: int) -> int:
+    if current > published:
+        counter.inc(current - published)
+        return current
+    return published
 
 
 def serve(host: str, port: int, multiprocess_dir: str | None = None) -> int:
