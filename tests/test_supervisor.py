@@ -20,8 +20,12 @@ from posenc_server.engine import EncodingSpec
 def worker_pids(supervisor_pid: int) -> set[int]:
     children = set()
     for task in os.listdir(f"/proc/{supervisor_pid}/task"):
-        with open(f"/proc/{supervisor_pid}/task/{task}/children") as listing:
-            children.update(int(pid) for pid in listing.read().split())
+        try:
+            with open(f"/proc/{supervisor_pid}/task/{task}/children") as listing:
+                children.update(int(pid) for pid in listing.read().split())
+        except FileNotFoundError:
+            continue  # the thread ended meanwhile
+
     return children
 
 
