@@ -88,12 +88,19 @@ def test_workers_die_with_a_killed_supervisor_and_free_the_port(
     while any(alive(pid) for pid in workers) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not any(alive(pid) for pid in workers)
-    with socket.socket() as sock:
-        # No SO_REUSEPORT: fails while any process still listens on the port. (SO_REUSEADDR
-        # only lets the bind pass over connections left in TIME_WAIT.)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind(("127.0.0.1", process.port))
-        sock.listen()
+    # No SO_REUSEPORT: the bind fails while any process still listens on the port. (The
+    # kernel may take a moment to close a killed process's sockets; SO_REUSEADDR only lets
+    # the bind pass over connections left in TIME_WAIT.)
+    while True:
+        with socket.socket() as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                sock.bind(("127.0.0.1", process.port))
+                sock.listen()
+                break
+            except OSError:
+                assert time.monotonic() < deadline + 5, "the port stayed taken"
+                time.sleep(0.1)
 
 
 @pytest.mark.timeout(120)
