@@ -1,19 +1,27 @@
 # Two entry points: `make run` serves on 127.0.0.1:50051, `make test` runs the suite.
-# Both create .venv and install the project into it on first use.
+# Both create .venv and install into it on first use: the server alone for `run`, the test
+# tools (and a CPU torch with transformers, for the presets' conformance tests) for `test`.
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
+SERVER_STAMP := $(VENV)/.installed-server
 STAMP := $(VENV)/.installed
 
 .PHONY: run test soak lint typecheck stubs clean
 
-$(STAMP): pyproject.toml
-	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet -e '.[dev,conformance]'
-	touch $(STAMP)
 
-run: $(STAMP)
+$(SERVER_STAMP): pyproject.toml | $(BIN)/python
+	$(BIN)/python -m pip install --quiet -e '.[server]'
+	touch $@
+
+$(STAMP): pyproject.toml | $(BIN)/python
+	$(BIN)/python -m pip install --quiet -e '.[dev,conformance]'
+	touch $@
+
+run: $(SERVER_STAMP)
 	$(BIN)/posenc serve
 
 test: $(STAMP)
