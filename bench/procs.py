@@ -158,6 +158,9 @@ def start_posenc(extra: Sequence[str] = ()) -> ServerProcess:
         "0",
         "--grace-seconds",
         "1",
+        # A free metrics port: a server already running here must not stop the benchmark.
+        "--metrics-port",
+        "0",
         *extra,
     ]
     return ServerProcess("posenc server", argv)

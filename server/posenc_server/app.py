@@ -120,7 +120,7 @@ def server_credentials(config: ServerConfig) -> grpc.ServerCredentials | None:
 
 
 def trim_memory_after_evictions(service: EncodingService, stop: threading.Event) -> None:
-    """Return freed heap memory to the system every second in which the cache evicted.
+    """Return freed heap memory to the system, five times a second while the cache evicts.
 
     glibc serves the 1 MiB blocks from its heap, where long-lived cached blocks pin the
     space freed between them: without trimming, RSS under cache churn creeps past the
@@ -134,7 +134,7 @@ def trim_memory_after_evictions(service: EncodingService, stop: threading.Event)
     except (OSError, AttributeError):
         return
     evictions = 0
-    while not stop.wait(1.0):
+    while not stop.wait(0.2):
         current = service.cache_stats().evictions
         if current != evictions:
             evictions = current
