@@ -160,7 +160,7 @@ class ServerConfig:
             parser.add_argument(
                 "--" + spec.name.replace("_", "-"),
                 dest=spec.name,
-                type=_parse_int if spec.type == "int" else str,
+                type=integer if spec.type == "int" else str,
                 default=None,
                 help=f"{spec.metadata['help']} (default {spec.default}; "
                 f"env {_env_name(spec.name)})",
@@ -196,7 +196,8 @@ def _env_name(name: str) -> str:
     return "POSENC_" + name.upper()
 
 
-def _parse_int(raw: str) -> int:
+def integer(raw: str) -> int:
+    """An integer setting; the name is what argparse shows in its errors."""
     # Accepts 1048576, 1_048_576, 0x100000 and 2**20 style sizes.
     text = raw.strip().replace("_", "")
     if "**" in text:
@@ -211,7 +212,7 @@ def _convert(type_name: object, raw: object) -> object:
     text = str(raw)
     if type_name == "int":
         try:
-            return _parse_int(text)
+            return integer(text)
         except ValueError:
             raise ValueError(f"expected an integer, got {text!r}") from None
     if type_name == "float":
