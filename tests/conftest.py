@@ -113,7 +113,8 @@ def spawn_server() -> Iterator[Callable[..., ServerProcess]]:
     processes: list[ServerProcess] = []
 
     def spawn(port: int = 0, *args: str, env: dict[str, str] | None = None) -> ServerProcess:
-        port = port or free_port()
+        # Port 0: the server picks a free port and logs it, so no other process can take
+        # it between our choice and its bind.
         process = subprocess.Popen(
             [
                 *(sys.executable, "-m", "posenc_server", "--processes", "1", "--port", str(port)),
@@ -136,6 +137,8 @@ def spawn_server() -> Iterator[Callable[..., ServerProcess]]:
             if time.monotonic() > deadline:
                 raise TimeoutError("server did not start within 30 s")
             time.sleep(0.05)
+        startup = next(entry for entry in handle.logs() if entry["message"] == "listening")
+        handle.port = int(startup["port"])  # type: ignore[call-overload]
         return handle
 
     yield spawn
