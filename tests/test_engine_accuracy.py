@@ -94,7 +94,8 @@ def test_two_pi_constant_matches_mpmath() -> None:
 def test_frequency_table_matches_mpmath_to_double_double_precision() -> None:
     for schedule in Schedule:
         spec = EncodingSpec(65536, 500000.0, schedule=schedule)
-        hi, lo = engine.inverse_frequencies_in_turns(spec)
+        waves = engine.classic_waves(spec)
+        hi, lo = waves.hi, waves.lo
         for i in (0, 1, 777, len(hi) - 1):
             value = mpmath.mpf(float(hi[i])) + mpmath.mpf(float(lo[i]))
             reference = mpmath.mpf(500000.0) ** (

@@ -5,15 +5,18 @@ The table is ``PE[pos, 2i] = sin(pos * inv_freq[i])``, ``PE[pos, 2i+1] = cos(pos
 loses the angle at large positions: at ``pos = 2**42`` one float64 ulp of the angle is about
 1e-3 radians. So the angle is carried in turns (``pos * inv_freq / 2pi``) as a double-double:
 
-1. ``inv_freq / 2pi`` is computed once per (base, d_model, schedule) with 50 significant
-   digits (``decimal``) and split into ``hi + lo`` float64 pairs (~106 bits).
+1. ``inv_freq / 2pi`` is computed once per table with 50 significant digits (``decimal``)
+   and split into ``hi + lo`` float64 pairs (~106 bits): a ``Waves``.
 2. ``pos * hi`` is an exact two-product (Dekker); its integer part is dropped exactly, leaving
    the fractional turn with an absolute error near 2**-64.
 3. The fraction times 2pi (again double-double) is the angle reduced to [-pi, pi], and
    ``sin(a + da) = sin(a) + cos(a) * da`` folds in the low part.
 
-The float64 result is within about 2**-52 of the exact value, which rounds to float32, float16
-and bfloat16 within one ulp. The module imports no gRPC: it is the domain core.
+Only the first position of each aligned block of rows takes this path; the others are one
+complex multiplication away (``wave_rows``, ``wave_blocks``). The float64 result is within
+about 2**-51 of the exact value, which rounds to float32, float16 and bfloat16 within one
+ulp. The classic tables and every preset (``presets``) share this machinery. The module
+imports no gRPC: it is the domain core.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from __future__ import annotations
 import enum
 import functools
 import math
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from decimal import Decimal, localcontext
 from typing import Final, Protocol
@@ -70,6 +74,9 @@ _TWO_PI_LO: Final = float(_TWO_PI - Decimal(_TWO_PI_HI))
 _SPLITTER: Final = 134217729.0
 # Elements per numpy pass: keeps the float64 temporaries of one pass inside the L2 cache.
 _ELEMENTS_PER_PASS: Final = 1 << 15
+# Digits of the frequencies: their relative error stays near 1e-45 even after the 32768
+# products of the widest table, far under the 2**-97 that position 2**42 needs.
+PRECISION: Final = 50
 
 
 class TablePreset(Protocol):
@@ -120,39 +127,60 @@ class EncodingSpec:
         return self.d_model // 2
 
 
-def inverse_frequencies_in_turns(spec: EncodingSpec) -> tuple[Float64Array, Float64Array]:
-    """``inv_freq[i] / 2pi`` as double-double ``(hi, lo)`` arrays, one entry per sin column."""
-    return _turn_frequencies(spec.base, spec.d_model, spec.schedule)
+class Waves:
+    """Exact frequencies, as the block rotation needs them.
+
+    ``hi + lo`` is ``inv_freq / 2pi`` in double-double, and ``rotations`` holds
+    ``u(j) = cos(j w) + i sin(j w)`` for the ``j < block`` rows of one block, each within
+    about 2**-53 of exact. The classic tables and every preset build their rows from one of
+    these (``wave_rows``, ``wave_blocks``).
+    """
+
+    def __init__(self, frequencies: Sequence[Decimal]) -> None:
+        """``frequencies`` are the angular frequencies ``inv_freq[i]``, to ``PRECISION``."""
+        self.count = len(frequencies)
+        self.hi = np.empty(self.count, dtype=np.float64)
+        self.lo = np.empty(self.count, dtype=np.float64)
+        with localcontext() as context:
+            context.prec = PRECISION
+            for i, frequency in enumerate(frequencies):
+                turns = frequency / _TWO_PI
+                self.hi[i] = float(turns)
+                self.lo[i] = float(turns - Decimal(self.hi[i]))
+        self.block = _block_rows(self.count)
+        self.rotations = self.bases(np.arange(self.block, dtype=np.int64))
+        for array in (self.hi, self.lo, self.rotations):
+            array.flags.writeable = False
+
+    def bases(self, positions: Int64Array) -> npt.NDArray[np.complex128]:
+        """``u(p)`` for each position, through the extended-precision angle."""
+        sin, cos = _sin_cos_rows(positions.astype(np.float64), self.hi, self.lo)
+        out = np.empty(sin.shape, dtype=np.complex128)
+        out.real = cos
+        out.imag = sin
+        return out
+
+
+def classic_waves(spec: EncodingSpec) -> Waves:
+    """The waves of the paper's and tensor2tensor's schedules, one per sin column."""
+    return _classic_waves(spec.base, spec.d_model, spec.schedule)
 
 
 @functools.lru_cache(maxsize=32)
-def _turn_frequencies(
-    base: float, d_model: int, schedule: Schedule
-) -> tuple[Float64Array, Float64Array]:
-    spec = EncodingSpec(d_model=d_model, base=base, schedule=schedule)
-    count = spec.sin_columns
-    hi = np.empty(count, dtype=np.float64)
-    lo = np.empty(count, dtype=np.float64)
+def _classic_waves(base: float, d_model: int, schedule: Schedule) -> Waves:
+    count = EncodingSpec(d_model=d_model, base=base, schedule=schedule).sin_columns
     with localcontext() as context:
-        # 50 digits keep the relative error of inv_freq near 1e-45 after the 32768 products
-        # below, far under the 2**-97 that position 2**42 needs.
-        context.prec = 50
-        log_base = Decimal(base).ln()
+        context.prec = PRECISION
         if schedule is Schedule.PAPER:
             exponent_step = Decimal(2) / Decimal(d_model)
         else:
             exponent_step = Decimal(1) / Decimal(max(count - 1, 1))
-        ratio = (-exponent_step * log_base).exp()
+        ratio = (-exponent_step * Decimal(base).ln()).exp()
         # inv_freq[i] = ratio ** i: one product per column instead of one exp per column.
-        turns = 1 / _TWO_PI
-        for i in range(count):
-            head = float(turns)
-            hi[i] = head
-            lo[i] = float(turns - Decimal(head))
-            turns *= ratio
-    hi.flags.writeable = False
-    lo.flags.writeable = False
-    return hi, lo
+        frequencies = [Decimal(1)]
+        for _ in range(count - 1):
+            frequencies.append(frequencies[-1] * ratio)
+    return Waves(frequencies[:count])
 
 
 def _split(values: Float64Array) -> tuple[Float64Array, Float64Array]:
@@ -223,111 +251,96 @@ def encode_positions(spec: EncodingSpec, positions: npt.ArrayLike) -> npt.NDArra
         low = int(pos.min())
         return encode_range(spec, low, low + span)[pos - low]
     out = np.zeros((pos.size, spec.d_model), dtype=spec.numpy_dtype)
-    if spec.sin_columns == 0 or pos.size == 0:
-        return out
-    freq_hi, freq_lo = inverse_frequencies_in_turns(spec)
-    block = _block_rows(spec.sin_columns)
-    offsets = _offset_rotations(spec.base, spec.d_model, spec.schedule, block)
-    rows_per_pass = max(1, _ELEMENTS_PER_PASS // spec.sin_columns)
-    for first in range(0, pos.size, rows_per_pass):
-        chunk = pos[first : first + rows_per_pass]
-        offset = chunk % block
-        # Nearby positions share a block base: take its extended-precision angle once.
-        bases, base_of_row = np.unique(chunk - offset, return_inverse=True)
-        base_sin, base_cos = _sin_cos_rows(bases.astype(np.float64), freq_hi, freq_lo)
-        _write_rows(
-            spec,
-            out[first : first + chunk.size],
-            base_sin[base_of_row],
-            base_cos[base_of_row],
-            offsets[offset],
-        )
+    _write_layout(spec, out, wave_rows(classic_waves(spec), pos))
     return out
 
 
 def encode_range(spec: EncodingSpec, start: int, stop: int) -> npt.NDArray[np.generic]:
-    """The table rows for positions ``start, start + 1, ..., stop - 1``.
-
-    Uses the relative-position property of the paper: with ``u(p) = cos(p w) + i sin(p w)``,
-    ``u(p + j) = u(p) * u(j)``. Positions are grouped in aligned blocks (multiples of
-    ``block``); only a block's first position needs the extended-precision angle, and its
-    rows are one complex multiplication by a cached, equally exact table of ``u(j)`` for
-    ``j < block``. Each factor is within 2**-53 of exact, so a product is within about
-    2**-51: the same contract at a fraction of the sin/cos evaluations.
-    """
+    """The table rows for positions ``start, start + 1, ..., stop - 1``."""
     if spec.preset is not None:
         return spec.preset.encode_range(spec, start, stop)
-    rows = stop - start
-    block = _block_rows(spec.sin_columns)
-    if spec.sin_columns == 0 or rows == 0:
-        return np.zeros((rows, spec.d_model), dtype=spec.numpy_dtype)
-    freq_hi, freq_lo = inverse_frequencies_in_turns(spec)
-    offsets = _offset_rotations(spec.base, spec.d_model, spec.schedule, block)
-    aligned = start - start % block
-    block_starts = aligned + block * np.arange(-(-(stop - aligned) // block), dtype=np.int64)
-    base_sin, base_cos = _sin_cos_rows(block_starts.astype(np.float64), freq_hi, freq_lo)
-    out = np.zeros((rows, spec.d_model), dtype=spec.numpy_dtype)
-    # One scratch buffer for all blocks: a fresh multi-MiB array per block costs more in page
-    # faults than the multiplication itself.
-    scratch = np.empty((block, spec.sin_columns), dtype=np.complex128)
-    for index, block_start in enumerate(block_starts.tolist()):
-        first = max(start, block_start)
-        last = min(stop, block_start + block)
-        _write_rows(
-            spec,
-            out[first - start : last - start],
-            base_sin[index : index + 1],
-            base_cos[index : index + 1],
-            offsets[first - block_start : last - block_start],
-            scratch[: last - first],
+    out = np.zeros((stop - start, spec.d_model), dtype=spec.numpy_dtype)
+    for first, rows in wave_blocks(classic_waves(spec), start, stop):
+        _write_layout(spec, out[first : first + len(rows)], rows)
+    return out
+
+
+def _write_layout(
+    spec: EncodingSpec, target: npt.NDArray[np.generic], waves: npt.NDArray[np.complex128]
+) -> None:
+    """Write rows of ``u = cos + i sin`` into ``target`` in the spec's column order."""
+    n_sin, n_cos = spec.sin_columns, spec.cos_columns
+    if spec.layout is Layout.INTERLEAVED:
+        target[:, 0 : 2 * n_sin : 2] = waves.imag
+        target[:, 1 : 2 * n_cos : 2] = waves.real[:, :n_cos]
+    else:
+        target[:, :n_sin] = waves.imag
+        target[:, n_sin : n_sin + n_cos] = waves.real[:, :n_cos]
+
+
+def wave_rows(waves: Waves, positions: Int64Array) -> npt.NDArray[np.complex128]:
+    """``u(p) = cos(p w) + i sin(p w)`` for every position (rows) and frequency (columns).
+
+    Uses the relative-position property of the paper, ``u(b + j) = u(b) * u(j)``: a position
+    is its aligned block base ``b = p - p % block`` (one extended-precision angle, shared by
+    the positions of that block) times the exact rotation ``u(j)``. Each factor is within
+    2**-53 of exact, so a row is within about 2**-51, and a function of ``p`` alone: the
+    same whichever request, range or list, asks for it.
+    """
+    out = np.empty((positions.size, waves.count), dtype=np.complex128)
+    if waves.count == 0 or positions.size == 0:
+        return out
+    rows_per_pass = max(1, _ELEMENTS_PER_PASS // waves.count)
+    for first in range(0, positions.size, rows_per_pass):
+        chunk = positions[first : first + rows_per_pass]
+        offset = chunk % waves.block
+        bases, base_of_row = np.unique(chunk - offset, return_inverse=True)
+        np.multiply(
+            waves.bases(bases)[base_of_row],
+            waves.rotations[offset],
+            out=out[first : first + chunk.size],
         )
     return out
 
 
-def _write_rows(
-    spec: EncodingSpec,
-    target: npt.NDArray[np.generic],
-    base_sin: Float64Array,
-    base_cos: Float64Array,
-    offsets: npt.NDArray[np.complex128],
-    scratch: npt.NDArray[np.complex128] | None = None,
-) -> None:
-    """Write rows ``v(base) * conj(u(offset))`` into ``target`` in the spec's layout.
+def wave_blocks(
+    waves: Waves, start: int, stop: int
+) -> Iterator[tuple[int, npt.NDArray[np.complex128]]]:
+    """``wave_rows`` of positions ``start .. stop - 1``, one aligned block at a time.
 
-    ``v(p) = sin(p w) + i cos(p w)`` stores [sin, cos] pairs in memory, which is the
-    interleaved layout, and ``v(p + j) = v(p) * conj(u(j))``. ``base_*`` have one row per
-    target row, or one row for all of them.
+    Yields ``(row offset, rows)``; ``rows`` is a scratch buffer reused for the next block,
+    so callers copy it out before asking for more (a fresh multi-MiB array per block would
+    cost more in page faults than the multiplication).
     """
-    n_sin, n_cos = spec.sin_columns, spec.cos_columns
-    base = np.empty(base_sin.shape, dtype=np.complex128)
-    base.real = base_sin
-    base.imag = base_cos
-    product = np.multiply(base, offsets, out=scratch)
-    if spec.layout is Layout.INTERLEAVED:
-        width = n_sin + n_cos
-        target[:, :width] = product.view(np.float64)[:, :width]
-    else:
-        target[:, :n_sin] = product.real
-        target[:, n_sin : n_sin + n_cos] = product.imag[:, :n_cos]
+    if waves.count == 0 or stop <= start:
+        return
+    block = waves.block
+    aligned = start - start % block
+    block_starts = aligned + block * np.arange(-(-(stop - aligned) // block), dtype=np.int64)
+    bases = waves.bases(block_starts)
+    scratch = np.empty((block, waves.count), dtype=np.complex128)
+    for index, block_start in enumerate(block_starts.tolist()):
+        first, last = max(start, block_start), min(stop, block_start + block)
+        rows = scratch[: last - first]
+        np.multiply(
+            bases[index : index + 1],
+            waves.rotations[first - block_start : last - block_start],
+            out=rows,
+        )
+        yield first - start, rows
 
 
-def _block_rows(n_sin: int) -> int:
-    """Rows per block: up to 64, keeping the offset table at 2**18 entries (4 MiB) at most."""
-    return max(1, min(64, (1 << 18) // max(n_sin, 1)))
+def wave_range(waves: Waves, start: int, stop: int) -> npt.NDArray[np.complex128]:
+    """``wave_rows`` of positions ``start .. stop - 1`` in one array."""
+    out = np.empty((max(stop - start, 0), waves.count), dtype=np.complex128)
+    for first, rows in wave_blocks(waves, start, stop):
+        out[first : first + len(rows)] = rows
+    return out
 
 
-@functools.lru_cache(maxsize=8)
-def _offset_rotations(
-    base: float, d_model: int, schedule: Schedule, block: int
-) -> npt.NDArray[np.complex128]:
-    """``conj(u(j)) = cos(j w) - i sin(j w)`` for ``j < block``, each exact to 2**-53."""
-    freq_hi, freq_lo = _turn_frequencies(base, d_model, schedule)
-    sin, cos = _sin_cos_rows(np.arange(block, dtype=np.float64), freq_hi, freq_lo)
-    rotations = np.empty(sin.shape, dtype=np.complex128)
-    rotations.real = cos
-    rotations.imag = -sin
-    rotations.flags.writeable = False
-    return rotations
+def _block_rows(count: int) -> int:
+    """Rows per block: up to 64, keeping the rotation table at 2**18 entries (4 MiB) at most."""
+    return max(1, min(64, (1 << 18) // max(count, 1)))
 
 
 def result_bytes(spec: EncodingSpec, rows: int) -> int:

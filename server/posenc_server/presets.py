@@ -7,8 +7,8 @@ frequencies of its own. Rotary presets are the cos/sin tables of transformers'
 ``modeling_rope_utils`` rope types in three layouts.
 
 Every frequency is computed from its definition with 50 significant digits (``decimal``),
-not in the float32 of the reference code, and every angle goes through the engine's
-double-double reduction (``engine._sin_cos_rows``), so the accuracy contract holds at any
+not in the float32 of the reference code, and rows come from the engine's ``Waves`` and
+block rotation (``engine.wave_rows``), so the accuracy contract holds at any
 accepted position. Each row remains a function of (spec, position) alone: the table objects
 below are frozen dataclasses holding every parameter, and the service's cache key (the
 ``EncodingSpec`` that carries them) therefore covers every parameter.
@@ -35,94 +35,8 @@ Float64Array = npt.NDArray[np.float64]
 Int64Array = npt.NDArray[np.int64]
 Table = npt.NDArray[np.generic]
 
-_PREC: Final = 50
 # Positions after a preset's offset stay where float64 holds them exactly.
 _MAX_MAPPED_POSITION: Final = 1 << 52
-
-
-# ------------------------------------------------------------------------------------------
-# Exact frequencies -> extended-precision sin and cos
-# ------------------------------------------------------------------------------------------
-
-
-class Waves:
-    """Exact frequencies as the engine needs them: ``inv_freq / 2pi`` in double-double and the
-    rotations ``u(j) = cos(j w) + i sin(j w)`` of one block, each exact to about 2**-53.
-
-    Built once per table (cached by the tables' small keys, never by the frequencies).
-    """
-
-    def __init__(self, frequencies: Sequence[Decimal]) -> None:
-        self.count = len(frequencies)
-        self.hi = np.empty(self.count, dtype=np.float64)
-        self.lo = np.empty(self.count, dtype=np.float64)
-        with localcontext() as context:
-            context.prec = _PREC
-            for i, frequency in enumerate(frequencies):
-                turns = frequency / engine._TWO_PI
-                self.hi[i] = float(turns)
-                self.lo[i] = float(turns - Decimal(self.hi[i]))
-        self.block = engine._block_rows(self.count)
-        sin, cos = engine._sin_cos_rows(np.arange(self.block, dtype=np.float64), self.hi, self.lo)
-        self.rotations = np.empty(sin.shape, dtype=np.complex128)
-        self.rotations.real = cos
-        self.rotations.imag = sin
-        for array in (self.hi, self.lo, self.rotations):
-            array.flags.writeable = False
-
-    def bases(self, positions: Int64Array) -> npt.NDArray[np.complex128]:
-        """``u(p)`` of block bases, through the engine's extended-precision angle."""
-        sin, cos = engine._sin_cos_rows(positions.astype(np.float64), self.hi, self.lo)
-        out = np.empty(sin.shape, dtype=np.complex128)
-        out.real = cos
-        out.imag = sin
-        return out
-
-
-def rotations(waves: Waves, positions: Int64Array) -> npt.NDArray[np.complex128]:
-    """``u(p) = cos(p w) + i sin(p w)`` for every position (rows) and frequency (columns).
-
-    As in the engine, a position ``p`` is its block base ``b = p - p % block`` (one
-    extended-precision angle, shared by the block) times the exact rotation ``u(p - b)``:
-    within about 2**-51 of the exact values, and a function of ``p`` alone.
-    """
-    out = np.empty((positions.size, waves.count), dtype=np.complex128)
-    if waves.count == 0 or positions.size == 0:
-        return out
-    rows_per_pass = max(1, engine._ELEMENTS_PER_PASS // waves.count)
-    for first in range(0, positions.size, rows_per_pass):
-        chunk = positions[first : first + rows_per_pass]
-        offset = chunk % waves.block
-        bases, base_of_row = np.unique(chunk - offset, return_inverse=True)
-        np.multiply(
-            waves.bases(bases)[base_of_row],
-            waves.rotations[offset],
-            out=out[first : first + chunk.size],
-        )
-    return out
-
-
-def range_rotations(waves: Waves, start: int, stop: int) -> npt.NDArray[np.complex128]:
-    """``rotations`` of positions ``start .. stop - 1``, block by block (the same rows)."""
-    rows, block = stop - start, waves.block
-    out = np.empty((max(rows, 0), waves.count), dtype=np.complex128)
-    if waves.count == 0 or rows <= 0:
-        return out
-    aligned = start - start % block
-    block_starts = aligned + block * np.arange(-(-(stop - aligned) // block), dtype=np.int64)
-    bases = waves.bases(block_starts)
-    for index, block_start in enumerate(block_starts.tolist()):
-        first, last = max(start, block_start), min(stop, block_start + block)
-        np.multiply(
-            bases[index : index + 1],
-            waves.rotations[first - block_start : last - block_start],
-            out=out[first - start : last - start],
-        )
-    return out
-
-
-def _exp(value: Decimal) -> Decimal:
-    return value.exp()
 
 
 # ------------------------------------------------------------------------------------------
@@ -179,7 +93,7 @@ class MappedSinusoid:
         if self.inner is not None:
             out = engine.encode_positions(self.inner, mapped)
         else:
-            out = self._split_rows(spec, rotations(self._waves(), mapped))
+            out = self._split_rows(spec, engine.wave_rows(self._waves(), mapped))
         if self.zero_row is not None:
             out[positions == self.zero_row] = 0
         return out
@@ -192,12 +106,12 @@ class MappedSinusoid:
         if self.inner is not None:
             out = engine.encode_range(self.inner, first, last)
         else:
-            out = self._split_rows(spec, range_rotations(self._waves(), first, last))
+            out = self._split_rows(spec, engine.wave_range(self._waves(), first, last))
         if self.zero_row is not None and start <= self.zero_row < stop:
             out[self.zero_row - start] = 0
         return out
 
-    def _waves(self) -> Waves:
+    def _waves(self) -> engine.Waves:
         assert self.timescales is not None
         return _t2t_waves(*self.timescales)
 
@@ -211,8 +125,8 @@ class MappedSinusoid:
 
 
 @functools.lru_cache(maxsize=16)
-def _t2t_waves(d_model: int, min_timescale: float, max_timescale: float) -> Waves:
-    return Waves(_t2t_frequencies(d_model, min_timescale, max_timescale))
+def _t2t_waves(d_model: int, min_timescale: float, max_timescale: float) -> engine.Waves:
+    return engine.Waves(_t2t_frequencies(d_model, min_timescale, max_timescale))
 
 
 def _t2t_frequencies(
@@ -221,10 +135,10 @@ def _t2t_frequencies(
     """tensor2tensor: ``min * exp(-i * ln(max / min) / max(n - 1, 1))``, ``n = d // 2``."""
     count = d_model // 2
     with localcontext() as context:
-        context.prec = _PREC
+        context.prec = engine.PRECISION
         low = Decimal(min_timescale)
         step = (Decimal(max_timescale) / low).ln() / Decimal(max(count - 1, 1))
-        return tuple(low * _exp(-step * i) for i in range(count))
+        return tuple(low * (-step * i).exp() for i in range(count))
 
 
 @dataclass
@@ -438,11 +352,11 @@ class RotaryTable:
 
     def encode_positions(self, spec: EncodingSpec, positions: Int64Array) -> Table:
         """The rows of ``positions``: cos and sin times the attention factor, in the layout."""
-        return self._layout(spec, rotations(_rope_waves(self), positions))
+        return self._layout(spec, engine.wave_rows(_rope_waves(self), positions))
 
     def encode_range(self, spec: EncodingSpec, start: int, stop: int) -> Table:
         """The rows of ``start .. stop - 1``."""
-        return self._layout(spec, range_rotations(_rope_waves(self), start, stop))
+        return self._layout(spec, engine.wave_range(_rope_waves(self), start, stop))
 
     def _layout(self, spec: EncodingSpec, waves: npt.NDArray[np.complex128]) -> Table:
         _, attention = self.frequencies()
@@ -466,8 +380,8 @@ class RotaryTable:
 
 
 @functools.lru_cache(maxsize=16)
-def _rope_waves(table: RotaryTable) -> Waves:
-    return Waves(_rope(table)[0])
+def _rope_waves(table: RotaryTable) -> engine.Waves:
+    return engine.Waves(_rope(table)[0])
 
 
 @functools.lru_cache(maxsize=64)
@@ -480,7 +394,7 @@ def _rope(table: RotaryTable) -> tuple[tuple[Decimal, ...], float]:
     """
     dim = table.rotary_dim
     with localcontext() as context:
-        context.prec = _PREC
+        context.prec = engine.PRECISION
         pi = engine._TWO_PI / 2
         theta = Decimal(table.rope_theta)
         log_theta = theta.ln()
@@ -492,7 +406,7 @@ def _rope(table: RotaryTable) -> tuple[tuple[Decimal, ...], float]:
             length = Decimal(max(table.seq_len or 0, table.max_position_embeddings))
             stretch = factor * length / original - (factor - 1)
             log_theta += Decimal(dim) / Decimal(dim - 2) * stretch.ln()
-        base = [_exp(-Decimal(2 * i) / Decimal(dim) * log_theta) for i in range(dim // 2)]
+        base = [(-Decimal(2 * i) / Decimal(dim) * log_theta).exp() for i in range(dim // 2)]
         attention = Decimal(1)
         if kind in ("default", "dynamic"):
             frequencies = base
