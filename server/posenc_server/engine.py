@@ -130,10 +130,12 @@ class EncodingSpec:
 class Waves:
     """Exact frequencies, as the block rotation needs them.
 
-    ``hi + lo`` is ``inv_freq / 2pi`` in double-double, and ``rotations`` holds
-    ``u(j) = cos(j w) + i sin(j w)`` for the ``j < block`` rows of one block, each within
-    about 2**-53 of exact. The classic tables and every preset build their rows from one of
-    these (``wave_rows``, ``wave_blocks``).
+    ``hi + lo`` is ``inv_freq / 2pi`` in double-double. Rows are ``v(p) = sin(p w) +
+    i cos(p w)``: as complex128 in memory, [sin, cos] pairs, the interleaved layout as it
+    is. ``rotations`` holds ``conj(u(j)) = cos(j w) - i sin(j w)`` for the ``j < block``
+    rows of one block, each within about 2**-53 of exact, so that
+    ``v(b + j) = v(b) * conj(u(j))``. The classic tables and every preset build their rows
+    from one of these (``wave_rows``, ``wave_blocks``).
     """
 
     def __init__(self, frequencies: Sequence[Decimal]) -> None:
@@ -148,16 +150,19 @@ class Waves:
                 self.hi[i] = float(turns)
                 self.lo[i] = float(turns - Decimal(self.hi[i]))
         self.block = _block_rows(self.count)
-        self.rotations = self.bases(np.arange(self.block, dtype=np.int64))
+        sin, cos = _sin_cos_rows(np.arange(self.block, dtype=np.float64), self.hi, self.lo)
+        self.rotations = np.empty(sin.shape, dtype=np.complex128)
+        self.rotations.real = cos
+        self.rotations.imag = -sin
         for array in (self.hi, self.lo, self.rotations):
             array.flags.writeable = False
 
     def bases(self, positions: Int64Array) -> npt.NDArray[np.complex128]:
-        """``u(p)`` for each position, through the extended-precision angle."""
+        """``v(p)`` for each position, through the extended-precision angle."""
         sin, cos = _sin_cos_rows(positions.astype(np.float64), self.hi, self.lo)
         out = np.empty(sin.shape, dtype=np.complex128)
-        out.real = cos
-        out.imag = sin
+        out.real = sin
+        out.imag = cos
         return out
 
 
@@ -268,22 +273,22 @@ def encode_range(spec: EncodingSpec, start: int, stop: int) -> npt.NDArray[np.ge
 def _write_layout(
     spec: EncodingSpec, target: npt.NDArray[np.generic], waves: npt.NDArray[np.complex128]
 ) -> None:
-    """Write rows of ``u = cos + i sin`` into ``target`` in the spec's column order."""
+    """Write rows of ``v = sin + i cos`` into ``target`` in the spec's column order."""
     n_sin, n_cos = spec.sin_columns, spec.cos_columns
     if spec.layout is Layout.INTERLEAVED:
-        target[:, 0 : 2 * n_sin : 2] = waves.imag
-        target[:, 1 : 2 * n_cos : 2] = waves.real[:, :n_cos]
+        # One contiguous conversion: [sin, cos] pairs are v's memory as it is.
+        target[:, : n_sin + n_cos] = waves.view(np.float64)[:, : n_sin + n_cos]
     else:
-        target[:, :n_sin] = waves.imag
-        target[:, n_sin : n_sin + n_cos] = waves.real[:, :n_cos]
+        target[:, :n_sin] = waves.real
+        target[:, n_sin : n_sin + n_cos] = waves.imag[:, :n_cos]
 
 
 def wave_rows(waves: Waves, positions: Int64Array) -> npt.NDArray[np.complex128]:
-    """``u(p) = cos(p w) + i sin(p w)`` for every position (rows) and frequency (columns).
+    """``v(p) = sin(p w) + i cos(p w)`` for every position (rows) and frequency (columns).
 
     Uses the relative-position property of the paper, ``u(b + j) = u(b) * u(j)``: a position
     is its aligned block base ``b = p - p % block`` (one extended-precision angle, shared by
-    the positions of that block) times the exact rotation ``u(j)``. Each factor is within
+    the positions of that block) times the exact rotation of ``j``. Each factor is within
     2**-53 of exact, so a row is within about 2**-51, and a function of ``p`` alone: the
     same whichever request, range or list, asks for it.
     """

@@ -119,8 +119,8 @@ class MappedSinusoid:
         """``[sin | cos]``, zero padded to ``d_model``."""
         out = np.zeros((waves.shape[0], spec.d_model), dtype=spec.numpy_dtype)
         count = waves.shape[1]
-        out[:, :count] = waves.imag
-        out[:, count : 2 * count] = waves.real
+        out[:, :count] = waves.real  # v = sin + i cos
+        out[:, count : 2 * count] = waves.imag
         return out
 
 
@@ -362,7 +362,7 @@ class RotaryTable:
         _, attention = self.frequencies()
         if attention != 1.0:
             waves *= attention
-        cos, sin = waves.real, waves.imag
+        sin, cos = waves.real, waves.imag  # v = sin + i cos
         half = waves.shape[1]
         out = np.empty((waves.shape[0], spec.d_model), dtype=spec.numpy_dtype)
         if self.layout == "vllm":
