@@ -164,10 +164,13 @@ def plot(sections: list[Section], about: dict[str, Any], path: Path) -> None:
         p99 = [c.data["p99_s"][k] * 1e6 for k in kinds]
         ax.bar(kinds, p99, color="C1", alpha=0.35, label="p99")
         ax.bar(kinds, p50, color="C1", label="p50")
+        if "mean_s" in c.data:
+            mean = [c.data["mean_s"][k] * 1e6 for k in kinds]
+            ax.plot(kinds, mean, "k_", markersize=14, label="mean")
         ax.set_yscale("log")
         ax.set_ylabel("microseconds per call")
         ax.set_title("c. decode-step latency, d_model 4096")
-        ax.tick_params(axis="x", labelrotation=20, labelsize=8)
+        ax.tick_params(axis="x", labelrotation=30, labelsize=6)
         ax.legend(fontsize=8)
 
     if (d := _section(sections, "d")) is not None:

@@ -28,6 +28,17 @@ def test_hits_misses_and_bytes_are_counted() -> None:
     assert (stats.bytes, stats.entries, stats.budget_bytes) == (100, 1, 1000)
 
 
+def test_membership_is_neither_counted_nor_made_recent() -> None:
+    cache: BlockCache[int] = BlockCache(200)
+    for key in range(2):
+        cache.get_or_compute(key, lambda: block(100))
+    assert 0 in cache and 5 not in cache
+    cache.get_or_compute(2, lambda: block(100))  # evicts 0: `in` did not make it recent
+    assert 0 not in cache and 1 in cache and 2 in cache
+    stats = cache.stats()
+    assert (stats.hits, stats.misses) == (0, 3)
+
+
 def test_least_recently_used_is_evicted_first_and_budget_holds() -> None:
     cache: BlockCache[int] = BlockCache(300)
     for key in range(3):

@@ -4,6 +4,7 @@ is here; the protocol logic is shared in :mod:`posenc._protocol`."""
 from __future__ import annotations
 
 import asyncio
+import operator
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -15,7 +16,8 @@ from grpc_health.v1 import health_pb2_grpc
 
 from posenc import _protocol as proto
 from posenc._protocol import DEFAULT, CallBudget, DTypeArg, Query, ServerInfo, StreamCursor, Timeout
-from posenc.errors import ResourceExhaustedError
+from posenc._rows import DEFAULT_READAHEAD_BYTES, DEFAULT_ROW_CACHE_BYTES, RowCache
+from posenc.errors import InvalidArgumentError, ResourceExhaustedError
 from posenc.presets import Preset
 from posenc.v1 import posenc_pb2 as pb
 from posenc.v1 import posenc_pb2_grpc as pb_grpc
@@ -57,6 +59,8 @@ class AsyncClient:
         credentials: grpc.ChannelCredentials | None = None,
         options: Iterable[tuple[str, Any]] | None = None,
         token: str | None = None,
+        row_cache_bytes: int = DEFAULT_ROW_CACHE_BYTES,
+        readahead_bytes: int = DEFAULT_READAHEAD_BYTES,
     ) -> None:
         self._settings = proto.Settings.create(
             target,
@@ -69,6 +73,7 @@ class AsyncClient:
             user_agent=proto.user_agent(),
             token=token,
         )
+        self._rows = RowCache(operator.index(row_cache_bytes), operator.index(readahead_bytes))
         self._credentials = credentials
         self._channel: grpc.aio.Channel | None = None
         self._stubs: tuple[PositionalEncodingServiceAsyncStub, Any, proto.TableCalls] | None = None
@@ -147,7 +152,7 @@ class AsyncClient:
             schedule=schedule,
             preset=preset,
         )
-        return await self._fetch(query, timeout)
+        return await self._fetch(query, self._budget(timeout))
 
     async def get_positions(
         self,
@@ -171,7 +176,7 @@ class AsyncClient:
             schedule=schedule,
             preset=preset,
         )
-        return await self._fetch(query, timeout)
+        return await self._fetch_positions(query, self._budget(timeout))
 
     def iter_range(
         self,
@@ -255,9 +260,27 @@ class AsyncClient:
     def _budget(self, timeout: Timeout, *, retry: bool = True) -> CallBudget:
         return self._settings.budget(timeout, retry=retry)
 
-    async def _fetch(self, query: Query, timeout: Timeout) -> npt.NDArray[Any]:
-        budget = self._budget(timeout)
-        if not proto.use_stream(query, self._settings.unary_max_bytes):
+    async def _fetch_positions(self, query: Query, budget: CallBudget) -> npt.NDArray[Any]:
+        """A positions query, through the row cache (see :mod:`posenc._rows`)."""
+        plan = self._rows.plan(query)
+        if plan is None:
+            return await self._fetch(query, budget)
+        if plan.fetch is None:
+            return plan.result()
+        try:
+            # One GetEncoding call even above unary_max_bytes: the server answers position
+            # lists from its cached blocks there, which the next steps' rows share.
+            unary_max = max(self._settings.unary_max_bytes, self._rows.readahead_bytes)
+            return plan.result(await self._fetch(plan.fetch, budget, unary_max))
+        except (InvalidArgumentError, ResourceExhaustedError):
+            pass
+        return await self._fetch(query, budget)  # the server judges the caller's own request
+
+    async def _fetch(
+        self, query: Query, budget: CallBudget, unary_max_bytes: int | None = None
+    ) -> npt.NDArray[Any]:
+        unary_max = self._settings.unary_max_bytes if unary_max_bytes is None else unary_max_bytes
+        if not proto.use_stream(query, unary_max):
             try:
                 method = self._connect()[2].get_encoding
                 tensor = await self._call(method, query.unary_request(), budget)

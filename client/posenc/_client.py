@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import operator
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from types import TracebackType
@@ -13,7 +14,8 @@ from grpc_health.v1 import health_pb2_grpc
 
 from posenc import _protocol as proto
 from posenc._protocol import DEFAULT, CallBudget, DTypeArg, Query, ServerInfo, StreamCursor, Timeout
-from posenc.errors import ResourceExhaustedError
+from posenc._rows import DEFAULT_READAHEAD_BYTES, DEFAULT_ROW_CACHE_BYTES, RowCache
+from posenc.errors import InvalidArgumentError, ResourceExhaustedError
 from posenc.presets import Preset
 from posenc.v1 import posenc_pb2 as pb
 from posenc.v1 import posenc_pb2_grpc as pb_grpc
@@ -46,6 +48,13 @@ class Client:
         options: Extra gRPC channel options, overriding the SDK's.
         token: Bearer token sent with every call, for servers started with
             ``--auth-token-file``.
+        row_cache_bytes: Memory for rows already fetched by :meth:`get_positions`, which
+            answer later calls for the same (spec, position) without a call: rows are
+            exact, so a cached row is the server's row. ``0`` turns the cache off.
+        readahead_bytes: When a call misses position ``p`` but holds ``p - 1`` (a decode
+            loop moving forward), it also fetches up to 64 following positions, at most
+            this many bytes in all, so the next steps of the loop need no call. ``0``
+            turns read-ahead off.
 
     Example::
 
@@ -66,6 +75,8 @@ class Client:
         credentials: grpc.ChannelCredentials | None = None,
         options: Iterable[tuple[str, Any]] | None = None,
         token: str | None = None,
+        row_cache_bytes: int = DEFAULT_ROW_CACHE_BYTES,
+        readahead_bytes: int = DEFAULT_READAHEAD_BYTES,
     ) -> None:
         self._settings = proto.Settings.create(
             target,
@@ -78,6 +89,7 @@ class Client:
             user_agent=proto.user_agent(),
             token=token,
         )
+        self._rows = RowCache(operator.index(row_cache_bytes), operator.index(readahead_bytes))
         target_uri, channel_options = self._settings.target, self._settings.options
         if credentials is None:
             self._channel = grpc.insecure_channel(target_uri, channel_options)
@@ -163,7 +175,7 @@ class Client:
             schedule=schedule,
             preset=preset,
         )
-        return self._fetch(query, timeout)
+        return self._fetch(query, self._budget(timeout))
 
     def get_positions(
         self,
@@ -181,6 +193,10 @@ class Client:
 
         ``positions`` is any sequence or 1-D numpy array of integers, in the order the rows
         are wanted (repeats allowed). Other arguments as in :meth:`get_range`.
+
+        Made for decode loops: rows come from the client's row cache when it holds them,
+        and a sequence moving forward has its next rows fetched ahead (see
+        ``row_cache_bytes`` and ``readahead_bytes``). The result is always a new array.
         """
         query = proto.positions_query(
             positions,
@@ -191,7 +207,7 @@ class Client:
             schedule=schedule,
             preset=preset,
         )
-        return self._fetch(query, timeout)
+        return self._fetch_positions(query, self._budget(timeout))
 
     def iter_range(
         self,
@@ -291,9 +307,27 @@ class Client:
     def _budget(self, timeout: Timeout, *, retry: bool = True) -> CallBudget:
         return self._settings.budget(timeout, retry=retry)
 
-    def _fetch(self, query: Query, timeout: Timeout) -> npt.NDArray[Any]:
-        budget = self._budget(timeout)
-        if not proto.use_stream(query, self._settings.unary_max_bytes):
+    def _fetch_positions(self, query: Query, budget: CallBudget) -> npt.NDArray[Any]:
+        """A positions query, through the row cache (see :mod:`posenc._rows`)."""
+        plan = self._rows.plan(query)
+        if plan is None:
+            return self._fetch(query, budget)
+        if plan.fetch is None:
+            return plan.result()
+        try:
+            # One GetEncoding call even above unary_max_bytes: the server answers position
+            # lists from its cached blocks there, which the next steps' rows share.
+            unary_max = max(self._settings.unary_max_bytes, self._rows.readahead_bytes)
+            return plan.result(self._fetch(plan.fetch, budget, unary_max))
+        except (InvalidArgumentError, ResourceExhaustedError):
+            pass
+        return self._fetch(query, budget)  # the server judges the caller's own request
+
+    def _fetch(
+        self, query: Query, budget: CallBudget, unary_max_bytes: int | None = None
+    ) -> npt.NDArray[Any]:
+        unary_max = self._settings.unary_max_bytes if unary_max_bytes is None else unary_max_bytes
+        if not proto.use_stream(query, unary_max):
             try:
                 tensor = self._call(self._tables.get_encoding, query.unary_request(), budget)
                 return proto.decode_unary(tensor, query)

@@ -56,6 +56,11 @@ class BlockCache(Generic[Key]):
         self._misses = 0
         self._evictions = 0
 
+    def __contains__(self, key: object) -> bool:
+        """Whether ``key`` is cached now (neither counted nor made more recent)."""
+        with self._lock:
+            return key in self._blocks
+
     def get(self, key: Key) -> Block | None:
         """The cached block for ``key`` (counted as a hit or a miss), or None."""
         with self._lock:

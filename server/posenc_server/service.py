@@ -30,9 +30,9 @@ Table = npt.NDArray[np.generic]
 BlockKey = tuple[int, int]  # (spec id, block index)
 # Specs with an id at once; beyond, the least recently used is forgotten.
 _MAX_SPEC_IDS = 4096
-# Beyond this many blocks in one unary position list, rows are computed one by one: at most
-# this many blocks (of max_chunk_bytes each) are computed for one request.
-_MAX_BLOCKS_PER_LIST_CHUNK = 64
+# A unary position list computes at most this many new blocks (of max_chunk_bytes each);
+# the rows of further uncached blocks are computed one by one.
+_MAX_NEW_BLOCKS_PER_LIST = 64
 
 
 @dataclass(frozen=True)
@@ -205,7 +205,9 @@ class EncodingService:
         next steps ask for again.
         """
         if isinstance(selection, PositionList):
-            return self._rows_for_positions(spec, selection.positions, through_cache=True)
+            return self._rows_for_positions(
+                spec, selection.positions, new_blocks=_MAX_NEW_BLOCKS_PER_LIST
+            )
         out = np.empty((selection.rows, spec.d_model), dtype=spec.numpy_dtype)
         for chunk in self._range_chunks(spec, selection, self.block_rows(spec)):
             out[chunk.row_offset : chunk.row_offset + len(chunk.rows)] = chunk.rows
@@ -216,15 +218,16 @@ class EncodingService:
 
         Lazy: each chunk is computed when the consumer asks for it, so a cancelled stream stops
         computing and memory stays at a few chunks whatever the size of the selection. Long
-        position lists are computed row by row: whole blocks for scattered positions could
-        cost a block per row and flush the cache.
+        position lists take the rows of blocks already cached and compute the others row
+        by row: new blocks for scattered positions could cost a block per row and flush the
+        cache.
         """
         if isinstance(selection, PositionRange):
             yield from self._range_chunks(spec, selection, chunk_rows)
         else:
             for first in range(0, selection.rows, chunk_rows):
                 positions = selection.positions[first : first + chunk_rows]
-                yield Chunk(first, self._rows_for_positions(spec, positions, through_cache=False))
+                yield Chunk(first, self._rows_for_positions(spec, positions, new_blocks=0))
 
     def _range_chunks(
         self, spec: EncodingSpec, selection: PositionRange, chunk_rows: int
@@ -274,36 +277,46 @@ class EncodingService:
             return spec_id
 
     def _rows_for_positions(
-        self, spec: EncodingSpec, positions: npt.NDArray[np.int64], *, through_cache: bool
+        self, spec: EncodingSpec, positions: npt.NDArray[np.int64], *, new_blocks: int
     ) -> Table:
-        """Rows for arbitrary positions; through cached blocks when asked and they are few.
+        """Rows for arbitrary positions, from cached blocks where possible.
 
         A decode loop asks for the next position of each sequence at every step, so a block
         computed once serves the following steps too (a block costs only a few single rows:
-        one extended-precision angle, then multiplications). Otherwise, and for widely
-        scattered positions, rows are computed one by one and not cached.
+        one extended-precision angle, then multiplications). Blocks already cached serve
+        their rows; up to ``new_blocks`` missing blocks are computed and cached; the rows of
+        any further blocks are computed one by one, so scattered positions cost a row each
+        and do not flush the cache.
         """
         block_rows = self.block_rows(spec)
         block_ids = positions // block_rows
-        distinct_blocks = np.unique(block_ids)
-        if not through_cache or distinct_blocks.size > _MAX_BLOCKS_PER_LIST_CHUNK:
-            self._count_rows(positions.size)
-            return engine.encode_positions(spec, positions)
-        offsets = positions - block_ids * block_rows
         spec_id = self._spec_id(spec)
-        if distinct_blocks.size == 1:
-            block = self._block(spec, spec_id, int(distinct_blocks[0]), block_rows)
-            rows: Table = block[offsets]
-            return rows
+        offsets = positions - block_ids * block_rows
+        first_block = int(block_ids[0])
+        if (block_ids == first_block).all() and (
+            new_blocks > 0 or (spec_id, first_block) in self.cache
+        ):
+            rows: Table = self._block(spec, spec_id, first_block, block_rows)[offsets]
+            return rows  # one block, as for one sequence's step: no grouping
         out = np.empty((positions.size, spec.d_model), dtype=spec.numpy_dtype)
         # Rows grouped by block: one gather per block.
         order = np.argsort(block_ids, kind="stable")
-        bounds = np.searchsorted(block_ids[order], distinct_blocks, side="right").tolist()
-        first = 0
-        for block_id, last in zip(distinct_blocks.tolist(), bounds, strict=True):
+        distinct_blocks, starts = np.unique(block_ids[order], return_index=True)
+        bounds = [*starts[1:].tolist(), positions.size]
+        uncached: list[npt.NDArray[np.intp]] = []
+        groups = zip(distinct_blocks.tolist(), starts.tolist(), bounds, strict=True)
+        for block_id, first, last in groups:
             group = order[first:last]
+            if (spec_id, block_id) not in self.cache:
+                if new_blocks <= 0:
+                    uncached.append(group)
+                    continue
+                new_blocks -= 1
             out[group] = self._block(spec, spec_id, block_id, block_rows)[offsets[group]]
-            first = last
+        if uncached:
+            rows = np.concatenate(uncached)
+            self._count_rows(rows.size)
+            out[rows] = engine.encode_positions(spec, positions[rows])
         return out
 
     def _count_rows(self, rows: int) -> None:

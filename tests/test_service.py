@@ -1,0 +1,49 @@
+"""The encoding service without gRPC: how position lists use the block cache."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from posenc_server.config import ServerConfig
+from posenc_server.engine import EncodingSpec, encode_positions
+from posenc_server.service import EncodingService, PositionList
+
+SPEC = EncodingSpec(d_model=4096)  # 16 KiB rows: blocks of 64 rows (1 MiB)
+
+
+def scattered(blocks: int, offset: int = 3) -> PositionList:
+    """One position in each of ``blocks`` consecutive blocks."""
+    return PositionList(5_000_000 * 64 + 64 * np.arange(blocks, dtype=np.int64) + offset)
+
+
+def test_a_unary_list_computes_at_most_64_new_blocks_and_the_rest_row_by_row() -> None:
+    service = EncodingService(ServerConfig())
+    selection = scattered(100)
+    rows = service.table(SPEC, selection)
+    assert rows.tobytes() == encode_positions(SPEC, selection.positions).tobytes()
+    assert service.cache_stats().entries == 64
+    assert service.rows_computed == 64 * 64 + 36  # 64 blocks, then 36 single rows
+
+
+def test_a_unary_list_takes_every_cached_block_it_finds() -> None:
+    service = EncodingService(ServerConfig())
+    service.table(SPEC, scattered(64))
+    computed = service.rows_computed
+    # Other rows of the same 64 blocks: all from the cache, nothing computed.
+    rows = service.table(SPEC, scattered(64, offset=40))
+    assert rows.tobytes() == encode_positions(SPEC, scattered(64, offset=40).positions).tobytes()
+    assert service.rows_computed == computed
+    assert service.cache_stats().hits >= 64
+
+
+def test_a_streamed_list_reads_cached_blocks_but_computes_no_new_ones() -> None:
+    service = EncodingService(ServerConfig())
+    service.table(SPEC, scattered(10))  # blocks 0 .. 9 of the list's 20 are cached
+    computed, entries = service.rows_computed, service.cache_stats().entries
+    selection = scattered(20, offset=11)
+    chunks = list(service.chunks(SPEC, selection, chunk_rows=8))
+    rows = np.concatenate([chunk.rows for chunk in chunks])
+    assert [chunk.row_offset for chunk in chunks] == [0, 8, 16]
+    assert rows.tobytes() == encode_positions(SPEC, selection.positions).tobytes()
+    assert service.cache_stats().entries == entries
+    assert service.rows_computed == computed + 10  # only the uncached blocks' rows
