@@ -60,7 +60,14 @@ def test_metrics_move_with_traffic(
     finally:
         for client in clients:
             client.close()
-    after = scrape(port)
+    # Cache counters are published five times a second, not on every call.
+    deadline = time.monotonic() + 5
+    while True:
+        after = scrape(port)
+        if metric(after, "posenc_cache_hits_total") > metric(before, "posenc_cache_hits_total"):
+            break
+        assert time.monotonic() < deadline, "cache metrics were not published"
+        time.sleep(0.1)
 
     def grew(name: str, **labels: str) -> float:
         return metric(after, name, **labels) - metric(before, name, **labels)

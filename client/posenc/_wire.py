@@ -37,7 +37,13 @@ class TensorView:
     data: memoryview = _NO_DATA
 
 
+# Every response has a few small varints (field keys, dtype, columns): built once.
+_SMALL_VARINTS = [bytes((value,)) for value in range(0x80)]
+
+
 def _varint(value: int) -> bytes:
+    if 0 <= value < 0x80:
+        return _SMALL_VARINTS[value]
     out = bytearray()
     while value > 0x7F:
         out.append((value & 0x7F) | 0x80)

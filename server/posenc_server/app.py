@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import json
 import logging
@@ -9,7 +10,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent import futures
 from dataclasses import dataclass
 from importlib import metadata
@@ -119,24 +120,23 @@ def server_credentials(config: ServerConfig) -> grpc.ServerCredentials | None:
     )
 
 
-def trim_memory_after_evictions(service: EncodingService, stop: threading.Event) -> None:
-    """Return freed heap memory to the system, five times a second while the cache evicts.
+def housekeeping(servicer: PositionalEncodingServicer, stop: threading.Event) -> None:
+    """Five times a second: publish the cache metrics, and trim the heap after evictions.
 
     glibc serves the 1 MiB blocks from its heap, where long-lived cached blocks pin the
     space freed between them: without trimming, RSS under cache churn creeps past the
     budget. Mapping every block on its own instead costs page faults on every chunk (four
     times the server CPU per GiB), so the heap is trimmed after evictions only.
     """
-    if not sys.platform.startswith("linux"):
-        return
-    try:
-        malloc_trim = ctypes.CDLL(None).malloc_trim
-    except (OSError, AttributeError):
-        return
+    malloc_trim: Callable[[int], int] | None = None
+    if sys.platform.startswith("linux"):
+        with contextlib.suppress(OSError, AttributeError):
+            malloc_trim = ctypes.CDLL(None).malloc_trim
     evictions = 0
     while not stop.wait(0.2):
-        current = service.cache_stats().evictions
-        if current != evictions:
+        servicer.publish_metrics()
+        current = servicer.service.cache_stats().evictions
+        if current != evictions and malloc_trim is not None:
             evictions = current
             malloc_trim(0)
 
@@ -231,9 +231,9 @@ def run(argv: Sequence[str] | None = None) -> int:
         print(f"posenc serve: cannot listen: {error}", file=sys.stderr)
         return 1
     threading.Thread(
-        target=trim_memory_after_evictions,
-        args=(running.servicer.service, stop),
-        name="posenc-trim",
+        target=housekeeping,
+        args=(running.servicer, stop),
+        name="posenc-housekeeping",
         daemon=True,
     ).start()
     fields = startup_fields(config, running.port, metrics_port)
@@ -244,5 +244,6 @@ def run(argv: Sequence[str] | None = None) -> int:
         pass
     log.info("draining", extra={"fields": {"signal": signals[0], "grace": config.grace_seconds}})
     drained = running.shutdown()
+    running.servicer.publish_metrics()
     log.info("stopped", extra={"fields": {"drained": drained}})
     return 0

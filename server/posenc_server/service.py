@@ -141,7 +141,9 @@ class EncodingService:
                     f"must hold 1 to {self.config.max_positions} positions, got {count}",
                 )
             )
-        elif (bad := np.flatnonzero(np.abs(selection.positions) > limit)).size:
+        elif (selection.positions.max() > limit or selection.positions.min() < -limit) and (
+            bad := np.flatnonzero(np.abs(selection.positions) > limit)
+        ).size:
             index = int(bad[0])
             violations.append(
                 FieldViolation(

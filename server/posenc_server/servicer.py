@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import threading
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from types import TracebackType
 from typing import TypeVar
 
 import grpc
@@ -34,6 +35,8 @@ log = logging.getLogger("posenc_server")
 
 # How long a client turned away at the stream cap is told to wait before trying again.
 _STREAM_RETRY_AFTER = 0.2
+# Valid classic specs remembered by their request fields; beyond, the memory starts over.
+_REMEMBERED_SPECS = 1024
 
 RequestT = TypeVar("RequestT", bound=Message)
 
@@ -109,8 +112,18 @@ class PositionalEncodingServicer:
         self._in_flight = 0
         self._streams = 0
         self._idle = threading.Condition()
+        self._metrics = {
+            method: metrics.MethodMetrics(method)
+            for method in ("GetEncoding", "StreamEncoding", "GetServerInfo")
+        }
         self._publisher = metrics.ServicePublisher()
-        self._publisher.publish(service.cache_stats(), service.rows_computed)
+        self.publish_metrics()
+        self._specs: dict[tuple[int, float, int, int, int], EncodingSpec] = {}
+
+    def publish_metrics(self) -> None:
+        """Bring the cache and computation metrics up to date (called now and then: on
+        every call, it would cost the decode steps more than their rows)."""
+        self._publisher.publish(self.service.cache_stats(), self.service.rows_computed)
 
     # Draining -------------------------------------------------------------------------------
 
@@ -124,9 +137,11 @@ class PositionalEncodingServicer:
         with self._idle:
             return self._idle.wait_for(lambda: self._in_flight == 0, timeout)
 
-    @contextlib.contextmanager
-    def _tracked(self, *, stream: bool = False) -> Iterator[None]:
-        """Count a call in flight (for the drain), refusing it while draining or at the cap."""
+    def _admit(self, *, stream: bool = False) -> None:
+        """Count a call in flight (for the drain), refusing it while draining or at the cap.
+
+        Every admitted call is ended by ``_release``.
+        """
         limit = self.service.config.max_concurrent_streams
         with self._idle:
             if self._draining:
@@ -141,16 +156,15 @@ class PositionalEncodingServicer:
             self._streams += stream
         if stream:
             metrics.STREAMS_IN_FLIGHT.inc()
-        try:
-            yield
-        finally:
-            if stream:
-                metrics.STREAMS_IN_FLIGHT.dec()
-            with self._idle:
-                self._in_flight -= 1
-                self._streams -= stream
+
+    def _release(self, *, stream: bool = False) -> None:
+        if stream:
+            metrics.STREAMS_IN_FLIGHT.dec()
+        with self._idle:
+            self._in_flight -= 1
+            self._streams -= stream
+            if self._draining:  # only wait_idle waits, and only once draining
                 self._idle.notify_all()
-            self._publisher.publish(self.service.cache_stats(), self.service.rows_computed)
 
     # RPCs -----------------------------------------------------------------------------------
 
@@ -161,11 +175,16 @@ class PositionalEncodingServicer:
     ) -> bytes:
         """Answer a small table in one (serialized GetEncodingResponse) message."""
         response = b""
-        with _serving(context, "GetEncoding"), self._tracked():
-            spec, selection = self._parse(_parsed(request))
-            self.service.check_unary_size(spec, selection)
-            response = _tensor_response(spec, Chunk(0, self.service.table(spec, selection)))
-            metrics.PAYLOAD_BYTES.labels("GetEncoding").inc(len(response))
+        method_metrics = self._metrics["GetEncoding"]
+        with _Serving(context, method_metrics):
+            self._admit()
+            try:
+                spec, selection = self._parse(_parsed(request))
+                self.service.check_unary_size(spec, selection)
+                response = _tensor_response(spec, Chunk(0, self.service.table(spec, selection)))
+                method_metrics.payload_bytes.inc(len(response))
+            finally:
+                self._release()
         return response
 
     def StreamEncoding(
@@ -174,16 +193,20 @@ class PositionalEncodingServicer:
         context: grpc.ServicerContext,
     ) -> Iterator[bytes]:
         """Stream a table of any size as row-aligned chunks (serialized responses)."""
-        with _serving(context, "StreamEncoding"), self._tracked(stream=True):
-            request = _parsed(request)
-            spec, selection = self._parse(request)
-            self.service.check_stream_size(spec, selection)
-            chunk_rows = self.service.chunk_rows(spec, request.max_chunk_bytes)
-            sent = metrics.PAYLOAD_BYTES.labels("StreamEncoding")
-            for chunk in self.service.chunks(spec, selection, chunk_rows):
-                message = _tensor_response(spec, chunk)
-                sent.inc(len(message))
-                yield message
+        method_metrics = self._metrics["StreamEncoding"]
+        with _Serving(context, method_metrics):
+            self._admit(stream=True)
+            try:
+                request = _parsed(request)
+                spec, selection = self._parse(request)
+                self.service.check_stream_size(spec, selection)
+                chunk_rows = self.service.chunk_rows(spec, request.max_chunk_bytes)
+                for chunk in self.service.chunks(spec, selection, chunk_rows):
+                    message = _tensor_response(spec, chunk)
+                    method_metrics.payload_bytes.inc(len(message))
+                    yield message
+            finally:
+                self._release(stream=True)
 
     def GetServerInfo(
         self,
@@ -191,7 +214,7 @@ class PositionalEncodingServicer:
         context: grpc.ServicerContext,
     ) -> posenc_pb2.GetServerInfoResponse:
         """Describe this server."""
-        with _serving(context, "GetServerInfo"):
+        with _Serving(context, self._metrics["GetServerInfo"]):
             _parsed(request)
         config = self.service.config
         stats = self.service.cache_stats()
@@ -223,11 +246,38 @@ class PositionalEncodingServicer:
         self, request: posenc_pb2.GetEncodingRequest | posenc_pb2.StreamEncodingRequest
     ) -> tuple[EncodingSpec, Selection]:
         violations: list[FieldViolation] = []
-        proto_spec = request.spec
+        spec = self._spec(request.spec, violations)
+        selection: Selection | None = None
+        which = request.WhichOneof("selection")
+        if which == "range":
+            selection = PositionRange(request.range.start, request.range.stop)
+        elif which == "positions":
+            selection = PositionList(np.array(request.positions.positions, dtype=np.int64))
+        else:
+            violations.append(FieldViolation("selection", "set either range or positions"))
+        if selection is not None:
+            self.service.validate_selection(selection, violations)
+        self.service.raise_if_invalid(violations)
+        assert spec is not None and selection is not None
+        return spec, selection
+
+    def _spec(
+        self, proto_spec: posenc_pb2.EncodingSpec, violations: list[FieldViolation]
+    ) -> EncodingSpec | None:
+        """The spec of a request; None, with ``violations`` added, when it is invalid.
+
+        Decode loops send the same spec over and over: valid classic specs are remembered
+        by their field values, which also makes the service's spec id lookup an identity.
+        """
         base = proto_spec.base if proto_spec.HasField("base") else engine.DEFAULT_BASE
+        preset = proto_spec.WhichOneof("preset")
+        key = (proto_spec.d_model, base, proto_spec.dtype, proto_spec.layout, proto_spec.schedule)
+        if preset is None and (known_spec := self._specs.get(key)) is not None:
+            return known_spec
+        first_violation = len(violations)
         dtype = DTYPE_NAMES.get(proto_spec.dtype)
         preset_spec: EncodingSpec | None = None
-        if proto_spec.WhichOneof("preset") is None:
+        if preset is None:
             self.service.validate_spec(proto_spec.d_model, base, violations)
         else:
             config = self.service.config
@@ -243,23 +293,18 @@ class PositionalEncodingServicer:
                 violations.append(
                     FieldViolation(f"spec.{name}", f"unknown value {value}; known: {sorted(known)}")
                 )
-        selection: Selection | None = None
-        which = request.WhichOneof("selection")
-        if which == "range":
-            selection = PositionRange(request.range.start, request.range.stop)
-        elif which == "positions":
-            selection = PositionList(np.array(request.positions.positions, dtype=np.int64))
-        else:
-            violations.append(FieldViolation("selection", "set either range or positions"))
-        if selection is not None:
-            self.service.validate_selection(selection, violations)
-        self.service.raise_if_invalid(violations)
+        if len(violations) > first_violation:
+            return None
         assert dtype is not None and layout is not None and schedule is not None
-        assert selection is not None
-        spec = preset_spec or EncodingSpec(
+        if preset_spec is not None:
+            return preset_spec
+        spec = EncodingSpec(
             d_model=proto_spec.d_model, base=base, dtype=dtype, layout=layout, schedule=schedule
         )
-        return spec, selection
+        if len(self._specs) >= _REMEMBERED_SPECS:
+            self._specs.clear()
+        self._specs[key] = spec
+        return spec
 
 
 def add_to_server(servicer: PositionalEncodingServicer, server: grpc.Server) -> None:
@@ -302,39 +347,63 @@ def _tensor_response(spec: EncodingSpec, chunk: Chunk) -> bytes:
     )
 
 
-@contextlib.contextmanager
-def _serving(context: grpc.ServicerContext, method: str) -> Iterator[None]:
-    """Record the call in the metrics and turn domain errors into their status codes.
+class _Serving:
+    """Records a call in the metrics and turns domain errors into their status codes.
 
     The one place where errors become codes: anything that is not a domain error is a bug
-    and becomes INTERNAL, logged with its traceback.
+    and becomes INTERNAL, logged with its traceback. (A class rather than a generator
+    context manager: it runs on every call.)
     """
-    with metrics.observe_call(method) as outcome:
-        try:
-            yield
-        except InvalidRequestError as error:
-            outcome["code"] = "INVALID_ARGUMENT"
-            context.abort_with_status(_bad_request_status(error))
-        except OverloadedError as error:
-            outcome["code"] = "RESOURCE_EXHAUSTED"
-            context.abort_with_status(_overloaded_status(error))
-        except LimitExceededError as error:
-            outcome["code"] = "RESOURCE_EXHAUSTED"
-            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(error))
-        except ShuttingDownError as error:
-            outcome["code"] = "UNAVAILABLE"
-            context.abort(grpc.StatusCode.UNAVAILABLE, str(error))
-        except GeneratorExit:
+
+    __slots__ = ("_context", "_metrics", "_started")
+
+    def __init__(
+        self, context: grpc.ServicerContext, method_metrics: metrics.MethodMetrics
+    ) -> None:
+        self._context = context
+        self._metrics = method_metrics
+        self._started = time.perf_counter()
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(
+        self,
+        error_type: type[BaseException] | None,
+        error: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> bool:
+        status: grpc.Status | None = None
+        if error is None:
+            code = "OK"
+        elif isinstance(error, InvalidRequestError):
+            code, status = "INVALID_ARGUMENT", _bad_request_status(error)
+        elif isinstance(error, OverloadedError):
+            code, status = "RESOURCE_EXHAUSTED", _overloaded_status(error)
+        elif isinstance(error, LimitExceededError):
+            code, status = "RESOURCE_EXHAUSTED", _status(code_pb2.RESOURCE_EXHAUSTED, error)
+        elif isinstance(error, ShuttingDownError):
+            code, status = "UNAVAILABLE", _status(code_pb2.UNAVAILABLE, error)
+        elif isinstance(error, GeneratorExit):
             # gRPC closes a stream's generator when the client cancels or its deadline passes.
-            outcome["code"] = "CANCELLED"
-            raise
-        except Exception:
-            if not context.is_active():
-                outcome["code"] = "CANCELLED"  # the client went away: nothing to answer
-                return
-            outcome["code"] = "INTERNAL"
-            log.exception("unexpected error while serving a request")
-            context.abort(grpc.StatusCode.INTERNAL, "internal error; see the server log")
+            code = "CANCELLED"
+        elif not isinstance(error, Exception):
+            code = "INTERNAL"  # KeyboardInterrupt and the like: let them through
+        elif not self._context.is_active():
+            code = "CANCELLED"  # the client went away: nothing to answer
+        else:
+            code = "INTERNAL"
+            log.error("unexpected error while serving a request", exc_info=error)
+            status = _status(code_pb2.INTERNAL, "internal error; see the server log")
+        self._metrics.record(code, time.perf_counter() - self._started)
+        if status is not None:
+            self._context.abort_with_status(status)  # raises
+        # Swallow the error of a client gone mid-call: it has nowhere to go.
+        return code == "CANCELLED" and isinstance(error, Exception)
+
+
+def _status(code: int, message: object) -> grpc.Status:
+    return rpc_status.to_status(status_pb2.Status(code=code, message=str(message)))
 
 
 def _overloaded_status(error: OverloadedError) -> grpc.Status:
