@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from posenc_server.config import ServerConfig
 from posenc_server.engine import EncodingSpec, encode_positions
@@ -11,18 +12,25 @@ from posenc_server.service import EncodingService, PositionList
 SPEC = EncodingSpec(d_model=4096)  # 16 KiB rows: blocks of 64 rows (1 MiB)
 
 
-def scattered(blocks: int, offset: int = 3) -> PositionList:
-    """One position in each of ``blocks`` consecutive blocks."""
-    return PositionList(5_000_000 * 64 + 64 * np.arange(blocks, dtype=np.int64) + offset)
+def scattered(blocks: int, offset: int = 3, per_block: int = 1) -> PositionList:
+    """``per_block`` positions in each of ``blocks`` consecutive blocks, in shuffled order."""
+    first = 5_000_000 * 64 + 64 * np.arange(blocks, dtype=np.int64) + offset
+    positions = (first[:, None] + 7 * np.arange(per_block)).reshape(-1)
+    return PositionList(np.random.default_rng(blocks).permutation(positions))
 
 
-def test_a_unary_list_computes_at_most_64_new_blocks_and_the_rest_row_by_row() -> None:
+# 100 rows are gathered row by row, 300 block by block.
+@pytest.mark.parametrize("per_block", [1, 3])
+def test_a_unary_list_computes_at_most_64_new_blocks_and_the_rest_row_by_row(
+    per_block: int,
+) -> None:
     service = EncodingService(ServerConfig())
-    selection = scattered(100)
+    selection = scattered(100, per_block=per_block)
     rows = service.table(SPEC, selection)
     assert rows.tobytes() == encode_positions(SPEC, selection.positions).tobytes()
     assert service.cache_stats().entries == 64
-    assert service.rows_computed == 64 * 64 + 36  # 64 blocks, then 36 single rows
+    # 64 blocks, then the rows of the other 36 one by one.
+    assert service.rows_computed == 64 * 64 + 36 * per_block
 
 
 def test_a_unary_list_takes_every_cached_block_it_finds() -> None:

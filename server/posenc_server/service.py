@@ -33,6 +33,8 @@ _MAX_SPEC_IDS = 4096
 # A unary position list computes at most this many new blocks (of max_chunk_bytes each);
 # the rows of further uncached blocks are computed one by one.
 _MAX_NEW_BLOCKS_PER_LIST = 64
+# Position lists up to this long are gathered row by row, longer ones block by block.
+_ROW_BY_ROW_GATHER = 256
 
 
 @dataclass(frozen=True)
@@ -301,24 +303,51 @@ class EncodingService:
             rows: Table = self._block(spec, spec_id, first_block, block_rows)[offsets]
             return rows  # one block, as for one sequence's step: no grouping
         out = np.empty((positions.size, spec.d_model), dtype=spec.numpy_dtype)
-        # Rows grouped by block: one gather per block.
-        order = np.argsort(block_ids, kind="stable")
-        distinct_blocks, starts = np.unique(block_ids[order], return_index=True)
-        bounds = [*starts[1:].tolist(), positions.size]
-        uncached: list[npt.NDArray[np.intp]] = []
-        groups = zip(distinct_blocks.tolist(), starts.tolist(), bounds, strict=True)
-        for block_id, first, last in groups:
-            group = order[first:last]
+        budget = [new_blocks]
+
+        def cached_block(block_id: int) -> Table | None:
+            """The block from the cache, computed while the budget lasts; else None."""
             if (spec_id, block_id) not in self.cache:
-                if new_blocks <= 0:
-                    uncached.append(group)
-                    continue
-                new_blocks -= 1
-            out[group] = self._block(spec, spec_id, block_id, block_rows)[offsets[group]]
-        if uncached:
-            rows = np.concatenate(uncached)
-            self._count_rows(rows.size)
-            out[rows] = engine.encode_positions(spec, positions[rows])
+                if budget[0] <= 0:
+                    return None
+                budget[0] -= 1
+            return self._block(spec, spec_id, block_id, block_rows)
+
+        uncached: list[int] | npt.NDArray[np.intp]
+        if positions.size <= _ROW_BY_ROW_GATHER:
+            # A decode step of many sequences: about one row per block, where copying row
+            # by row costs a fifth of a fancy-indexed gather per block.
+            blocks: dict[int, Table | None] = {}
+            uncached = []
+            for row, (block_id, offset) in enumerate(
+                zip(block_ids.tolist(), offsets.tolist(), strict=True)
+            ):
+                if block_id not in blocks:
+                    blocks[block_id] = cached_block(block_id)
+                block = blocks[block_id]
+                if block is None:
+                    uncached.append(row)
+                else:
+                    out[row] = block[offset]
+        else:
+            # Rows grouped by block: one gather per block.
+            order = np.argsort(block_ids, kind="stable")
+            distinct_blocks, starts = np.unique(block_ids[order], return_index=True)
+            bounds = [*starts[1:].tolist(), positions.size]
+            groups: list[npt.NDArray[np.intp]] = []
+            for block_id, first, last in zip(
+                distinct_blocks.tolist(), starts.tolist(), bounds, strict=True
+            ):
+                group = order[first:last]
+                block = cached_block(block_id)
+                if block is None:
+                    groups.append(group)
+                else:
+                    out[group] = block[offsets[group]]
+            uncached = np.concatenate(groups) if groups else []
+        if len(uncached):
+            self._count_rows(len(uncached))
+            out[uncached] = engine.encode_positions(spec, positions[uncached])
         return out
 
     def _count_rows(self, rows: int) -> None:
