@@ -159,6 +159,8 @@ def test_large_calls_and_a_zero_budget_bypass_the_cache() -> None:
     many = np.arange(MAX_CACHED_CALL_ROWS + 1)
     assert cache.plan(query(many, d_model=8)) is None
     assert cache.plan(query(many + 1, d_model=8)) is None
+    for position in (1, 2, 3):  # d_model 0 is the server's to refuse, every time
+        assert cache.plan(query([position], d_model=0)) is None
     off = RowCache(0, MIB)
     off.plan(query([1]))
     assert off.plan(query([2])) is None

@@ -89,6 +89,7 @@ class RowCache:
         if (
             positions is None
             or not 0 < query.rows <= MAX_CACHED_CALL_ROWS
+            or query.row_bytes == 0  # d_model 0: the server's error to give
             # One call may not flush the whole cache.
             or query.nbytes > self.budget_bytes // 4
         ):
