@@ -29,7 +29,7 @@ import torch
 
 from posenc.presets import RotaryPreset, SinusoidalPreset
 from posenc.v1 import posenc_pb2 as pb
-from posenc_server import engine, presets
+from posenc_server import engine, servicer
 from posenc_server.config import ServerConfig
 from posenc_server.engine import EncodingSpec
 from posenc_server.errors import FieldViolation
@@ -46,7 +46,7 @@ def exact_spec(preset: SinusoidalPreset | RotaryPreset, d_model: int = 0) -> Enc
     else:
         proto_spec = pb.EncodingSpec(d_model=d_model, sinusoidal=preset.to_proto())
     violations: list[FieldViolation] = []
-    spec = presets.parse_spec(proto_spec, "float64", ServerConfig(), violations)
+    spec = servicer.preset_spec_from_proto(proto_spec, "float64", ServerConfig(), violations)
     assert spec is not None, violations
     return spec
 

@@ -315,12 +315,12 @@ def test_tensor2tensor_matches_get_timing_signal_1d() -> None:
 
 def _with_base(preset: SinusoidalPreset, d_model: int, base: float) -> Any:
     from posenc.v1 import posenc_pb2 as pb
-    from posenc_server import presets
+    from posenc_server import servicer
     from posenc_server.config import ServerConfig
 
     violations: list[Any] = []
     proto_spec = pb.EncodingSpec(d_model=d_model, base=base, sinusoidal=preset.to_proto())
-    spec = presets.parse_spec(proto_spec, "float64", ServerConfig(), violations)
+    spec = servicer.preset_spec_from_proto(proto_spec, "float64", ServerConfig(), violations)
     assert spec is not None, violations
     return spec
 

@@ -19,7 +19,7 @@ from test_presets_reference import Rope, Sin, columns_of, rope_exact, sinusoidal
 import posenc
 from posenc.presets import RotaryPreset, SinusoidalPreset
 from posenc.v1 import posenc_pb2 as pb
-from posenc_server import engine, presets
+from posenc_server import engine, servicer
 from posenc_server.app import RunningServer
 from posenc_server.config import ServerConfig
 from posenc_server.engine import EncodingSpec
@@ -49,7 +49,7 @@ def rotary_spec(rope: Rope, dtype: str = "float32") -> EncodingSpec:
 
 def parsed(proto_spec: pb.EncodingSpec, dtype: str) -> EncodingSpec:
     violations: list[FieldViolation] = []
-    spec = presets.parse_spec(proto_spec, dtype, CONFIG, violations)
+    spec = servicer.preset_spec_from_proto(proto_spec, dtype, CONFIG, violations)
     assert spec is not None, violations
     return spec
 

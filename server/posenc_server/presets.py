@@ -12,6 +12,9 @@ block rotation (``engine.wave_rows``), so the accuracy contract holds at any
 accepted position. Each row remains a function of (spec, position) alone: the table objects
 below are frozen dataclasses holding every parameter, and the service's cache key (the
 ``EncodingSpec`` that carries them) therefore covers every parameter.
+
+This module knows no protobuf: the servicer maps a request's preset message to a
+``SinusoidalRequest`` or ``RotaryRequest``, and ``catalog()`` to GetServerInfo's list.
 """
 
 from __future__ import annotations
@@ -26,7 +29,6 @@ from typing import Any, Final
 import numpy as np
 import numpy.typing as npt
 
-from posenc.v1 import posenc_pb2
 from posenc_server import engine
 from posenc_server.engine import EncodingSpec, Layout, Schedule
 from posenc_server.errors import FieldViolation
@@ -43,15 +45,6 @@ _MAX_MAPPED_POSITION: Final = 1 << 52
 # Sinusoidal presets
 # ------------------------------------------------------------------------------------------
 
-SINUSOIDAL_NAMES: Final[dict[int, str]] = {
-    posenc_pb2.SINUSOIDAL_PRESET_NAME_VASWANI: "vaswani",
-    posenc_pb2.SINUSOIDAL_PRESET_NAME_VASWANI_SPLIT: "vaswani_split",
-    posenc_pb2.SINUSOIDAL_PRESET_NAME_TENSOR2TENSOR: "tensor2tensor",
-    posenc_pb2.SINUSOIDAL_PRESET_NAME_WHISPER: "whisper",
-    posenc_pb2.SINUSOIDAL_PRESET_NAME_FAIRSEQ: "fairseq",
-    posenc_pb2.SINUSOIDAL_PRESET_NAME_TRANSFORMER_XL: "transformer_xl",
-}
-
 # Parameters each sinusoidal preset takes (besides d_model, base and dtype).
 _SINUSOIDAL_PARAMETERS: Final[dict[str, tuple[str, ...]]] = {
     "vaswani": (),
@@ -61,6 +54,19 @@ _SINUSOIDAL_PARAMETERS: Final[dict[str, tuple[str, ...]]] = {
     "fairseq": ("padding_idx",),
     "transformer_xl": ("clamp_len", "key_length"),
 }
+SINUSOIDAL_PRESETS: Final = tuple(_SINUSOIDAL_PARAMETERS)
+
+
+@dataclass(frozen=True)
+class SinusoidalRequest:
+    """A request's sinusoidal preset: its name and the parameters it set (None: unset)."""
+
+    name: str
+    min_timescale: float | None = None
+    start_index: int | None = None
+    padding_idx: int | None = None
+    clamp_len: int | None = None
+    key_length: int | None = None
 
 
 @dataclass(frozen=True)
@@ -152,8 +158,8 @@ class _Checker:
         self.violations.append(FieldViolation(f"{self.prefix}.{field}", description))
 
 
-def parse_sinusoidal(
-    message: posenc_pb2.SinusoidalPreset,
+def sinusoidal_spec(
+    request: SinusoidalRequest,
     d_model: int,
     base: float,
     dtype: str,
@@ -166,14 +172,10 @@ def parse_sinusoidal(
     """
     check = _Checker("spec.sinusoidal", violations)
     before = len(violations)
-    name = SINUSOIDAL_NAMES.get(message.name)
-    if name is None:
-        known = ", ".join(f"{value} ({n})" for value, n in SINUSOIDAL_NAMES.items())
-        check.add("name", f"unknown or unset preset {message.name}; known: {known}")
-        return None
+    name = request.name
     taken = _SINUSOIDAL_PARAMETERS[name]
     for field in ("min_timescale", "start_index", "padding_idx", "clamp_len", "key_length"):
-        if message.HasField(field) and field not in taken:
+        if getattr(request, field) is not None and field not in taken:
             check.add(field, f"is not a parameter of preset {name}; leave it unset")
     if not 1 <= d_model <= limits.max_d_model:
         violations.append(
@@ -200,7 +202,7 @@ def parse_sinusoidal(
             FieldViolation("spec.base", f"must be finite and greater than 1, got {base!r}")
         )
     offset_limit = min(limits.max_abs_position, _MAX_MAPPED_POSITION - limits.max_abs_position)
-    min_timescale = message.min_timescale if message.HasField("min_timescale") else 1.0
+    min_timescale = 1.0 if request.min_timescale is None else request.min_timescale
     if not (math.isfinite(min_timescale) and 0 < min_timescale < base):
         check.add("min_timescale", f"must be > 0 and below base ({base!r}), got {min_timescale!r}")
     for field, default, low in (
@@ -208,7 +210,8 @@ def parse_sinusoidal(
         ("padding_idx", 1, 0),
         ("key_length", 0, 0),
     ):
-        value = getattr(message, field) if message.HasField(field) else default  # type: ignore[arg-type]
+        set_value = getattr(request, field)
+        value = default if set_value is None else set_value
         if not low <= value <= offset_limit:
             check.add(field, f"must be between {low} and {offset_limit}, got {value}")
     if len(violations) > before:
@@ -223,7 +226,7 @@ def parse_sinusoidal(
     if name == "whisper":
         return t2t
     if name == "tensor2tensor":
-        start = message.start_index
+        start = request.start_index or 0
         if min_timescale == 1.0 and start == 0:
             return t2t
         if min_timescale == 1.0:
@@ -233,13 +236,13 @@ def parse_sinusoidal(
             table = MappedSinusoid(inner=None, timescales=timescales, offset=start)
         return EncodingSpec(d_model, base, dtype, preset=table)
     if name == "fairseq":
-        padding = message.padding_idx if message.HasField("padding_idx") else 1
+        padding = 1 if request.padding_idx is None else request.padding_idx
         return EncodingSpec(d_model, base, dtype, preset=MappedSinusoid(t2t, zero_row=padding))
     # transformer_xl
-    clamp = message.clamp_len if message.clamp_len > 0 else None
-    if message.HasField("key_length"):
+    clamp = request.clamp_len if request.clamp_len is not None and request.clamp_len > 0 else None
+    if request.key_length is not None:
         table = MappedSinusoid(
-            split, offset=message.key_length - 1, descending=True, clamp_max=clamp
+            split, offset=request.key_length - 1, descending=True, clamp_max=clamp
         )
     else:
         table = MappedSinusoid(split, clamp_max=clamp)
@@ -251,22 +254,6 @@ def parse_sinusoidal(
 # ------------------------------------------------------------------------------------------
 # Rotary presets
 # ------------------------------------------------------------------------------------------
-
-ROPE_TYPES: Final[dict[int, str]] = {
-    posenc_pb2.ROPE_TYPE_UNSPECIFIED: "default",
-    posenc_pb2.ROPE_TYPE_DEFAULT: "default",
-    posenc_pb2.ROPE_TYPE_LINEAR: "linear",
-    posenc_pb2.ROPE_TYPE_DYNAMIC: "dynamic",
-    posenc_pb2.ROPE_TYPE_YARN: "yarn",
-    posenc_pb2.ROPE_TYPE_LONGROPE: "longrope",
-    posenc_pb2.ROPE_TYPE_LLAMA3: "llama3",
-}
-ROPE_LAYOUTS: Final[dict[int, str]] = {
-    posenc_pb2.ROPE_LAYOUT_UNSPECIFIED: "transformers",
-    posenc_pb2.ROPE_LAYOUT_TRANSFORMERS: "transformers",
-    posenc_pb2.ROPE_LAYOUT_VLLM: "vllm",
-    posenc_pb2.ROPE_LAYOUT_GPTJ: "gptj",
-}
 
 # Optional and required fields of each rope type, beyond rope_type, layout, head_dim,
 # rope_theta and partial_rotary_factor.
@@ -296,6 +283,8 @@ _ROPE_FIELDS: Final[dict[str, tuple[tuple[str, ...], tuple[str, ...]]]] = {
         (),
     ),
 }
+ROPE_TYPES: Final = tuple(_ROPE_FIELDS)
+ROPE_LAYOUTS: Final = ("transformers", "vllm", "gptj")
 _SCALAR_ROPE_FIELDS: Final = (
     "factor",
     "original_max_position_embeddings",
@@ -505,8 +494,34 @@ def _llama3(table: RotaryTable, base: list[Decimal], pi: Decimal) -> list[Decima
     return frequencies
 
 
-def parse_rotary(
-    message: posenc_pb2.RotaryPreset,
+@dataclass(frozen=True)
+class RotaryRequest:
+    """A request's rotary preset: rope type, layout, head width and the parameters it set
+    (None or empty: unset)."""
+
+    rope_type: str
+    layout: str
+    head_dim: int
+    rope_theta: float | None = None
+    partial_rotary_factor: float | None = None
+    factor: float | None = None
+    original_max_position_embeddings: int | None = None
+    max_position_embeddings: int | None = None
+    low_freq_factor: float | None = None
+    high_freq_factor: float | None = None
+    beta_fast: float | None = None
+    beta_slow: float | None = None
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
+    truncate: bool | None = None
+    attention_factor: float | None = None
+    seq_len: int | None = None
+    short_factor: tuple[float, ...] = ()
+    long_factor: tuple[float, ...] = ()
+
+
+def rotary_spec(
+    request: RotaryRequest,
     d_model: int,
     has_base: bool,
     dtype: str,
@@ -520,45 +535,34 @@ def parse_rotary(
         violations.append(
             FieldViolation("spec.base", "must be unset with a rotary preset: set rotary.rope_theta")
         )
-    kind = ROPE_TYPES.get(message.rope_type)
-    layout = ROPE_LAYOUTS.get(message.layout)
-    if kind is None:
-        check.add("rope_type", f"unknown value {message.rope_type}; known: {sorted(ROPE_TYPES)}")
-    if layout is None:
-        check.add("layout", f"unknown value {message.layout}; known: {sorted(ROPE_LAYOUTS)}")
-    if kind is None or layout is None:
-        return None
+    kind, layout = request.rope_type, request.layout
     required, optional = _ROPE_FIELDS[kind]
     for field in (*_SCALAR_ROPE_FIELDS, "short_factor", "long_factor"):
-        present = (
-            bool(getattr(message, field))
-            if field in ("short_factor", "long_factor")
-            else message.HasField(field)  # type: ignore[arg-type]
-        )
+        present = getattr(request, field) not in (None, ())
         if field in required and not present:
             check.add(field, f"is required by rope type {kind}")
         elif present and field not in required and field not in optional:
             check.add(field, f"is not a parameter of rope type {kind}; leave it unset")
     if (
         kind in ("yarn", "longrope")
-        and not message.HasField("factor")
-        and not message.HasField("max_position_embeddings")
+        and request.factor is None
+        and request.max_position_embeddings is None
     ):
         check.add("factor", f"rope type {kind} needs factor or max_position_embeddings")
 
     def real(field: str, default: float | None, low: float, *, strict: bool = True) -> float | None:
-        if not message.HasField(field):  # type: ignore[arg-type]
+        value: float | None = getattr(request, field)
+        if value is None:
             return default
-        value = float(getattr(message, field))
         if not math.isfinite(value) or value < low or (strict and value == low):
             relation = ">" if strict else ">="
             check.add(field, f"must be finite and {relation} {low:g}, got {value!r}")
         return value
 
     def count(field: str, low: int) -> int | None:
-        if not message.HasField(field):  # type: ignore[arg-type]
+        value: int | None = getattr(request, field)
+        if value is None:
             return None
-        value = int(getattr(message, field))
         if not low <= value <= 1 << 62:
             check.add(field, f"must be between {low} and 2**62, got {value}")
         return value
@@ -567,7 +571,7 @@ def parse_rotary(
     partial = real("partial_rotary_factor", 1.0, 0.0)
     if partial is not None and partial > 1.0:
         check.add("partial_rotary_factor", f"must be in (0, 1], got {partial!r}")
-    head_dim = message.head_dim
+    head_dim = request.head_dim
     if head_dim < 2:
         check.add("head_dim", f"must be at least 2, got {head_dim}")
     table_fields: dict[str, Any] = {
@@ -580,7 +584,7 @@ def parse_rotary(
         "beta_slow": real("beta_slow", None, 0.0),
         "mscale": real("mscale", None, 0.0, strict=False),
         "mscale_all_dim": real("mscale_all_dim", None, 0.0, strict=False),
-        "truncate": message.truncate if message.HasField("truncate") else True,
+        "truncate": True if request.truncate is None else request.truncate,
         "attention_factor": real("attention_factor", None, 0.0),
         "seq_len": count("seq_len", 1),
     }
@@ -602,7 +606,7 @@ def parse_rotary(
         )
         return None
     for field in ("short_factor", "long_factor"):
-        values = tuple(float(v) for v in getattr(message, field))
+        values: tuple[float, ...] = getattr(request, field)
         if values and len(values) != rotary_dim // 2:
             check.add(
                 field, f"must hold rotary_dim / 2 = {rotary_dim // 2} values, got {len(values)}"
@@ -643,81 +647,72 @@ def parse_rotary(
 
 
 # ------------------------------------------------------------------------------------------
-# Protocol
+# Catalog (what GetServerInfo lists)
 # ------------------------------------------------------------------------------------------
 
 
-def parse_spec(
-    spec: posenc_pb2.EncodingSpec,
-    dtype: str,
-    limits: Any,
-    violations: list[FieldViolation],
-) -> EncodingSpec | None:
-    """The EncodingSpec of a request with a preset; None after appending its problems."""
-    for field, unspecified in (
-        ("layout", posenc_pb2.LAYOUT_UNSPECIFIED),
-        ("schedule", posenc_pb2.SCHEDULE_UNSPECIFIED),
-    ):
-        if getattr(spec, field) != unspecified:
-            violations.append(
-                FieldViolation(f"spec.{field}", "must be unset with a preset (the preset sets it)")
-            )
-    if spec.WhichOneof("preset") == "sinusoidal":
-        base = spec.base if spec.HasField("base") else engine.DEFAULT_BASE
-        parsed = parse_sinusoidal(spec.sinusoidal, spec.d_model, base, dtype, limits, violations)
-    else:
-        parsed = parse_rotary(
-            spec.rotary, spec.d_model, spec.HasField("base"), dtype, limits, violations
-        )
-    return parsed if not violations else None
+@dataclass(frozen=True)
+class PresetParameter:
+    """A parameter of a preset: its request field, meaning and default (empty: required)."""
+
+    field: str
+    description: str
+    default: str = ""
 
 
-def _parameter(field: str, description: str, default: str = "") -> posenc_pb2.PresetParameter:
-    return posenc_pb2.PresetParameter(field=field, description=description, default=default)
+@dataclass(frozen=True)
+class PresetInfo:
+    """A preset's name, what it is, and its parameters."""
+
+    name: str
+    description: str
+    parameters: tuple[PresetParameter, ...]
 
 
 _D_MODEL = "spec.d_model"
 _BASE = "spec.base"
-_SIN_DESCRIPTIONS: Final[dict[str, tuple[str, list[posenc_pb2.PresetParameter]]]] = {
+_SIN_DESCRIPTIONS: Final[dict[str, tuple[str, list[PresetParameter]]]] = {
     "vaswani": (
         "Vaswani et al. 2017: sin_0, cos_0, sin_1, cos_1, ...",
-        [_parameter(_D_MODEL, "row width"), _parameter(_BASE, "frequency base", "10000")],
+        [PresetParameter(_D_MODEL, "row width"), PresetParameter(_BASE, "frequency base", "10000")],
     ),
     "vaswani_split": (
         "Marian, Pegasus: the paper's frequencies, sin in the first ceil(d/2) columns",
-        [_parameter(_D_MODEL, "row width"), _parameter(_BASE, "frequency base", "10000")],
+        [PresetParameter(_D_MODEL, "row width"), PresetParameter(_BASE, "frequency base", "10000")],
     ),
     "tensor2tensor": (
         "tensor2tensor get_timing_signal_1d: [sin | cos] over d // 2 timescales, zero last "
         "column for odd d; row p is position p + start_index",
         [
-            _parameter(_D_MODEL, "row width"),
-            _parameter(_BASE, "max_timescale", "10000"),
-            _parameter("spec.sinusoidal.min_timescale", "min_timescale, > 0 and < base", "1"),
-            _parameter("spec.sinusoidal.start_index", "added to every position", "0"),
+            PresetParameter(_D_MODEL, "row width"),
+            PresetParameter(_BASE, "max_timescale", "10000"),
+            PresetParameter("spec.sinusoidal.min_timescale", "min_timescale, > 0 and < base", "1"),
+            PresetParameter("spec.sinusoidal.start_index", "added to every position", "0"),
         ],
     ),
     "whisper": (
         "Whisper encoder sinusoids(length, d, max_timescale): [sin | cos], even d >= 4",
-        [_parameter(_D_MODEL, "row width"), _parameter(_BASE, "max_timescale", "10000")],
+        [PresetParameter(_D_MODEL, "row width"), PresetParameter(_BASE, "max_timescale", "10000")],
     ),
     "fairseq": (
         "fairseq SinusoidalPositionalEmbedding and its ports (M2M100, Speech2Text): row p is "
         "weight row p, token t is row padding_idx + 1 + t, row padding_idx is zero",
         [
-            _parameter(_D_MODEL, "row width, >= 4"),
-            _parameter(_BASE, "frequency base", "10000"),
-            _parameter("spec.sinusoidal.padding_idx", "the zero row", "1"),
+            PresetParameter(_D_MODEL, "row width, >= 4"),
+            PresetParameter(_BASE, "frequency base", "10000"),
+            PresetParameter("spec.sinusoidal.padding_idx", "the zero row", "1"),
         ],
     ),
     "transformer_xl": (
         "Transformer-XL relative positions: [sin | cos] of min(r, clamp_len), "
         "r = key_length - 1 - p when key_length is set, else p",
         [
-            _parameter(_D_MODEL, "row width, even"),
-            _parameter(_BASE, "frequency base", "10000"),
-            _parameter("spec.sinusoidal.clamp_len", "clamp (<= 0: none)", "none"),
-            _parameter("spec.sinusoidal.key_length", "klen: rows descend from klen - 1", "none"),
+            PresetParameter(_D_MODEL, "row width, even"),
+            PresetParameter(_BASE, "frequency base", "10000"),
+            PresetParameter("spec.sinusoidal.clamp_len", "clamp (<= 0: none)", "none"),
+            PresetParameter(
+                "spec.sinusoidal.key_length", "klen: rows descend from klen - 1", "none"
+            ),
         ],
     ),
 }
@@ -748,18 +743,20 @@ _ROPE_PARAMETER_DESCRIPTIONS: Final[dict[str, tuple[str, str]]] = {
 }
 
 
-def server_info_presets() -> list[posenc_pb2.PresetInfo]:
-    """GetServerInfo's list of presets and their parameters."""
+def catalog() -> list[PresetInfo]:
+    """Every preset with its parameters, as GetServerInfo lists them."""
     infos = [
-        posenc_pb2.PresetInfo(name=name, description=description, parameters=parameters)
+        PresetInfo(name, description, tuple(parameters))
         for name, (description, parameters) in _SIN_DESCRIPTIONS.items()
     ]
     common = [
-        _parameter("spec.rotary.head_dim", "attention head width"),
-        _parameter("spec.rotary.rope_theta", "frequency base", "10000"),
-        _parameter("spec.rotary.partial_rotary_factor", "rotary_dim = int(head_dim * it)", "1"),
-        _parameter("spec.rotary.layout", "transformers, vllm or gptj", "transformers"),
-        _parameter(_D_MODEL, "0, or the layout's row width", "0"),
+        PresetParameter("spec.rotary.head_dim", "attention head width"),
+        PresetParameter("spec.rotary.rope_theta", "frequency base", "10000"),
+        PresetParameter(
+            "spec.rotary.partial_rotary_factor", "rotary_dim = int(head_dim * it)", "1"
+        ),
+        PresetParameter("spec.rotary.layout", "transformers, vllm or gptj", "transformers"),
+        PresetParameter(_D_MODEL, "0, or the layout's row width", "0"),
     ]
     for kind, description in _ROPE_DESCRIPTIONS.items():
         required, optional = _ROPE_FIELDS[kind]
@@ -769,16 +766,12 @@ def server_info_presets() -> list[posenc_pb2.PresetInfo]:
             if field == "factor" and kind in ("yarn", "longrope"):
                 text, default = text + " (or max_position_embeddings / original)", ""
             parameters.append(
-                _parameter(f"spec.rotary.{field}", text, "" if field in required else default)
+                PresetParameter(f"spec.rotary.{field}", text, "" if field in required else default)
             )
-        infos.append(
-            posenc_pb2.PresetInfo(
-                name=f"rotary:{kind}", description=description, parameters=parameters
-            )
-        )
+        infos.append(PresetInfo(f"rotary:{kind}", description, tuple(parameters)))
     return infos
 
 
 def names() -> Sequence[str]:
     """Every preset name GetServerInfo lists."""
-    return [info.name for info in server_info_presets()]
+    return [info.name for info in catalog()]

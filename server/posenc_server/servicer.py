@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from types import TracebackType
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import grpc
 import numpy as np
@@ -19,7 +20,8 @@ from grpc_status import rpc_status
 
 from posenc._wire import encode_tensor_response
 from posenc.v1 import posenc_pb2
-from posenc_server import engine, metrics
+from posenc_server import engine, metrics, presets
+from posenc_server.config import ServerConfig
 from posenc_server.engine import EncodingSpec, Layout, Schedule
 from posenc_server.errors import (
     FieldViolation,
@@ -28,7 +30,6 @@ from posenc_server.errors import (
     OverloadedError,
     ShuttingDownError,
 )
-from posenc_server.presets import parse_spec, server_info_presets
 from posenc_server.service import Chunk, EncodingService, PositionList, PositionRange, Selection
 
 log = logging.getLogger("posenc_server")
@@ -237,7 +238,19 @@ class PositionalEncodingServicer:
                 budget_bytes=stats.budget_bytes,
             ),
             rows_computed=self.service.rows_computed,
-            presets=server_info_presets(),
+            presets=[
+                posenc_pb2.PresetInfo(
+                    name=info.name,
+                    description=info.description,
+                    parameters=[
+                        posenc_pb2.PresetParameter(
+                            field=p.field, description=p.description, default=p.default
+                        )
+                        for p in info.parameters
+                    ],
+                )
+                for info in presets.catalog()
+            ],
         )
 
     # Protobuf -> domain -----------------------------------------------------------------------
@@ -281,7 +294,7 @@ class PositionalEncodingServicer:
             self.service.validate_spec(proto_spec.d_model, base, violations)
         else:
             config = self.service.config
-            preset_spec = parse_spec(proto_spec, dtype or "float32", config, violations)
+            preset_spec = preset_spec_from_proto(proto_spec, dtype or "float32", config, violations)
         layout = LAYOUTS.get(proto_spec.layout)
         schedule = SCHEDULES.get(proto_spec.schedule)
         for name, value, parsed, known in (
@@ -305,6 +318,118 @@ class PositionalEncodingServicer:
             self._specs.clear()
         self._specs[key] = spec
         return spec
+
+
+SINUSOIDAL_NAMES: dict[int, str] = {
+    posenc_pb2.SINUSOIDAL_PRESET_NAME_VASWANI: "vaswani",
+    posenc_pb2.SINUSOIDAL_PRESET_NAME_VASWANI_SPLIT: "vaswani_split",
+    posenc_pb2.SINUSOIDAL_PRESET_NAME_TENSOR2TENSOR: "tensor2tensor",
+    posenc_pb2.SINUSOIDAL_PRESET_NAME_WHISPER: "whisper",
+    posenc_pb2.SINUSOIDAL_PRESET_NAME_FAIRSEQ: "fairseq",
+    posenc_pb2.SINUSOIDAL_PRESET_NAME_TRANSFORMER_XL: "transformer_xl",
+}
+ROPE_TYPES: dict[int, str] = {
+    posenc_pb2.ROPE_TYPE_UNSPECIFIED: "default",
+    posenc_pb2.ROPE_TYPE_DEFAULT: "default",
+    posenc_pb2.ROPE_TYPE_LINEAR: "linear",
+    posenc_pb2.ROPE_TYPE_DYNAMIC: "dynamic",
+    posenc_pb2.ROPE_TYPE_YARN: "yarn",
+    posenc_pb2.ROPE_TYPE_LONGROPE: "longrope",
+    posenc_pb2.ROPE_TYPE_LLAMA3: "llama3",
+}
+ROPE_LAYOUTS: dict[int, str] = {
+    posenc_pb2.ROPE_LAYOUT_UNSPECIFIED: "transformers",
+    posenc_pb2.ROPE_LAYOUT_TRANSFORMERS: "transformers",
+    posenc_pb2.ROPE_LAYOUT_VLLM: "vllm",
+    posenc_pb2.ROPE_LAYOUT_GPTJ: "gptj",
+}
+
+
+# The optional scalars of a rotary preset: the proto fields of the same names.
+_ROTARY_OPTIONAL_FIELDS = tuple(
+    field.name
+    for field in dataclasses.fields(presets.RotaryRequest)
+    if field.name not in ("rope_type", "layout", "head_dim", "short_factor", "long_factor")
+)
+
+
+def preset_spec_from_proto(
+    spec: posenc_pb2.EncodingSpec,
+    dtype: str,
+    limits: ServerConfig,
+    violations: list[FieldViolation],
+) -> EncodingSpec | None:
+    """The EncodingSpec of a request with a preset; None after appending its problems."""
+    for field, unspecified in (
+        ("layout", posenc_pb2.LAYOUT_UNSPECIFIED),
+        ("schedule", posenc_pb2.SCHEDULE_UNSPECIFIED),
+    ):
+        if getattr(spec, field) != unspecified:
+            violations.append(
+                FieldViolation(f"spec.{field}", "must be unset with a preset (the preset sets it)")
+            )
+    parsed: EncodingSpec | None = None
+    if spec.WhichOneof("preset") == "sinusoidal":
+        sinusoidal = _sinusoidal_request(spec.sinusoidal, violations)
+        base = spec.base if spec.HasField("base") else engine.DEFAULT_BASE
+        if sinusoidal is not None:
+            parsed = presets.sinusoidal_spec(
+                sinusoidal, spec.d_model, base, dtype, limits, violations
+            )
+    else:
+        rotary = _rotary_request(spec.rotary, violations)
+        if rotary is not None:
+            has_base = spec.HasField("base")
+            parsed = presets.rotary_spec(rotary, spec.d_model, has_base, dtype, limits, violations)
+    return parsed if not violations else None
+
+
+def _optional(message: Message, field: str) -> Any:
+    """A proto3 optional field's value, None when unset."""
+    return getattr(message, field) if message.HasField(field) else None
+
+
+def _sinusoidal_request(
+    message: posenc_pb2.SinusoidalPreset, violations: list[FieldViolation]
+) -> presets.SinusoidalRequest | None:
+    name = SINUSOIDAL_NAMES.get(message.name)
+    if name is None:
+        known = ", ".join(f"{value} ({n})" for value, n in SINUSOIDAL_NAMES.items())
+        violations.append(
+            FieldViolation(
+                "spec.sinusoidal.name", f"unknown or unset preset {message.name}; known: {known}"
+            )
+        )
+        return None
+    fields = ("min_timescale", "start_index", "padding_idx", "clamp_len", "key_length")
+    return presets.SinusoidalRequest(name, **{field: _optional(message, field) for field in fields})
+
+
+def _rotary_request(
+    message: posenc_pb2.RotaryPreset, violations: list[FieldViolation]
+) -> presets.RotaryRequest | None:
+    rope_type = ROPE_TYPES.get(message.rope_type)
+    layout = ROPE_LAYOUTS.get(message.layout)
+    for field, value, parsed, known in (
+        ("rope_type", message.rope_type, rope_type, ROPE_TYPES),
+        ("layout", message.layout, layout, ROPE_LAYOUTS),
+    ):
+        if parsed is None:
+            violations.append(
+                FieldViolation(
+                    f"spec.rotary.{field}", f"unknown value {value}; known: {sorted(known)}"
+                )
+            )
+    if rope_type is None or layout is None:
+        return None
+    return presets.RotaryRequest(
+        rope_type,
+        layout,
+        message.head_dim,
+        short_factor=tuple(message.short_factor),
+        long_factor=tuple(message.long_factor),
+        **{field: _optional(message, field) for field in _ROTARY_OPTIONAL_FIELDS},
+    )
 
 
 def add_to_server(servicer: PositionalEncodingServicer, server: grpc.Server) -> None:
