@@ -39,6 +39,15 @@ def test_membership_is_neither_counted_nor_made_recent() -> None:
     assert (stats.hits, stats.misses) == (0, 3)
 
 
+def test_evictions_are_reported_with_their_sizes() -> None:
+    evicted: list[int] = []
+    cache: BlockCache[int] = BlockCache(250, on_evict=evicted.append)
+    for key, size in enumerate((100, 120, 90, 200)):
+        cache.get_or_compute(key, lambda size=size: block(size))
+    # 90 evicts 100; 200 evicts 120 and 90.
+    assert evicted == [100, 120, 90]
+
+
 def test_least_recently_used_is_evicted_first_and_budget_holds() -> None:
     cache: BlockCache[int] = BlockCache(300)
     for key in range(3):

@@ -55,3 +55,15 @@ def test_a_streamed_list_reads_cached_blocks_but_computes_no_new_ones() -> None:
     assert rows.tobytes() == encode_positions(SPEC, selection.positions).tobytes()
     assert service.cache_stats().entries == entries
     assert service.rows_computed == computed + 10  # only the uncached blocks' rows
+
+
+def test_evicting_enough_asks_for_a_heap_trim() -> None:
+    service = EncodingService(ServerConfig(cache_bytes=8 << 20))
+    start = 64 * 1_000_000
+    # 1 MiB blocks: the first 8 fill the budget, the next 32 evict 32 MiB.
+    service.table(SPEC, PositionList(start + 64 * np.arange(8, dtype=np.int64)))
+    assert not service.trim_due.is_set()
+    service.table(SPEC, PositionList(start + 64 * np.arange(8, 39, dtype=np.int64)))
+    assert not service.trim_due.is_set()  # 31 MiB evicted
+    service.table(SPEC, PositionList(np.array([start + 64 * 39])))
+    assert service.trim_due.is_set()

@@ -48,13 +48,14 @@ class Client:
         options: Extra gRPC channel options, overriding the SDK's.
         token: Bearer token sent with every call, for servers started with
             ``--auth-token-file``.
-        row_cache_bytes: Memory for rows already fetched by :meth:`get_positions`, which
-            answer later calls for the same (spec, position) without a call: rows are
-            exact, so a cached row is the server's row. ``0`` turns the cache off.
-        readahead_bytes: When a call misses position ``p`` but holds ``p - 1`` (a decode
-            loop moving forward), it also fetches up to 64 following positions, at most
-            this many bytes in all, so the next steps of the loop need no call. ``0``
-            turns read-ahead off.
+        row_cache_bytes: Memory for the rows :meth:`get_positions` fetched ahead, which
+            answer later calls for the same (spec, position) without a call: a row
+            depends on nothing else, so a cached row is the server's row. ``0`` turns
+            the cache, and so read-ahead, off.
+        readahead_bytes: When a call asks for position ``p`` right after one that asked
+            for ``p - 1`` (a decode loop moving forward), it also fetches up to 64
+            following positions, at most this many bytes in all, so the next steps of
+            the loop need no call. ``0`` turns read-ahead off.
 
     Example::
 

@@ -121,22 +121,27 @@ def server_credentials(config: ServerConfig) -> grpc.ServerCredentials | None:
 
 
 def housekeeping(servicer: PositionalEncodingServicer, stop: threading.Event) -> None:
-    """Five times a second: publish the cache metrics, and trim the heap after evictions.
+    """Publish the cache metrics five times a second, and trim the heap after evictions.
 
     glibc serves the 1 MiB blocks from its heap, where long-lived cached blocks pin the
     space freed between them: without trimming, RSS under cache churn creeps past the
     budget. Mapping every block on its own instead costs page faults on every chunk (four
-    times the server CPU per GiB), so the heap is trimmed after evictions only.
+    times the server CPU per GiB), so the heap is trimmed after evictions only: at the next
+    tick, or at once when the service has evicted enough for memory to run ahead of the
+    ticks (``EncodingService.trim_due``).
     """
     malloc_trim: Callable[[int], int] | None = None
     if sys.platform.startswith("linux"):
         with contextlib.suppress(OSError, AttributeError):
-            malloc_trim = ctypes.CDLL(None).malloc_trim
+            malloc_trim = ctypes.CDLL(None).malloc_trim  # called without the GIL
+    service = servicer.service
     evictions = 0
-    while not stop.wait(0.2):
+    while not stop.is_set():
+        due = service.trim_due.wait(0.2)
+        service.trim_due.clear()
         servicer.publish_metrics()
-        current = servicer.service.cache_stats().evictions
-        if current != evictions and malloc_trim is not None:
+        current = service.cache_stats().evictions
+        if (due or current != evictions) and malloc_trim is not None:
             evictions = current
             malloc_trim(0)
 

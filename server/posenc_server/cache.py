@@ -44,10 +44,13 @@ class BlockCache(Generic[Key]):
     computing it again. A block larger than the whole budget is returned but not stored.
     """
 
-    def __init__(self, budget_bytes: int) -> None:
+    def __init__(self, budget_bytes: int, on_evict: Callable[[int], None] | None = None) -> None:
+        """``on_evict`` is called with the size of every evicted block, under the cache's
+        lock: it must be quick and must not use the cache."""
         if budget_bytes < 0:
             raise ValueError("budget_bytes must be >= 0")
         self._budget = budget_bytes
+        self._on_evict = on_evict
         self._blocks: OrderedDict[Key, Block] = OrderedDict()
         self._pending: dict[Key, _Pending] = {}
         self._lock = threading.Lock()
@@ -118,6 +121,8 @@ class BlockCache(Generic[Key]):
             _, evicted = self._blocks.popitem(last=False)
             self._bytes -= evicted.nbytes
             self._evictions += 1
+            if self._on_evict is not None:
+                self._on_evict(evicted.nbytes)
         self._blocks[key] = block
         self._bytes += size
 

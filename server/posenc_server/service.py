@@ -33,6 +33,8 @@ _MAX_SPEC_IDS = 4096
 # A unary position list computes at most this many new blocks (of max_chunk_bytes each);
 # the rows of further uncached blocks are computed one by one.
 _MAX_NEW_BLOCKS_PER_LIST = 64
+# Evicting this much frees enough heap to trim it at once rather than at the next tick.
+_TRIM_AFTER_EVICTED_BYTES = 32 << 20
 # Position lists up to this long are gathered row by row, longer ones block by block.
 _ROW_BY_ROW_GATHER = 256
 
@@ -78,13 +80,24 @@ class EncodingService:
 
     def __init__(self, config: ServerConfig) -> None:
         self.config = config
-        self.cache: BlockCache[BlockKey] = BlockCache(config.cache_bytes)
+        # Set when enough has been evicted that the heap is worth trimming now (the
+        # housekeeping thread trims; see app.housekeeping).
+        self.trim_due = threading.Event()
+        self._evicted_since_trim = 0
+        self.cache: BlockCache[BlockKey] = BlockCache(config.cache_bytes, self._count_evicted)
         # Host and pid for operators; the random part tells apart servers of one process.
         self.server_id = f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(3)}"
         self._rows_computed = 0
         self._counter_lock = threading.Lock()
         self._spec_ids: OrderedDict[EncodingSpec, int] = OrderedDict()
         self._next_spec_id = itertools.count()
+
+    def _count_evicted(self, nbytes: int) -> None:
+        # Under the cache's lock: no lock of its own needed.
+        self._evicted_since_trim += nbytes
+        if self._evicted_since_trim >= _TRIM_AFTER_EVICTED_BYTES:
+            self._evicted_since_trim = 0
+            self.trim_due.set()
 
     # Validation -----------------------------------------------------------------------------
 
@@ -303,14 +316,14 @@ class EncodingService:
             rows: Table = self._block(spec, spec_id, first_block, block_rows)[offsets]
             return rows  # one block, as for one sequence's step: no grouping
         out = np.empty((positions.size, spec.d_model), dtype=spec.numpy_dtype)
-        budget = [new_blocks]
 
         def cached_block(block_id: int) -> Table | None:
-            """The block from the cache, computed while the budget lasts; else None."""
+            """The block from the cache, computed while new ones are allowed; else None."""
+            nonlocal new_blocks
             if (spec_id, block_id) not in self.cache:
-                if budget[0] <= 0:
+                if new_blocks <= 0:
                     return None
-                budget[0] -= 1
+                new_blocks -= 1
             return self._block(spec, spec_id, block_id, block_rows)
 
         uncached: list[int] | npt.NDArray[np.intp]
