@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from decimal import Decimal, localcontext
 from typing import Any, Final
@@ -299,6 +299,8 @@ _SCALAR_ROPE_FIELDS: Final = (
     "attention_factor",
     "seq_len",
 )
+# The rotary parameters that are single values (and may be unset).
+ROTARY_PARAMETERS: Final = ("rope_theta", "partial_rotary_factor", *_SCALAR_ROPE_FIELDS)
 
 
 @dataclass(frozen=True)
@@ -496,28 +498,13 @@ def _llama3(table: RotaryTable, base: list[Decimal], pi: Decimal) -> list[Decima
 
 @dataclass(frozen=True)
 class RotaryRequest:
-    """A request's rotary preset: rope type, layout, head width and the parameters it set
-    (None or empty: unset)."""
+    """A request's rotary preset: rope type, layout, head width, and the parameters it set
+    (``ROTARY_PARAMETERS``, ``short_factor``, ``long_factor``) by name."""
 
     rope_type: str
     layout: str
     head_dim: int
-    rope_theta: float | None = None
-    partial_rotary_factor: float | None = None
-    factor: float | None = None
-    original_max_position_embeddings: int | None = None
-    max_position_embeddings: int | None = None
-    low_freq_factor: float | None = None
-    high_freq_factor: float | None = None
-    beta_fast: float | None = None
-    beta_slow: float | None = None
-    mscale: float | None = None
-    mscale_all_dim: float | None = None
-    truncate: bool | None = None
-    attention_factor: float | None = None
-    seq_len: int | None = None
-    short_factor: tuple[float, ...] = ()
-    long_factor: tuple[float, ...] = ()
+    parameters: Mapping[str, Any]
 
 
 def rotary_spec(
@@ -538,20 +525,20 @@ def rotary_spec(
     kind, layout = request.rope_type, request.layout
     required, optional = _ROPE_FIELDS[kind]
     for field in (*_SCALAR_ROPE_FIELDS, "short_factor", "long_factor"):
-        present = getattr(request, field) not in (None, ())
+        present = field in request.parameters
         if field in required and not present:
             check.add(field, f"is required by rope type {kind}")
         elif present and field not in required and field not in optional:
             check.add(field, f"is not a parameter of rope type {kind}; leave it unset")
     if (
         kind in ("yarn", "longrope")
-        and request.factor is None
-        and request.max_position_embeddings is None
+        and "factor" not in request.parameters
+        and "max_position_embeddings" not in request.parameters
     ):
         check.add("factor", f"rope type {kind} needs factor or max_position_embeddings")
 
     def real(field: str, default: float | None, low: float, *, strict: bool = True) -> float | None:
-        value: float | None = getattr(request, field)
+        value: float | None = request.parameters.get(field)
         if value is None:
             return default
         if not math.isfinite(value) or value < low or (strict and value == low):
@@ -560,7 +547,7 @@ def rotary_spec(
         return value
 
     def count(field: str, low: int) -> int | None:
-        value: int | None = getattr(request, field)
+        value: int | None = request.parameters.get(field)
         if value is None:
             return None
         if not low <= value <= 1 << 62:
@@ -584,7 +571,7 @@ def rotary_spec(
         "beta_slow": real("beta_slow", None, 0.0),
         "mscale": real("mscale", None, 0.0, strict=False),
         "mscale_all_dim": real("mscale_all_dim", None, 0.0, strict=False),
-        "truncate": True if request.truncate is None else request.truncate,
+        "truncate": request.parameters.get("truncate", True),
         "attention_factor": real("attention_factor", None, 0.0),
         "seq_len": count("seq_len", 1),
     }
@@ -606,7 +593,7 @@ def rotary_spec(
         )
         return None
     for field in ("short_factor", "long_factor"):
-        values: tuple[float, ...] = getattr(request, field)
+        values: tuple[float, ...] = tuple(request.parameters.get(field, ()))
         if values and len(values) != rotary_dim // 2:
             check.add(
                 field, f"must hold rotary_dim / 2 = {rotary_dim // 2} values, got {len(values)}"

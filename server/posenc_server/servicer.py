@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import threading
 import time
@@ -345,14 +344,6 @@ ROPE_LAYOUTS: dict[int, str] = {
 }
 
 
-# The optional scalars of a rotary preset: the proto fields of the same names.
-_ROTARY_OPTIONAL_FIELDS = tuple(
-    field.name
-    for field in dataclasses.fields(presets.RotaryRequest)
-    if field.name not in ("rope_type", "layout", "head_dim", "short_factor", "long_factor")
-)
-
-
 def preset_spec_from_proto(
     spec: posenc_pb2.EncodingSpec,
     dtype: str,
@@ -422,14 +413,16 @@ def _rotary_request(
             )
     if rope_type is None or layout is None:
         return None
-    return presets.RotaryRequest(
-        rope_type,
-        layout,
-        message.head_dim,
-        short_factor=tuple(message.short_factor),
-        long_factor=tuple(message.long_factor),
-        **{field: _optional(message, field) for field in _ROTARY_OPTIONAL_FIELDS},
-    )
+    # The proto fields carry the parameters' names; only those set are passed.
+    parameters: dict[str, Any] = {
+        field: getattr(message, field)
+        for field in presets.ROTARY_PARAMETERS
+        if message.HasField(field)
+    }
+    for field in ("short_factor", "long_factor"):
+        if factors := tuple(getattr(message, field)):
+            parameters[field] = factors
+    return presets.RotaryRequest(rope_type, layout, message.head_dim, parameters)
 
 
 def add_to_server(servicer: PositionalEncodingServicer, server: grpc.Server) -> None:
