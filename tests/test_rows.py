@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -257,3 +258,19 @@ def test_the_async_client_reads_ahead_too(server: RunningServer) -> None:
     assert direct_calls == steps
     assert cached_calls == 1 + -(-(steps - 1) // (MAX_READAHEAD_ROWS // 2))
     assert [a.tobytes() for a in got] == [b.tobytes() for b in want]
+
+
+def test_threads_sharing_a_client_each_get_their_exact_rows(server: RunningServer) -> None:
+    spec = EncodingSpec(d_model=256)
+    steps = 200
+
+    def loop(client: posenc.Client, lengths: npt.NDArray[np.int64]) -> None:
+        for step in range(steps):
+            rows = client.get_positions(lengths + step, 256)
+            assert rows.tobytes() == encode_positions(spec, lengths + step).tobytes()
+
+    with posenc.Client(server.target) as client, ThreadPoolExecutor(4) as pool:
+        starts = [np.array([10_000 * k + 1, 10_000 * k + 500]) for k in range(4)]
+        for future in [pool.submit(loop, client, lengths) for lengths in starts]:
+            future.result()
+        assert 0 < client._rows.nbytes <= client._rows.budget_bytes
