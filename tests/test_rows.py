@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -14,7 +16,8 @@ from prometheus_client import REGISTRY
 
 import posenc
 from posenc import _protocol as proto
-from posenc._rows import MAX_CACHED_CALL_ROWS, MAX_READAHEAD_ROWS, RowCache, RowPlan
+from posenc._async_client import READ_AHEAD_TASK
+from posenc._rows import MAX_CACHED_CALL_ROWS, MAX_READAHEAD_ROWS, Pending, RowCache, RowPlan
 from posenc_server.app import RunningServer
 from posenc_server.engine import EncodingSpec, encode_positions
 
@@ -37,15 +40,17 @@ def fake_rows(q: proto.Query) -> npt.NDArray[Any]:
     return rows
 
 
-def answer(plan: RowPlan | None) -> npt.NDArray[Any] | None:
+def answer(plan: RowPlan | Pending | None) -> npt.NDArray[Any] | None:
     """What a client does with a plan: fetch (here: fake rows) and assemble."""
     if plan is None:
         return None
+    assert isinstance(plan, RowPlan)
     return plan.result(None if plan.fetch is None else fake_rows(plan.fetch))
 
 
-def fetched_positions(plan: RowPlan | None) -> list[int]:
-    assert plan is not None and plan.fetch is not None and plan.fetch.positions is not None
+def fetched_positions(plan: RowPlan | Pending | None) -> list[int]:
+    assert isinstance(plan, RowPlan)
+    assert plan.fetch is not None and plan.fetch.positions is not None
     return plan.fetch.positions.tolist()
 
 
@@ -177,6 +182,44 @@ def test_read_ahead_stops_short_of_int64_overflow() -> None:
     assert cache.plan(query([top])) is None
 
 
+def test_background_read_ahead_starts_when_a_window_is_half_used() -> None:
+    cache = RowCache(64 * MIB, MIB)
+    cache.plan(query([1000]))
+    answer(cache.plan(query([1001])))  # caches 1001 .. 1064
+    for position in range(1002, 1033):
+        answer(cache.plan(query([position])))
+        assert cache.claim_ahead(query([position]), object()) is None
+    answer(cache.plan(query([1033])))
+    token = object()
+    ahead = cache.claim_ahead(query([1033]), token)  # 1065 is 32 rows away: the next window
+    assert ahead is not None and ahead.query.positions is not None
+    assert ahead.query.positions.tolist() == list(range(1065, 1065 + MAX_READAHEAD_ROWS))
+    assert cache.in_flight == MAX_READAHEAD_ROWS
+    assert cache.claim_ahead(query([1034]), object()) is None  # already on its way
+    # A call that needs rows in flight is told to wait for them, or fetches them itself.
+    waiting = cache.plan(query([1065]))
+    assert isinstance(waiting, Pending) and waiting.tokens == (token,)
+    assert fetched_positions(cache.plan(query([1065]), wait=False))[0] == 1065
+    cache.finish_ahead(ahead, fake_rows(ahead.query))
+    assert cache.in_flight == 0
+    plan = cache.plan(query([1066]))
+    rows = answer(plan)
+    assert plan is not None and plan.fetch is None and rows is not None and (rows == 1066).all()
+
+
+def test_background_read_ahead_of_large_steps_is_the_next_step() -> None:
+    cache = RowCache(64 * MIB, MIB)
+    starts = 1000 + 100 * np.arange(64)  # 1 MiB per step: no read-ahead in the call
+    cache.plan(query(starts))
+    assert cache.claim_ahead(query(starts), object()) is None  # not moving yet
+    assert cache.plan(query(starts + 1)) is None
+    ahead = cache.claim_ahead(query(starts + 1), object())
+    assert ahead is not None and ahead.query.positions is not None
+    assert ahead.query.positions.tolist() == sorted((starts + 2).tolist())
+    cache.finish_ahead(ahead, None)  # failed: nothing cached, nothing in flight
+    assert cache.in_flight == 0 and cache.plan(query(starts + 2)) is None
+
+
 @pytest.mark.parametrize(("budget", "readahead"), [(-1, MIB), (MIB, -1)])
 def test_negative_sizes_are_refused(budget: int, readahead: int) -> None:
     with pytest.raises(ValueError, match="must be >= 0"):
@@ -198,35 +241,91 @@ def decode_loop(
     get_positions: Callable[[npt.NDArray[np.int64]], npt.NDArray[Any]],
     lengths: npt.NDArray[np.int64],
     steps: int,
+    model_seconds: float = 0.0,
 ) -> list[npt.NDArray[Any]]:
-    return [get_positions(lengths + step) for step in range(steps)]
+    rows = []
+    for step in range(steps):
+        rows.append(get_positions(lengths + step))
+        time.sleep(model_seconds)  # the model's forward pass
+    return rows
 
 
-@pytest.mark.parametrize("sequences", [1, 8])
-def test_a_decode_loop_gets_the_servers_exact_rows_in_fewer_calls(
-    server: RunningServer, sequences: int
+def settle(client: posenc.Client) -> None:
+    """Wait for the client's background read-ahead to finish."""
+    deadline = time.monotonic() + 30
+    while client._rows.in_flight:
+        assert time.monotonic() < deadline, "read-ahead never finished"
+        time.sleep(0.002)
+
+
+def count_calls(client: posenc.Client) -> dict[str, int]:
+    """Counts the client's fetches by thread: the caller's, or the read-ahead thread."""
+    calls = {"caller": 0, "background": 0}
+    fetch = client._fetch
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        background = threading.current_thread().name == "posenc-read-ahead"
+        calls["background" if background else "caller"] += 1
+        return fetch(*args, **kwargs)
+
+    client._fetch = counted  # type: ignore[method-assign]
+    return calls
+
+
+@pytest.mark.parametrize(("sequences", "model_seconds"), [(1, 0.0), (8, 0.0), (64, 0.005)])
+def test_a_decode_loop_gets_the_servers_exact_rows_from_two_calls_of_its_own(
+    server: RunningServer, sequences: int, model_seconds: float
 ) -> None:
+    """After the first two steps, the rows arrive ahead in the background: the caller never
+    calls again. With 1 and 8 sequences read-ahead brings 64 and 8 rows per sequence; 64
+    (1 MiB per step) get the next step's rows while the model runs."""
     lengths = 1_000_003 + 9_973 * np.arange(sequences, dtype=np.int64)
-    steps = 150
+    steps = 150 if sequences < 64 else 40
     with (
         posenc.Client(server.target) as cached,
         posenc.Client(server.target, row_cache_bytes=0) as direct,
     ):
         before = get_encoding_calls()
-        got = decode_loop(lambda p: cached.get_positions(p, D_MODEL), lengths, steps)
-        cached_calls = get_encoding_calls() - before
-        before = get_encoding_calls()
         want = decode_loop(lambda p: direct.get_positions(p, D_MODEL), lengths, steps)
-        direct_calls = get_encoding_calls() - before
-    assert direct_calls == steps
-    # Read-ahead of 1 MiB: 64 rows ahead for 1 sequence, 8 for 8 (after the first step).
-    ahead = MAX_READAHEAD_ROWS // sequences
-    assert cached_calls == 1 + -(-(steps - 1) // ahead)
+        assert get_encoding_calls() - before == steps
+        calls = count_calls(cached)
+        got = decode_loop(lambda p: cached.get_positions(p, D_MODEL), lengths, steps, model_seconds)
+        settle(cached)
+    assert calls["caller"] == 2
+    ahead = MAX_READAHEAD_ROWS // sequences if sequences < 64 else 1
+    assert calls["background"] <= 2 + steps // ahead
     for step, (a, b) in enumerate(zip(got, want, strict=True)):
         assert a.tobytes() == b.tobytes(), f"step {step}"
     spec = EncodingSpec(d_model=D_MODEL)
     last = encode_positions(spec, lengths + steps - 1)
     assert got[-1].tobytes() == last.tobytes()
+
+
+def test_a_failed_read_ahead_costs_only_a_call(server: RunningServer) -> None:
+    """Background fetches refused by the server (past its position limit) are dropped: the
+    steps that need those rows call for them and get the server's own answer."""
+    limit = server.config.max_abs_position
+    with posenc.Client(server.target) as client:
+        calls = count_calls(client)
+        for position in range(limit - 40, limit + 1):
+            rows = client.get_positions([position], 64)
+            expected = encode_positions(EncodingSpec(d_model=64), np.array([position]))
+            assert rows.tobytes() == expected.tobytes()
+            settle(client)
+        with pytest.raises(posenc.InvalidArgumentError):
+            client.get_positions([limit + 1], 64)
+    assert calls["background"] >= 1
+
+
+def test_closing_a_client_ends_its_read_ahead(server: RunningServer) -> None:
+    client = posenc.Client(server.target)
+    for step in range(40):
+        client.get_positions([5_000 + step], D_MODEL)
+    thread = client._ahead_thread
+    assert thread is not None and thread.is_alive()
+    client.close()
+    thread.join(10)
+    assert not thread.is_alive()
 
 
 def test_read_ahead_past_the_position_limit_falls_back_to_the_callers_call(
@@ -247,16 +346,28 @@ def test_the_async_client_reads_ahead_too(server: RunningServer) -> None:
     lengths = np.array([5_000_000, 6_000_000], dtype=np.int64)
     steps = 70
 
-    async def loop(**options: int) -> tuple[list[npt.NDArray[Any]], float]:
+    async def loop(**options: int) -> tuple[list[npt.NDArray[Any]], dict[str, int]]:
+        calls = {"caller": 0, "background": 0}
         async with posenc.AsyncClient(server.target, **options) as client:
-            before = get_encoding_calls()
+            fetch = client._fetch
+
+            async def counted(*args: Any, **kwargs: Any) -> Any:
+                task = asyncio.current_task()
+                background = task is not None and task.get_name() == READ_AHEAD_TASK
+                calls["background" if background else "caller"] += 1
+                return await fetch(*args, **kwargs)
+
+            client._fetch = counted  # type: ignore[method-assign]
             rows = [await client.get_positions(lengths + step, D_MODEL) for step in range(steps)]
-            return rows, get_encoding_calls() - before
+            while client._rows.in_flight:
+                await asyncio.sleep(0.002)
+        return rows, calls
 
     got, cached_calls = asyncio.run(loop())
     want, direct_calls = asyncio.run(loop(row_cache_bytes=0))
-    assert direct_calls == steps
-    assert cached_calls == 1 + -(-(steps - 1) // (MAX_READAHEAD_ROWS // 2))
+    assert direct_calls == {"caller": steps, "background": 0}
+    assert cached_calls["caller"] == 2
+    assert cached_calls["background"] <= 2 + steps // (MAX_READAHEAD_ROWS // 2)
     assert [a.tobytes() for a in got] == [b.tobytes() for b in want]
 
 

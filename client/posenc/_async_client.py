@@ -16,7 +16,14 @@ from grpc_health.v1 import health_pb2_grpc
 
 from posenc import _protocol as proto
 from posenc._protocol import DEFAULT, CallBudget, DTypeArg, Query, ServerInfo, StreamCursor, Timeout
-from posenc._rows import DEFAULT_READAHEAD_BYTES, DEFAULT_ROW_CACHE_BYTES, RowCache
+from posenc._rows import (
+    DEFAULT_READAHEAD_BYTES,
+    DEFAULT_ROW_CACHE_BYTES,
+    AheadFetch,
+    Pending,
+    RowCache,
+    RowPlan,
+)
 from posenc.errors import InvalidArgumentError, ResourceExhaustedError
 from posenc.presets import Preset
 from posenc.v1 import posenc_pb2 as pb
@@ -26,6 +33,9 @@ if TYPE_CHECKING:
     from posenc.v1.posenc_pb2_grpc import PositionalEncodingServiceAsyncStub
 
 __all__ = ["AsyncClient"]
+
+# The name of the tasks that fetch rows ahead in the background.
+READ_AHEAD_TASK = "posenc-read-ahead"
 
 _Request = TypeVar("_Request")
 _Response = TypeVar("_Response")
@@ -74,6 +84,7 @@ class AsyncClient:
             token=token,
         )
         self._rows = RowCache(operator.index(row_cache_bytes), operator.index(readahead_bytes))
+        self._ahead_tasks: set[asyncio.Task[None]] = set()
         self._credentials = credentials
         self._channel: grpc.aio.Channel | None = None
         self._stubs: tuple[PositionalEncodingServiceAsyncStub, Any, proto.TableCalls] | None = None
@@ -123,6 +134,8 @@ class AsyncClient:
     async def close(self) -> None:
         """Closes the channel; calls in flight are cancelled."""
         self._closed = True
+        for task in list(self._ahead_tasks):
+            task.cancel()
         if self._channel is not None:
             await self._channel.close(None)
 
@@ -263,18 +276,54 @@ class AsyncClient:
     async def _fetch_positions(self, query: Query, budget: CallBudget) -> npt.NDArray[Any]:
         """A positions query, through the row cache (see :mod:`posenc._rows`)."""
         plan = self._rows.plan(query)
+        if isinstance(plan, Pending):  # rows on their way: wait, then take them
+            await asyncio.wait(plan.tokens, timeout=budget.attempt_timeout())
+            plan = self._rows.plan(query, wait=False)
+        rows = await self._rows_of(query, plan, budget)
+        self._fetch_ahead(query)
+        return rows
+
+    async def _rows_of(
+        self, query: Query, plan: RowPlan | Pending | None, budget: CallBudget
+    ) -> npt.NDArray[Any]:
         if plan is None:
             return await self._fetch(query, budget)
+        assert isinstance(plan, RowPlan)
         if plan.fetch is None:
             return plan.result()
         try:
-            # One GetEncoding call even above unary_max_bytes: the server answers position
-            # lists from its cached blocks there, which the next steps' rows share.
-            unary_max = max(self._settings.unary_max_bytes, self._rows.readahead_bytes)
-            return plan.result(await self._fetch(plan.fetch, budget, unary_max))
+            return plan.result(await self._fetch(plan.fetch, budget, self._readahead_unary_max))
         except (InvalidArgumentError, ResourceExhaustedError):
             pass
         return await self._fetch(query, budget)  # the server judges the caller's own request
+
+    def _fetch_ahead(self, query: Query) -> None:
+        """Start fetching the rows the next steps of ``query``'s sequences will want."""
+        token = asyncio.get_running_loop().create_future()
+        ahead = self._rows.claim_ahead(query, token)
+        if ahead is not None:
+            task = asyncio.create_task(self._fetch_ahead_now(ahead), name=READ_AHEAD_TASK)
+            self._ahead_tasks.add(task)  # a strong reference until it ends
+            task.add_done_callback(self._ahead_tasks.discard)
+
+    async def _fetch_ahead_now(self, ahead: AheadFetch) -> None:
+        rows = None
+        try:
+            budget = self._budget(DEFAULT, retry=False)
+            rows = await self._fetch(ahead.query, budget, self._readahead_unary_max)
+        except Exception:
+            # Nothing is lost: the call that needs these rows fetches them itself, and
+            # reports its own errors.
+            pass
+        finally:
+            self._rows.finish_ahead(ahead, rows)
+            ahead.token.set_result(None)
+
+    @property
+    def _readahead_unary_max(self) -> int:
+        # One GetEncoding call even above unary_max_bytes: the server answers position
+        # lists from its cached blocks there, which the next steps' rows share.
+        return max(self._settings.unary_max_bytes, self._rows.readahead_bytes)
 
     async def _fetch(
         self, query: Query, budget: CallBudget, unary_max_bytes: int | None = None

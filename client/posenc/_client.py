@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import operator
+import queue
+import threading
 import time
+import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from concurrent import futures
 from types import TracebackType
 from typing import Any, TypeVar
 
@@ -14,13 +18,32 @@ from grpc_health.v1 import health_pb2_grpc
 
 from posenc import _protocol as proto
 from posenc._protocol import DEFAULT, CallBudget, DTypeArg, Query, ServerInfo, StreamCursor, Timeout
-from posenc._rows import DEFAULT_READAHEAD_BYTES, DEFAULT_ROW_CACHE_BYTES, RowCache
+from posenc._rows import (
+    DEFAULT_READAHEAD_BYTES,
+    DEFAULT_ROW_CACHE_BYTES,
+    AheadFetch,
+    Pending,
+    RowCache,
+    RowPlan,
+)
 from posenc.errors import InvalidArgumentError, ResourceExhaustedError
 from posenc.presets import Preset
 from posenc.v1 import posenc_pb2 as pb
 from posenc.v1 import posenc_pb2_grpc as pb_grpc
 
 __all__ = ["Client"]
+
+
+def _run_ahead(client_ref: weakref.ref[Client], work: queue.SimpleQueue[AheadFetch | None]) -> None:
+    """The read-ahead thread of a client: background fetches, one at a time, until the
+    client closes or is collected. A daemon, so that it never holds up interpreter exit."""
+    while (ahead := work.get()) is not None:
+        client = client_ref()
+        if client is None:
+            return
+        client._fetch_ahead_now(ahead)
+        del client
+
 
 _Request = TypeVar("_Request")
 _Response = TypeVar("_Response")
@@ -91,6 +114,9 @@ class Client:
             token=token,
         )
         self._rows = RowCache(operator.index(row_cache_bytes), operator.index(readahead_bytes))
+        self._ahead_queue: queue.SimpleQueue[AheadFetch | None] = queue.SimpleQueue()
+        self._ahead_thread: threading.Thread | None = None
+        self._ahead_lock = threading.Lock()
         target_uri, channel_options = self._settings.target, self._settings.options
         if credentials is None:
             self._channel = grpc.insecure_channel(target_uri, channel_options)
@@ -122,6 +148,7 @@ class Client:
     def close(self) -> None:
         """Closes the channel; calls in flight are cancelled."""
         self._channel.close()
+        self._ahead_queue.put(None)  # ends the read-ahead thread
 
     # -- tables ---------------------------------------------------------------------------
 
@@ -311,18 +338,65 @@ class Client:
     def _fetch_positions(self, query: Query, budget: CallBudget) -> npt.NDArray[Any]:
         """A positions query, through the row cache (see :mod:`posenc._rows`)."""
         plan = self._rows.plan(query)
+        if isinstance(plan, Pending):  # rows on their way: wait, then take them
+            futures.wait(plan.tokens, timeout=budget.attempt_timeout())
+            plan = self._rows.plan(query, wait=False)
+        rows = self._rows_of(query, plan, budget)
+        self._fetch_ahead(query)
+        return rows
+
+    def _rows_of(
+        self, query: Query, plan: RowPlan | Pending | None, budget: CallBudget
+    ) -> npt.NDArray[Any]:
         if plan is None:
             return self._fetch(query, budget)
+        assert isinstance(plan, RowPlan)
         if plan.fetch is None:
             return plan.result()
         try:
-            # One GetEncoding call even above unary_max_bytes: the server answers position
-            # lists from its cached blocks there, which the next steps' rows share.
-            unary_max = max(self._settings.unary_max_bytes, self._rows.readahead_bytes)
-            return plan.result(self._fetch(plan.fetch, budget, unary_max))
+            return plan.result(self._fetch(plan.fetch, budget, self._readahead_unary_max))
         except (InvalidArgumentError, ResourceExhaustedError):
             pass
         return self._fetch(query, budget)  # the server judges the caller's own request
+
+    def _fetch_ahead(self, query: Query) -> None:
+        """Start fetching the rows the next steps of ``query``'s sequences will want."""
+        token: futures.Future[None] = futures.Future()
+        ahead = self._rows.claim_ahead(query, token)
+        if ahead is None:
+            return
+        with self._ahead_lock:
+            if self._ahead_thread is None:
+                # The thread holds the client weakly: a client dropped without close() is
+                # still collected, and its finalizer ends the thread.
+                self._ahead_thread = threading.Thread(
+                    target=_run_ahead,
+                    args=(weakref.ref(self), self._ahead_queue),
+                    name="posenc-read-ahead",
+                    daemon=True,
+                )
+                self._ahead_thread.start()
+                weakref.finalize(self, self._ahead_queue.put, None)
+        self._ahead_queue.put(ahead)
+
+    def _fetch_ahead_now(self, ahead: AheadFetch) -> None:
+        rows = None
+        try:
+            budget = self._budget(DEFAULT, retry=False)
+            rows = self._fetch(ahead.query, budget, self._readahead_unary_max)
+        except Exception:
+            # Nothing is lost: the call that needs these rows fetches them itself, and
+            # reports its own errors.
+            pass
+        finally:
+            self._rows.finish_ahead(ahead, rows)
+            ahead.token.set_result(None)
+
+    @property
+    def _readahead_unary_max(self) -> int:
+        # One GetEncoding call even above unary_max_bytes: the server answers position
+        # lists from its cached blocks there, which the next steps' rows share.
+        return max(self._settings.unary_max_bytes, self._rows.readahead_bytes)
 
     def _fetch(
         self, query: Query, budget: CallBudget, unary_max_bytes: int | None = None

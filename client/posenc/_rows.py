@@ -9,7 +9,13 @@ sequences advance together, so that one call fetches at most ``readahead_bytes``
 the step alone is that large, read-ahead would only move the same bytes in fewer, larger
 calls, and calls go to the server as they are. Scattered positions are fetched as asked.
 
-This module only plans and assembles; the clients make the calls (see ``RowPlan``).
+After each call, the clients also fetch in the background the next rows of every sequence
+moving forward whose cached rows run short (the next window, or for large steps the next
+step): a loop that does anything between steps (a model's forward pass) then finds its
+rows cached. A call that needs rows still in flight waits for them (``Pending``).
+
+This module only plans and assembles; the clients make the calls (see ``RowPlan`` and
+``AheadFetch``).
 """
 
 from __future__ import annotations
@@ -59,6 +65,24 @@ class _Batch:
 _Entry = tuple[_Batch, int]  # a batch and the index of the row in it
 
 
+@dataclass(frozen=True, eq=False)
+class Pending:
+    """Rows a call needs are being fetched in the background: wait for ``tokens`` (the
+    clients' futures), then plan again."""
+
+    tokens: tuple[Any, ...]
+
+
+@dataclass(frozen=True, eq=False)
+class AheadFetch:
+    """A background fetch of rows ahead, in flight under ``token`` until
+    :meth:`RowCache.finish_ahead`."""
+
+    query: Query
+    key: bytes
+    token: Any
+
+
 class RowCache:
     """Read-ahead rows of ``get_positions`` calls by (spec, position), least recently used
     evicted first, within ``budget_bytes``. Thread-safe; it never calls the server."""
@@ -76,6 +100,14 @@ class RowCache:
         self._recent: OrderedDict[bytes, OrderedDict[int, None]] = OrderedDict()
         self._batches: OrderedDict[_Batch, None] = OrderedDict()
         self._bytes = 0
+        # Per spec: positions being fetched in the background, and the token of each fetch.
+        self._in_flight: dict[bytes, dict[int, Any]] = {}
+
+    @property
+    def in_flight(self) -> int:
+        """How many rows are being fetched in the background now."""
+        with self._lock:
+            return sum(len(positions) for positions in self._in_flight.values())
 
     @property
     def nbytes(self) -> int:
@@ -83,21 +115,33 @@ class RowCache:
         with self._lock:
             return self._bytes
 
-    def plan(self, query: Query) -> RowPlan | None:
-        """How to answer a positions ``query``; None: send it to the server as it is."""
-        positions = query.positions
-        if (
-            positions is None
-            or not 0 < query.rows <= MAX_CACHED_CALL_ROWS
-            or query.row_bytes == 0  # d_model 0: the server's error to give
+    def _cacheable(self, query: Query) -> bool:
+        return (
+            query.positions is not None
+            and 0 < query.rows <= MAX_CACHED_CALL_ROWS
+            and query.row_bytes > 0  # d_model 0: the server's error to give
             # One call may not flush the whole cache.
-            or query.nbytes > self.budget_bytes // 4
-        ):
+            and query.nbytes <= self.budget_bytes // 4
+        )
+
+    def plan(self, query: Query, *, wait: bool = True) -> RowPlan | Pending | None:
+        """How to answer a positions ``query``; None: send it to the server as it is.
+
+        ``Pending`` when some of its rows are being fetched in the background (unless
+        ``wait`` is false: the call then fetches them itself).
+        """
+        if not self._cacheable(query):
             return None
+        assert query.positions is not None
         key = query.spec.SerializeToString(deterministic=True)
-        wanted = positions.tolist()
+        wanted = query.positions.tolist()
         with self._lock:
             index = self._index.get(key, {})
+            in_flight = self._in_flight.get(key)
+            if wait and in_flight:
+                tokens = {in_flight[p] for p in wanted if p not in index and p in in_flight}
+                if tokens:
+                    return Pending(tuple(tokens))
             recent = self._recent.setdefault(key, OrderedDict())
             self._recent.move_to_end(key)
             if len(self._recent) > _RECENT_SPECS:
@@ -129,6 +173,64 @@ class RowCache:
         if ahead >= 2:
             lengths[advancing] = ahead
         return RowPlan(self, query, key, found, starts, lengths)
+
+    def claim_ahead(self, query: Query, token: Any) -> AheadFetch | None:
+        """What to fetch in the background after ``query``: for each of its positions ``p``
+        that moves forward and whose cached rows end within half a window, the next window;
+        for steps too large to read ahead, ``p + 1``. Those positions are in flight under
+        ``token`` until :meth:`finish_ahead`. None when nothing needs fetching."""
+        if self.readahead_bytes == 0 or not self._cacheable(query):
+            return None
+        assert query.positions is not None
+        key = query.spec.SerializeToString(deterministic=True)
+        with self._lock:
+            recent = self._recent.get(key, OrderedDict())
+            index = self._index.get(key, {})
+            in_flight = self._in_flight.get(key, {})
+            moving = [
+                p
+                for p in set(query.positions.tolist())
+                if p - 1 in recent and p <= _INT64_MAX - 2 * MAX_READAHEAD_ROWS
+            ]
+            if not moving:
+                return None
+            window = max(
+                1, min(MAX_READAHEAD_ROWS, self.readahead_bytes // (len(moving) * query.row_bytes))
+            )
+            starts: set[int] = set()
+            for p in moving:
+                probe = p + max(1, window // 2)
+                if probe in index or probe in in_flight:
+                    continue
+                start = p + 1
+                while start < probe and (start in index or start in in_flight):
+                    start += 1
+                starts.add(start)
+            if not starts:
+                return None
+            positions = (
+                np.array(sorted(starts), dtype=np.int64)[:, None] + np.arange(window)
+            ).reshape(-1)
+            in_flight = self._in_flight.setdefault(key, in_flight)
+            for position in positions.tolist():
+                in_flight.setdefault(position, token)
+        fetch = dataclasses.replace(query, rows=positions.size, positions=positions)
+        return AheadFetch(fetch, key, token)
+
+    def finish_ahead(self, ahead: AheadFetch, rows: _Rows | None) -> None:
+        """A background fetch ended: its rows (None: it failed) join the cache, and its
+        positions are no longer in flight. The client then completes its token."""
+        assert ahead.query.positions is not None
+        positions = ahead.query.positions.tolist()
+        if rows is not None:
+            self._store(_Batch(ahead.key, positions, rows, rows.nbytes + _ENTRY_BYTES * len(rows)))
+        with self._lock:
+            in_flight = self._in_flight.get(ahead.key, {})
+            for position in positions:
+                if in_flight.get(position) is ahead.token:
+                    del in_flight[position]
+            if not in_flight:
+                self._in_flight.pop(ahead.key, None)
 
     def _store(self, batch: _Batch) -> None:
         if batch.cost > self.budget_bytes:
