@@ -315,6 +315,13 @@ class RowPlan:
             rows_out, rows_in = groups.setdefault(entry[0], ([], []))
             rows_out.append(row)
             rows_in.append(entry[1])
+        if len(groups) == 1:
+            # Every row from one batch (a decode step read ahead): straight into ``out``,
+            # without the temporary array a fancy-indexed gather makes (a MiB of fresh
+            # pages per step for 64 sequences of d_model 4096).
+            ((batch, (_, rows_in)),) = groups.items()
+            np.take(batch.rows, rows_in, axis=0, out=out, mode="clip")  # unbuffered
+            return out
         for batch, (rows_out, rows_in) in groups.items():  # one numpy gather per batch
             out[rows_out] = batch.rows[rows_in]
         return out
