@@ -77,8 +77,9 @@ class Client:
             the cache, and so read-ahead, off.
         readahead_bytes: When a call asks for position ``p`` right after one that asked
             for ``p - 1`` (a decode loop moving forward), it also fetches up to 64
-            following positions, at most this many bytes in all, so the next steps of
-            the loop need no call. ``0`` turns read-ahead off.
+            following positions, at most this many bytes in all, and after the call
+            fetches the next ones in the background, so the next steps of the loop need
+            no call. ``0`` turns read-ahead off.
 
     Example::
 
@@ -146,7 +147,7 @@ class Client:
         self.close()
 
     def close(self) -> None:
-        """Closes the channel; calls in flight are cancelled."""
+        """Closes the channel; calls in flight (background read-ahead too) are cancelled."""
         self._channel.close()
         self._ahead_queue.put(None)  # ends the read-ahead thread
 
@@ -223,8 +224,9 @@ class Client:
         are wanted (repeats allowed). Other arguments as in :meth:`get_range`.
 
         Made for decode loops: rows come from the client's row cache when it holds them,
-        and a sequence moving forward has its next rows fetched ahead (see
-        ``row_cache_bytes`` and ``readahead_bytes``). The result is always a new array.
+        and a sequence moving forward has its next rows fetched ahead, in the call and in
+        the background (see ``row_cache_bytes`` and ``readahead_bytes``). The result is
+        always a new array.
         """
         query = proto.positions_query(
             positions,
