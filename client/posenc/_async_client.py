@@ -299,6 +299,8 @@ class AsyncClient:
 
     def _fetch_ahead(self, query: Query) -> None:
         """Start fetching the rows the next steps of ``query``'s sequences will want."""
+        if self._closed:
+            return
         token = asyncio.get_running_loop().create_future()
         ahead = self._rows.claim_ahead(query, token)
         if ahead is not None:

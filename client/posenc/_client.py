@@ -118,6 +118,7 @@ class Client:
         self._ahead_queue: queue.SimpleQueue[AheadFetch | None] = queue.SimpleQueue()
         self._ahead_thread: threading.Thread | None = None
         self._ahead_lock = threading.Lock()
+        self._closed = False
         target_uri, channel_options = self._settings.target, self._settings.options
         if credentials is None:
             self._channel = grpc.insecure_channel(target_uri, channel_options)
@@ -148,6 +149,7 @@ class Client:
 
     def close(self) -> None:
         """Closes the channel; calls in flight (background read-ahead too) are cancelled."""
+        self._closed = True
         self._channel.close()
         self._ahead_queue.put(None)  # ends the read-ahead thread
 
@@ -363,12 +365,15 @@ class Client:
 
     def _fetch_ahead(self, query: Query) -> None:
         """Start fetching the rows the next steps of ``query``'s sequences will want."""
+        if self._closed:
+            return
         token: futures.Future[None] = futures.Future()
         ahead = self._rows.claim_ahead(query, token)
         if ahead is None:
             return
         with self._ahead_lock:
-            if self._ahead_thread is None:
+            # A thread that is not alive belongs to the parent of a forked process.
+            if self._ahead_thread is None or not self._ahead_thread.is_alive():
                 # The thread holds the client weakly: a client dropped without close() is
                 # still collected, and its finalizer ends the thread.
                 self._ahead_thread = threading.Thread(
