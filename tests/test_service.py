@@ -60,10 +60,10 @@ def test_a_streamed_list_reads_cached_blocks_but_computes_no_new_ones() -> None:
 def test_evicting_enough_asks_for_a_heap_trim() -> None:
     service = EncodingService(ServerConfig(cache_bytes=8 << 20))
     start = 64 * 1_000_000
-    # 1 MiB blocks: the first 8 fill the budget, the next 32 evict 32 MiB.
+    # 1 MiB blocks: the first 8 fill the budget, the next 16 evict 16 MiB.
     service.table(SPEC, PositionList(start + 64 * np.arange(8, dtype=np.int64)))
     assert not service.trim_due.is_set()
-    service.table(SPEC, PositionList(start + 64 * np.arange(8, 39, dtype=np.int64)))
-    assert not service.trim_due.is_set()  # 31 MiB evicted
-    service.table(SPEC, PositionList(np.array([start + 64 * 39])))
+    service.table(SPEC, PositionList(start + 64 * np.arange(8, 23, dtype=np.int64)))
+    assert not service.trim_due.is_set()  # 15 MiB evicted
+    service.table(SPEC, PositionList(np.array([start + 64 * 23])))
     assert service.trim_due.is_set()

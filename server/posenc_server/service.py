@@ -34,7 +34,7 @@ _MAX_SPEC_IDS = 4096
 # the rows of further uncached blocks are computed one by one.
 _MAX_NEW_BLOCKS_PER_LIST = 64
 # Evicting this much frees enough heap to trim it at once rather than at the next tick.
-_TRIM_AFTER_EVICTED_BYTES = 32 << 20
+_TRIM_AFTER_EVICTED_BYTES = 16 << 20
 # Position lists up to this long are gathered row by row, longer ones block by block.
 _ROW_BY_ROW_GATHER = 256
 
