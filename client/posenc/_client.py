@@ -33,6 +33,9 @@ from posenc.v1 import posenc_pb2_grpc as pb_grpc
 
 __all__ = ["Client"]
 
+_Request = TypeVar("_Request")
+_Response = TypeVar("_Response")
+
 
 def _run_ahead(client_ref: weakref.ref[Client], work: queue.SimpleQueue[AheadFetch | None]) -> None:
     """The read-ahead thread of a client: background fetches, one at a time, until the
@@ -43,10 +46,6 @@ def _run_ahead(client_ref: weakref.ref[Client], work: queue.SimpleQueue[AheadFet
             return
         client._fetch_ahead_now(ahead)
         del client
-
-
-_Request = TypeVar("_Request")
-_Response = TypeVar("_Response")
 
 
 class Client:
