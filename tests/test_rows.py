@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -385,3 +387,20 @@ def test_threads_sharing_a_client_each_get_their_exact_rows(server: RunningServe
         for future in [pool.submit(loop, client, lengths) for lengths in starts]:
             future.result()
         assert 0 < client._rows.nbytes <= client._rows.budget_bytes
+
+
+def test_a_client_dropped_without_close_is_collected_and_its_thread_ends(
+    server: RunningServer,
+) -> None:
+    client = posenc.Client(server.target)
+    for step in range(40):
+        client.get_positions([9_000 + step], D_MODEL)
+    settle(client)
+    thread = client._ahead_thread
+    assert thread is not None and thread.is_alive()
+    dropped = weakref.ref(client)
+    del client
+    gc.collect()
+    assert dropped() is None  # the read-ahead thread holds it weakly
+    thread.join(10)
+    assert not thread.is_alive()
