@@ -256,27 +256,27 @@ def _variants(rope: Rope) -> list[Rope]:
 
 
 def test_every_rotary_parameter_changes_the_cache_key() -> None:
+    # Each variant differs from its base in one parameter only. yarn takes every parameter
+    # but seq_len, which longrope takes.
     yarn = Rope(64, "yarn", 10000.0, factor=4.0, original_max_position_embeddings=2048)
-    base = rotary_spec(yarn)
-    keys = {base}
-    for variant in _variants(yarn):
-        if variant.seq_len is not None or variant.max_position_embeddings is not None:
-            variant = dataclasses.replace(
-                variant,
-                rope_type="longrope",
-                seq_len=variant.seq_len,
-                short_factor=(1.0,) * (variant.dim // 2),
-                long_factor=(2.0,) * (variant.dim // 2),
-                beta_fast=None,
-                beta_slow=None,
-                truncate=True,
-            )
-        spec = rotary_spec(variant)
-        assert spec != base and hash(spec) != hash(base), variant
+    longrope = Rope(
+        64,
+        "longrope",
+        original_max_position_embeddings=2048,
+        max_position_embeddings=8000,
+        short_factor=(1.0,) * 32,
+        long_factor=(2.0,) * 32,
+    )
+    variants = [(yarn, variant) for variant in _variants(yarn) if variant.seq_len is None] + [
+        (longrope, dataclasses.replace(longrope, seq_len=9000))
+    ]
+    keys = set()
+    for base, variant in variants:
+        spec, base_spec = rotary_spec(variant), rotary_spec(base)
+        assert spec != base_spec and hash(spec) != hash(base_spec), variant
         keys.add(spec)
-    assert len(keys) == len(_variants(yarn)) + 1
-    for name, value in (("dtype", "float64"),):
-        assert dataclasses.replace(base, **{name: value}) != base
+    assert len(keys) == len(variants)
+    assert rotary_spec(yarn, "float64") != rotary_spec(yarn)
 
 
 def test_every_sinusoidal_parameter_changes_the_cache_key() -> None:
@@ -413,6 +413,22 @@ BAD_PRESETS: list[tuple[int | None, Any, str]] = [
     (100, RotaryPreset(head_dim=64), "spec.d_model"),
     (None, RotaryPreset(head_dim=2**20), "spec.d_model"),
 ]
+
+
+def test_only_the_parameters_a_request_sets_are_checked() -> None:
+    # At the largest position limit no offset fits, yet presets without offsets still work.
+    widest = ServerConfig(max_abs_position=1 << 52)
+    for name in ("vaswani", "fairseq", "tensor2tensor"):
+        violations: list[FieldViolation] = []
+        proto_spec = pb.EncodingSpec(d_model=64, sinusoidal=SinusoidalPreset(name).to_proto())
+        assert servicer.preset_spec_from_proto(proto_spec, "float32", widest, violations)
+        assert not violations
+    violations = []
+    proto_spec = pb.EncodingSpec(
+        d_model=64, base=0.5, sinusoidal=SinusoidalPreset("vaswani").to_proto()
+    )
+    assert servicer.preset_spec_from_proto(proto_spec, "float32", CONFIG, violations) is None
+    assert [v.field for v in violations] == ["spec.base"]  # not min_timescale, never set
 
 
 @pytest.mark.parametrize(("d_model", "preset", "field"), BAD_PRESETS, ids=lambda v: str(v)[:60])

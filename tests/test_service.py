@@ -67,3 +67,12 @@ def test_evicting_enough_asks_for_a_heap_trim() -> None:
     assert not service.trim_due.is_set()  # 15 MiB evicted
     service.table(SPEC, PositionList(np.array([start + 64 * 23])))
     assert service.trim_due.is_set()
+
+
+def test_the_most_negative_int64_is_out_of_range() -> None:
+    service = EncodingService(ServerConfig())
+    violations = service.validate_selection(
+        PositionList(np.array([5, -(2**63), 2**62], dtype=np.int64)), []
+    )
+    assert [v.field for v in violations] == ["positions.positions[1]"]
+    assert "(2 positions out of range)" in violations[0].description

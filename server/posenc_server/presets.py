@@ -201,19 +201,22 @@ def sinusoidal_spec(
         violations.append(
             FieldViolation("spec.base", f"must be finite and greater than 1, got {base!r}")
         )
-    offset_limit = min(limits.max_abs_position, _MAX_MAPPED_POSITION - limits.max_abs_position)
+    # Only parameters the request set are checked (the defaults are valid by construction).
     min_timescale = 1.0 if request.min_timescale is None else request.min_timescale
-    if not (math.isfinite(min_timescale) and 0 < min_timescale < base):
-        check.add("min_timescale", f"must be > 0 and below base ({base!r}), got {min_timescale!r}")
-    for field, default, low in (
-        ("start_index", 0, -offset_limit),
-        ("padding_idx", 1, 0),
-        ("key_length", 0, 0),
+    if request.min_timescale is not None and not (
+        math.isfinite(min_timescale) and 0 < min_timescale < base
     ):
-        set_value = getattr(request, field)
-        value = default if set_value is None else set_value
-        if not low <= value <= offset_limit:
-            check.add(field, f"must be between {low} and {offset_limit}, got {value}")
+        check.add("min_timescale", f"must be > 0 and below base ({base!r}), got {min_timescale!r}")
+    # Offsets keep mapped positions where float64 is exact; padding_idx is a row.
+    offset_limit = min(limits.max_abs_position, _MAX_MAPPED_POSITION - limits.max_abs_position)
+    for field, low, high in (
+        ("start_index", -offset_limit, offset_limit),
+        ("padding_idx", 0, limits.max_abs_position),
+        ("key_length", 0, offset_limit),
+    ):
+        value = getattr(request, field)
+        if value is not None and not low <= value <= high:
+            check.add(field, f"must be between {low} and {high}, got {value}")
     if len(violations) > before:
         return None
 

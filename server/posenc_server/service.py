@@ -156,8 +156,9 @@ class EncodingService:
                     f"must hold 1 to {self.config.max_positions} positions, got {count}",
                 )
             )
-        elif (selection.positions.max() > limit or selection.positions.min() < -limit) and (
-            bad := np.flatnonzero(np.abs(selection.positions) > limit)
+        elif (
+            # Not np.abs: it overflows (stays negative) for -2**63.
+            bad := np.flatnonzero((selection.positions > limit) | (selection.positions < -limit))
         ).size:
             index = int(bad[0])
             violations.append(
