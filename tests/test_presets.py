@@ -621,3 +621,10 @@ def test_cli_fetches_presets(
     assert "KEY one of" in capsys.readouterr().err
     assert main(["info", "--target", server.target]) == 0
     assert "rotary:llama3" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("config", [{"num_attention_heads": 8}, ["hidden_size"], {}])
+def test_a_model_config_without_a_head_width_is_an_invalid_argument(config: Any) -> None:
+    with pytest.raises(posenc.InvalidArgumentError) as raised:
+        RotaryPreset.from_config(config)
+    assert raised.value.field_violations[0][0] == "config"

@@ -82,8 +82,10 @@ def test_read_ahead_shares_its_bytes_among_the_sequences_moving_forward() -> Non
     starts = np.array([10, 5000, 90000, 7])
     cache.plan(query(starts))
     plan = cache.plan(query(starts + 1))
-    # 1 MiB over 4 sequences of 16 KiB rows: 16 rows each, in sorted start order.
-    expected = [int(s) + 1 + k for s in sorted(starts) for k in range(16)]
+    # 1 MiB over 4 sequences of 16 KiB rows: 16 rows each. The windows of 7 and 10 overlap
+    # (8 .. 23 and 11 .. 26): each row is fetched once.
+    expected = sorted({int(s) + 1 + k for s in starts for k in range(16)})
+    assert len(expected) == 4 * 16 - 13
     assert fetched_positions(plan) == expected
     rows = answer(plan)
     assert rows is not None and (rows[:, 0] == starts + 1).all()  # the caller's order
@@ -404,3 +406,29 @@ def test_a_client_dropped_without_close_is_collected_and_its_thread_ends(
     assert dropped() is None  # the read-ahead thread holds it weakly
     thread.join(10)
     assert not thread.is_alive()
+
+
+def test_closing_an_async_client_with_a_read_ahead_in_flight_clears_it(
+    server: RunningServer,
+) -> None:
+    async def main() -> tuple[int, int]:
+        client = posenc.AsyncClient(server.target)
+        for step in range(34):  # the last step starts the next window in the background
+            await client.get_positions([5_000 + step], D_MODEL)
+        in_flight = client._rows.in_flight
+        await client.close()  # cancels the task, before it could run
+        for _ in range(100):  # its done callback, within a second
+            if not client._rows.in_flight:
+                break
+            await asyncio.sleep(0.01)
+        return in_flight, client._rows.in_flight
+
+    before, after = asyncio.run(main())
+    assert before == MAX_READAHEAD_ROWS and after == 0
+
+
+def test_positions_are_copied_at_call_time() -> None:
+    mine = np.array([1, 2, 3], dtype=np.int64)
+    positions = query(mine).positions
+    mine[:] = 999  # a caller reusing its buffer changes nothing already asked for
+    assert positions is not None and positions.tolist() == [1, 2, 3]

@@ -84,7 +84,7 @@ class AsyncClient:
             token=token,
         )
         self._rows = RowCache(operator.index(row_cache_bytes), operator.index(readahead_bytes))
-        self._ahead_tasks: set[asyncio.Task[None]] = set()
+        self._ahead_tasks: set[asyncio.Task[Any]] = set()
         self._credentials = credentials
         self._channel: grpc.aio.Channel | None = None
         self._stubs: tuple[PositionalEncodingServiceAsyncStub, Any, proto.TableCalls] | None = None
@@ -303,23 +303,28 @@ class AsyncClient:
             return
         token = asyncio.get_running_loop().create_future()
         ahead = self._rows.claim_ahead(query, token)
-        if ahead is not None:
-            task = asyncio.create_task(self._fetch_ahead_now(ahead), name=READ_AHEAD_TASK)
-            self._ahead_tasks.add(task)  # a strong reference until it ends
-            task.add_done_callback(self._ahead_tasks.discard)
+        if ahead is None:
+            return
+        task = asyncio.create_task(self._fetch_ahead_now(ahead), name=READ_AHEAD_TASK)
+        self._ahead_tasks.add(task)  # a strong reference until it ends
 
-    async def _fetch_ahead_now(self, ahead: AheadFetch) -> None:
-        rows = None
+        def landed(task: asyncio.Task[npt.NDArray[Any] | None]) -> None:
+            # Here rather than in the task: a task cancelled before it starts runs nothing.
+            self._ahead_tasks.discard(task)
+            rows = None if task.cancelled() else task.result()
+            self._rows.finish_ahead(ahead, rows)
+            token.set_result(None)
+
+        task.add_done_callback(landed)
+
+    async def _fetch_ahead_now(self, ahead: AheadFetch) -> npt.NDArray[Any] | None:
         try:
             budget = self._budget(DEFAULT, retry=False)
-            rows = await self._fetch(ahead.query, budget, self._readahead_unary_max)
+            return await self._fetch(ahead.query, budget, self._readahead_unary_max)
         except Exception:
             # Nothing is lost: the call that needs these rows fetches them itself, and
             # reports its own errors.
-            pass
-        finally:
-            self._rows.finish_ahead(ahead, rows)
-            ahead.token.set_result(None)
+            return None
 
     @property
     def _readahead_unary_max(self) -> int:

@@ -148,9 +148,10 @@ class Client:
 
     def close(self) -> None:
         """Closes the channel; calls in flight (background read-ahead too) are cancelled."""
-        self._closed = True
+        with self._ahead_lock:
+            self._closed = True
+            self._ahead_queue.put(None)  # the end mark: the read-ahead thread ends there
         self._channel.close()
-        self._ahead_queue.put(None)  # ends the read-ahead thread
 
     # -- tables ---------------------------------------------------------------------------
 
@@ -364,15 +365,14 @@ class Client:
 
     def _fetch_ahead(self, query: Query) -> None:
         """Start fetching the rows the next steps of ``query``'s sequences will want."""
-        if self._closed:
-            return
         token: futures.Future[None] = futures.Future()
-        ahead = self._rows.claim_ahead(query, token)
-        if ahead is None:
-            return
-        with self._ahead_lock:
-            # A thread that is not alive belongs to the parent of a forked process.
-            if self._ahead_thread is None or not self._ahead_thread.is_alive():
+        with self._ahead_lock:  # close() takes it too: nothing is queued after its end mark
+            if self._closed:
+                return
+            ahead = self._rows.claim_ahead(query, token)
+            if ahead is None:
+                return
+            if self._ahead_thread is None:
                 # The thread holds the client weakly: a client dropped without close() is
                 # still collected, and its finalizer ends the thread.
                 self._ahead_thread = threading.Thread(
@@ -383,7 +383,7 @@ class Client:
                 )
                 self._ahead_thread.start()
                 weakref.finalize(self, self._ahead_queue.put, None)
-        self._ahead_queue.put(ahead)
+            self._ahead_queue.put(ahead)
 
     def _fetch_ahead_now(self, ahead: AheadFetch) -> None:
         rows = None

@@ -33,6 +33,7 @@ from grpc_health.v1 import health_pb2
 from grpc_status import rpc_status
 
 from posenc import _wire, presets
+from posenc._checks import INT64_MAX, INT64_MIN, bad_argument, choice
 from posenc.errors import (
     DeadlineExceededError,
     InternalError,
@@ -139,27 +140,15 @@ SCHEDULE_NAMES: Final = tuple(_SCHEDULES)
 DTypeArg: TypeAlias = str | npt.DTypeLike
 
 
-def _bad_argument(field: str, description: str) -> InvalidArgumentError:
-    return InvalidArgumentError(
-        f"invalid {field}: {description}", field_violations=[(field, description)]
-    )
-
-
-def _choice(value: object, choices: Mapping[str, Any], field: str) -> str:
-    if not isinstance(value, str) or value.lower() not in choices:
-        raise _bad_argument(field, f"{value!r} is not one of {', '.join(choices)}")
-    return value.lower()
-
-
 def dtype_name(dtype: DTypeArg) -> str:
     """Normalizes a ``dtype=`` argument: a name, or a numpy dtype such as ``np.float16``."""
     if isinstance(dtype, str):
-        return _choice(dtype, _DTYPES, "spec.dtype")
+        return choice(dtype, _DTYPES, "spec.dtype")
     try:
         name = np.dtype(dtype).name
     except TypeError:
-        raise _bad_argument("spec.dtype", f"{dtype!r} is not a dtype") from None
-    return _choice(name, _DTYPES, "spec.dtype")
+        raise bad_argument("spec.dtype", f"{dtype!r} is not a dtype") from None
+    return choice(name, _DTYPES, "spec.dtype")
 
 
 def numpy_dtype(dtype: DTypeArg) -> np.dtype[Any]:
@@ -182,30 +171,26 @@ def _enum_name(enum_type: Any, value: int) -> str:
 # --------------------------------------------------------------------------------------
 
 
-_INT64_MIN: Final = -(1 << 63)
-_INT64_MAX: Final = (1 << 63) - 1
-
-
 def _as_int(value: object, field: str) -> int:
     # bool is an int to Python, but passing True as a position is a bug, not a request.
     if isinstance(value, bool | np.bool_):
-        raise _bad_argument(field, f"must be an integer, got {value!r}")
+        raise bad_argument(field, f"must be an integer, got {value!r}")
     try:
         return operator.index(value)  # type: ignore[arg-type]
     except TypeError:
-        raise _bad_argument(field, f"must be an integer, got {type(value).__name__}") from None
+        raise bad_argument(field, f"must be an integer, got {type(value).__name__}") from None
 
 
 def _as_int64(value: object, field: str) -> int:
     number = _as_int(value, field)
-    if not _INT64_MIN <= number <= _INT64_MAX:
-        raise _bad_argument(field, f"must fit in int64, got {number}")
+    if not INT64_MIN <= number <= INT64_MAX:
+        raise bad_argument(field, f"must fit in int64, got {number}")
     return number
 
 
 def _as_base(base: object) -> float:
     if isinstance(base, bool | np.bool_) or not isinstance(base, numbers.Real):
-        raise _bad_argument("spec.base", f"must be a real number, got {type(base).__name__}")
+        raise bad_argument("spec.base", f"must be a real number, got {type(base).__name__}")
     return float(base)
 
 
@@ -216,26 +201,28 @@ def as_positions(positions: npt.ArrayLike) -> npt.NDArray[np.int64]:
     should fail loudly rather than be truncated to zeros.
     """
     if isinstance(positions, str | bytes):
-        raise _bad_argument("positions", "must be a sequence of integers, got a string")
+        raise bad_argument("positions", "must be a sequence of integers, got a string")
     try:
         array = np.asarray(positions)
     except (TypeError, ValueError, OverflowError) as e:
-        raise _bad_argument("positions", f"must be a sequence of integers ({e})") from None
+        raise bad_argument("positions", f"must be a sequence of integers ({e})") from None
     if array.ndim != 1:
-        raise _bad_argument("positions", f"must be 1-D, got shape {array.shape}")
+        raise bad_argument("positions", f"must be 1-D, got shape {array.shape}")
     if array.size == 0:
         return np.zeros(0, dtype=np.int64)
     if array.dtype.kind == "O":
         # Python ints beyond int64 (or mixed objects): check each one.
         values = [_as_int(v, "positions") for v in array]
-        if any(not _INT64_MIN <= v <= _INT64_MAX for v in values):
-            raise _bad_argument("positions", "every position must fit in int64")
+        if any(not INT64_MIN <= v <= INT64_MAX for v in values):
+            raise bad_argument("positions", "every position must fit in int64")
         return np.asarray(values, dtype=np.int64)
     if array.dtype.kind not in "iu":
-        raise _bad_argument("positions", f"must be integers, got dtype {array.dtype}")
-    if array.dtype.kind == "u" and array.size and int(array.max()) > _INT64_MAX:
-        raise _bad_argument("positions", "every position must fit in int64")
-    return np.ascontiguousarray(array, dtype=np.int64)
+        raise bad_argument("positions", f"must be integers, got dtype {array.dtype}")
+    if array.dtype.kind == "u" and int(array.max()) > INT64_MAX:
+        raise bad_argument("positions", "every position must fit in int64")
+    # Always a copy: a resumed stream or a read-ahead plan reads the positions again later,
+    # when the caller may have reused its array.
+    return np.array(array, dtype=np.int64)
 
 
 # --------------------------------------------------------------------------------------
@@ -312,14 +299,14 @@ def _spec(
     d = _as_int(d_model, "spec.d_model")
     if not 0 <= d < 1 << 32:
         # Values the uint32 field cannot carry; the server judges the others (its limits).
-        raise _bad_argument("spec.d_model", f"must be a positive integer below 2**32, got {d}")
+        raise bad_argument("spec.d_model", f"must be a positive integer below 2**32, got {d}")
     info = _DTYPES[dtype_name(dtype)]
     spec = pb.EncodingSpec(
         d_model=d,
         base=_as_base(base),
         dtype=info.enum,
-        layout=_LAYOUTS[_choice(layout, _LAYOUTS, "spec.layout")],
-        schedule=_SCHEDULES[_choice(schedule, _SCHEDULES, "spec.schedule")],
+        layout=_LAYOUTS[choice(layout, _LAYOUTS, "spec.layout")],
+        schedule=_SCHEDULES[choice(schedule, _SCHEDULES, "spec.schedule")],
     )
     return spec, info, d
 
@@ -331,11 +318,11 @@ def _preset_spec(
     chosen = presets.as_preset(preset)
     if layout != "interleaved" or schedule != "paper":
         field = "spec.layout" if layout != "interleaved" else "spec.schedule"
-        raise _bad_argument(field, "a preset sets the layout and schedule: leave them unset")
+        raise bad_argument(field, "a preset sets the layout and schedule: leave them unset")
     info = _DTYPES[dtype_name(dtype)]
     if isinstance(chosen, presets.RotaryPreset):
         if _as_base(base) != 10000.0:
-            raise _bad_argument("spec.base", "a rotary preset carries its own rope_theta")
+            raise bad_argument("spec.base", "a rotary preset carries its own rope_theta")
         d = chosen.width if d_model is None else _as_int(d_model, "spec.d_model")
         spec = pb.EncodingSpec(d_model=d, dtype=info.enum, rotary=chosen.to_proto())
     else:
@@ -344,7 +331,7 @@ def _preset_spec(
             d_model=d, base=_as_base(base), dtype=info.enum, sinusoidal=chosen.to_proto()
         )
     if not 0 <= d < 1 << 32:
-        raise _bad_argument("spec.d_model", f"must be a positive integer below 2**32, got {d}")
+        raise bad_argument("spec.d_model", f"must be a positive integer below 2**32, got {d}")
     return spec, info, d
 
 
@@ -394,7 +381,7 @@ def check_chunk_bytes(chunk_bytes: object) -> int | None:
         return None
     value = _as_int(chunk_bytes, "max_chunk_bytes")
     if not 1 <= value < 1 << 32:
-        raise _bad_argument("max_chunk_bytes", f"must be in 1 .. 2**32 - 1, got {value}")
+        raise bad_argument("max_chunk_bytes", f"must be in 1 .. 2**32 - 1, got {value}")
     return value
 
 

@@ -29,6 +29,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from posenc._checks import INT64_MAX
 from posenc._protocol import DEFAULT_UNARY_MAX_BYTES, Query
 
 DEFAULT_ROW_CACHE_BYTES = 64 << 20
@@ -45,7 +46,6 @@ MAX_CACHED_CALL_ROWS = 4096
 # per spec, for this many specs.
 _RECENT_POSITIONS = 2 * MAX_CACHED_CALL_ROWS
 _RECENT_SPECS = 8
-_INT64_MAX = (1 << 63) - 1
 # What an index entry costs beyond its row (dict slot, int key, tuple), counted in the budget.
 _ENTRY_BYTES = 100
 
@@ -120,6 +120,7 @@ class RowCache:
             query.positions is not None
             and 0 < query.rows <= MAX_CACHED_CALL_ROWS
             and query.row_bytes > 0  # d_model 0: the server's error to give
+            and self.readahead_bytes > 0  # only read-ahead puts rows in the cache
             # One call may not flush the whole cache.
             and query.nbytes <= self.budget_bytes // 4
         )
@@ -152,7 +153,7 @@ class RowCache:
             missing = sorted({p for p, entry in zip(wanted, found, strict=True) if entry is None})
             advancing = np.array(
                 [
-                    (p - 1 in recent or p - 1 in index) and p <= _INT64_MAX - MAX_READAHEAD_ROWS
+                    (p - 1 in recent or p - 1 in index) and p <= INT64_MAX - MAX_READAHEAD_ROWS
                     for p in missing
                 ],
                 dtype=bool,
@@ -170,8 +171,7 @@ class RowCache:
             return None
         starts = np.array(missing, dtype=np.int64)
         lengths = np.ones(len(missing), dtype=np.int64)
-        if ahead >= 2:
-            lengths[advancing] = ahead
+        lengths[advancing] = ahead
         return RowPlan(self, query, key, found, starts, lengths)
 
     def claim_ahead(self, query: Query, token: Any) -> AheadFetch | None:
@@ -179,7 +179,7 @@ class RowCache:
         that moves forward and whose cached rows end within half a window, the next window;
         for steps too large to read ahead, ``p + 1``. Those positions are in flight under
         ``token`` until :meth:`finish_ahead`. None when nothing needs fetching."""
-        if self.readahead_bytes == 0 or not self._cacheable(query):
+        if not self._cacheable(query):
             return None
         assert query.positions is not None
         key = query.spec.SerializeToString(deterministic=True)
@@ -190,7 +190,7 @@ class RowCache:
             moving = [
                 p
                 for p in set(query.positions.tolist())
-                if p - 1 in recent and p <= _INT64_MAX - 2 * MAX_READAHEAD_ROWS
+                if p - 1 in recent and p <= INT64_MAX - 2 * MAX_READAHEAD_ROWS
             ]
             if not moving:
                 return None
@@ -208,9 +208,10 @@ class RowCache:
                 starts.add(start)
             if not starts:
                 return None
-            positions = (
-                np.array(sorted(starts), dtype=np.int64)[:, None] + np.arange(window)
-            ).reshape(-1)
+            # Windows of nearby sequences overlap: each row once.
+            positions = np.unique(
+                np.array(list(starts), dtype=np.int64)[:, None] + np.arange(window)
+            )
             in_flight = self._in_flight.setdefault(key, in_flight)
             for position in positions.tolist():
                 in_flight.setdefault(position, token)
@@ -278,16 +279,17 @@ class RowPlan:
         self._query = query
         self._key = key
         self._found = found
-        self._reads_ahead = bool((lengths > 1).any())
-        first_rows = np.cumsum(lengths) - lengths
-        self._first_row_of = dict(zip(starts.tolist(), first_rows.tolist(), strict=True))
         self.fetch: Query | None = None
         if starts.size:
-            total = int(lengths.sum())
-            positions = np.repeat(starts, lengths) + (
-                np.arange(total, dtype=np.int64) - np.repeat(first_rows, lengths)
+            first_rows = np.cumsum(lengths) - lengths
+            windows = np.repeat(starts, lengths) + (
+                np.arange(int(lengths.sum()), dtype=np.int64) - np.repeat(first_rows, lengths)
             )
-            self.fetch = dataclasses.replace(query, rows=total, positions=positions)
+            # Windows of nearby sequences overlap: each row once.
+            positions = np.unique(windows)
+            self.fetch = dataclasses.replace(query, rows=positions.size, positions=positions)
+            rows = np.searchsorted(positions, starts)
+            self._row_of_start = dict(zip(starts.tolist(), rows.tolist(), strict=True))
 
     def result(self, fetched: _Rows | None = None) -> _Rows:
         """The caller's rows, from the cache and ``fetched`` (the rows of :attr:`fetch`).
@@ -301,11 +303,10 @@ class RowPlan:
             batch = _Batch(
                 self._key, positions, fetched, fetched.nbytes + _ENTRY_BYTES * len(positions)
             )
-            if self._reads_ahead:
-                self._cache._store(batch)
+            self._cache._store(batch)  # a fetch always reads ahead (else plan() gave None)
             assert self._query.positions is not None
             entries = [
-                entry if entry is not None else (batch, self._first_row_of[position])
+                entry if entry is not None else (batch, self._row_of_start[position])
                 for entry, position in zip(entries, self._query.positions.tolist(), strict=True)
             ]
         out = self._query.empty()

@@ -19,7 +19,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final, TypeAlias
 
-from posenc.errors import InvalidArgumentError
+from posenc._checks import INT64_MAX, INT64_MIN, bad_argument, choice
 from posenc.v1 import posenc_pb2 as pb
 
 __all__ = [
@@ -59,35 +59,22 @@ ROPE_TYPES: Final = tuple(_ROPE_TYPES)
 ROPE_LAYOUTS: Final = tuple(_ROPE_LAYOUTS)
 
 
-def _bad(field_name: str, description: str) -> InvalidArgumentError:
-    return InvalidArgumentError(
-        f"invalid {field_name}: {description}", field_violations=[(field_name, description)]
-    )
-
-
-def _choice(value: object, choices: Mapping[str, Any], field_name: str) -> Any:
-    if not isinstance(value, str) or value.lower() not in choices:
-        raise _bad(field_name, f"{value!r} is not one of {', '.join(choices)}")
-    return choices[value.lower()]
-
-
 def _real(value: object, field_name: str) -> float:
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise _bad(field_name, f"must be a real number, got {type(value).__name__}")
+        raise bad_argument(field_name, f"must be a real number, got {type(value).__name__}")
     return float(value)
 
 
 def _integer(value: object, field_name: str, low: int, high: int) -> int:
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise _bad(field_name, f"must be an integer, got {type(value).__name__}")
+        raise bad_argument(field_name, f"must be an integer, got {type(value).__name__}")
     number = int(value)
     if not low <= number <= high:
         # What the wire type cannot carry; the server judges the rest.
-        raise _bad(field_name, f"must be between {low} and {high}, got {number}")
+        raise bad_argument(field_name, f"must be between {low} and {high}, got {number}")
     return number
 
 
-_INT64: Final = (-(1 << 63), (1 << 63) - 1)
 _UINT64: Final = (0, (1 << 64) - 1)
 
 
@@ -117,13 +104,17 @@ class SinusoidalPreset:
 
     def to_proto(self) -> pb.SinusoidalPreset:
         """The ``spec.sinusoidal`` message."""
-        message = pb.SinusoidalPreset(name=_choice(self.name, _SINUSOIDAL, "spec.sinusoidal.name"))
+        message = pb.SinusoidalPreset(
+            name=_SINUSOIDAL[choice(self.name, _SINUSOIDAL, "spec.sinusoidal.name")]
+        )
         if self.min_timescale is not None:
             message.min_timescale = _real(self.min_timescale, "spec.sinusoidal.min_timescale")
         for name in ("start_index", "padding_idx", "clamp_len", "key_length"):
             value = getattr(self, name)
             if value is not None:
-                setattr(message, name, _integer(value, f"spec.sinusoidal.{name}", *_INT64))
+                setattr(
+                    message, name, _integer(value, f"spec.sinusoidal.{name}", INT64_MIN, INT64_MAX)
+                )
         return message
 
 
@@ -189,8 +180,8 @@ class RotaryPreset:
         """The ``spec.rotary`` message."""
         prefix = "spec.rotary"
         message = pb.RotaryPreset(
-            rope_type=_choice(self.rope_type, _ROPE_TYPES, f"{prefix}.rope_type"),
-            layout=_choice(self.layout, _ROPE_LAYOUTS, f"{prefix}.layout"),
+            rope_type=_ROPE_TYPES[choice(self.rope_type, _ROPE_TYPES, f"{prefix}.rope_type")],
+            layout=_ROPE_LAYOUTS[choice(self.layout, _ROPE_LAYOUTS, f"{prefix}.layout")],
             head_dim=_integer(self.head_dim, f"{prefix}.head_dim", 0, (1 << 32) - 1),
             rope_theta=_real(self.rope_theta, f"{prefix}.rope_theta"),
         )
@@ -231,12 +222,21 @@ class RotaryPreset:
         ``rope_parameters`` (transformers 5) or ``rope_scaling`` (older configs). Keys the
         rope type does not take are dropped, as transformers ignores them.
         """
+        if not isinstance(config, Mapping):
+            raise bad_argument("config", "must be a model config (a JSON object)")
         parameters: dict[str, Any] = dict(
             config.get("rope_parameters") or config.get("rope_scaling") or {}
         )
         rope_type = str(parameters.get("rope_type") or parameters.get("type") or "default")
-        head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
-        theta = parameters.get("rope_theta", config.get("rope_theta", 10000.0))
+        try:
+            head_dim = (
+                config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+            )
+        except (KeyError, TypeError, ZeroDivisionError):
+            raise bad_argument(
+                "config", "needs head_dim, or hidden_size and num_attention_heads"
+            ) from None
+        theta: Any = parameters.get("rope_theta", config.get("rope_theta", 10000.0))
         partial = parameters.get("partial_rotary_factor", config.get("partial_rotary_factor"))
         taken = _CONFIG_FIELDS.get(rope_type, ())
         values = {name: parameters[name] for name in taken if parameters.get(name) is not None}
@@ -291,4 +291,6 @@ def as_preset(preset: object) -> SinusoidalPreset | RotaryPreset:
         return SinusoidalPreset(preset)
     if isinstance(preset, SinusoidalPreset | RotaryPreset):
         return preset
-    raise _bad("spec.preset", f"must be a preset name or object, got {type(preset).__name__}")
+    raise bad_argument(
+        "spec.preset", f"must be a preset name or object, got {type(preset).__name__}"
+    )
