@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -80,12 +79,10 @@ def test_cached_blocks_are_read_only() -> None:
 def test_concurrent_misses_on_one_key_compute_once() -> None:
     cache: BlockCache[str] = BlockCache(1000)
     calls = 0
-    started = threading.Event()
 
     def slow() -> np.ndarray:
         nonlocal calls
         calls += 1
-        started.set()
         time.sleep(0.2)
         return block(10)
 

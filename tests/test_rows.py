@@ -305,22 +305,6 @@ def test_a_decode_loop_gets_the_servers_exact_rows_from_two_calls_of_its_own(
     assert got[-1].tobytes() == last.tobytes()
 
 
-def test_a_failed_read_ahead_costs_only_a_call(server: RunningServer) -> None:
-    """Background fetches refused by the server (past its position limit) are dropped: the
-    steps that need those rows call for them and get the server's own answer."""
-    limit = server.config.max_abs_position
-    with posenc.Client(server.target) as client:
-        calls = count_calls(client)
-        for position in range(limit - 40, limit + 1):
-            rows = client.get_positions([position], 64)
-            expected = encode_positions(EncodingSpec(d_model=64), np.array([position]))
-            assert rows.tobytes() == expected.tobytes()
-            settle(client)
-        with pytest.raises(posenc.InvalidArgumentError):
-            client.get_positions([limit + 1], 64)
-    assert calls["background"] >= 1
-
-
 def test_closing_a_client_ends_its_read_ahead(server: RunningServer) -> None:
     client = posenc.Client(server.target)
     for step in range(40):
@@ -335,15 +319,23 @@ def test_closing_a_client_ends_its_read_ahead(server: RunningServer) -> None:
 def test_read_ahead_past_the_position_limit_falls_back_to_the_callers_call(
     server: RunningServer,
 ) -> None:
+    """Read-ahead the server refuses (past its position limit), in the call or in the
+    background, is dropped: each step gets its exact rows at the cost of one refused call
+    at most, and an error names the caller's own position."""
     limit = server.config.max_abs_position
+    positions = range(limit - 40, limit + 1)
     with posenc.Client(server.target) as client:
-        rows = [client.get_positions([p], 64) for p in (limit - 2, limit - 1, limit)]
-        spec = EncodingSpec(d_model=64)
-        expected = encode_positions(spec, np.array([limit - 2, limit - 1, limit]))
-        assert np.concatenate(rows).tobytes() == expected.tobytes()
+        calls = count_calls(client)
+        for position in positions:
+            rows = client.get_positions([position], 64)
+            expected = encode_positions(EncodingSpec(d_model=64), np.array([position]))
+            assert rows.tobytes() == expected.tobytes()
+            settle(client)
         with pytest.raises(posenc.InvalidArgumentError) as error:
             client.get_positions([limit + 1], 64)
         assert error.value.field_violations[0][0] == "positions.positions[0]"
+    assert calls["caller"] <= 2 * len(positions) + 2
+    assert calls["background"] >= 1
 
 
 def test_the_async_client_reads_ahead_too(server: RunningServer) -> None:

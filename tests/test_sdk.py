@@ -149,11 +149,24 @@ def test_iter_positions_yields_indices(client: posenc.Client) -> None:
     assert seen == len(positions)
 
 
-def test_abandoned_iterator_cancels_the_stream(client: posenc.Client) -> None:
+def wait_until_idle(server: RunningServer) -> None:
+    """Until the server has no call in flight (a stream left open would stay in flight,
+    held by flow control)."""
+    deadline = time.monotonic() + 10
+    while server.servicer._in_flight:
+        assert time.monotonic() < deadline, "the server still serves the abandoned stream"
+        time.sleep(0.01)
+
+
+def test_abandoned_iterator_cancels_the_stream(
+    client: posenc.Client, server: RunningServer
+) -> None:
     iterator = client.iter_range(0, 1 << 20, 256, chunk_bytes=65536)
     first, rows = next(iterator)
     assert (first, rows.shape) == (0, (64, 256))
+    assert server.servicer._in_flight == 1
     iterator.close()  # type: ignore[attr-defined]
+    wait_until_idle(server)
     # The channel is still usable.
     assert client.get_range(0, 1, 4).shape == (1, 4)
 
@@ -387,8 +400,8 @@ def test_round_robin_over_two_servers(server_factory: Callable[..., RunningServe
             info = direct.server_info()
         assert info.rows_computed > 0
         assert info.cache.misses > 0
-    # In-process servers share a pid, so ids may coincide; they must at least answer.
-    assert server_ids
+    # Round robin: six calls reach both servers.
+    assert server_ids == {first.servicer.service.server_id, second.servicer.service.server_id}
 
 
 # -- targets ----------------------------------------------------------------------------

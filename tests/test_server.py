@@ -80,6 +80,14 @@ def test_unary_and_stream_and_list_agree_with_the_engine(
         pb.GetEncodingRequest(spec=wire, positions=pb.PositionList(positions=positions))
     ).tensor
     assert listed.data == expected[[49, 0, 7]].tobytes()
+    streamed = stub.StreamEncoding(
+        pb.StreamEncodingRequest(
+            spec=wire,
+            range=pb.PositionRange(start=2**40, stop=2**40 + 50),
+            max_chunk_bytes=7 * expected[0].nbytes,
+        )
+    )
+    assert b"".join(message.chunk.data for message in streamed) == expected.tobytes()
 
 
 def test_a_repeated_request_is_served_from_the_cache(
