@@ -335,22 +335,9 @@ def wave_blocks(
         yield first - start, rows
 
 
-def wave_range(waves: Waves, start: int, stop: int) -> npt.NDArray[np.complex128]:
-    """``wave_rows`` of positions ``start .. stop - 1`` in one array."""
-    out = np.empty((max(stop - start, 0), waves.count), dtype=np.complex128)
-    for first, rows in wave_blocks(waves, start, stop):
-        out[first : first + len(rows)] = rows
-    return out
-
-
 def _block_rows(count: int) -> int:
     """Rows per block: up to 64, keeping the rotation table at 2**18 entries (4 MiB) at most."""
     return max(1, min(64, (1 << 18) // max(count, 1)))
-
-
-def result_bytes(spec: EncodingSpec, rows: int) -> int:
-    """Bytes of a ``rows``-row table for ``spec``."""
-    return rows * spec.row_bytes
 
 
 def is_valid_base(base: float) -> bool:

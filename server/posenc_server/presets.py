@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
 from decimal import Decimal, localcontext
 from typing import Any, Final
@@ -54,7 +54,6 @@ _SINUSOIDAL_PARAMETERS: Final[dict[str, tuple[str, ...]]] = {
     "fairseq": ("padding_idx",),
     "transformer_xl": ("clamp_len", "key_length"),
 }
-SINUSOIDAL_PRESETS: Final = tuple(_SINUSOIDAL_PARAMETERS)
 
 
 @dataclass(frozen=True)
@@ -99,7 +98,8 @@ class MappedSinusoid:
         if self.inner is not None:
             out = engine.encode_positions(self.inner, mapped)
         else:
-            out = self._split_rows(spec, engine.wave_rows(self._waves(), mapped))
+            out = np.zeros((mapped.size, spec.d_model), dtype=spec.numpy_dtype)
+            _write_split(out, engine.wave_rows(self._waves(), mapped))
         if self.zero_row is not None:
             out[positions == self.zero_row] = 0
         return out
@@ -112,7 +112,10 @@ class MappedSinusoid:
         if self.inner is not None:
             out = engine.encode_range(self.inner, first, last)
         else:
-            out = self._split_rows(spec, engine.wave_range(self._waves(), first, last))
+            # Block by block, as engine.encode_range: no whole complex table at once.
+            out = np.zeros((stop - start, spec.d_model), dtype=spec.numpy_dtype)
+            for offset, rows in engine.wave_blocks(self._waves(), first, last):
+                _write_split(out[offset : offset + len(rows)], rows)
         if self.zero_row is not None and start <= self.zero_row < stop:
             out[self.zero_row - start] = 0
         return out
@@ -121,13 +124,12 @@ class MappedSinusoid:
         assert self.timescales is not None
         return _t2t_waves(*self.timescales)
 
-    def _split_rows(self, spec: EncodingSpec, waves: npt.NDArray[np.complex128]) -> Table:
-        """``[sin | cos]``, zero padded to ``d_model``."""
-        out = np.zeros((waves.shape[0], spec.d_model), dtype=spec.numpy_dtype)
-        count = waves.shape[1]
-        out[:, :count] = waves.real  # v = sin + i cos
-        out[:, count : 2 * count] = waves.imag
-        return out
+
+def _write_split(target: Table, waves: npt.NDArray[np.complex128]) -> None:
+    """``[sin | cos]`` into ``target`` (its columns past them stay as they are: zero)."""
+    count = waves.shape[1]
+    target[:, :count] = waves.real  # v = sin + i cos
+    target[:, count : 2 * count] = waves.imag
 
 
 @functools.lru_cache(maxsize=16)
@@ -286,8 +288,6 @@ _ROPE_FIELDS: Final[dict[str, tuple[tuple[str, ...], tuple[str, ...]]]] = {
         (),
     ),
 }
-ROPE_TYPES: Final = tuple(_ROPE_FIELDS)
-ROPE_LAYOUTS: Final = ("transformers", "vllm", "gptj")
 _SCALAR_ROPE_FIELDS: Final = (
     "factor",
     "original_max_position_embeddings",
@@ -340,37 +340,37 @@ class RotaryTable:
         """Columns of a row in this layout."""
         return self.rotary_dim if self.layout == "vllm" else 2 * self.rotary_dim
 
-    def frequencies(self) -> tuple[tuple[Decimal, ...], float]:
-        """The exact inverse frequencies and the attention factor (see ``_rope``)."""
-        return _rope(self)
-
     def encode_positions(self, spec: EncodingSpec, positions: Int64Array) -> Table:
         """The rows of ``positions``: cos and sin times the attention factor, in the layout."""
-        return self._layout(spec, engine.wave_rows(_rope_waves(self), positions))
+        out = np.empty((positions.size, spec.d_model), dtype=spec.numpy_dtype)
+        self._write(out, engine.wave_rows(_rope_waves(self), positions))
+        return out
 
     def encode_range(self, spec: EncodingSpec, start: int, stop: int) -> Table:
-        """The rows of ``start .. stop - 1``."""
-        return self._layout(spec, engine.wave_range(_rope_waves(self), start, stop))
+        """The rows of ``start .. stop - 1``, block by block as ``engine.encode_range``."""
+        out = np.empty((max(stop - start, 0), spec.d_model), dtype=spec.numpy_dtype)
+        for offset, rows in engine.wave_blocks(_rope_waves(self), start, stop):
+            self._write(out[offset : offset + len(rows)], rows)
+        return out
 
-    def _layout(self, spec: EncodingSpec, waves: npt.NDArray[np.complex128]) -> Table:
-        _, attention = self.frequencies()
+    def _write(self, target: Table, waves: npt.NDArray[np.complex128]) -> None:
+        """Rows of ``waves`` into ``target`` in the table's layout (scales ``waves``)."""
+        _, attention = _rope(self)
         if attention != 1.0:
             waves *= attention
         sin, cos = waves.real, waves.imag  # v = sin + i cos
         half = waves.shape[1]
-        out = np.empty((waves.shape[0], spec.d_model), dtype=spec.numpy_dtype)
         if self.layout == "vllm":
-            out[:, :half] = cos
-            out[:, half:] = sin
+            target[:, :half] = cos
+            target[:, half:] = sin
         elif self.layout == "transformers":
             for index, values in enumerate((cos, cos, sin, sin)):
-                out[:, index * half : (index + 1) * half] = values
+                target[:, index * half : (index + 1) * half] = values
         else:  # gptj
             for index, values in enumerate((cos, sin)):
-                part = out[:, index * 2 * half : (index + 1) * 2 * half]
+                part = target[:, index * 2 * half : (index + 1) * 2 * half]
                 part[:, 0::2] = values
                 part[:, 1::2] = values
-        return out
 
 
 @functools.lru_cache(maxsize=16)
@@ -760,8 +760,3 @@ def catalog() -> list[PresetInfo]:
             )
         infos.append(PresetInfo(f"rotary:{kind}", description, tuple(parameters)))
     return infos
-
-
-def names() -> Sequence[str]:
-    """Every preset name GetServerInfo lists."""
-    return [info.name for info in catalog()]

@@ -178,21 +178,13 @@ class EncodingService:
 
     def check_unary_size(self, spec: EncodingSpec, selection: Selection) -> None:
         """Refuse a GetEncoding result over the unary limit."""
-        size = engine.result_bytes(spec, selection.rows)
-        if size > self.config.max_unary_bytes:
-            raise LimitExceededError(
-                f"the result is {size} bytes, over the unary limit of "
-                f"{self.config.max_unary_bytes} bytes: use StreamEncoding for large results"
-            )
+        limit = self.config.max_unary_bytes
+        _check_size(spec, selection, "unary", limit, "use StreamEncoding for large results")
 
     def check_stream_size(self, spec: EncodingSpec, selection: Selection) -> None:
         """Refuse a StreamEncoding result over the stream limit."""
-        size = engine.result_bytes(spec, selection.rows)
-        if size > self.config.max_stream_bytes:
-            raise LimitExceededError(
-                f"the result is {size} bytes, over the stream limit of "
-                f"{self.config.max_stream_bytes} bytes: split the request into smaller ranges"
-            )
+        limit = self.config.max_stream_bytes
+        _check_size(spec, selection, "stream", limit, "split the request into smaller ranges")
 
     def chunk_rows(self, spec: EncodingSpec, requested_chunk_bytes: int) -> int:
         """Rows per stream chunk for a client asking for ``requested_chunk_bytes`` (0: max)."""
@@ -217,7 +209,8 @@ class EncodingService:
         return max(1, self.config.max_chunk_bytes // spec.row_bytes)
 
     def table(self, spec: EncodingSpec, selection: Selection) -> Table:
-        """The whole table of a small (unary) selection, in one array.
+        """The whole table of a small (unary) selection, in one array (read-only when it is
+        a cached block's rows as they are).
 
         Position lists go through the cache here: they are decode steps, whose blocks the
         next steps ask for again.
@@ -226,8 +219,11 @@ class EncodingService:
             return self._rows_for_positions(
                 spec, selection.positions, new_blocks=_MAX_NEW_BLOCKS_PER_LIST
             )
+        chunks = list(self._range_chunks(spec, selection, self.block_rows(spec)))
+        if len(chunks) == 1:
+            return chunks[0].rows  # within one block: no copy before the message's
         out = np.empty((selection.rows, spec.d_model), dtype=spec.numpy_dtype)
-        for chunk in self._range_chunks(spec, selection, self.block_rows(spec)):
+        for chunk in chunks:
             out[chunk.row_offset : chunk.row_offset + len(chunk.rows)] = chunk.rows
         return out
 
@@ -379,3 +375,11 @@ class EncodingService:
     def cache_stats(self) -> CacheStats:
         """The cache counters."""
         return self.cache.stats()
+
+
+def _check_size(spec: EncodingSpec, selection: Selection, kind: str, limit: int, hint: str) -> None:
+    size = selection.rows * spec.row_bytes
+    if size > limit:
+        raise LimitExceededError(
+            f"the result is {size} bytes, over the {kind} limit of {limit} bytes: {hint}"
+        )

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Any, TypeVar
@@ -35,7 +36,7 @@ log = logging.getLogger("posenc_server")
 
 # How long a client turned away at the stream cap is told to wait before trying again.
 _STREAM_RETRY_AFTER = 0.2
-# Valid classic specs remembered by their request fields; beyond, the memory starts over.
+# Valid specs remembered by their serialized message; beyond, the memory starts over.
 _REMEMBERED_SPECS = 1024
 
 RequestT = TypeVar("RequestT", bound=Message)
@@ -118,7 +119,7 @@ class PositionalEncodingServicer:
         }
         self._publisher = metrics.ServicePublisher()
         self.publish_metrics()
-        self._specs: dict[tuple[int, float, int, int, int], EncodingSpec] = {}
+        self._specs: dict[bytes, EncodingSpec] = {}
 
     def publish_metrics(self) -> None:
         """Bring the cache and computation metrics up to date (called now and then: on
@@ -216,41 +217,30 @@ class PositionalEncodingServicer:
         """Describe this server."""
         with _Serving(context, self._metrics["GetServerInfo"]):
             _parsed(request)
-        config = self.service.config
-        stats = self.service.cache_stats()
-        return posenc_pb2.GetServerInfoResponse(
-            version=self.version,
-            server_id=self.service.server_id,
-            limits=posenc_pb2.Limits(
-                **config.public_limits(),
-                max_receive_message_bytes=config.max_receive_message_bytes,
-            ),
-            dtypes=list(DTYPE_ENUMS.values()),
-            layouts=[posenc_pb2.LAYOUT_INTERLEAVED, posenc_pb2.LAYOUT_SPLIT],
-            schedules=[posenc_pb2.SCHEDULE_PAPER, posenc_pb2.SCHEDULE_TENSOR2TENSOR],
-            cache=posenc_pb2.CacheStats(
-                hits=stats.hits,
-                misses=stats.misses,
-                evictions=stats.evictions,
-                bytes=stats.bytes,
-                entries=stats.entries,
-                budget_bytes=stats.budget_bytes,
-            ),
-            rows_computed=self.service.rows_computed,
-            presets=[
-                posenc_pb2.PresetInfo(
-                    name=info.name,
-                    description=info.description,
-                    parameters=[
-                        posenc_pb2.PresetParameter(
-                            field=p.field, description=p.description, default=p.default
-                        )
-                        for p in info.parameters
-                    ],
-                )
-                for info in presets.catalog()
-            ],
-        )
+            config = self.service.config
+            stats = self.service.cache_stats()
+            return posenc_pb2.GetServerInfoResponse(
+                version=self.version,
+                server_id=self.service.server_id,
+                limits=posenc_pb2.Limits(
+                    **config.public_limits(),
+                    max_receive_message_bytes=config.max_receive_message_bytes,
+                ),
+                dtypes=list(DTYPE_ENUMS.values()),
+                layouts=[posenc_pb2.LAYOUT_INTERLEAVED, posenc_pb2.LAYOUT_SPLIT],
+                schedules=[posenc_pb2.SCHEDULE_PAPER, posenc_pb2.SCHEDULE_TENSOR2TENSOR],
+                cache=posenc_pb2.CacheStats(
+                    hits=stats.hits,
+                    misses=stats.misses,
+                    evictions=stats.evictions,
+                    bytes=stats.bytes,
+                    entries=stats.entries,
+                    budget_bytes=stats.budget_bytes,
+                ),
+                rows_computed=self.service.rows_computed,
+                presets=_preset_infos(),
+            )
+        return posenc_pb2.GetServerInfoResponse()  # the client went away mid-call
 
     # Protobuf -> domain -----------------------------------------------------------------------
 
@@ -278,45 +268,63 @@ class PositionalEncodingServicer:
     ) -> EncodingSpec | None:
         """The spec of a request; None, with ``violations`` added, when it is invalid.
 
-        Decode loops send the same spec over and over: valid classic specs are remembered
-        by their field values, which also makes the service's spec id lookup an identity.
+        Decode loops send the same spec over and over: valid specs are remembered by their
+        serialized message, which also makes the service's spec id lookup an identity.
         """
-        base = proto_spec.base if proto_spec.HasField("base") else engine.DEFAULT_BASE
-        preset = proto_spec.WhichOneof("preset")
-        key = (proto_spec.d_model, base, proto_spec.dtype, proto_spec.layout, proto_spec.schedule)
-        if preset is None and (known_spec := self._specs.get(key)) is not None:
+        key = proto_spec.SerializeToString(deterministic=True)
+        if (known_spec := self._specs.get(key)) is not None:
             return known_spec
         first_violation = len(violations)
         dtype = DTYPE_NAMES.get(proto_spec.dtype)
-        preset_spec: EncodingSpec | None = None
-        if preset is None:
-            self.service.validate_spec(proto_spec.d_model, base, violations)
-        else:
+        if dtype is None:
+            violations.append(_unknown("dtype", proto_spec.dtype, DTYPE_NAMES))
+        spec: EncodingSpec | None
+        if proto_spec.WhichOneof("preset") is not None:
             config = self.service.config
-            preset_spec = preset_spec_from_proto(proto_spec, dtype or "float32", config, violations)
-        layout = LAYOUTS.get(proto_spec.layout)
-        schedule = SCHEDULES.get(proto_spec.schedule)
-        for name, value, parsed, known in (
-            ("dtype", proto_spec.dtype, dtype, DTYPE_NAMES),
-            ("layout", proto_spec.layout, layout, LAYOUTS),
-            ("schedule", proto_spec.schedule, schedule, SCHEDULES),
-        ):
-            if parsed is None:
-                violations.append(
-                    FieldViolation(f"spec.{name}", f"unknown value {value}; known: {sorted(known)}")
-                )
-        if len(violations) > first_violation:
+            spec = preset_spec_from_proto(proto_spec, dtype or "float32", config, violations)
+        else:
+            base = proto_spec.base if proto_spec.HasField("base") else engine.DEFAULT_BASE
+            self.service.validate_spec(proto_spec.d_model, base, violations)
+            layout = LAYOUTS.get(proto_spec.layout)
+            schedule = SCHEDULES.get(proto_spec.schedule)
+            if layout is None:
+                violations.append(_unknown("layout", proto_spec.layout, LAYOUTS))
+            if schedule is None:
+                violations.append(_unknown("schedule", proto_spec.schedule, SCHEDULES))
+            spec = None
+            if dtype is not None and layout is not None and schedule is not None:
+                d_model = proto_spec.d_model
+                spec = EncodingSpec(d_model, base, dtype, layout=layout, schedule=schedule)
+        if spec is None or len(violations) > first_violation:
             return None
-        assert dtype is not None and layout is not None and schedule is not None
-        if preset_spec is not None:
-            return preset_spec
-        spec = EncodingSpec(
-            d_model=proto_spec.d_model, base=base, dtype=dtype, layout=layout, schedule=schedule
-        )
         if len(self._specs) >= _REMEMBERED_SPECS:
             self._specs.clear()
         self._specs[key] = spec
         return spec
+
+
+@functools.cache
+def _preset_infos() -> tuple[posenc_pb2.PresetInfo, ...]:
+    """GetServerInfo's presets (the message copies them, so sharing them is safe)."""
+    return tuple(
+        posenc_pb2.PresetInfo(
+            name=info.name,
+            description=info.description,
+            parameters=[
+                posenc_pb2.PresetParameter(
+                    field=parameter.field,
+                    description=parameter.description,
+                    default=parameter.default,
+                )
+                for parameter in info.parameters
+            ],
+        )
+        for info in presets.catalog()
+    )
+
+
+def _unknown(name: str, value: int, known: Mapping[int, object]) -> FieldViolation:
+    return FieldViolation(f"spec.{name}", f"unknown value {value}; known: {sorted(known)}")
 
 
 SINUSOIDAL_NAMES: dict[int, str] = {
@@ -359,6 +367,7 @@ def preset_spec_from_proto(
             violations.append(
                 FieldViolation(f"spec.{field}", "must be unset with a preset (the preset sets it)")
             )
+    before = len(violations)
     parsed: EncodingSpec | None = None
     if spec.WhichOneof("preset") == "sinusoidal":
         sinusoidal = _sinusoidal_request(spec.sinusoidal, violations)
@@ -372,7 +381,7 @@ def preset_spec_from_proto(
         if rotary is not None:
             has_base = spec.HasField("base")
             parsed = presets.rotary_spec(rotary, spec.d_model, has_base, dtype, limits, violations)
-    return parsed if not violations else None
+    return parsed if len(violations) == before else None
 
 
 def _optional(message: Message, field: str) -> Any:
