@@ -17,6 +17,7 @@ from reference import within_contract
 from test_presets_reference import Rope, Sin, columns_of, rope_exact, sinusoidal_exact
 
 import posenc
+from posenc import _protocol as proto
 from posenc.presets import RotaryPreset, SinusoidalPreset
 from posenc.v1 import posenc_pb2 as pb
 from posenc_server import engine, servicer
@@ -483,6 +484,28 @@ def test_the_sdk_refuses_a_preset_with_layout_or_a_rotary_preset_with_base() -> 
             client.get_range(0, 4, 8, preset="nope")
         with pytest.raises(posenc.InvalidArgumentError, match=r"spec\.preset"):
             client.get_range(0, 4, 8, preset=42)  # type: ignore[arg-type]
+    # The defaults may be spelled as everywhere else (names are case-insensitive).
+    plain = proto.range_query(
+        0,
+        4,
+        8,
+        base=10000.0,
+        dtype="float32",
+        layout="interleaved",
+        schedule="paper",
+        preset="whisper",
+    )
+    spelled = proto.range_query(
+        0,
+        4,
+        8,
+        base=10000.0,
+        dtype="float32",
+        layout="Interleaved",
+        schedule="PAPER",
+        preset="whisper",
+    )
+    assert spelled.spec == plain.spec
 
 
 # -- SDK ------------------------------------------------------------------------------------

@@ -192,14 +192,14 @@ def test_background_read_ahead_starts_when_a_window_is_half_used() -> None:
     answer(cache.plan(query([1001])))  # caches 1001 .. 1064
     for position in range(1002, 1033):
         answer(cache.plan(query([position])))
-        assert cache.claim_ahead(query([position]), object()) is None
+        assert cache.claim_ahead(query([position]), object) is None
     answer(cache.plan(query([1033])))
     token = object()
-    ahead = cache.claim_ahead(query([1033]), token)  # 1065 is 32 rows away: the next window
+    ahead = cache.claim_ahead(query([1033]), lambda: token)  # 1065 is 32 rows away: next window
     assert ahead is not None and ahead.query.positions is not None
     assert ahead.query.positions.tolist() == list(range(1065, 1065 + MAX_READAHEAD_ROWS))
     assert cache.in_flight == MAX_READAHEAD_ROWS
-    assert cache.claim_ahead(query([1034]), object()) is None  # already on its way
+    assert cache.claim_ahead(query([1034]), object) is None  # already on its way
     # A call that needs rows in flight is told to wait for them, or fetches them itself.
     waiting = cache.plan(query([1065]))
     assert isinstance(waiting, Pending) and waiting.tokens == (token,)
@@ -215,9 +215,9 @@ def test_background_read_ahead_of_large_steps_is_the_next_step() -> None:
     cache = RowCache(64 * MIB, MIB)
     starts = 1000 + 100 * np.arange(64)  # 1 MiB per step: no read-ahead in the call
     cache.plan(query(starts))
-    assert cache.claim_ahead(query(starts), object()) is None  # not moving yet
+    assert cache.claim_ahead(query(starts), object) is None  # not moving yet
     assert cache.plan(query(starts + 1)) is None
-    ahead = cache.claim_ahead(query(starts + 1), object())
+    ahead = cache.claim_ahead(query(starts + 1), object)
     assert ahead is not None and ahead.query.positions is not None
     assert ahead.query.positions.tolist() == sorted((starts + 2).tolist())
     cache.finish_ahead(ahead, None)  # failed: nothing cached, nothing in flight

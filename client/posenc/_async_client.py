@@ -301,8 +301,7 @@ class AsyncClient:
         """Start fetching the rows the next steps of ``query``'s sequences will want."""
         if self._closed:
             return
-        token = asyncio.get_running_loop().create_future()
-        ahead = self._rows.claim_ahead(query, token)
+        ahead = self._rows.claim_ahead(query, asyncio.get_running_loop().create_future)
         if ahead is None:
             return
         task = asyncio.create_task(self._fetch_ahead_now(ahead), name=READ_AHEAD_TASK)
@@ -313,7 +312,7 @@ class AsyncClient:
             self._ahead_tasks.discard(task)
             rows = None if task.cancelled() else task.result()
             self._rows.finish_ahead(ahead, rows)
-            token.set_result(None)
+            ahead.token.set_result(None)
 
         task.add_done_callback(landed)
 

@@ -365,11 +365,10 @@ class Client:
 
     def _fetch_ahead(self, query: Query) -> None:
         """Start fetching the rows the next steps of ``query``'s sequences will want."""
-        token: futures.Future[None] = futures.Future()
         with self._ahead_lock:  # close() takes it too: nothing is queued after its end mark
             if self._closed:
                 return
-            ahead = self._rows.claim_ahead(query, token)
+            ahead = self._rows.claim_ahead(query, futures.Future)
             if ahead is None:
                 return
             if self._ahead_thread is None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
 import ipaddress
 import logging
 import math
@@ -245,6 +246,11 @@ class Query:
     start: int = 0
     positions: npt.NDArray[np.int64] | None = None
 
+    @functools.cached_property
+    def spec_key(self) -> bytes:
+        """The spec as deterministic bytes: what tells two specs' rows apart."""
+        return self.spec.SerializeToString(deterministic=True)
+
     @property
     def nbytes(self) -> int:
         """Size of the whole result's data."""
@@ -294,45 +300,42 @@ def _spec(
     schedule: str,
     preset: object = None,
 ) -> tuple[pb.EncodingSpec, _DtypeInfo, int]:
-    if preset is not None:
-        return _preset_spec(d_model, base, dtype, layout, schedule, preset)
-    d = _as_int(d_model, "spec.d_model")
-    if not 0 <= d < 1 << 32:
-        # Values the uint32 field cannot carry; the server judges the others (its limits).
-        raise bad_argument("spec.d_model", f"must be a positive integer below 2**32, got {d}")
     info = _DTYPES[dtype_name(dtype)]
+    layout_enum = _LAYOUTS[choice(layout, _LAYOUTS, "spec.layout")]
+    schedule_enum = _SCHEDULES[choice(schedule, _SCHEDULES, "spec.schedule")]
+    if preset is None:
+        d = _as_d_model(d_model)
+        spec = pb.EncodingSpec(
+            d_model=d,
+            base=_as_base(base),
+            dtype=info.enum,
+            layout=layout_enum,
+            schedule=schedule_enum,
+        )
+        return spec, info, d
+    # A preset (see posenc.presets) sets the layout and schedule itself.
+    chosen = presets.as_preset(preset)
+    if layout_enum != pb.LAYOUT_INTERLEAVED or schedule_enum != pb.SCHEDULE_PAPER:
+        field = "spec.layout" if layout_enum != pb.LAYOUT_INTERLEAVED else "spec.schedule"
+        raise bad_argument(field, "a preset sets the layout and schedule: leave them unset")
+    if isinstance(chosen, presets.RotaryPreset):
+        if _as_base(base) != 10000.0:
+            raise bad_argument("spec.base", "a rotary preset carries its own rope_theta")
+        d = _as_d_model(chosen.width if d_model is None else d_model)
+        return pb.EncodingSpec(d_model=d, dtype=info.enum, rotary=chosen.to_proto()), info, d
+    d = _as_d_model(d_model)
     spec = pb.EncodingSpec(
-        d_model=d,
-        base=_as_base(base),
-        dtype=info.enum,
-        layout=_LAYOUTS[choice(layout, _LAYOUTS, "spec.layout")],
-        schedule=_SCHEDULES[choice(schedule, _SCHEDULES, "spec.schedule")],
+        d_model=d, base=_as_base(base), dtype=info.enum, sinusoidal=chosen.to_proto()
     )
     return spec, info, d
 
 
-def _preset_spec(
-    d_model: object, base: object, dtype: DTypeArg, layout: str, schedule: str, preset: object
-) -> tuple[pb.EncodingSpec, _DtypeInfo, int]:
-    """The spec of a ``preset=`` request (see :mod:`posenc.presets`)."""
-    chosen = presets.as_preset(preset)
-    if layout != "interleaved" or schedule != "paper":
-        field = "spec.layout" if layout != "interleaved" else "spec.schedule"
-        raise bad_argument(field, "a preset sets the layout and schedule: leave them unset")
-    info = _DTYPES[dtype_name(dtype)]
-    if isinstance(chosen, presets.RotaryPreset):
-        if _as_base(base) != 10000.0:
-            raise bad_argument("spec.base", "a rotary preset carries its own rope_theta")
-        d = chosen.width if d_model is None else _as_int(d_model, "spec.d_model")
-        spec = pb.EncodingSpec(d_model=d, dtype=info.enum, rotary=chosen.to_proto())
-    else:
-        d = _as_int(d_model, "spec.d_model")
-        spec = pb.EncodingSpec(
-            d_model=d, base=_as_base(base), dtype=info.enum, sinusoidal=chosen.to_proto()
-        )
+def _as_d_model(d_model: object) -> int:
+    d = _as_int(d_model, "spec.d_model")
     if not 0 <= d < 1 << 32:
+        # Values the uint32 field cannot carry; the server judges the others (its limits).
         raise bad_argument("spec.d_model", f"must be a positive integer below 2**32, got {d}")
-    return spec, info, d
+    return d
 
 
 def range_query(

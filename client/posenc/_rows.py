@@ -23,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import threading
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -134,7 +135,7 @@ class RowCache:
         if not self._cacheable(query):
             return None
         assert query.positions is not None
-        key = query.spec.SerializeToString(deterministic=True)
+        key = query.spec_key
         wanted = query.positions.tolist()
         with self._lock:
             index = self._index.get(key, {})
@@ -174,15 +175,16 @@ class RowCache:
         lengths[advancing] = ahead
         return RowPlan(self, query, key, found, starts, lengths)
 
-    def claim_ahead(self, query: Query, token: Any) -> AheadFetch | None:
+    def claim_ahead(self, query: Query, new_token: Callable[[], Any]) -> AheadFetch | None:
         """What to fetch in the background after ``query``: for each of its positions ``p``
         that moves forward and whose cached rows end within half a window, the next window;
         for steps too large to read ahead, ``p + 1``. Those positions are in flight under
-        ``token`` until :meth:`finish_ahead`. None when nothing needs fetching."""
+        a token from ``new_token`` (the client's future) until :meth:`finish_ahead`. None
+        when nothing needs fetching."""
         if not self._cacheable(query):
             return None
         assert query.positions is not None
-        key = query.spec.SerializeToString(deterministic=True)
+        key = query.spec_key
         with self._lock:
             recent = self._recent.get(key, OrderedDict())
             index = self._index.get(key, {})
@@ -212,6 +214,7 @@ class RowCache:
             positions = np.unique(
                 np.array(list(starts), dtype=np.int64)[:, None] + np.arange(window)
             )
+            token = new_token()
             in_flight = self._in_flight.setdefault(key, in_flight)
             for position in positions.tolist():
                 in_flight.setdefault(position, token)
