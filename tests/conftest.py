@@ -13,9 +13,10 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
 
 import grpc
+import numpy as np
 import pytest
 
 from posenc.v1 import posenc_pb2_grpc
@@ -39,6 +40,13 @@ def peak_rss_mib(pid: int) -> float:
             if line.startswith("VmHWM:"):
                 return int(line.split()[1]) / 1024
     raise AssertionError("no VmHWM")
+
+
+def same_bits(a: np.ndarray[Any, Any], b: np.ndarray[Any, Any]) -> bool:
+    """Bit-for-bit equality (NaN-safe, and works for bfloat16)."""
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    return bool(np.array_equal(a.view(f"u{a.itemsize}"), b.view(f"u{b.itemsize}")))
 
 
 @pytest.fixture

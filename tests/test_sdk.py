@@ -14,7 +14,7 @@ import grpc.aio
 import ml_dtypes
 import numpy as np
 import pytest
-from conftest import ServerProcess, free_port
+from conftest import ServerProcess, free_port, same_bits
 from google.protobuf import any_pb2
 from google.rpc import error_details_pb2, status_pb2
 
@@ -35,13 +35,6 @@ def reference(start: int, stop: int, d_model: int, **options: Any) -> np.ndarray
         schedule=engine.Schedule(options.get("schedule", "paper")),
     )
     return engine.encode_range(spec, start, stop)
-
-
-def same_bits(a: np.ndarray[Any, Any], b: np.ndarray[Any, Any]) -> bool:
-    """Bit-for-bit equality (NaN-safe, and works for bfloat16)."""
-    if a.shape != b.shape or a.dtype != b.dtype:
-        return False
-    return bool(np.array_equal(a.view(f"u{a.itemsize}"), b.view(f"u{b.itemsize}")))
 
 
 @pytest.fixture

@@ -11,7 +11,7 @@ import grpc
 import ml_dtypes
 import numpy as np
 import pytest
-from conftest import ServerProcess, free_port
+from conftest import ServerProcess, free_port, same_bits
 
 import posenc
 from posenc_server.app import RunningServer
@@ -31,14 +31,6 @@ def run(
             return await coroutine_function(client)
 
     return asyncio.run(main())
-
-
-def same_bits(a: np.ndarray[Any, Any], b: np.ndarray[Any, Any]) -> bool:
-    return (
-        a.shape == b.shape
-        and a.dtype == b.dtype
-        and bool(np.array_equal(a.view(f"u{a.itemsize}"), b.view(f"u{b.itemsize}")))
-    )
 
 
 def test_same_results_as_the_blocking_client(server: RunningServer) -> None:

@@ -684,6 +684,11 @@ def _resolve(host: str, port: int) -> list[ipaddress.IPv4Address | ipaddress.IPv
     return list(dict.fromkeys(v4 or addresses))
 
 
+def is_uri(target: str) -> bool:
+    """Whether ``target`` is a gRPC URI (``dns:///h:p``, ``ipv4:a:p,b:q``, ...), not host:port."""
+    return "://" in target or target.startswith(("ipv4:", "ipv6:", "unix:", "dns:"))
+
+
 def channel_target(target: str | Sequence[str]) -> str:
     """The gRPC target for one or several server addresses.
 
@@ -699,7 +704,7 @@ def channel_target(target: str | Sequence[str]) -> str:
         return targets[0]
     addresses: list[tuple[ipaddress.IPv4Address | ipaddress.IPv6Address, int]] = []
     for t in targets:
-        if "://" in t or t.startswith(("ipv4:", "ipv6:", "unix:", "dns:")):
+        if is_uri(t):
             raise ValueError(f"several targets must each be host:port, got {t!r}")
         host, port = _split_host_port(t)
         addresses.extend((address, port) for address in _resolve(host, port))

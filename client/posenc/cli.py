@@ -60,7 +60,7 @@ def _targets(args: argparse.Namespace) -> list[str]:
     # "a:1,b:2" is a list of replicas, unless it is a gRPC URI (ipv4:a:1,b:2 has commas too).
     targets: list[str] = []
     for value in given:
-        if ":/" in value or value.startswith(("ipv4:", "ipv6:", "unix:")):
+        if proto.is_uri(value):
             targets.append(value)
         else:
             targets.extend(part.strip() for part in value.split(",") if part.strip())
@@ -213,11 +213,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     handler = {"fetch": _fetch, "info": _info, "health": _health}[args.command]
     try:
         return handler(args)
-    except PosencError as error:
-        print(f"posenc {args.command}: {error}", file=sys.stderr)
-    except ValueError as error:  # a bad --target, for one
-        print(f"posenc {args.command}: {error}", file=sys.stderr)
-    except OSError as error:
+    except (PosencError, ValueError, OSError) as error:  # ValueError: a bad --target, for one
         print(f"posenc {args.command}: {error}", file=sys.stderr)
     except KeyboardInterrupt:
         print(f"posenc {args.command}: interrupted", file=sys.stderr)
