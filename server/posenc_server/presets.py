@@ -32,6 +32,7 @@ import numpy.typing as npt
 from posenc_server import engine
 from posenc_server.engine import EncodingSpec, Layout, Schedule
 from posenc_server.errors import FieldViolation
+from posenc_server.service import validate_spec
 
 Float64Array = npt.NDArray[np.float64]
 Int64Array = npt.NDArray[np.int64]
@@ -179,30 +180,18 @@ def sinusoidal_spec(
     for field in ("min_timescale", "start_index", "padding_idx", "clamp_len", "key_length"):
         if getattr(request, field) is not None and field not in taken:
             check.add(field, f"is not a parameter of preset {name}; leave it unset")
-    if not 1 <= d_model <= limits.max_d_model:
-        violations.append(
-            FieldViolation(
-                "spec.d_model", f"must be between 1 and {limits.max_d_model}, got {d_model}"
-            )
-        )
-    elif name == "whisper" and (d_model % 2 or d_model < 4):
-        violations.append(
-            FieldViolation("spec.d_model", f"whisper needs an even d_model >= 4, got {d_model}")
-        )
+    validate_spec(d_model, base, limits.max_d_model, violations)
+    if name == "whisper" and (d_model % 2 or d_model < 4):
+        rule = f"whisper needs an even d_model >= 4, got {d_model}"
     elif name == "fairseq" and d_model < 4:
-        # fairseq divides by half_dim - 1.
-        violations.append(
-            FieldViolation("spec.d_model", f"fairseq needs d_model >= 4, got {d_model}")
-        )
+        rule = f"fairseq needs d_model >= 4, got {d_model}"  # it divides by half_dim - 1
     elif name == "transformer_xl" and d_model % 2:
         # Its [sin | cos] of ceil(d / 2) frequencies each is d + 1 wide for odd d.
-        violations.append(
-            FieldViolation("spec.d_model", f"transformer_xl needs an even d_model, got {d_model}")
-        )
-    if not engine.is_valid_base(base):
-        violations.append(
-            FieldViolation("spec.base", f"must be finite and greater than 1, got {base!r}")
-        )
+        rule = f"transformer_xl needs an even d_model, got {d_model}"
+    else:
+        rule = ""
+    if rule and 1 <= d_model <= limits.max_d_model:  # else validate_spec reported it
+        violations.append(FieldViolation("spec.d_model", rule))
     # Only parameters the request set are checked (the defaults are valid by construction).
     min_timescale = 1.0 if request.min_timescale is None else request.min_timescale
     if request.min_timescale is not None and not (

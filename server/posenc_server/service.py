@@ -75,6 +75,20 @@ class Chunk:
     rows: Table
 
 
+def validate_spec(
+    d_model: int, base: float, max_d_model: int, violations: list[FieldViolation]
+) -> None:
+    """Append the problems of ``d_model`` and ``base`` to ``violations``."""
+    if not 1 <= d_model <= max_d_model:
+        violations.append(
+            FieldViolation("spec.d_model", f"must be between 1 and {max_d_model}, got {d_model}")
+        )
+    if not engine.is_valid_base(base):
+        violations.append(
+            FieldViolation("spec.base", f"must be finite and greater than 1, got {base!r}")
+        )
+
+
 class EncodingService:
     """Validates requests against the limits and produces their tables, through the cache."""
 
@@ -100,24 +114,6 @@ class EncodingService:
             self.trim_due.set()
 
     # Validation -----------------------------------------------------------------------------
-
-    def validate_spec(
-        self, d_model: int, base: float, violations: list[FieldViolation] | None = None
-    ) -> list[FieldViolation]:
-        """Append the problems of ``d_model`` and ``base`` to ``violations`` and return it."""
-        violations = [] if violations is None else violations
-        if not 1 <= d_model <= self.config.max_d_model:
-            violations.append(
-                FieldViolation(
-                    "spec.d_model",
-                    f"must be between 1 and {self.config.max_d_model}, got {d_model}",
-                )
-            )
-        if not engine.is_valid_base(base):
-            violations.append(
-                FieldViolation("spec.base", f"must be finite and greater than 1, got {base!r}")
-            )
-        return violations
 
     def validate_selection(
         self, selection: Selection, violations: list[FieldViolation]

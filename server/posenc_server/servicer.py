@@ -30,7 +30,14 @@ from posenc_server.errors import (
     OverloadedError,
     ShuttingDownError,
 )
-from posenc_server.service import Chunk, EncodingService, PositionList, PositionRange, Selection
+from posenc_server.service import (
+    Chunk,
+    EncodingService,
+    PositionList,
+    PositionRange,
+    Selection,
+    validate_spec,
+)
 
 log = logging.getLogger("posenc_server")
 
@@ -284,7 +291,7 @@ class PositionalEncodingServicer:
             spec = preset_spec_from_proto(proto_spec, dtype or "float32", config, violations)
         else:
             base = proto_spec.base if proto_spec.HasField("base") else engine.DEFAULT_BASE
-            self.service.validate_spec(proto_spec.d_model, base, violations)
+            validate_spec(proto_spec.d_model, base, self.service.config.max_d_model, violations)
             layout = LAYOUTS.get(proto_spec.layout)
             schedule = SCHEDULES.get(proto_spec.schedule)
             if layout is None:
