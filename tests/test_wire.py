@@ -8,7 +8,7 @@ from google.protobuf.message import DecodeError
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from posenc import _wire
+from posenc import wire as _wire
 from posenc.v1 import posenc_pb2 as pb
 
 UINT32 = st.integers(0, 2**32 - 1)

@@ -33,7 +33,7 @@ from google.rpc import error_details_pb2, status_pb2
 from grpc_health.v1 import health_pb2
 from grpc_status import rpc_status
 
-from posenc import _wire, presets
+from posenc import presets, wire as _wire
 from posenc._checks import INT64_MAX, INT64_MIN, bad_argument, choice
 from posenc.errors import (
     DeadlineExceededError,

@@ -18,7 +18,7 @@ from google.protobuf.message import DecodeError, Message
 from google.rpc import code_pb2, error_details_pb2, status_pb2
 from grpc_status import rpc_status
 
-from posenc._wire import encode_tensor_response
+from posenc.wire import encode_tensor_response
 from posenc.v1 import posenc_pb2
 from posenc_server import engine, metrics, presets
 from posenc_server.config import ServerConfig
