@@ -104,6 +104,7 @@ def test_manifests_match_the_kubernetes_schemas_offline(version: str) -> None:
         "Deployment",
         "Service",
         "HorizontalPodAutoscaler",
+        "NetworkPolicy",
         "PodDisruptionBudget",
     }
     for doc in docs:

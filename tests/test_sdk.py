@@ -151,7 +151,7 @@ def test_unary_and_streaming_give_identical_arrays(server: RunningServer) -> Non
 
 def test_large_result_streams_into_one_array(client: posenc.Client, server: RunningServer) -> None:
     # 8 MiB: over the unary limit of the server, so GetEncoding could not serve it.
-    for _ in range(2):  # the first call does not know the width, the second does
+    for _ in range(2):  # before and after the client knows the width
         table = client.get_range(0, 8192, 256)
         assert table.shape == (8192, 256)
         assert table.flags.c_contiguous and table.flags.owndata
@@ -325,8 +325,8 @@ def test_unary_refusal_falls_back_to_streaming(
     # The server's unary limit (16 KiB) is far below the client's 1 MiB threshold.
     server = server_factory(max_unary_bytes=16 << 10)
     with posenc.Client(server.target) as client:
-        first = client.get_range(0, 1000, 64)  # streamed: the width is not known yet
-        again = client.get_range(0, 1000, 64)  # 256 KB: unary, refused, then streamed
+        first = client.get_range(0, 1000, 64)  # unary, refused, then streamed
+        again = client.get_range(0, 1000, 64)  # the same, with the width known
     assert same_bits(first, again)
     assert same_bits(again, on_the_wire(server.target, 64, 0, 1000))
 
@@ -534,12 +534,12 @@ class Recorder(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientIntercept
 def test_interceptors_see_every_call_with_its_token(server: RunningServer) -> None:
     recorder = Recorder()
     with posenc.Client(server.target, token="t0k3n", interceptors=[recorder]) as client:
-        client.get_range(0, 10, 8)  # streamed: the width is not known yet
         client.get_range(0, 10, 8)
+        client.get_range(0, 1 << 20, 8)  # 32 MiB: streamed
         client.server_info()
         client.health()
     methods = [method.rsplit("/", 1)[-1] for method, _ in recorder.calls]
-    assert methods == ["StreamEncoding", "GetEncoding", "GetServerInfo", "Check"]
+    assert methods == ["GetEncoding", "StreamEncoding", "GetServerInfo", "Check"]
     assert all(metadata["authorization"] == "Bearer t0k3n" for _, metadata in recorder.calls)
 
 

@@ -213,7 +213,7 @@ def test_specs_and_their_width(server: RunningServer) -> None:
 
     async def fetch(client: posenc.AsyncClient) -> list[np.ndarray[Any, Any]]:
         return [
-            await client.get_range(0, 100, spec),  # streamed: the width is not known yet
+            await client.get_range(0, 100, spec),  # the width is not known yet
             await client.get_range(0, 100, spec),
             await client.get_positions([99, 3], spec),
         ]

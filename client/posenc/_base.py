@@ -45,7 +45,8 @@ class BaseClient(Generic[ArrayT, InfoT, StatusT, SlicesT]):
             for the server's default.
         unary_max_bytes: Results up to this size are fetched in one unary call, larger
             ones are streamed. The client learns a table's width (so its size) from the
-            first response for that table: until then, non-empty results are streamed.
+            first response for that table; until then, a call streams when it would be
+            too large even with one column, and otherwise tries one unary call first.
         credentials: ``grpc.ChannelCredentials`` for TLS; plaintext when ``None``.
         options: Extra gRPC channel options, overriding the SDK's.
         token: Bearer token sent with every call, for servers started with

@@ -285,10 +285,18 @@ class Core:
     def _fetch(
         self, query: Query, budget: CallBudget, unary_max_bytes: int | None = None
     ) -> Steps[Rows]:
-        """A whole table: one unary call when it is known to be small (or empty: the
-        response still tells its width), else a stream collected into one array."""
+        """A whole table: one unary call when it is small (or empty: the response still
+        tells its width), else a stream collected into one array.
+
+        Until a response has told the table's width, a call is small when it would be with
+        one column: the server refuses a unary result over its limit before computing
+        anything, and the call then streams. A decode loop's first step is one unary call.
+        """
         unary_max = self.settings.unary_max_bytes if unary_max_bytes is None else unary_max_bytes
-        if query.rows <= 0 or (query.nbytes is not None and query.nbytes <= unary_max):
+        size = query.nbytes
+        if size is None:
+            size = query.rows * query.dtype.itemsize
+        if query.rows <= 0 or size <= unary_max:
             try:
                 tensor = yield from self._call("get_encoding", query.unary_request(), budget)
                 rows = decode_unary(tensor, query)

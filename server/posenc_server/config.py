@@ -61,6 +61,13 @@ class ServerConfig:
         default=MIB, metadata={"help": "largest stream chunk in bytes (at most 4 MiB)"}
     )
     cache_bytes: int = field(default=512 * MIB, metadata={"help": "cache budget in bytes"})
+    spec_bytes: int = field(
+        default=16 * MIB,
+        metadata={
+            "help": "budget in bytes of the spec table (the frequencies and rotation tables "
+            "of recently used specs, up to 4 MiB each)"
+        },
+    )
     processes: int = field(
         default=0,
         metadata={"help": "server processes sharing the port (0: one per available core)"},
@@ -122,7 +129,7 @@ class ServerConfig:
             f"must hold one float64 row of max_d_model ({self.max_d_model * 8} bytes) "
             "and be at most 4 MiB",
         )
-        for name in ("max_unary_bytes", "max_stream_bytes", "cache_bytes"):
+        for name in ("max_unary_bytes", "max_stream_bytes", "cache_bytes", "spec_bytes"):
             check(name, 0 <= getattr(self, name) <= 1 << 50, "must be in 0..2**50")
         check("processes", 0 <= self.processes <= 256, "must be in 0..256")
         check("workers", 1 <= self.workers <= 4096, "must be in 1..4096")
