@@ -13,6 +13,7 @@ RUN pip install --no-cache-dir --no-index --find-links /wheels 'posenc[server]' 
     && rm -rf /wheels
 USER 10001
 ENV POSENC_HOST=0.0.0.0 \
+    POSENC_METRICS_HOST=0.0.0.0 \
     POSENC_PORT=50051 \
     PYTHONUNBUFFERED=1
 EXPOSE 50051

@@ -62,7 +62,7 @@ def server_factory() -> Iterator[Callable[..., RunningServer]]:
 
     yield start
     for running in started:
-        running.server.stop(0).wait()
+        running.stop(0)
 
 
 @pytest.fixture

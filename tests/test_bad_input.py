@@ -245,4 +245,4 @@ def fuzz_target() -> Iterator[str]:
         assert_still_serves(posenc_pb2_grpc.PositionalEncodingServiceStub(channel))
         health = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest())
         assert health.status == health_pb2.HealthCheckResponse.SERVING
-    running.server.stop(0).wait()
+    running.stop(0)

@@ -211,7 +211,7 @@ def test_health_serving(server: RunningServer, capsys: pytest.CaptureFixture[str
 
 
 def test_health_not_serving(server: RunningServer, capsys: pytest.CaptureFixture[str]) -> None:
-    server.health.enter_graceful_shutdown()
+    server.not_serving()
     assert main(["health", "--target", server.target]) == 1
     assert capsys.readouterr().out == "NOT_SERVING\n"
 

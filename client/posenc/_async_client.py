@@ -115,13 +115,11 @@ class AsyncClient(
             return None if chunk is _EOF else chunk
         if isinstance(operation, core.Unary):
             method = getattr(self._connect(), operation.method)
-            metadata = self._core.settings.metadata
-            return await method(operation.request, timeout=operation.timeout, metadata=metadata)
+            return await method(operation.request, timeout=operation.timeout)
         if isinstance(operation, core.OpenStream):
             return self._connect().stream_encoding(
                 operation.request,
                 timeout=operation.timeout,
-                metadata=self._core.settings.metadata,
             )
         if isinstance(operation, core.Sleep):
             return await asyncio.sleep(operation.seconds)

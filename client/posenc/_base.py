@@ -15,7 +15,12 @@ from typing import Any, Generic, TypeVar, Unpack, cast
 import grpc
 import numpy.typing as npt
 
-from posenc._channel import DEFAULT_TARGET, DEFAULT_UNARY_MAX_BYTES, Settings
+from posenc._channel import (
+    DEFAULT_TARGET,
+    DEFAULT_UNARY_MAX_BYTES,
+    Settings,
+    channel_credentials,
+)
 from posenc._core import Core, Steps
 from posenc._retry import DEFAULT_MAX_RETRIES, DEFAULT_RETRY_BACKOFF, DEFAULT_TIMEOUT
 from posenc._rows import DEFAULT_READAHEAD_BYTES, DEFAULT_ROW_CACHE_BYTES, RowCache
@@ -47,10 +52,14 @@ class BaseClient(Generic[ArrayT, InfoT, StatusT, SlicesT]):
             ones are streamed. The client learns a table's width (so its size) from the
             first response for that table; until then, a call streams when it would be
             too large even with one column, and otherwise tries one unary call first.
-        credentials: ``grpc.ChannelCredentials`` for TLS; plaintext when ``None``.
+        credentials: ``grpc.ChannelCredentials`` for TLS; plaintext when ``None``; or
+            ``grpc.local_channel_credentials()`` for plaintext to a server on this machine
+            that a token may still be sent to (gRPC checks the address is loopback).
         options: Extra gRPC channel options, overriding the SDK's.
         token: Bearer token sent with every call, for servers started with
-            ``--auth-token-file``.
+            ``--auth-token-file``, as gRPC call credentials: it needs ``credentials``
+            (TLS, or local credentials for a server on this machine), and a ValueError
+            says so otherwise.
         row_cache_bytes: Memory for the rows :meth:`get_positions` fetched ahead, which
             answer later calls for the same (spec, position) without a call: a row
             depends on nothing else, so a cached row is the server's row. ``0`` turns
@@ -88,11 +97,10 @@ class BaseClient(Generic[ArrayT, InfoT, StatusT, SlicesT]):
             chunk_bytes=chunk_bytes,
             unary_max_bytes=unary_max_bytes,
             options=options,
-            token=token,
         )
         rows = RowCache(operator.index(row_cache_bytes), operator.index(readahead_bytes))
         self._core = Core(settings, rows, self._new_token)
-        self._credentials = credentials
+        self._credentials = channel_credentials(credentials, token)
         self._interceptors = tuple(interceptors)
         self._closed = False
         self._setup()

@@ -131,8 +131,6 @@ class Settings:
     chunk_bytes: int | None
     unary_max_bytes: int
     options: list[tuple[str, Any]]
-    # Sent with every call: the bearer token, when there is one.
-    metadata: tuple[tuple[str, str], ...]
 
     @classmethod
     def create(
@@ -145,7 +143,6 @@ class Settings:
         chunk_bytes: int | None,
         unary_max_bytes: int,
         options: Iterable[tuple[str, Any]] | None,
-        token: str | None = None,
     ) -> Settings:
         retries = operator.index(max_retries)
         if retries < 0:
@@ -163,8 +160,29 @@ class Settings:
             chunk_bytes=check_chunk_bytes(chunk_bytes),
             unary_max_bytes=unary_max,
             options=channel_options(options, user_agent()),
-            metadata=(("authorization", f"Bearer {token}"),) if token else (),
         )
+
+
+def channel_credentials(
+    credentials: grpc.ChannelCredentials | None, token: str | None
+) -> grpc.ChannelCredentials | None:
+    """The channel's credentials: ``credentials``, carrying ``token`` as call credentials.
+
+    gRPC attaches call credentials only to channels that protect them: TLS, or local
+    credentials (``grpc.local_channel_credentials()``), whose connections gRPC checks are
+    to this machine. A token is never sent in the clear over a network.
+    """
+    if not token:
+        return credentials
+    if credentials is None:
+        raise ValueError(
+            "token= is sent only over TLS: pass credentials=grpc.ssl_channel_credentials(...), "
+            "or credentials=grpc.local_channel_credentials() for a server on this machine "
+            "(plaintext over loopback)"
+        )
+    return grpc.composite_channel_credentials(
+        credentials, grpc.access_token_call_credentials(token)
+    )
 
 
 class Calls:

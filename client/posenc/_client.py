@@ -111,15 +111,13 @@ class Client(BaseClient[Rows, ServerInfo, str, Iterator[Slice]]):
     def _perform(self, operation: core.Operation) -> Any:
         if isinstance(operation, core.Unary):
             method = getattr(self._calls, operation.method)
-            metadata = self._core.settings.metadata
-            return method(operation.request, timeout=operation.timeout, metadata=metadata)
+            return method(operation.request, timeout=operation.timeout)
         if isinstance(operation, core.NextChunk):
             return next(operation.call, None)
         if isinstance(operation, core.OpenStream):
             return self._calls.stream_encoding(
                 operation.request,
                 timeout=operation.timeout,
-                metadata=self._core.settings.metadata,
             )
         if isinstance(operation, core.Sleep):
             return time.sleep(operation.seconds)

@@ -109,6 +109,12 @@ def _add_client_arguments(parser: argparse.ArgumentParser, timeout: float | None
         "--tls-cert", metavar="PEM", help="client certificate, for mutual TLS (with --tls-key)"
     )
     security.add_argument("--tls-key", metavar="PEM", help="client private key, for mutual TLS")
+    security.add_argument(
+        "--local",
+        action="store_true",
+        help="no TLS, to a server on this machine: gRPC checks the address is loopback "
+        "(a --token-file token is sent only over TLS or --local)",
+    )
 
 
 def _client(args: argparse.Namespace, targets: Sequence[str], **settings: Any) -> Client:
@@ -125,6 +131,8 @@ def _client(args: argparse.Namespace, targets: Sequence[str], **settings: Any) -
         credentials = grpc.ssl_channel_credentials(
             read(args.tls_ca), read(args.tls_key), read(args.tls_cert)
         )
+    elif args.local:
+        credentials = grpc.local_channel_credentials()
     return Client(targets, timeout=args.timeout, token=token, credentials=credentials, **settings)
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import ctypes
 import json
@@ -11,27 +12,59 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from concurrent import futures
 from dataclasses import dataclass, field
 from importlib import metadata
 from types import FrameType
-from typing import Any
+from typing import Any, TypeVar
 
 import grpc
+import grpc.aio
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from posenc_server import auth, metrics, supervisor
+from posenc_server.admission import ByteBudget
 from posenc_server.config import ServerConfig
 from posenc_server.interceptors import ServingInterceptor
 from posenc_server.service import EncodingService
-from posenc_server.servicer import SERVICE_NAME, PositionalEncodingServicer, add_to_server
+from posenc_server.servicer import (
+    METHOD_NAMES,
+    SERVICE_NAME,
+    STREAMING_METHODS,
+    PositionalEncodingServicer,
+    add_to_server,
+)
 from posenc_server.specs import SpecTable
+
+T = TypeVar("T")
 
 log = logging.getLogger("posenc_server")
 
 _CONNECTION_AGE_GRACE_MS = 30_000
+# How long a client turned away for lack of in-flight memory is told to wait.
+_ADMISSION_RETRY_AFTER = 0.2
+# Methods of the health and reflection services: with the posenc ones, every metric label.
+_OTHER_METHODS = frozenset(
+    {
+        *health_pb2.DESCRIPTOR.services_by_name["Health"].methods_by_name,
+        "ServerReflectionInfo",
+    }
+)
+_loop: asyncio.AbstractEventLoop | None = None
+_loop_lock = threading.Lock()
+
+
+def event_loop() -> asyncio.AbstractEventLoop:
+    """The process's event loop for gRPC servers, running in a thread of its own (started
+    on first use; every server of the process shares it)."""
+    global _loop
+    with _loop_lock:
+        if _loop is None:
+            _loop = asyncio.new_event_loop()
+            threading.Thread(target=_loop.run_forever, name="posenc-loop", daemon=True).start()
+        return _loop
 
 
 def version() -> str:
@@ -78,15 +111,32 @@ class RunningServer:
 
     config: ServerConfig
     port: int
-    server: grpc.Server
+    server: grpc.aio.Server
     service: EncodingService
-    health: health.HealthServicer
+    health: health.aio.HealthServicer
+    budget: ByteBudget
+    pool: futures.ThreadPoolExecutor
+    loop: asyncio.AbstractEventLoop
     publisher: metrics.ServicePublisher = field(default_factory=metrics.ServicePublisher)
 
     def publish_metrics(self) -> None:
         """Bring the cache and computation metrics up to date (called now and then: on
         every call, it would cost the decode steps more than their rows)."""
         self.publisher.publish(self.service.cache_stats(), self.service.rows_computed)
+        metrics.IN_FLIGHT_BYTES.set(self.budget.used)
+
+    def call(self, coroutine: Coroutine[Any, Any, T]) -> T:
+        """Run ``coroutine`` on the server's event loop and return its result."""
+        return asyncio.run_coroutine_threadsafe(coroutine, self.loop).result()
+
+    def not_serving(self) -> None:
+        """Health says NOT_SERVING from now on (as at the start of a drain)."""
+        self.call(self.health.enter_graceful_shutdown())
+
+    def stop(self, grace: float | None) -> None:
+        """Stop serving: calls in flight get ``grace`` seconds, then are cancelled."""
+        self.call(self.server.stop(grace))
+        self.pool.shutdown(wait=False, cancel_futures=True)
 
     @property
     def target(self) -> str:
@@ -103,10 +153,10 @@ class RunningServer:
         """
         grace = self.config.grace_seconds if grace is None else grace
         deadline = time.monotonic() + grace
-        self.health.enter_graceful_shutdown()
+        self.not_serving()
         self.service.begin_drain()
         drained = self.service.wait_idle(grace)
-        self.server.stop(max(0.0, deadline - time.monotonic())).wait()
+        self.stop(max(0.0, deadline - time.monotonic()))
         return drained
 
 
@@ -154,20 +204,34 @@ def housekeeping(running: RunningServer, stop: threading.Event) -> None:
 
 
 def start_server(config: ServerConfig, *, reuse_port: bool = False) -> RunningServer:
-    """Start serving ``config`` in background threads and return the running server.
+    """Start serving ``config`` on the process's event loop and return the running server.
 
     ``reuse_port`` lets several processes listen on one port (the supervisor's workers);
     otherwise a busy port is an error rather than silently shared.
     """
+    loop = event_loop()
+    return asyncio.run_coroutine_threadsafe(_start(config, reuse_port, loop), loop).result()
+
+
+async def _start(
+    config: ServerConfig, reuse_port: bool, loop: asyncio.AbstractEventLoop
+) -> RunningServer:
     service = EncodingService(config)
-    servicer = PositionalEncodingServicer(config, SpecTable(config, max_bytes=config.spec_bytes), service, version())
+    # The CPU work of calls (parsing, specs, rows); calls waiting for I/O hold no thread.
+    pool = futures.ThreadPoolExecutor(max_workers=config.workers, thread_name_prefix="posenc")
+    budget = ByteBudget(
+        config.in_flight_bytes, config.admission_wait_seconds, _ADMISSION_RETRY_AFTER
+    )
+    specs = SpecTable(config, max_bytes=config.spec_bytes)
+    servicer = PositionalEncodingServicer(config, specs, service, version(), pool, budget)
     token = None
     if config.auth_token_file:
         token = auth.BearerToken(auth.read_token(config.auth_token_file))
-    interceptors: list[grpc.ServerInterceptor[Any, Any]] = [ServingInterceptor(SERVICE_NAME, token)]
-    server = grpc.server(
-        futures.ThreadPoolExecutor(max_workers=config.workers, thread_name_prefix="posenc"),
-        interceptors=interceptors,
+    interceptor = ServingInterceptor(
+        SERVICE_NAME, frozenset(METHOD_NAMES) | _OTHER_METHODS, STREAMING_METHODS, token
+    )
+    server = grpc.aio.server(
+        interceptors=[interceptor],
         options=[
             ("grpc.max_receive_message_length", config.max_receive_message_bytes),
             ("grpc.max_send_message_length", config.max_send_message_bytes),
@@ -179,26 +243,29 @@ def start_server(config: ServerConfig, *, reuse_port: bool = False) -> RunningSe
         ],
     )
     add_to_server(servicer, server)
-    health_servicer = health.HealthServicer(experimental_non_blocking=True)
+    health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(
         (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server
     )
     credentials = server_credentials(config)
-    if path := os.environ.get(supervisor.HEALTH_SOCKET_ENV):
-        # The supervisor's private line for health checks: it reaches this worker, not
-        # whichever worker the kernel hands a TCP connection on the shared port.
-        server.add_insecure_port(f"unix:{path}")
-    if credentials is None:
-        port = server.add_insecure_port(config.address)
-    else:
-        port = server.add_secure_port(config.address, credentials)
+    try:
+        if path := os.environ.get(supervisor.HEALTH_SOCKET_ENV):
+            # The supervisor's private line for health checks: it reaches this worker, not
+            # whichever worker the kernel hands a TCP connection on the shared port.
+            server.add_insecure_port(f"unix:{path}")
+        if credentials is None:
+            port = server.add_insecure_port(config.address)
+        else:
+            port = server.add_secure_port(config.address, credentials)
+    except RuntimeError as error:
+        raise OSError(f"cannot listen on {config.address}: {error}") from None
     if port == 0:
         raise OSError(f"cannot listen on {config.address}")
-    server.start()
+    await server.start()
     for name in ("", SERVICE_NAME):
-        health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-    running = RunningServer(config, port, server, service, health_servicer)
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    running = RunningServer(config, port, server, service, health_servicer, budget, pool, loop)
     running.publish_metrics()
     return running
 
@@ -209,6 +276,7 @@ def startup_fields(config: ServerConfig, port: int, metrics_port: int) -> dict[s
         "address": f"{config.host}:{port}",
         "port": port,
         "metrics_port": metrics_port,
+        "metrics_host": config.metrics_host,
         "version": version(),
         "limits": config.public_limits(),
         "cache_bytes": config.cache_bytes,

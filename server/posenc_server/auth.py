@@ -11,24 +11,32 @@ EXEMPT_PREFIXES = ("/grpc.health.v1.Health/",)
 
 
 class BearerToken:
-    """Accepts calls with ``authorization: Bearer <token>``, and health checks."""
+    """Accepts calls with exactly one ``authorization: Bearer <token>``, and health checks.
+
+    The scheme is case-insensitive (RFC 7235: ``bearer`` and ``BEARER`` are ``Bearer``). A
+    call with two ``authorization`` entries is refused: which one a proxy or the server
+    would read is anybody's guess.
+    """
 
     def __init__(self, token: str) -> None:
         if not token:
             raise ValueError("the bearer token is empty")
-        self._expected = f"Bearer {token}".encode()
+        self._expected = token.encode()
 
     def allows(self, details: grpc.HandlerCallDetails) -> bool:
         """Whether the call may go on."""
         method: str = details.method
         if method.startswith(EXEMPT_PREFIXES):
             return True
-        supplied = b""
-        for key, value in details.invocation_metadata:
-            if key == "authorization":
-                supplied = value.encode() if isinstance(value, str) else value
+        supplied = [value for key, value in details.invocation_metadata if key == "authorization"]
+        if len(supplied) != 1:
+            return False
+        value = supplied[0]
+        header = value.encode() if isinstance(value, str) else value
+        scheme, _, credentials = header.partition(b" ")
         # Constant time: the comparison must not tell how much of a guess was right.
-        return hmac.compare_digest(supplied, self._expected)
+        matches = hmac.compare_digest(credentials.lstrip(b" "), self._expected)
+        return scheme.lower() == b"bearer" and matches
 
 
 def read_token(path: str) -> str:

@@ -72,7 +72,32 @@ class ServerConfig:
         default=0,
         metadata={"help": "server processes sharing the port (0: one per available core)"},
     )
-    workers: int = field(default=64, metadata={"help": "threads serving requests, per process"})
+    workers: int = field(
+        default=64,
+        metadata={
+            "help": "threads computing tables, per process (calls waiting for their request "
+            "or for the client to read hold none)"
+        },
+    )
+    in_flight_bytes: int = field(
+        default=64 * MIB,
+        metadata={
+            "help": "memory for encoding calls in flight, per process: requests, their "
+            "working memory, and responses not yet handed to the client's connection; calls "
+            "beyond it wait, then get RESOURCE_EXHAUSTED with RetryInfo"
+        },
+    )
+    admission_wait_seconds: float = field(
+        default=1.0,
+        metadata={"help": "how long a call waits for room in in_flight_bytes before it is refused"},
+    )
+    read_timeout_seconds: float = field(
+        default=30.0,
+        metadata={
+            "help": "a call whose request message has not arrived this long after its "
+            "headers is ended with DEADLINE_EXCEEDED"
+        },
+    )
     max_concurrent_streams: int = field(
         default=48,
         metadata={
@@ -93,7 +118,14 @@ class ServerConfig:
     log_level: str = field(default="INFO", metadata={"help": "DEBUG, INFO, WARNING or ERROR"})
     metrics_port: int = field(
         default=9464,
-        metadata={"help": "Prometheus metrics HTTP port on the same host (0: a free one; -1: off)"},
+        metadata={"help": "Prometheus metrics HTTP port (0: a free one; -1: off)"},
+    )
+    metrics_host: str = field(
+        default="127.0.0.1",
+        metadata={
+            "help": "address the metrics port listens on (the container image sets 0.0.0.0; "
+            "/metrics has no authentication: expose it to Prometheus only)"
+        },
     )
     tls_cert_file: str = field(
         default="", metadata={"help": "PEM certificate chain: serve TLS (with tls_key_file)"}
@@ -129,6 +161,19 @@ class ServerConfig:
             f"must hold one float64 row of max_d_model ({self.max_d_model * 8} bytes) "
             "and be at most 4 MiB",
         )
+        check(
+            "in_flight_bytes",
+            self.max_receive_message_bytes <= self.in_flight_bytes <= 1 << 50,
+            f"must hold the largest request ({self.max_receive_message_bytes} bytes, from "
+            "max_positions) and be at most 2**50",
+        )
+        for name in ("admission_wait_seconds", "read_timeout_seconds"):
+            value = getattr(self, name)
+            check(
+                name,
+                math.isfinite(value) and 0 < value <= 3600,
+                "must be a number of seconds in (0, 3600]",
+            )
         for name in ("max_unary_bytes", "max_stream_bytes", "cache_bytes", "spec_bytes"):
             check(name, 0 <= getattr(self, name) <= 1 << 50, "must be in 0..2**50")
         check("processes", 0 <= self.processes <= 256, "must be in 0..256")

@@ -42,3 +42,7 @@ class OverloadedError(LimitExceededError):
 
 class ShuttingDownError(PosencServerError):
     """The server is draining and accepts no new work."""
+
+
+class RequestTimeoutError(PosencServerError):
+    """The call's request message did not arrive within the read timeout."""

@@ -7,12 +7,15 @@ and becomes INTERNAL, logged with its traceback.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
 import grpc
+import grpc.aio
 from google.protobuf import any_pb2, duration_pb2
 from google.rpc import code_pb2, error_details_pb2, status_pb2
 from grpc_status import rpc_status
@@ -23,33 +26,50 @@ from posenc_server.errors import (
     InvalidRequestError,
     LimitExceededError,
     OverloadedError,
+    RequestTimeoutError,
     ShuttingDownError,
 )
 
 log = logging.getLogger("posenc_server")
 
-if TYPE_CHECKING:  # grpc-stubs makes the interceptor generic; the real class is not
-    _Interceptor = grpc.ServerInterceptor[Any, Any]
+if TYPE_CHECKING:  # grpc-stubs makes the handler generic; the real class is not
     _Handler = grpc.RpcMethodHandler[Any, Any]
 else:
-    _Interceptor = grpc.ServerInterceptor
     _Handler = grpc.RpcMethodHandler
+_Context = grpc.aio.ServicerContext[bytes, bytes]
+_Behaviour = Callable[[AsyncIterator[bytes], _Context], AsyncIterator[bytes]]
+
+UNKNOWN_METHOD = "unknown"
+"""The ``method`` label of every call to a method the server does not serve."""
 
 
-class ServingInterceptor(_Interceptor):
+class ServingInterceptor(grpc.aio.ServerInterceptor):
     """Authenticates every call (with a token), and serves the methods of ``service``
-    through ``serve``: metrics and status codes."""
+    through ``serve``: metrics and status codes.
 
-    def __init__(self, service: str, token: BearerToken | None = None) -> None:
+    Metric labels come from a fixed set, ``methods`` (the short names of every method the
+    server serves) and ``UNKNOWN_METHOD``: a caller cannot grow the metrics by inventing
+    method names.
+    """
+
+    def __init__(
+        self,
+        service: str,
+        methods: frozenset[str],
+        streaming: frozenset[str],
+        token: BearerToken | None = None,
+    ) -> None:
         self._prefix = f"/{service}/"
         self._token = token
-        self._metrics: dict[str, metrics.MethodMetrics] = {}
+        self._streaming = streaming
+        self._metrics = {name: metrics.MethodMetrics(name) for name in methods}
+        self._unknown = metrics.MethodMetrics(UNKNOWN_METHOD)
         # Wrapped handlers by method: the generic handler returns the same one every time.
         self._wrapped: dict[str, tuple[_Handler, _Handler]] = {}
 
-    def intercept_service(
+    async def intercept_service(
         self,
-        continuation: Callable[[grpc.HandlerCallDetails], _Handler | None],
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[_Handler | None]],
         details: grpc.HandlerCallDetails,
     ) -> _Handler | None:
         """Refuse an unauthenticated call, or serve the call through the wrapper."""
@@ -57,100 +77,69 @@ class ServingInterceptor(_Interceptor):
         if self._token is not None and not self._token.allows(details):
             self._method_metrics(method).record("UNAUTHENTICATED", None)
             return _DENY
-        handler = continuation(details)
+        handler = await continuation(details)
         if handler is None or not method.startswith(self._prefix):
             return handler
         known = self._wrapped.get(method)
         if known is not None and known[0] is handler:
             return known[1]
-        wrapped = self._wrap(handler, self._method_metrics(method))
+        assert handler.stream_stream is not None, "servicer.add_to_server registers streams"
+        name = method.rsplit("/", 1)[-1]
+        wrapped = grpc.stream_stream_rpc_method_handler(
+            _serve(handler.stream_stream, self._method_metrics(method), name in self._streaming)
+        )
         self._wrapped[method] = (handler, wrapped)
         return wrapped
 
     def _method_metrics(self, method: str) -> metrics.MethodMetrics:
-        name = method.rsplit("/", 1)[-1]
-        found = self._metrics.get(name)
-        if found is None:
-            found = self._metrics[name] = metrics.MethodMetrics(name)
-        return found
-
-    @staticmethod
-    def _wrap(handler: _Handler, method_metrics: metrics.MethodMetrics) -> _Handler:
-        if handler.unary_stream is not None:
-            return grpc.unary_stream_rpc_method_handler(
-                _serve_stream(handler.unary_stream, method_metrics),
-                request_deserializer=handler.request_deserializer,
-                response_serializer=handler.response_serializer,
-            )
-        assert handler.unary_unary is not None, "the service has unary and stream methods only"
-        return grpc.unary_unary_rpc_method_handler(
-            _serve_unary(handler.unary_unary, method_metrics),
-            request_deserializer=handler.request_deserializer,
-            response_serializer=handler.response_serializer,
-        )
+        return self._metrics.get(method.rsplit("/", 1)[-1], self._unknown)
 
 
-def _refuse(request: Any, context: grpc.ServicerContext) -> None:
-    context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or invalid bearer token")
+async def _refuse(requests: AsyncIterator[bytes], context: _Context) -> AsyncIterator[bytes]:
+    # Ends the call at once, without reading its request: an unauthenticated caller holds
+    # nothing, whatever kind of call it makes and whether it sends a message or not.
+    await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or invalid bearer token")
+    yield b""  # never reached: makes this an async generator, as stream handlers are
 
 
-# Aborting before any response works for every kind of call, streams included.
-_DENY: _Handler = grpc.unary_unary_rpc_method_handler(_refuse)
+_DENY: _Handler = grpc.stream_stream_rpc_method_handler(_refuse)
 
 
-def _serve_unary(
-    behaviour: Callable[[Any, grpc.ServicerContext], Any], method_metrics: metrics.MethodMetrics
-) -> Callable[[Any, grpc.ServicerContext], Any]:
-    def serve(request: Any, context: grpc.ServicerContext) -> Any:
+def _serve(
+    behaviour: _Behaviour, method_metrics: metrics.MethodMetrics, streaming: bool
+) -> _Behaviour:
+    async def serve(requests: AsyncIterator[bytes], context: _Context) -> AsyncIterator[bytes]:
         started = time.perf_counter()
+        if streaming:
+            metrics.STREAMS_IN_FLIGHT.inc()
         try:
-            response = behaviour(request, context)
-        except BaseException as error:
-            _fail(error, context, method_metrics, started)
+            # Closed here, not whenever it is collected: its cleanup (admission) runs now.
+            async with contextlib.aclosing(behaviour(requests, context)) as messages:  # type: ignore[type-var]
+                async for message in messages:
+                    method_metrics.payload_bytes.inc(len(message))
+                    yield message
+        except (asyncio.CancelledError, GeneratorExit):
+            # The client cancelled, its deadline passed, or the connection closed.
+            method_metrics.record("CANCELLED", time.perf_counter() - started)
             raise
-        if isinstance(response, bytes):
-            method_metrics.payload_bytes.inc(len(response))
-        method_metrics.record("OK", time.perf_counter() - started)
-        return response
-
-    return serve
-
-
-def _serve_stream(
-    behaviour: Callable[[Any, grpc.ServicerContext], Iterator[bytes]],
-    method_metrics: metrics.MethodMetrics,
-) -> Callable[[Any, grpc.ServicerContext], Iterator[bytes]]:
-    def serve(request: Any, context: grpc.ServicerContext) -> Iterator[bytes]:
-        started = time.perf_counter()
-        metrics.STREAMS_IN_FLIGHT.inc()
-        responses: Iterator[bytes] | None = None
-        try:
-            responses = behaviour(request, context)
-            for message in responses:
-                method_metrics.payload_bytes.inc(len(message))
-                yield message
-        except BaseException as error:
-            _fail(error, context, method_metrics, started)
+        except grpc.aio.AbortError:
+            raise  # already answered
+        except Exception as error:
+            await _fail(error, context, method_metrics, started)
             raise
         else:
             method_metrics.record("OK", time.perf_counter() - started)
         finally:
-            metrics.STREAMS_IN_FLIGHT.dec()
-            close = getattr(responses, "close", None)
-            if close is not None:  # a generator: run its cleanup (admission) now
-                close()
+            if streaming:
+                metrics.STREAMS_IN_FLIGHT.dec()
 
     return serve
 
 
-def _fail(
-    error: BaseException,
-    context: grpc.ServicerContext,
-    method_metrics: metrics.MethodMetrics,
-    started: float,
+async def _fail(
+    error: Exception, context: _Context, method_metrics: metrics.MethodMetrics, started: float
 ) -> None:
-    """Record the failed call and answer its status; returns only for errors to re-raise."""
-    status: grpc.Status | None = None
+    """Record the failed call and answer its status (raises AbortError)."""
     if isinstance(error, InvalidRequestError):
         code, status = "INVALID_ARGUMENT", _bad_request_status(error)
     elif isinstance(error, OverloadedError):
@@ -159,23 +148,14 @@ def _fail(
         code, status = "RESOURCE_EXHAUSTED", _status(code_pb2.RESOURCE_EXHAUSTED, error)
     elif isinstance(error, ShuttingDownError):
         code, status = "UNAVAILABLE", _status(code_pb2.UNAVAILABLE, error)
-    elif isinstance(error, GeneratorExit):
-        # gRPC closes a stream's generator when the client cancels or its deadline passes.
-        code = "CANCELLED"
-    elif not isinstance(error, Exception):
-        code = "INTERNAL"  # KeyboardInterrupt and the like: let them through
-    elif not context.is_active():
-        code = "CANCELLED"  # the client went away: nothing to answer
+    elif isinstance(error, RequestTimeoutError):
+        code, status = "DEADLINE_EXCEEDED", _status(code_pb2.DEADLINE_EXCEEDED, error)
     else:
         code = "INTERNAL"
         log.error("unexpected error while serving a request", exc_info=error)
         status = _status(code_pb2.INTERNAL, "internal error; see the server log")
     method_metrics.record(code, time.perf_counter() - started)
-    if status is not None:
-        context.abort_with_status(status)  # raises
-    if code == "CANCELLED" and isinstance(error, Exception):
-        # Nowhere to send it: end the call quietly rather than log a traceback.
-        context.abort(grpc.StatusCode.CANCELLED, "the client went away")
+    await context.abort_with_status(status)
 
 
 def _status(code: int, message: object) -> grpc.Status:

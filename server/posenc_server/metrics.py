@@ -7,14 +7,34 @@ prometheus-client is imported) and serves the sum. A single process serves its o
 
 from __future__ import annotations
 
+import os
+import socket
 import threading
+from collections.abc import Callable, Iterable
+from socketserver import ThreadingMixIn
+from typing import Any
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 import prometheus_client
+import prometheus_client.values
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, multiprocess
 
 from posenc_server.cache import CacheStats
 
 MULTIPROCESS_DIR_ENV = "PROMETHEUS_MULTIPROC_DIR"
+# Set by the supervisor in a worker's environment: the worker's index (supervisor.py; not
+# imported from there, which imports this module).
+_WORKER_INDEX_ENV = "POSENC_WORKER_INDEX"
+METRICS_PATH = "/metrics"
+
+if os.environ.get(MULTIPROCESS_DIR_ENV) and os.environ.get(_WORKER_INDEX_ENV):
+    # A worker's metric files are named after its index, not its pid: a replaced worker
+    # goes on with its predecessor's files (and counts), so the directory holds one set of
+    # files per worker however often workers are replaced. Set before any metric exists.
+    _worker_files = f"worker{os.environ[_WORKER_INDEX_ENV]}"
+    prometheus_client.values.ValueClass = prometheus_client.values.MultiProcessValue(
+        lambda: _worker_files  # type: ignore[arg-type,return-value]
+    )
 
 REQUESTS = Counter(
     "posenc_requests_total", "Finished calls by method and status code.", ["method", "code"]
@@ -29,6 +49,11 @@ LATENCY = Histogram(
 PAYLOAD_BYTES = Counter("posenc_payload_bytes_total", "Table bytes sent, by method.", ["method"])
 STREAMS_IN_FLIGHT = Gauge(
     "posenc_streams_in_flight", "Streams being served now.", multiprocess_mode="livesum"
+)
+IN_FLIGHT_BYTES = Gauge(
+    "posenc_in_flight_bytes",
+    "Bytes held by encoding calls in flight (admitted against --in-flight-bytes).",
+    multiprocess_mode="livesum",
 )
 ROWS_COMPUTED = Counter("posenc_rows_computed_total", "Table rows computed (cache misses).")
 CACHE_HITS = Counter("posenc_cache_hits_total", "Cache lookups that found their block.")
@@ -92,8 +117,37 @@ def _advance(counter: Counter, published: int, current: int) -> int:
     return published
 
 
+class _Server(ThreadingMixIn, WSGIServer):
+    daemon_threads = True
+
+
+class _Server6(_Server):
+    address_family = socket.AF_INET6
+
+
+class _QuietHandler(WSGIRequestHandler):
+    def log_message(self, format: str, *args: Any) -> None:
+        """Scrapes are not worth a log line."""
+
+
+_WsgiApp = Callable[[dict[str, Any], Callable[..., Any]], Iterable[bytes]]
+
+
+def _only_metrics(app: _WsgiApp) -> _WsgiApp:
+    """``app`` at /metrics; 404 everywhere else."""
+
+    def serve(environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
+        if environ.get("PATH_INFO") != METRICS_PATH:
+            start_response("404 Not Found", [("Content-Type", "text/plain")])
+            return [b"not found: the metrics are at /metrics\n"]
+        return app(environ, start_response)
+
+    return serve
+
+
 def serve(host: str, port: int, multiprocess_dir: str | None = None) -> int:
-    """Serve /metrics on ``host:port`` (0: a free port) in a thread; returns the port.
+    """Serve /metrics, and nothing else, on ``host:port`` (0: a free port) in a thread;
+    returns the port.
 
     With ``multiprocess_dir``, serves the sum of the worker processes writing there.
     """
@@ -101,10 +155,13 @@ def serve(host: str, port: int, multiprocess_dir: str | None = None) -> int:
     if multiprocess_dir is not None:
         registry = CollectorRegistry()
         multiprocess.MultiProcessCollector(registry, path=multiprocess_dir)  # type: ignore[no-untyped-call]
-    server, _ = prometheus_client.start_http_server(port, addr=host, registry=registry)
+    app = _only_metrics(prometheus_client.make_wsgi_app(registry))
+    server_class = _Server6 if ":" in host else _Server
+    server = make_server(host, port, app, server_class, handler_class=_QuietHandler)
+    threading.Thread(target=server.serve_forever, name="posenc-metrics", daemon=True).start()
     return int(server.server_port)
 
 
-def forget_process(pid: int, multiprocess_dir: str) -> None:
+def forget_worker(index: int, multiprocess_dir: str) -> None:
     """Drop a dead worker's live gauges (its counters stay: they happened)."""
-    multiprocess.mark_process_dead(pid, multiprocess_dir)  # type: ignore[no-untyped-call]
+    multiprocess.mark_process_dead(f"worker{index}", multiprocess_dir)  # type: ignore[no-untyped-call]

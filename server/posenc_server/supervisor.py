@@ -82,7 +82,7 @@ def serve_metrics(config: ServerConfig, multiprocess_dir: str | None = None) -> 
     if config.metrics_port < 0:
         return -1
     try:
-        return metrics.serve(config.host, config.metrics_port, multiprocess_dir)
+        return metrics.serve(config.metrics_host, config.metrics_port, multiprocess_dir)
     except OSError as error:
         raise OSError(
             f"cannot serve metrics on port {config.metrics_port}: {error} "
@@ -236,7 +236,7 @@ def supervise(
                             "fields": {"worker": worker.index, "code": worker.process.returncode}
                         },
                     )
-                    metrics.forget_process(worker.process.pid, metrics_dir.name)
+                    metrics.forget_worker(worker.index, metrics_dir.name)
                     time.sleep(_RESTART_DELAY)
                     workers[position] = start(worker.index)
         log.info(

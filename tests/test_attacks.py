@@ -1,0 +1,383 @@
+"""Hostile and heavy clients (issue 10): raw HTTP/2 and raw protobuf, as an attacker sends them.
+
+Each test reproduces one attack against a real server process and checks what the server
+promises: health answers, memory stays within the cache budget plus 128 MiB, refusals are
+clear (UNAUTHENTICATED, RESOURCE_EXHAUSTED with RetryInfo, DEADLINE_EXCEEDED), and the
+metrics do not grow with what a caller invents.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable
+from pathlib import Path
+
+import grpc
+import numpy as np
+import pytest
+from conftest import ServerProcess, peak_rss_mib
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from rawh2 import RawConnection, Reply
+from test_operations import metric, metrics_port, scrape
+
+import posenc
+from posenc.v1 import posenc_pb2 as pb
+from posenc_server.app import RunningServer
+
+MIB = 1 << 20
+GET_ENCODING = "/posenc.v1.PositionalEncodingService/GetEncoding"
+REFLECTION = "/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo"
+UNAUTHENTICATED, RESOURCE_EXHAUSTED, DEADLINE_EXCEEDED = 16, 8, 4
+# What every memory test allows: the cache budget plus this.
+HEADROOM_MIB = 128
+
+
+def current_rss_mib(pid: int) -> float:
+    """The resident memory of process ``pid`` now (VmRSS), in MiB."""
+    with open(f"/proc/{pid}/status") as status:
+        for line in status:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    raise AssertionError("no VmRSS")
+
+
+def encoding_request(start: int, stop: int, d_model: int) -> bytes:
+    """A serialized GetEncodingRequest for a float32 sinusoidal range."""
+    request = pb.GetEncodingRequest(
+        spec=pb.EncodingSpec(sinusoidal=pb.SinusoidalTable(d_model=d_model)),
+        range=pb.PositionRange(start=start, stop=stop),
+    )
+    return request.SerializeToString()
+
+
+def health_latency(target: str, checks: int = 5) -> float:
+    """The slowest of ``checks`` health checks on one connected channel, in seconds."""
+    with grpc.insecure_channel(target) as channel:
+        grpc.channel_ready_future(channel).result(timeout=5)
+        check = health_pb2_grpc.HealthStub(channel).Check
+        slowest = 0.0
+        for _ in range(checks):
+            started = time.perf_counter()
+            response = check(health_pb2.HealthCheckRequest(), timeout=5)
+            slowest = max(slowest, time.perf_counter() - started)
+            assert response.status == health_pb2.HealthCheckResponse.SERVING
+    return slowest
+
+
+def pump_until(
+    connections: list[RawConnection], done: Callable[[], bool], seconds: float
+) -> None:
+    deadline = time.monotonic() + seconds
+    while not done() and time.monotonic() < deadline:
+        for connection in connections:
+            connection.pump(0.02)
+
+
+# -- 1: stalled calls ------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_512_stalled_calls_starve_neither_health_nor_real_calls(
+    spawn_server: Callable[..., ServerProcess],
+) -> None:
+    """8 connections carry 64 GetEncoding calls each that send headers and never a message
+    (the threaded server gave each one of its 64 threads: everything else timed out)."""
+    server = spawn_server()
+    connections = [RawConnection("127.0.0.1", server.port) for _ in range(8)]
+    try:
+        streams = [
+            (connection, connection.call(GET_ENCODING, None, end=False))
+            for connection in connections
+            for _ in range(64)
+        ]
+        for connection in connections:
+            connection.pump(0.2)
+        assert health_latency(server.target) < 0.1
+        with posenc.Client(server.target, timeout=5, max_retries=0) as client:
+            rows = client.get_range(1000, 1004, 8)
+        positions = np.arange(1000, 1004)[:, None]
+        inv_freq = 10000.0 ** (-np.arange(0, 8, 2) / 8)
+        expected = np.empty((4, 8))
+        expected[:, 0::2], expected[:, 1::2] = np.sin(positions * inv_freq), np.cos(
+            positions * inv_freq
+        )
+        np.testing.assert_allclose(rows, expected, atol=1e-6)
+        # The attack was real: every stalled call is still open.
+        for connection, stream in streams:
+            connection.pump(0)
+            assert not connection.replies[stream].ended
+    finally:
+        for connection in connections:
+            connection.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_request_that_never_arrives_is_cancelled(
+    spawn_server: Callable[..., ServerProcess],
+) -> None:
+    server = spawn_server(0, "--read-timeout-seconds", "0.5")
+    connection = RawConnection("127.0.0.1", server.port)
+    try:
+        stalled = connection.call(GET_ENCODING, None, end=False)
+        # Half a message: the length prefix promises 100 bytes, 10 come.
+        partial = connection.call(GET_ENCODING, None, end=False)
+        connection.conn.send_data(partial, b"\0\0\0\0\x64" + b"\0" * 10)
+        connection.sock.sendall(connection.conn.data_to_send())
+        started = time.monotonic()
+        pump_until(
+            [connection],
+            lambda: all(connection.replies[s].status is not None for s in (stalled, partial)),
+            10,
+        )
+        assert time.monotonic() - started < 5
+        for stream in (stalled, partial):
+            reply = connection.replies[stream]
+            assert reply.status == DEADLINE_EXCEEDED, reply
+            assert "--read-timeout-seconds" in reply.trailers.get(
+                "grpc-message", reply.headers.get("grpc-message", "")
+            )
+    finally:
+        connection.close()
+
+
+# -- 13: authentication --------------------------------------------------------------------
+
+
+@pytest.fixture
+def token_server(
+    server_factory: Callable[..., RunningServer], tmp_path: Path
+) -> tuple[RunningServer, str]:
+    token_file = tmp_path / "token"
+    token_file.write_text("s3cret\n")
+    return server_factory(auth_token_file=str(token_file)), "s3cret"
+
+
+@pytest.mark.timeout(60)
+def test_unauthenticated_calls_end_at_once_without_a_message(
+    token_server: tuple[RunningServer, str],
+) -> None:
+    """Headers alone get UNAUTHENTICATED (no thread or coroutine waits for their message),
+    streams included, and a reflection call that sends no message at all too (it got
+    UNIMPLEMENTED)."""
+    server, _ = token_server
+    connection = RawConnection("127.0.0.1", server.port)
+    try:
+        open_calls = [connection.call(GET_ENCODING, None, end=False) for _ in range(200)]
+        empty_reflection = connection.call(REFLECTION, None, end=True)
+        pump_until(
+            [connection],
+            lambda: all(reply.status is not None for reply in connection.replies.values()),
+            10,
+        )
+        for stream in [*open_calls, empty_reflection]:
+            assert connection.replies[stream].status == UNAUTHENTICATED
+        assert health_latency(server.target) < 0.1
+    finally:
+        connection.close()
+
+
+@pytest.mark.parametrize(
+    ("headers", "allowed"),
+    [
+        ([("authorization", "Bearer s3cret")], True),
+        ([("authorization", "bearer s3cret")], True),  # the scheme is case-insensitive
+        ([("authorization", "BEARER  s3cret")], True),
+        ([("authorization", "Bearer s3cret"), ("authorization", "Bearer s3cret")], False),
+        ([("authorization", "Bearer wrong"), ("authorization", "Bearer s3cret")], False),
+        ([("authorization", "Bearer s3cret"), ("authorization", "Bearer wrong")], False),
+        ([("authorization", "Basic s3cret")], False),
+        ([("authorization", "s3cret")], False),
+        ([], False),
+    ],
+)
+@pytest.mark.timeout(60)
+def test_authorization_headers_on_the_wire(
+    token_server: tuple[RunningServer, str], headers: list[tuple[str, str]], allowed: bool
+) -> None:
+    server, _ = token_server
+    connection = RawConnection("127.0.0.1", server.port)
+    try:
+        stream = connection.call(
+            "/posenc.v1.PositionalEncodingService/GetServerInfo", b"", metadata=headers
+        )
+        pump_until([connection], lambda: connection.replies[stream].status is not None, 10)
+        reply = connection.replies[stream]
+        assert reply.status == (0 if allowed else UNAUTHENTICATED), reply
+    finally:
+        connection.close()
+
+
+def test_the_sdk_sends_a_token_only_over_protected_channels(
+    token_server: tuple[RunningServer, str],
+) -> None:
+    server, token = token_server
+    with pytest.raises(ValueError, match="local_channel_credentials"):
+        posenc.Client(server.target, token=token)
+    # The explicit opt-out for this machine: plaintext over loopback, checked by gRPC.
+    local = grpc.local_channel_credentials()
+    with posenc.Client(server.target, token=token, credentials=local, max_retries=0) as client:
+        assert client.server_info().version
+    with posenc.Client(server.target, token="wrong", credentials=local, max_retries=0) as client:
+        with pytest.raises(posenc.PosencError) as refused:
+            client.server_info()
+        assert refused.value.code == grpc.StatusCode.UNAUTHENTICATED
+
+
+# -- 7: metrics ----------------------------------------------------------------------------
+
+
+def _invent_methods(target: str, count: int) -> None:
+    with grpc.insecure_channel(target) as channel:
+        for index in range(count):
+            call = channel.unary_unary(f"/evil.v1.Made{index}/Up{index}")
+            with pytest.raises(grpc.RpcError):
+                call(b"", timeout=5)
+
+
+@pytest.mark.parametrize("processes", [1, 2])
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_made_up_methods_do_not_grow_the_metrics(
+    spawn_server: Callable[..., ServerProcess],
+    tmp_path: Path,
+    processes: int,
+) -> None:
+    """Unauthenticated calls to invented methods all count under method="unknown": the
+    /metrics page and the workers' multiprocess files stay the same size (2,000 methods grew
+    the page by 8 MB before)."""
+    token_file = tmp_path / "token"
+    token_file.write_text("s3cret")
+    temp = tmp_path / "temp"  # where a supervisor makes its metrics directory
+    temp.mkdir()
+    server = spawn_server(
+        0,
+        *("--auth-token-file", str(token_file), "--processes", str(processes)),
+        env={"TMPDIR": str(temp)},
+    )
+    port = metrics_port(server)
+    _invent_methods(server.target, 10)
+
+    def page_bytes() -> int:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as page:
+            return len(page.read())
+
+    def directory_bytes() -> int:  # blocks written, not the files' (sparse) lengths
+        return sum(file.stat().st_blocks * 512 for file in temp.glob("*/*.db"))
+
+    before_page, before_dir = page_bytes(), directory_bytes()
+    _invent_methods(server.target, 2000)
+    samples = scrape(port)
+    refused = metric(samples, "posenc_requests_total", method="unknown", code="UNAUTHENTICATED")
+    assert refused >= 2010
+    assert page_bytes() - before_page < 1024
+    assert directory_bytes() - before_dir < 64 * 1024
+    assert not any("Made" in str(labels) for _, labels in samples)
+
+
+@pytest.mark.timeout(60)
+def test_metrics_listen_on_their_own_host_and_serve_only_metrics(
+    spawn_server: Callable[..., ServerProcess],
+) -> None:
+    server = spawn_server(0, "--host", "0.0.0.0")
+    port = metrics_port(server)
+    startup = next(entry for entry in server.logs() if entry["message"] == "listening")
+    assert startup["metrics_host"] == "127.0.0.1"  # the default, whatever --host says
+    assert scrape(port)
+    for path in ("/", "/metricsx", "/favicon.ico", "/metrics/../debug"):
+        with pytest.raises(urllib.error.HTTPError) as missing:
+            urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=10)
+        assert missing.value.code == 404
+
+
+# -- 3: unread responses ------------------------------------------------------------------
+
+
+def in_flight_bytes(port: int) -> float:
+    return metric(scrape(port), "posenc_in_flight_bytes")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_responses_nobody_reads_stay_within_the_budget(
+    spawn_server: Callable[..., ServerProcess],
+) -> None:
+    """A client announces a zero flow-control window and asks for 250 unary results of
+    4,177,920 bytes (the threaded server held all of them: 2.2 GiB). Calls beyond the
+    in-flight budget get RESOURCE_EXHAUSTED with RetryInfo; the memory is given back when the
+    client leaves."""
+    cache_mib = 64
+    server = spawn_server(0, "--cache-bytes", f"{cache_mib}MiB")
+    port = metrics_port(server)
+    baseline = current_rss_mib(server.process.pid)
+    request = encoding_request(0, 1024, 1020)  # 1024 rows of 1020 float32: 4,177,920 bytes
+    connection = RawConnection("127.0.0.1", server.port, window=0)
+    try:
+        streams = [connection.call(GET_ENCODING, request) for _ in range(250)]
+        pump_until(
+            [connection],
+            lambda: sum(connection.replies[s].status is not None for s in streams) >= 200,
+            60,
+        )
+        refused = [s for s in streams if connection.replies[s].status == RESOURCE_EXHAUSTED]
+        assert len(refused) >= 200
+        assert all(
+            "grpc-status-details-bin" in connection.replies[s].headers
+            or "grpc-status-details-bin" in connection.replies[s].trailers
+            for s in refused
+        )
+        assert in_flight_bytes(port) > 0
+        assert peak_rss_mib(server.process.pid) <= cache_mib + HEADROOM_MIB
+    finally:
+        connection.close()
+    deadline = time.monotonic() + 10
+    while in_flight_bytes(port) > 0 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert in_flight_bytes(port) == 0
+    with posenc.Client(server.target, timeout=10) as client:
+        assert client.get_range(0, 1024, 1020).shape == (1024, 1020)
+    assert current_rss_mib(server.process.pid) <= baseline + cache_mib + 32
+
+
+# -- 4: legitimate clients at the limits -------------------------------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_64_clients_with_a_million_positions_each_all_succeed_within_the_budget(
+    spawn_server: Callable[..., ServerProcess],
+) -> None:
+    """64 default SDK clients at once, each with 1,048,576 positions (10.5 MB requests: the
+    threaded server reached 2.3 GiB). Every client gets its exact rows: calls beyond the
+    in-flight budget wait, or are told to retry, which the SDK does."""
+    cache_mib = 64
+    server = spawn_server(0, "--cache-bytes", f"{cache_mib}MiB")
+    # Negative positions take 10 bytes each on the wire; two cached blocks hold them all.
+    positions = -np.arange(1, (1 << 20) + 1, dtype=np.int64)
+    np.random.default_rng(0).shuffle(positions)
+    expected = np.sin(positions.astype(np.float64)).astype(np.float16)[:, None]
+    results: list[np.ndarray | BaseException] = []
+
+    def fetch() -> None:
+        try:
+            with posenc.Client(server.target) as client:
+                results.append(client.get_positions(positions, 1, dtype="float16"))
+        except BaseException as error:  # reported below
+            results.append(error)
+
+    threads = [threading.Thread(target=fetch) for _ in range(64)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert peak_rss_mib(server.process.pid) <= cache_mib + HEADROOM_MIB
+    assert len(results) == 64
+    for result in results:
+        assert isinstance(result, np.ndarray), result
+        # Within one float16 ulp of float64's sine (the exact value is within 2**-50 of it).
+        steps = np.abs(result.view(np.int16).astype(np.int32) - expected.view(np.int16))
+        assert steps.max() <= 1
