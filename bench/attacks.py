@@ -11,6 +11,7 @@ know are left out. The pass/fail versions of these attacks are tests/test_attack
 
 from __future__ import annotations
 
+import contextlib
 import json
 import subprocess
 import sys
@@ -24,10 +25,10 @@ import numpy as np
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-from rawh2 import RawConnection  # noqa: E402
+from rawh2 import RawConnection
 
-import posenc  # noqa: E402
-from posenc.v1 import posenc_pb2 as pb  # noqa: E402
+import posenc
+from posenc.v1 import posenc_pb2 as pb
 
 GET_ENCODING = "/posenc.v1.PositionalEncodingService/GetEncoding"
 CACHE = "64MiB"
@@ -77,7 +78,9 @@ def health_latency(target: str, checks: int = 20) -> str:
             slowest = 0.0
             for _ in range(checks):
                 started = time.perf_counter()
-                health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5)
+                health_pb2_grpc.HealthStub(channel).Check(
+                    health_pb2.HealthCheckRequest(), timeout=5
+                )
                 slowest = max(slowest, time.perf_counter() - started)
         except grpc.RpcError as error:
             return f"failed: {error.code().name}"  # type: ignore[attr-defined]
@@ -96,10 +99,11 @@ def stalled() -> None:
             client.get_range(0, 4, 8)
         real = "ok"
     except posenc.PosencError as error:
-        real = f"failed: {error.code.name}"
+        real = f"failed: {error.code.name} {error.details}"
     print(
         f"stalled: 512 headers-only calls on 8 connections: health slowest of 20 "
-        f"{health_latency(server.target)}, get_range {real}, peak RSS {server.status('VmHWM'):.0f} MiB"
+        f"{health_latency(server.target)}, get_range {real}, "
+        f"peak RSS {server.status('VmHWM'):.0f} MiB"
     )
     server.close()
 
@@ -158,6 +162,37 @@ def million() -> None:
     server.close()
 
 
+def raw_million() -> None:
+    """The same lists from raw clients, one 10.5 MB request each (the SDK splits them)."""
+    server = Server()
+    request = pb.GetEncodingRequest(
+        spec=pb.EncodingSpec(dtype=pb.DTYPE_FLOAT16, sinusoidal=pb.SinusoidalTable(d_model=1)),
+        positions=pb.PositionList(positions=(-np.arange(1, (1 << 20) + 1)).tolist()),
+    ).SerializeToString()
+    codes: list[str] = []
+
+    def fetch() -> None:
+        options = [("grpc.max_send_message_length", 16 << 20)]
+        with grpc.insecure_channel(server.target, options=options) as channel:
+            try:
+                channel.unary_unary(GET_ENCODING)(request, timeout=60)
+                codes.append("OK")
+            except grpc.RpcError as error:
+                codes.append(error.code().name)  # type: ignore[attr-defined]
+
+    threads = [threading.Thread(target=fetch) for _ in range(64)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    print(
+        f"raw_million: 64 raw calls of 1,048,576 positions at once: "
+        f"{ {code: codes.count(code) for code in set(codes)} }, "
+        f"peak RSS {server.status('VmHWM'):.0f} MiB"
+    )
+    server.close()
+
+
 def labels() -> None:
     token = Path("/tmp/posenc-bench-token")
     token.write_text("s3cret")
@@ -165,10 +200,8 @@ def labels() -> None:
     before = len(server.metrics_page())
     with grpc.insecure_channel(server.target) as channel:
         for index in range(2000):
-            try:
+            with contextlib.suppress(grpc.RpcError):
                 channel.unary_unary(f"/evil.v1.Made{index}/Up{index}")(b"", timeout=5)
-            except grpc.RpcError:
-                pass
     print(
         f"labels: 2,000 unauthenticated calls to made-up methods: /metrics {before} -> "
         f"{len(server.metrics_page())} bytes"
@@ -176,7 +209,13 @@ def labels() -> None:
     server.close()
 
 
-ATTACKS = {"stalled": stalled, "unread": unread, "million": million, "labels": labels}
+ATTACKS = {
+    "stalled": stalled,
+    "unread": unread,
+    "million": million,
+    "raw_million": raw_million,
+    "labels": labels,
+}
 
 if __name__ == "__main__":
     for name in sys.argv[1:] or list(ATTACKS):

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any, Generic, TypeAlias, TypeVar
 
 import grpc
+import numpy as np
 import numpy.typing as npt
 from grpc_health.v1 import health_pb2
 
@@ -292,6 +293,12 @@ class Core:
         one column: the server refuses a unary result over its limit before computing
         anything, and the call then streams. A decode loop's first step is one unary call.
         """
+        parts = query.parts()
+        if len(parts) > 1:
+            tables = []
+            for part in parts:
+                tables.append((yield from self._fetch(part, budget, unary_max_bytes)))
+            return np.concatenate(tables)
         unary_max = self.settings.unary_max_bytes if unary_max_bytes is None else unary_max_bytes
         size = query.nbytes
         if size is None:
@@ -323,6 +330,8 @@ class Core:
                     if not collect:
                         yield Deliver((label, rows))
                     budget.progress()
+                if cursor.more:
+                    continue  # the next part of a long position list
                 cursor.check_complete()
                 return
             except grpc.RpcError as error:

@@ -73,6 +73,7 @@ class StreamCursor:
         self.received = 0
         self.columns = query.columns  # the width, once known: every chunk must have it
         self._base = 0  # first row of the current call's selection
+        self._stop = 0  # the row after the current call's selection
         self.collect = collect
         self._out: np.ndarray[Any, Any] | None = None
 
@@ -87,7 +88,14 @@ class StreamCursor:
     def request(self) -> pb.StreamEncodingRequest:
         """The request for the rows not yet received."""
         self._base = self.received
+        self._stop = self.query.request_stop(self.received)
         return self.query.stream_request(self.received, self.max_chunk_bytes)
+
+    @property
+    def more(self) -> bool:
+        """The current call brought all its rows, and a long list has more: the next call
+        asks for them (see ``MAX_POSITIONS_PER_REQUEST``)."""
+        return self.received == self._stop < self.query.rows
 
     def accept(self, chunk: TensorView) -> tuple[int, np.ndarray[Any, Any]]:
         """Takes one chunk: returns ``(label of its first row, its rows)``.

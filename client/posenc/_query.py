@@ -6,6 +6,7 @@ the checks here refuse only what the wire types cannot carry, and what would be 
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from collections import OrderedDict
 from collections.abc import Mapping
@@ -28,6 +29,11 @@ _DTYPE_ENUMS: Final[Mapping[str, int]] = enum_names(pb.Dtype.DESCRIPTOR)
 _CLASSIC: Final = "sinusoidal"
 # Widths learned from responses, per spec: more than any process uses at once.
 _WIDTHS_KEPT: Final = 256
+#: Positions one request carries at most: longer lists travel in several calls. A request
+#: of this many positions is at most 640 KiB, so a server holds little for each call while
+#: reading it (gRPC reads a request whole before admitting it against its memory budget),
+#: and the calls of many clients at once stay small.
+MAX_POSITIONS_PER_REQUEST: Final = 1 << 16
 
 
 def dtype_name(dtype: DTypeArg) -> str:
@@ -146,7 +152,26 @@ class Query:
         if self.positions is None:
             stop = self.start + self.rows
             return {"range": pb.PositionRange(start=self.start + first_row, stop=stop)}
-        return {"positions": pb.PositionList(positions=self.positions[first_row:].tolist())}
+        stop = first_row + MAX_POSITIONS_PER_REQUEST
+        return {"positions": pb.PositionList(positions=self.positions[first_row:stop].tolist())}
+
+    def request_stop(self, first_row: int) -> int:
+        """The row after the last one a request starting at ``first_row`` asks for."""
+        if self.positions is None:
+            return self.rows
+        return min(self.rows, first_row + MAX_POSITIONS_PER_REQUEST)
+
+    def parts(self) -> list[Query]:
+        """The query as queries of at most ``MAX_POSITIONS_PER_REQUEST`` positions each."""
+        if self.positions is None or self.rows <= MAX_POSITIONS_PER_REQUEST:
+            return [self]
+        return [
+            dataclasses.replace(self, rows=part.size, positions=part)
+            for part in np.split(
+                self.positions,
+                range(MAX_POSITIONS_PER_REQUEST, self.rows, MAX_POSITIONS_PER_REQUEST),
+            )
+        ]
 
     def unary_request(self) -> pb.GetEncodingRequest:
         return pb.GetEncodingRequest(spec=self.spec, **self._selection(0))

@@ -27,10 +27,18 @@ from posenc_server.errors import OverloadedError
 # A request parses into at most one position per byte whose high bit is clear (each varint
 # ends in one), and each position costs this much while it is parsed and gathered: the
 # protobuf's int64, the numpy copy, block ids, offsets and the sort order of the gather.
-POSITION_WORKING_BYTES = 48
-# What computing rows takes besides the request and response, whatever their sizes: the
-# engine computes position lists in bounded slices (service.POSITION_SLICE_ELEMENTS).
-FIXED_WORKING_BYTES = 4 << 20
+POSITION_WORKING_BYTES = 64
+# Reading a request holds it about this many times over: gRPC's receive buffers, the
+# message it assembles from them, and the bytes handed to the handler.
+READ_COPIES = 3
+# What any call takes besides its request and response: the parsed message, the spec
+# lookup, the handler's frames.
+CALL_BYTES = 64 << 10
+# The engine computes the rows of uncached positions in slices of at most this much working
+# memory (double-double angles and complex waves: about 128 bytes a row plus 16 a column).
+ENGINE_WORKING_BYTES = 4 << 20
+_ENGINE_ROW_BYTES = 128
+_ENGINE_ELEMENT_BYTES = 16
 # A stream holds about this many chunks at once: one being computed, one in gRPC's hands.
 STREAM_CHUNKS_HELD = 2
 # Counting varint ends in slices keeps the count's own temporary array small.
@@ -48,53 +56,109 @@ def position_bound(request: bytes) -> int:
 
 def request_cost(request: bytes) -> int:
     """Bytes a call needs before its response is known: its request, parsed and gathered."""
-    return len(request) + POSITION_WORKING_BYTES * position_bound(request) + FIXED_WORKING_BYTES
+    return len(request) + POSITION_WORKING_BYTES * position_bound(request) + CALL_BYTES
 
 
-def response_cost(result_bytes: int, chunk_bytes: int | None) -> int:
-    """Bytes the response holds at once: all of a unary result (built once, then copied into
-    the message), or a stream's chunks in hand (``chunk_bytes``)."""
+def engine_slice_rows(width: int) -> int:
+    """Rows the engine computes at once for a table ``width`` columns wide."""
+    row_bytes = _ENGINE_ROW_BYTES + _ENGINE_ELEMENT_BYTES * width
+    return max(1, ENGINE_WORKING_BYTES // row_bytes)
+
+
+def response_cost(rows: int, width: int, row_bytes: int, chunk_bytes: int | None) -> int:
+    """Bytes computing and answering ``rows`` rows holds at once: the engine's working
+    memory, and all of a unary result (built once, then copied into the message) or a
+    stream's chunks in hand (``chunk_bytes``)."""
+    engine_rows = min(rows, engine_slice_rows(width))
+    working = engine_rows * (_ENGINE_ROW_BYTES + _ENGINE_ELEMENT_BYTES * width)
+    result = rows * row_bytes
     if chunk_bytes is None:
-        return 2 * result_bytes
-    return STREAM_CHUNKS_HELD * min(result_bytes, chunk_bytes)
+        return working + 2 * result
+    return working + STREAM_CHUNKS_HELD * min(result, chunk_bytes)
 
 
 _Waiter = tuple["Reservation", int, "asyncio.Future[None]"]
 
 
 class Reservation:
-    """Bytes one call holds in the budget; ``grow`` adds more once the call knows them."""
+    """Bytes one call holds in the budget; ``grow`` adds more once the call knows them.
+
+    While the call reads its request (``reading``), the reservation holds the largest
+    request allowed, and another call may take it over (``preempted`` is set) once the read
+    has waited ``ByteBudget.preempt_after`` seconds: a call whose request does not come
+    cannot keep others from theirs.
+    """
 
     def __init__(self, budget: ByteBudget) -> None:
         self._budget = budget
         self.nbytes = 0
+        self.reading_since: float | None = None
+        self.preempted = asyncio.Event()
 
     async def grow(self, nbytes: int) -> None:
         """Hold ``nbytes`` more, waiting for room as admission does; OverloadedError if
         none comes within the wait."""
         await self._budget.acquire(self, nbytes)
 
+    async def settle(self, nbytes: int) -> None:
+        """The request has arrived: hold ``nbytes`` from now on (no longer preemptible)."""
+        self._budget.stop_reading(self)
+        if nbytes < self.nbytes:
+            self._budget.give_back(self, self.nbytes - nbytes)
+        else:
+            await self.grow(nbytes - self.nbytes)
+
 
 class ByteBudget:
     """``capacity`` bytes shared by the calls in flight, first come first served."""
 
-    def __init__(self, capacity: int, wait_seconds: float, retry_after_seconds: float) -> None:
+    def __init__(
+        self,
+        capacity: int,
+        wait_seconds: float,
+        retry_after_seconds: float,
+        preempt_after_seconds: float,
+    ) -> None:
         self.capacity = capacity
         self.wait_seconds = wait_seconds
         self.retry_after_seconds = retry_after_seconds
+        self.preempt_after = preempt_after_seconds
         self.used = 0
+        self.released = 0  # bytes given back since the start (the heap may be trimmed)
         self.refused = 0
+        self.preempted = 0
+        # Bytes the waiting calls asked for: a waiting call holds its request, so the
+        # queue is bounded by the budget too (beyond it, calls are refused at once).
+        self._waiting_bytes = 0
         self._waiters: collections.deque[_Waiter] = collections.deque()
+        self._readers: set[Reservation] = set()
 
     @asynccontextmanager
-    async def admitted(self, nbytes: int) -> AsyncIterator[Reservation]:
-        """Hold ``nbytes`` (and whatever the call grows by) until the block ends."""
+    async def admitted(self, nbytes: int, *, reading: bool = False) -> AsyncIterator[Reservation]:
+        """Hold ``nbytes`` (and whatever the call grows by) until the block ends;
+        ``reading``: preemptible until ``Reservation.settle``."""
         reservation = Reservation(self)
         try:
             await self.acquire(reservation, nbytes)
+            if reading:
+                reservation.reading_since = asyncio.get_running_loop().time()
+                self._readers.add(reservation)
             yield reservation
         finally:
-            self._release(reservation.nbytes)
+            self.stop_reading(reservation)
+            self.give_back(reservation, reservation.nbytes)
+
+    def stop_reading(self, reservation: Reservation) -> None:
+        """``reservation`` is no longer preemptible."""
+        self._readers.discard(reservation)
+        reservation.reading_since = None
+
+    def give_back(self, reservation: Reservation, nbytes: int) -> None:
+        """Release ``nbytes`` of ``reservation``."""
+        reservation.nbytes -= nbytes
+        self.used -= nbytes
+        self.released += nbytes
+        self._wake()
 
     async def acquire(self, reservation: Reservation, nbytes: int) -> None:
         """Add ``nbytes`` to ``reservation`` once they fit; OverloadedError after the wait.
@@ -108,14 +172,41 @@ class ByteBudget:
         if not self._waiters and self._fits(nbytes, reservation):
             self._take(reservation, nbytes)
             return
-        waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        if self._preempt(reservation, nbytes):
+            self._take(reservation, nbytes)
+            return
+        holding = reservation.nbytes > 0
+        if holding and self._waiting_bytes + nbytes > self.capacity:
+            # A waiting call that holds bytes holds its request too: the queue of those is
+            # bounded by the budget (calls about to read hold nothing and may queue).
+            raise self._refusal()
+        loop = asyncio.get_running_loop()
+        waiter: asyncio.Future[None] = loop.create_future()
         entry = (reservation, nbytes, waiter)
         self._waiters.append(entry)
+        self._waiting_bytes += nbytes if holding else 0
+        deadline = loop.time() + self.wait_seconds
         try:
-            # Shielded: a wait that runs out just as the bytes are granted keeps them.
-            await asyncio.wait_for(asyncio.shield(waiter), self.wait_seconds)
+            while True:
+                remaining = deadline - loop.time()
+                if remaining <= 0:
+                    raise TimeoutError
+                try:
+                    # Shielded: a wait that runs out just as the bytes are granted keeps them.
+                    await asyncio.wait_for(asyncio.shield(waiter), min(remaining, self._stale_in()))
+                    return
+                except TimeoutError:
+                    if waiter.done():
+                        return  # granted (_wake took the bytes for this call)
+                # A read went stale: the newest waiter takes it over (calls that never send
+                # their request, however many queued first, cannot starve a new call).
+                if self._waiters[-1] is entry and self._preempt(reservation, nbytes):
+                    self._waiters.remove(entry)
+                    self._take(reservation, nbytes)
+                    waiter.set_result(None)
+                    return
         except (TimeoutError, asyncio.CancelledError) as error:
-            if waiter.done():  # granted (_wake took the bytes for this call)
+            if waiter.done() and not waiter.cancelled():
                 if isinstance(error, asyncio.CancelledError):
                     raise
                 return
@@ -124,12 +215,49 @@ class ByteBudget:
             self._wake()  # the calls queued behind this one may fit now
             if isinstance(error, asyncio.CancelledError):
                 raise
-            self.refused += 1
-            raise OverloadedError(
-                f"this server process has {self.capacity} bytes for calls in flight "
-                "(--in-flight-bytes) and they are in use: retry later or on another replica",
-                retry_after_seconds=self.retry_after_seconds,
-            ) from None
+            raise self._refusal() from None
+        finally:
+            self._waiting_bytes -= nbytes if holding else 0
+
+    def _stale_in(self) -> float:
+        """Seconds until the longest waiting read may be preempted (the wait if none)."""
+        started = [r.reading_since for r in self._readers if r.reading_since is not None]
+        if not started:
+            return self.wait_seconds
+        now = asyncio.get_running_loop().time()
+        return max(0.005, min(started) + self.preempt_after - now)
+
+    def _preempt(self, reservation: Reservation, nbytes: int) -> bool:
+        """Take over the reservations of reads waiting longer than ``preempt_after``, the
+        longest waiting first, until ``nbytes`` fit; whether they do."""
+        now = asyncio.get_running_loop().time()
+        stale = sorted(
+            (
+                reader
+                for reader in self._readers
+                if reader is not reservation
+                and reader.reading_since is not None
+                and now - reader.reading_since >= self.preempt_after
+            ),
+            key=lambda reader: reader.reading_since or 0.0,
+        )
+        for reader in stale:
+            if self._fits(nbytes, reservation):
+                break
+            self.stop_reading(reader)
+            self.used -= reader.nbytes
+            reader.nbytes = 0
+            reader.preempted.set()
+            self.preempted += 1
+        return self._fits(nbytes, reservation)
+
+    def _refusal(self) -> OverloadedError:
+        self.refused += 1
+        return OverloadedError(
+            f"this server process has {self.capacity} bytes for calls in flight "
+            "(--in-flight-bytes) and they are in use: retry later or on another replica",
+            retry_after_seconds=self.retry_after_seconds,
+        )
 
     def _fits(self, nbytes: int, reservation: Reservation) -> bool:
         # Alone (nothing held but its own bytes), a call is admitted whatever its size.
@@ -138,10 +266,6 @@ class ByteBudget:
     def _take(self, reservation: Reservation, nbytes: int) -> None:
         self.used += nbytes
         reservation.nbytes += nbytes
-
-    def _release(self, nbytes: int) -> None:
-        self.used -= nbytes
-        self._wake()
 
     def _wake(self) -> None:
         """Grant the waiters at the head of the queue that fit now, in order (so that a

@@ -45,6 +45,11 @@ log = logging.getLogger("posenc_server")
 _CONNECTION_AGE_GRACE_MS = 30_000
 # How long a client turned away for lack of in-flight memory is told to wait.
 _ADMISSION_RETRY_AFTER = 0.2
+# A call whose request has not arrived this long after it was admitted to read it gives its
+# reservation up to a call that needs it (RESOURCE_EXHAUSTED with RetryInfo): ample for any
+# request on a network a decode loop would use (10 MB at 400 Mbit/s), and short enough that
+# calls which never send their request cannot keep others waiting.
+_READ_PREEMPT_AFTER = 0.5
 # Methods of the health and reflection services: with the posenc ones, every metric label.
 _OTHER_METHODS = frozenset(
     {
@@ -52,6 +57,7 @@ _OTHER_METHODS = frozenset(
         "ServerReflectionInfo",
     }
 )
+_TRIM_AFTER_RELEASED_BYTES = 16 << 20
 _loop: asyncio.AbstractEventLoop | None = None
 _loop_lock = threading.Lock()
 
@@ -178,28 +184,32 @@ def server_credentials(config: ServerConfig) -> grpc.ServerCredentials | None:
 
 
 def housekeeping(running: RunningServer, stop: threading.Event) -> None:
-    """Publish the cache metrics five times a second, and trim the heap after evictions.
+    """Publish the cache metrics five times a second, and trim the heap after evictions and
+    after calls in flight gave memory back.
 
     glibc serves the 1 MiB blocks from its heap, where long-lived cached blocks pin the
     space freed between them: without trimming, RSS under cache churn creeps past the
     budget. Mapping every block on its own instead costs page faults on every chunk (four
     times the server CPU per GiB), so the heap is trimmed after evictions only: at the next
     tick, or at once when the service has evicted enough for memory to run ahead of the
-    ticks (``EncodingService.trim_due``).
+    ticks (``EncodingService.trim_due``). gRPC receives requests in many small buffers, which
+    fragment the heap the same way: the heap is trimmed too once calls in flight have given
+    back ``_TRIM_AFTER_RELEASED_BYTES`` since the last trim.
     """
     malloc_trim: Callable[[int], int] | None = None
     if sys.platform.startswith("linux"):
         with contextlib.suppress(OSError, AttributeError):
             malloc_trim = ctypes.CDLL(None).malloc_trim  # called without the GIL
-    service = running.service
-    evictions = 0
+    service, budget = running.service, running.budget
+    evictions = released = 0
     while not stop.is_set():
         due = service.trim_due.wait(0.2)
         service.trim_due.clear()
         running.publish_metrics()
         current = service.cache_stats().evictions
-        if (due or current != evictions) and malloc_trim is not None:
-            evictions = current
+        freed = budget.released - released >= _TRIM_AFTER_RELEASED_BYTES
+        if (due or freed or current != evictions) and malloc_trim is not None:
+            evictions, released = current, budget.released
             malloc_trim(0)
 
 
@@ -220,7 +230,10 @@ async def _start(
     # The CPU work of calls (parsing, specs, rows); calls waiting for I/O hold no thread.
     pool = futures.ThreadPoolExecutor(max_workers=config.workers, thread_name_prefix="posenc")
     budget = ByteBudget(
-        config.in_flight_bytes, config.admission_wait_seconds, _ADMISSION_RETRY_AFTER
+        config.in_flight_bytes,
+        config.admission_wait_seconds,
+        _ADMISSION_RETRY_AFTER,
+        _READ_PREEMPT_AFTER,
     )
     specs = SpecTable(config, max_bytes=config.spec_bytes)
     servicer = PositionalEncodingServicer(config, specs, service, version(), pool, budget)
@@ -236,6 +249,10 @@ async def _start(
             ("grpc.max_receive_message_length", config.max_receive_message_bytes),
             ("grpc.max_send_message_length", config.max_send_message_bytes),
             ("grpc.so_reuseport", int(reuse_port)),
+            # Without BDP probing, a call's request occupies at most the initial 64 KiB
+            # window until its handler reads it: with it, gRPC let every client send about
+            # 10 MB per call before any handler asked (64 calls: 680 MB held).
+            ("grpc.http2.bdp_probe", 0),
             # Clients re-resolve names only when a connection closes: closing connections
             # now and then lets them find replicas added since (the SDK resumes cut streams).
             ("grpc.max_connection_age_ms", int(config.max_connection_age_seconds * 1000)),

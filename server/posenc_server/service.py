@@ -24,7 +24,7 @@ import numpy as np
 import numpy.typing as npt
 
 from posenc.wire import encode_tensor_response
-from posenc_server import engine
+from posenc_server import admission, engine
 from posenc_server.cache import BlockCache, CacheStats
 from posenc_server.config import ServerConfig
 from posenc_server.errors import (
@@ -308,7 +308,11 @@ class EncodingService:
             uncached = np.concatenate(groups) if groups else []
         if len(uncached):
             self._count_rows(len(uncached))
-            out[uncached] = engine.encode_positions(spec.encoding, positions[uncached])
+            # In slices: the engine's working memory is many times its output's.
+            step = admission.engine_slice_rows(spec.width)
+            for first in range(0, len(uncached), step):
+                rows = uncached[first : first + step]
+                out[rows] = engine.encode_positions(spec.encoding, positions[rows])
         return out
 
     def _count_rows(self, rows: int) -> None:

@@ -18,6 +18,7 @@ limits and the wire format are the service's.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
@@ -29,9 +30,14 @@ import grpc.aio
 
 from posenc.v1 import posenc_pb2 as pb
 from posenc_server import admission, convert
-from posenc_server.admission import ByteBudget
+from posenc_server.admission import ByteBudget, Reservation
 from posenc_server.config import ServerConfig
-from posenc_server.errors import FieldViolation, InvalidRequestError, RequestTimeoutError
+from posenc_server.errors import (
+    FieldViolation,
+    InvalidRequestError,
+    OverloadedError,
+    RequestTimeoutError,
+)
 from posenc_server.service import EncodingService
 from posenc_server.specs import Request, SpecTable
 
@@ -70,23 +76,19 @@ class PositionalEncodingServicer:
         self, requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext[bytes, bytes]
     ) -> AsyncIterator[bytes]:
         """A small table in one (serialized GetEncodingResponse) message."""
-        raw = await self._read(context)
-        async with self._budget.admitted(admission.request_cost(raw)) as reservation:
+        async with self._admitted(context) as (reservation, raw):
             request = await self._run(self._request, _GET_ENCODING, raw)
-            await reservation.grow(admission.response_cost(self._result_bytes(request), None))
+            await reservation.grow(_response_cost(request, None))
             yield await self._run(self._service.unary, request)
 
     async def StreamEncoding(
         self, requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext[bytes, bytes]
     ) -> AsyncIterator[bytes]:
         """A table of any size as row-aligned chunks (serialized responses)."""
-        raw = await self._read(context)
-        async with self._budget.admitted(admission.request_cost(raw)) as reservation:
+        async with self._admitted(context) as (reservation, raw):
             request = await self._run(self._request, _STREAM_ENCODING, raw)
             chunk_bytes = request.max_chunk_bytes or self._config.max_chunk_bytes
-            await reservation.grow(
-                admission.response_cost(self._result_bytes(request), chunk_bytes)
-            )
+            await reservation.grow(_response_cost(request, chunk_bytes))
             chunks = self._service.stream(request)
             try:
                 while (message := await self._run(next, chunks, None)) is not None:
@@ -100,23 +102,57 @@ class PositionalEncodingServicer:
         self, requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext[bytes, bytes]
     ) -> AsyncIterator[bytes]:
         """Describe this server."""
-        raw = await self._read(context)
-        convert.parsed(_SERVER_INFO(raw))
-        info = convert.server_info_response(self._service.info(self._version))
+        async with self._admitted(context) as (_, raw):
+            convert.parsed(_SERVER_INFO(raw))
+            info = convert.server_info_response(self._service.info(self._version))
         yield info.SerializeToString()
 
     # Plumbing -------------------------------------------------------------------------------
 
-    async def _read(self, context: grpc.aio.ServicerContext[bytes, bytes]) -> bytes:
-        """The call's one request message, or RequestTimeoutError once the wait is over."""
+    @contextlib.asynccontextmanager
+    async def _admitted(
+        self, context: grpc.aio.ServicerContext[bytes, bytes]
+    ) -> AsyncIterator[tuple[Reservation, bytes]]:
+        """Admit the call for the largest request allowed, read its request, then hold what
+        that request costs (see ``admission``) until the block ends.
+
+        Reading is admitted first because gRPC takes a request message whole, whatever its
+        size, once the handler asks for it; until then a call holds at most the 64 KiB
+        flow-control window.
+        """
+        largest = admission.READ_COPIES * self._config.max_receive_message_bytes
+        async with self._budget.admitted(largest, reading=True) as reservation:
+            raw = await self._read(context, reservation)
+            await reservation.settle(admission.request_cost(raw))
+            yield reservation, raw
+
+    async def _read(
+        self, context: grpc.aio.ServicerContext[bytes, bytes], reservation: Reservation
+    ) -> bytes:
+        """The call's one request message; RequestTimeoutError once the wait is over, or
+        OverloadedError when another call took over the reservation (see ``admission``)."""
         timeout = self._config.read_timeout_seconds
+        read = asyncio.ensure_future(context.read())
+        preempted = asyncio.ensure_future(reservation.preempted.wait())
         try:
-            message = await asyncio.wait_for(context.read(), timeout)
-        except TimeoutError:
+            done, _ = await asyncio.wait(
+                (read, preempted), timeout=timeout, return_when=asyncio.FIRST_COMPLETED
+            )
+        finally:
+            preempted.cancel()
+            read.cancel()  # no-op once it is done
+        if read not in done:
+            if preempted in done:
+                raise OverloadedError(
+                    "the request message did not arrive while other calls waited for "
+                    "memory to read theirs: retry",
+                    retry_after_seconds=self._budget.retry_after_seconds,
+                )
             raise RequestTimeoutError(
                 f"the request message did not arrive within {timeout:g} s of the call's "
                 "headers (--read-timeout-seconds)"
-            ) from None
+            )
+        message = read.result()
         if message is grpc.aio.EOF:
             raise InvalidRequestError([FieldViolation("request", "the call sent no request")])
         assert isinstance(message, bytes)
@@ -125,14 +161,15 @@ class PositionalEncodingServicer:
     def _request(self, parse: Callable[[bytes], Any], raw: bytes) -> Request:
         return self._specs.resolve(convert.encoding_query(parse(raw), self._config))
 
-    @staticmethod
-    def _result_bytes(request: Request) -> int:
-        return request.selection.rows * request.spec.row_bytes
-
     async def _run(self, function: Callable[..., T], *args: Any) -> T:
         """``function(*args)`` on the pool: CPU work never runs on the event loop."""
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._pool, functools.partial(function, *args))
+
+
+def _response_cost(request: Request, chunk_bytes: int | None) -> int:
+    spec = request.spec
+    return admission.response_cost(request.selection.rows, spec.width, spec.row_bytes, chunk_bytes)
 
 
 def _close_when_idle(chunks: Iterator[bytes]) -> None:
