@@ -21,6 +21,7 @@ from typing import Any, TypeVar
 
 import grpc
 import grpc.aio
+from grpc_health.v1 import _async as health_aio  # health.aio, by a name mypy sees
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
@@ -119,7 +120,7 @@ class RunningServer:
     port: int
     server: grpc.aio.Server
     service: EncodingService
-    health: health.aio.HealthServicer
+    health: health_aio.HealthServicer
     budget: ByteBudget
     pool: futures.ThreadPoolExecutor
     loop: asyncio.AbstractEventLoop
@@ -260,7 +261,7 @@ async def _start(
         ],
     )
     add_to_server(servicer, server)
-    health_servicer = health.aio.HealthServicer()
+    health_servicer = health_aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(
         (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server

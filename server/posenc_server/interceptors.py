@@ -32,10 +32,12 @@ from posenc_server.errors import (
 
 log = logging.getLogger("posenc_server")
 
-if TYPE_CHECKING:  # grpc-stubs makes the handler generic; the real class is not
+if TYPE_CHECKING:  # grpc-stubs makes these generic; the real classes are not
     _Handler = grpc.RpcMethodHandler[Any, Any]
+    _Interceptor = grpc.aio.ServerInterceptor[Any, Any]
 else:
     _Handler = grpc.RpcMethodHandler
+    _Interceptor = grpc.aio.ServerInterceptor
 _Context = grpc.aio.ServicerContext[bytes, bytes]
 _Behaviour = Callable[[AsyncIterator[bytes], _Context], AsyncIterator[bytes]]
 
@@ -43,7 +45,7 @@ UNKNOWN_METHOD = "unknown"
 """The ``method`` label of every call to a method the server does not serve."""
 
 
-class ServingInterceptor(grpc.aio.ServerInterceptor):
+class ServingInterceptor(_Interceptor):
     """Authenticates every call (with a token), and serves the methods of ``service``
     through ``serve``: metrics and status codes.
 
@@ -71,7 +73,7 @@ class ServingInterceptor(grpc.aio.ServerInterceptor):
         self,
         continuation: Callable[[grpc.HandlerCallDetails], Awaitable[_Handler | None]],
         details: grpc.HandlerCallDetails,
-    ) -> _Handler | None:
+    ) -> _Handler:
         """Refuse an unauthenticated call, or serve the call through the wrapper."""
         method: str = details.method
         if self._token is not None and not self._token.allows(details):
@@ -79,14 +81,15 @@ class ServingInterceptor(grpc.aio.ServerInterceptor):
             return _DENY
         handler = await continuation(details)
         if handler is None or not method.startswith(self._prefix):
-            return handler
+            return handler  # type: ignore[return-value]  # None: gRPC answers UNIMPLEMENTED
         known = self._wrapped.get(method)
         if known is not None and known[0] is handler:
             return known[1]
         assert handler.stream_stream is not None, "servicer.add_to_server registers streams"
         name = method.rsplit("/", 1)[-1]
+        behaviour: _Behaviour = handler.stream_stream  # type: ignore[assignment]  # async
         wrapped = grpc.stream_stream_rpc_method_handler(
-            _serve(handler.stream_stream, self._method_metrics(method), name in self._streaming)
+            _serve(behaviour, self._method_metrics(method), name in self._streaming)
         )
         self._wrapped[method] = (handler, wrapped)
         return wrapped
@@ -155,7 +158,7 @@ async def _fail(
         log.error("unexpected error while serving a request", exc_info=error)
         status = _status(code_pb2.INTERNAL, "internal error; see the server log")
     method_metrics.record(code, time.perf_counter() - started)
-    await context.abort_with_status(status)
+    await context.abort_with_status(status)  # type: ignore[attr-defined]  # not in the stubs
 
 
 def _status(code: int, message: object) -> grpc.Status:

@@ -32,8 +32,8 @@ if os.environ.get(MULTIPROCESS_DIR_ENV) and os.environ.get(_WORKER_INDEX_ENV):
     # goes on with its predecessor's files (and counts), so the directory holds one set of
     # files per worker however often workers are replaced. Set before any metric exists.
     _worker_files = f"worker{os.environ[_WORKER_INDEX_ENV]}"
-    prometheus_client.values.ValueClass = prometheus_client.values.MultiProcessValue(
-        lambda: _worker_files  # type: ignore[arg-type,return-value]
+    prometheus_client.values.ValueClass = prometheus_client.values.MultiProcessValue(  # type: ignore[no-untyped-call]
+        lambda: _worker_files
     )
 
 REQUESTS = Counter(

@@ -311,8 +311,8 @@ class EncodingService:
             # In slices: the engine's working memory is many times its output's.
             step = admission.engine_slice_rows(spec.width)
             for first in range(0, len(uncached), step):
-                rows = uncached[first : first + step]
-                out[rows] = engine.encode_positions(spec.encoding, positions[rows])
+                part = uncached[first : first + step]
+                out[part] = engine.encode_positions(spec.encoding, positions[part])
         return out
 
     def _count_rows(self, rows: int) -> None:

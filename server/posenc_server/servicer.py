@@ -153,7 +153,7 @@ class PositionalEncodingServicer:
                 "headers (--read-timeout-seconds)"
             )
         message = read.result()
-        if message is grpc.aio.EOF:
+        if message is grpc.aio.EOF:  # type: ignore[attr-defined]  # not in the stubs
             raise InvalidRequestError([FieldViolation("request", "the call sent no request")])
         assert isinstance(message, bytes)
         return message
