@@ -31,6 +31,7 @@ from posenc._query import (
 )
 from posenc._retry import (
     CallBudget,
+    Contact,
     resolve_timeout,
 )
 from posenc._rows import (
@@ -184,6 +185,7 @@ class Core:
         self.rows = rows
         self.widths = Widths()
         self._new_token = new_token
+        self._contact = Contact(settings.target)
 
     def budget(self, timeout: Timeout, *, retry: bool = True) -> CallBudget:
         """The deadline and retry budget of one call."""
@@ -191,6 +193,7 @@ class Core:
             resolve_timeout(timeout, self.settings.timeout),
             self.settings.max_retries if retry else 0,
             self.settings.retry_backoff,
+            self._contact,
         )
 
     # -- what the public methods run; arguments are checked, and deadlines start, when
@@ -262,9 +265,12 @@ class Core:
         """One unary call, retried on transient failures within the budget."""
         while True:
             try:
-                return (yield Unary(method, request, budget.attempt_timeout()))
+                response = yield Unary(method, request, budget.attempt_timeout())
             except grpc.RpcError as error:
                 delay = budget.on_error(error)
+            else:
+                budget.progress()
+                return response
             yield Sleep(delay)
 
     def _server_info(self, budget: CallBudget) -> Steps[ServerInfo]:
