@@ -579,3 +579,18 @@ def test_context_manager_closes_the_channel(server: RunningServer) -> None:
         client.get_range(0, 1, 4)
     with pytest.raises(ValueError, match="closed"):
         client.get_range(0, 1, 4)
+
+
+def test_a_closed_client_raises_a_posenc_error(server: RunningServer) -> None:
+    client = posenc.Client(server.target)
+    client.get_range(0, 1, 4)
+    client.close()
+    for call in (
+        lambda: client.get_range(0, 1, 4),
+        lambda: client.get_positions([1], 4),
+        lambda: list(client.iter_range(0, 1, 4)),
+        client.server_info,
+        client.health,
+    ):
+        with pytest.raises(posenc.ClientClosedError, match="the client is closed"):
+            call()

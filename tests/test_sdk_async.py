@@ -233,3 +233,16 @@ def test_client_created_outside_the_event_loop(server: RunningServer) -> None:
 
     with pytest.raises(ValueError, match="closed"):
         asyncio.run(after_close())
+
+
+def test_a_closed_client_raises_a_posenc_error(server: RunningServer) -> None:
+    async def main() -> None:
+        client = posenc.AsyncClient(server.target)
+        await client.get_range(0, 1, 4)
+        await client.close()
+        with pytest.raises(posenc.ClientClosedError, match="the client is closed"):
+            await client.get_positions([1], 4)
+        with pytest.raises(posenc.ClientClosedError):
+            await client.server_info()
+
+    asyncio.run(main())

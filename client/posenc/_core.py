@@ -40,7 +40,12 @@ from posenc._rows import (
     RowCache,
     RowPlan,
 )
-from posenc.errors import InvalidArgumentError, NotFoundError, ResourceExhaustedError
+from posenc.errors import (
+    ClientClosedError,
+    InvalidArgumentError,
+    NotFoundError,
+    ResourceExhaustedError,
+)
 from posenc.types import DEFAULT, DTypeArg, ServerInfo, Timeout, server_info_from_proto
 from posenc.v1 import posenc_pb2 as pb
 
@@ -186,9 +191,12 @@ class Core:
         self.widths = Widths()
         self._new_token = new_token
         self._contact = Contact(settings.target)
+        self.closed = False
 
     def budget(self, timeout: Timeout, *, retry: bool = True) -> CallBudget:
-        """The deadline and retry budget of one call."""
+        """The deadline and retry budget of one call (every call starts with it)."""
+        if self.closed:
+            raise ClientClosedError("the client is closed: create a new one")
         return CallBudget(
             resolve_timeout(timeout, self.settings.timeout),
             self.settings.max_retries if retry else 0,
