@@ -91,12 +91,14 @@ def test_bearer_token_is_required_except_for_health(
     token_file = tmp_path / "token"
     token_file.write_text("s3cret-token\n")
     server = server_factory(auth_token_file=str(token_file))
-    with posenc.Client(server.target, token="s3cret-token") as client:
+    # Local credentials: plaintext to this machine, where gRPC sends call credentials.
+    local = grpc.local_channel_credentials()
+    with posenc.Client(server.target, token="s3cret-token", credentials=local) as client:
         assert client.get_range(0, 2, 4).shape == (2, 4)
         assert client.server_info().version == "1.0.0"
         assert [len(rows) for _, rows in client.iter_range(0, 10, 4)] == [10]
     for token in (None, "wrong", "s3cret-token-but-longer"):
-        with posenc.Client(server.target, token=token, max_retries=0) as client:
+        with posenc.Client(server.target, token=token, credentials=local, max_retries=0) as client:
             with pytest.raises(posenc.UnauthenticatedError):
                 client.get_range(0, 2, 4)
             with pytest.raises(posenc.UnauthenticatedError):
@@ -105,6 +107,7 @@ def test_bearer_token_is_required_except_for_health(
             assert client.health() == "SERVING"
 
 
+@pytest.mark.slow
 def test_cli_sends_token_and_tls_settings(
     spawn_server: Callable[..., ServerProcess], authority: trustme.CA, tmp_path: Path
 ) -> None:
