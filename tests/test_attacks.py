@@ -382,3 +382,17 @@ def test_64_clients_with_a_million_positions_each_all_succeed_within_the_budget(
         # Within one float16 ulp of float64's sine (the exact value is within 2**-50 of it).
         steps = np.abs(result.view(np.int16).astype(np.int32) - expected.view(np.int16))
         assert steps.max() <= 1
+
+
+def test_the_cli_sends_a_token_over_loopback_only_when_told(
+    token_server: tuple[RunningServer, str], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from posenc.cli import main
+
+    server, token = token_server
+    token_file = tmp_path / "client-token"
+    token_file.write_text(token)
+    argv = ["info", "--target", server.target, "--token-file", str(token_file)]
+    assert main(argv) != 0
+    assert "local_channel_credentials" in capsys.readouterr().err
+    assert main([*argv, "--local"]) == 0

@@ -19,6 +19,7 @@ import asyncio
 import collections
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from typing import Any
 
 import numpy as np
 
@@ -77,6 +78,11 @@ def response_cost(rows: int, width: int, row_bytes: int, chunk_bytes: int | None
     return working + STREAM_CHUNKS_HELD * min(result, chunk_bytes)
 
 
+def unary_cost(max_unary_bytes: int) -> int:
+    """What computing and answering the largest unary result takes (``response_cost``)."""
+    return ENGINE_WORKING_BYTES + 2 * max_unary_bytes
+
+
 _Waiter = tuple["Reservation", int, "asyncio.Future[None]"]
 
 
@@ -84,16 +90,17 @@ class Reservation:
     """Bytes one call holds in the budget; ``grow`` adds more once the call knows them.
 
     While the call reads its request (``reading``), the reservation holds the largest
-    request allowed, and another call may take it over (``preempted`` is set) once the read
-    has waited ``ByteBudget.preempt_after`` seconds: a call whose request does not come
-    cannot keep others from theirs.
+    request allowed, and another call may take it over once the read has waited
+    ``ByteBudget.preempt_after`` seconds: ``preempted`` is set and the ``reader`` task is
+    cancelled. A call whose request does not come cannot keep others from theirs.
     """
 
     def __init__(self, budget: ByteBudget) -> None:
         self._budget = budget
         self.nbytes = 0
         self.reading_since: float | None = None
-        self.preempted = asyncio.Event()
+        self.preempted = False
+        self.reader: asyncio.Task[Any] | None = None
 
     async def grow(self, nbytes: int) -> None:
         """Hold ``nbytes`` more, waiting for room as admission does; OverloadedError if
@@ -126,7 +133,7 @@ class ByteBudget:
         self.used = 0
         self.released = 0  # bytes given back since the start (the heap may be trimmed)
         self.refused = 0
-        self.preempted = 0
+        self.preemptions = 0
         # Bytes the waiting calls asked for: a waiting call holds its request, so the
         # queue is bounded by the budget too (beyond it, calls are refused at once).
         self._waiting_bytes = 0
@@ -247,8 +254,10 @@ class ByteBudget:
             self.stop_reading(reader)
             self.used -= reader.nbytes
             reader.nbytes = 0
-            reader.preempted.set()
-            self.preempted += 1
+            reader.preempted = True
+            if reader.reader is not None:
+                reader.reader.cancel()
+            self.preemptions += 1
         return self._fits(nbytes, reservation)
 
     def _refusal(self) -> OverloadedError:

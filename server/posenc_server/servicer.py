@@ -76,16 +76,20 @@ class PositionalEncodingServicer:
         self, requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext[bytes, bytes]
     ) -> AsyncIterator[bytes]:
         """A small table in one (serialized GetEncodingResponse) message."""
-        async with self._admitted(context) as (reservation, raw):
-            request = await self._run(self._request, _GET_ENCODING, raw)
-            await reservation.grow(_response_cost(request, None))
-            yield await self._run(self._service.unary, request)
+        # Admitted for the largest unary response at once, so that parsing and computing
+        # take one trip to the pool (a decode step's latency); then only the message's
+        # bytes stay held until gRPC has handed them to the connection.
+        largest = admission.unary_cost(self._config.max_unary_bytes)
+        async with self._admitted(context, largest) as (reservation, raw):
+            message = await self._run(self._unary, raw)
+            await reservation.settle(len(message))
+            yield message
 
     async def StreamEncoding(
         self, requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext[bytes, bytes]
     ) -> AsyncIterator[bytes]:
         """A table of any size as row-aligned chunks (serialized responses)."""
-        async with self._admitted(context) as (reservation, raw):
+        async with self._admitted(context, 0) as (reservation, raw):
             request = await self._run(self._request, _STREAM_ENCODING, raw)
             chunk_bytes = request.max_chunk_bytes or self._config.max_chunk_bytes
             await reservation.grow(_response_cost(request, chunk_bytes))
@@ -102,7 +106,7 @@ class PositionalEncodingServicer:
         self, requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext[bytes, bytes]
     ) -> AsyncIterator[bytes]:
         """Describe this server."""
-        async with self._admitted(context) as (_, raw):
+        async with self._admitted(context, 0) as (_, raw):
             convert.parsed(_SERVER_INFO(raw))
             info = convert.server_info_response(self._service.info(self._version))
         yield info.SerializeToString()
@@ -111,10 +115,10 @@ class PositionalEncodingServicer:
 
     @contextlib.asynccontextmanager
     async def _admitted(
-        self, context: grpc.aio.ServicerContext[bytes, bytes]
+        self, context: grpc.aio.ServicerContext[bytes, bytes], extra: int
     ) -> AsyncIterator[tuple[Reservation, bytes]]:
         """Admit the call for the largest request allowed, read its request, then hold what
-        that request costs (see ``admission``) until the block ends.
+        that request costs (see ``admission``) and ``extra`` until the block ends.
 
         Reading is admitted first because gRPC takes a request message whole, whatever its
         size, once the handler asks for it; until then a call holds at most the 64 KiB
@@ -123,7 +127,7 @@ class PositionalEncodingServicer:
         largest = admission.READ_COPIES * self._config.max_receive_message_bytes
         async with self._budget.admitted(largest, reading=True) as reservation:
             raw = await self._read(context, reservation)
-            await reservation.settle(admission.request_cost(raw))
+            await reservation.settle(admission.request_cost(raw) + extra)
             yield reservation, raw
 
     async def _read(
@@ -132,31 +136,33 @@ class PositionalEncodingServicer:
         """The call's one request message; RequestTimeoutError once the wait is over, or
         OverloadedError when another call took over the reservation (see ``admission``)."""
         timeout = self._config.read_timeout_seconds
-        read = asyncio.ensure_future(context.read())
-        preempted = asyncio.ensure_future(reservation.preempted.wait())
+        reservation.reader = asyncio.current_task()
         try:
-            done, _ = await asyncio.wait(
-                (read, preempted), timeout=timeout, return_when=asyncio.FIRST_COMPLETED
-            )
-        finally:
-            preempted.cancel()
-            read.cancel()  # no-op once it is done
-        if read not in done:
-            if preempted in done:
-                raise OverloadedError(
-                    "the request message did not arrive while other calls waited for "
-                    "memory to read theirs: retry",
-                    retry_after_seconds=self._budget.retry_after_seconds,
-                )
+            async with asyncio.timeout(timeout):
+                message = await context.read()
+        except TimeoutError:
             raise RequestTimeoutError(
                 f"the request message did not arrive within {timeout:g} s of the call's "
                 "headers (--read-timeout-seconds)"
-            )
-        message = read.result()
+            ) from None
+        except asyncio.CancelledError:
+            if not reservation.preempted or (task := asyncio.current_task()) is None:
+                raise
+            task.uncancel()  # cancelled by the preemption, not by gRPC
+            raise OverloadedError(
+                "the request message did not arrive while other calls waited for memory to "
+                "read theirs: retry",
+                retry_after_seconds=self._budget.retry_after_seconds,
+            ) from None
+        finally:
+            reservation.reader = None
         if message is grpc.aio.EOF:  # type: ignore[attr-defined]  # not in the stubs
             raise InvalidRequestError([FieldViolation("request", "the call sent no request")])
         assert isinstance(message, bytes)
         return message
+
+    def _unary(self, raw: bytes) -> bytes:
+        return self._service.unary(self._request(_GET_ENCODING, raw))
 
     def _request(self, parse: Callable[[bytes], Any], raw: bytes) -> Request:
         return self._specs.resolve(convert.encoding_query(parse(raw), self._config))
