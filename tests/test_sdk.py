@@ -577,7 +577,7 @@ def test_interceptors_see_every_call_with_its_token(server: RunningServer) -> No
 def test_context_manager_closes_the_channel(server: RunningServer) -> None:
     with posenc.Client(server.target) as client:
         client.get_range(0, 1, 4)
-    with pytest.raises(ValueError, match="closed"):
+    with pytest.raises(posenc.ClientClosedError, match="closed"):
         client.get_range(0, 1, 4)
 
 
