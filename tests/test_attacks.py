@@ -8,6 +8,7 @@ metrics do not grow with what a caller invents.
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 import urllib.error
@@ -396,3 +397,69 @@ def test_the_cli_sends_a_token_over_loopback_only_when_told(
     assert main(argv) != 0
     assert "local_channel_credentials" in capsys.readouterr().err
     assert main([*argv, "--local"]) == 0
+
+
+# -- all of them, in waves ----------------------------------------------------------------------
+
+SOAK = os.environ.get("POSENC_SOAK") == "1"
+
+
+@pytest.mark.soak
+@pytest.mark.timeout(400)
+def test_waves_of_attacks_leave_a_decode_loop_served_and_memory_bounded(
+    spawn_server: Callable[..., ServerProcess],
+) -> None:
+    """Rounds of 256 stalled calls and 100 unread 4 MB results, each round on new
+    connections dropped at its end, while a decode loop runs: every step of the loop gets its
+    rows (the SDK retries what the server asks it to), memory stays within the cache budget
+    plus 128 MiB, and nothing stays admitted once the attackers are gone. 120 s in
+    `make soak`, 10 s in `make test`."""
+    cache_mib = 64
+    server = spawn_server(0, "--cache-bytes", f"{cache_mib}MiB", "--read-timeout-seconds", "5")
+    port = metrics_port(server)
+    duration = 120.0 if SOAK else 10.0
+    stop = threading.Event()
+    steps: list[int] = []
+    failures: list[BaseException] = []
+
+    def decode_loop() -> None:
+        with posenc.Client(server.target, row_cache_bytes=0) as client:
+            position = 0
+            while not stop.is_set():
+                try:
+                    rows = client.get_positions([position, position + 1], 64)
+                    assert rows.shape == (2, 64)
+                    steps.append(position)
+                except BaseException as error:  # reported below
+                    failures.append(error)
+                position += 2
+
+    loop = threading.Thread(target=decode_loop)
+    loop.start()
+    request = encoding_request(0, 1024, 1020)
+    deadline = time.monotonic() + duration
+    rounds = 0
+    try:
+        while time.monotonic() < deadline:
+            stalled = [RawConnection("127.0.0.1", server.port) for _ in range(4)]
+            unread = RawConnection("127.0.0.1", server.port, window=0)
+            for connection in stalled:
+                for _ in range(64):
+                    connection.call(GET_ENCODING, None, end=False)
+            for _ in range(100):
+                unread.call(GET_ENCODING, request)
+            pump_until([*stalled, unread], lambda: False, 2.0)
+            assert health_latency(server.target, checks=3) < 1.0
+            for connection in [*stalled, unread]:
+                connection.close()
+            rounds += 1
+    finally:
+        stop.set()
+        loop.join()
+    assert not failures, failures[:3]
+    assert len(steps) > 10 and rounds >= 2
+    assert peak_rss_mib(server.process.pid) <= cache_mib + HEADROOM_MIB
+    settle = time.monotonic() + 10
+    while in_flight_bytes(port) > 0 and time.monotonic() < settle:
+        time.sleep(0.2)
+    assert in_flight_bytes(port) == 0
