@@ -104,7 +104,8 @@ class ServerConfig:
         default=48,
         metadata={
             "help": "streams one process serves at once; more get RESOURCE_EXHAUSTED "
-            "(below workers, so unary calls and health checks always find a thread)"
+            "(below workers, so unary calls always find a thread to compute on; health "
+            "checks need none)"
         },
     )
     grace_seconds: float = field(
