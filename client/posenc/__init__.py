@@ -34,6 +34,7 @@ from posenc.errors import (
     UnimplementedError,
 )
 from posenc.spec import Spec
+from posenc.table import GrowingTable
 from posenc.types import (
     DEFAULT,
     CacheStats,
@@ -56,6 +57,7 @@ __all__ = [
     "ClassicOptions",
     "Client",
     "DeadlineExceededError",
+    "GrowingTable",
     "InternalError",
     "InvalidArgumentError",
     "Limits",
