@@ -26,7 +26,7 @@ from posenc._checks import bad_argument
 from posenc.spec import Spec
 from posenc.v1 import posenc_pb2 as pb
 
-__all__ = ["SINUSOIDAL_FAMILIES", "spec_from_config"]
+__all__ = ["SINUSOIDAL_FAMILIES", "config_dict", "spec_from_config"]
 
 _SCALING: Final = pb.RotaryTable.DESCRIPTOR.oneofs_by_name["scaling"]
 _INTEGER_TYPES: Final = frozenset(
@@ -61,7 +61,7 @@ SINUSOIDAL_FAMILIES: Final[Mapping[str, str]] = {
 }
 
 
-def _as_dict(config: object) -> dict[str, Any]:
+def config_dict(config: object) -> dict[str, Any]:
     """The config's keys: a mapping as it is, a transformers config through ``to_dict``
     (its text config for multimodal models)."""
     if isinstance(config, Mapping):
@@ -131,7 +131,7 @@ def spec_from_config(
     layer_type: str | None = None,
 ) -> Spec:
     """:meth:`posenc.Spec.from_config` (its docstring says what is read, and how)."""
-    values = _as_dict(config)
+    values = config_dict(config)
     model_type = str(values.get("model_type") or "")
     if model_type in SINUSOIDAL_FAMILIES:
         return _sinusoidal(model_type, values)

@@ -255,7 +255,17 @@ class GrowingTable:
         held = 0 if rows is None else len(rows)
         if rows is None or low < 0 or top >= held:
             return self._mixed(flat, held)
-        if host is not None and host.shape == (len(flat), rows.shape[1]):
+        fits = host is not None and host.shape == (len(flat), rows.shape[1])
+        if top - low == len(flat) - 1 and (len(flat) == 1 or (np.diff(flat) == 1).all()):
+            # A run of consecutive positions (a prefill): one block copy, several times
+            # faster than a gather.
+            block = rows[low : top + 1]
+            if fits:
+                assert host is not None
+                np.copyto(host, block)
+                return host
+            return block.copy()
+        if fits:
             # Straight into the caller's buffer: a decode loop allocates nothing.
             return np.take(rows, flat, axis=0, out=host)
         return rows[flat]

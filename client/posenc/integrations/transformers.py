@@ -37,6 +37,7 @@ import torch
 from torch import nn
 
 import posenc
+from posenc._configs import config_dict
 from posenc._output import as_tensor
 from posenc.table import DEFAULT_MAX_BYTES, DEFAULT_MIN_ROWS, GrowingTable
 
@@ -252,6 +253,8 @@ class _Rotary:
         self.name = name
         self.module = module
         self.config = module.config
+        # The config's keys, read once: a dynamic-NTK decode loop makes a spec every step.
+        self.values = config_dict(module.config)
         self.native = type(module).forward
         # A module returning complex frequencies (DeepSeek-V2's freqs_cis) gets vLLM-layout
         # rows, [cos | sin] without duplicated halves.
@@ -312,7 +315,7 @@ class _Rotary:
             if len(self.specs) >= _SPECS_KEPT + 2:
                 self.specs.clear()
             spec = posenc.Spec.from_config(
-                self.config, layout=self.layout, seq_len=seq_len, layer_type=layer_type
+                self.values, layout=self.layout, seq_len=seq_len, layer_type=layer_type
             )
             self.specs[key] = spec
         return spec
