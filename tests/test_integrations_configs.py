@@ -23,6 +23,10 @@ import pytest
 
 import posenc
 
+# transformers' config classes and rotary modules: seconds to import and build (make test-fast
+# skips them).
+pytestmark = pytest.mark.slow
+
 CONFIGS = Path(__file__).parent / "data" / "configs"
 EPS32 = 2.0**-24
 POSITIONS = np.arange(0, 4097)

@@ -202,6 +202,7 @@ def test_async_client_gives_the_same_tensors(server: Any) -> None:
     assert isinstance(sin, np.ndarray)
 
 
+@pytest.mark.slow
 def test_base_sdk_and_server_never_import_torch(server: Any) -> None:
     code = (
         "import sys, numpy as np, posenc, posenc.integrations, posenc_server.service\n"

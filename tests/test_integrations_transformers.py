@@ -27,6 +27,8 @@ import pytest
 
 torch = pytest.importorskip("torch", reason="the conformance extra (make test installs it)")
 transformers = pytest.importorskip("transformers")
+# Every test here builds transformers models: seconds each (make test-fast skips them).
+pytestmark = pytest.mark.slow
 
 import posenc  # noqa: E402
 from posenc.integrations.transformers import patch  # noqa: E402
