@@ -529,6 +529,14 @@ def _speech2text() -> Any:
 SEQ2SEQ = {"m2m100": _m2m100, "marian": _marian, "pegasus": _pegasus}
 
 
+def assert_same_logits(family: str, ours: Any, native: Any) -> None:
+    """Patched and native outputs of a sinusoidal model: equal within float32 noise (the
+    tables differ by float32 rounding at these positions)."""
+    difference, scale = float((ours - native).abs().max()), float(native.abs().max())
+    print(f"{family}: max |output difference| {difference:.3g} (max |output| {scale:.3g})")
+    assert difference <= 1e-4 * scale
+
+
 def seq2seq_logits(model: Any, source: int, target: int) -> Any:
     generator = torch.Generator().manual_seed(2)
     ids = torch.randint(3, 96, (BATCH, source), generator=generator)
@@ -548,7 +556,7 @@ def test_seq2seq_tables_match_and_grow_from_posenc(family: str, client: posenc.C
             "fairseq" if family == "m2m100" else "sinusoidal"
         }
         ours = seq2seq_logits(model, 20, 10)
-        assert float((ours - native).abs().max()) <= 1e-4 * float(native.abs().max())
+        assert_same_logits(family, ours, native)
         # An input longer than the model's table (64 positions, 128 rows here) grows it.
         long = seq2seq_logits(model, 300, 10)
         assert torch.isfinite(long).all()
@@ -569,7 +577,7 @@ def test_speech2text_encoder_and_decoder(client: posenc.Client) -> None:
         with patch(model, client) as handle:
             assert {spec.kind for spec in handle.specs.values()} == {"fairseq"}
             ours = model(input_features=features, decoder_input_ids=decoder).logits
-    assert float((ours - native).abs().max()) <= 1e-4 * float(native.abs().max())
+    assert_same_logits("speech2text", ours, native)
 
 
 @pytest.mark.slow
@@ -604,7 +612,7 @@ def test_whisper_encoder_table_is_posenc(client: posenc.Client) -> None:
             weight = model.model.encoder.embed_positions.weight
             np.testing.assert_array_equal(weight.numpy(), client.get_range(0, 50, spec))
             ours = model(input_features=features, decoder_input_ids=decoder).logits
-    assert float((ours - native).abs().max()) <= 1e-4 * float(native.abs().max())
+    assert_same_logits("whisper", ours, native)
 
 
 @pytest.mark.slow
@@ -629,4 +637,4 @@ def test_xlm_sinusoidal_grows(client: posenc.Client) -> None:
             ours = model(ids).last_hidden_state
             longer = model(torch.randint(3, 96, (1, 200))).last_hidden_state
             assert longer.shape == (1, 200, 32)
-    assert float((ours - native).abs().max()) <= 1e-4 * float(native.abs().max())
+    assert_same_logits("xlm", ours, native)
