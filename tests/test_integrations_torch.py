@@ -124,10 +124,13 @@ def test_out_buffers_are_filled_in_place(client: posenc.Client) -> None:
     assert cos.data_ptr() == grid.data_ptr()
     expected16 = client.get_positions([1, 2, 3, 4, 5, 6], ROTARY, dtype="bfloat16")
     assert np.array_equal(bits(grid).reshape(6, 32), bits(expected16))
-    # A non-contiguous buffer is filled by a copy.
+    # Non-contiguous buffers are filled by a copy.
     wide = torch.zeros(100, 48, dtype=torch.float16)
     client.get_range(1000, 1100, SINUSOIDAL, out=wide[:, :24])
     assert np.array_equal(wide[:, :24].numpy(), expected) and not wide[:, 24:].any()
+    strided = np.zeros((100, 48), dtype=np.float16)
+    assert client.get_range(1000, 1100, SINUSOIDAL, out=strided[:, ::2]) is not None
+    assert np.array_equal(strided[:, ::2], expected) and not strided[:, 1::2].any()
 
 
 @pytest.mark.parametrize(
@@ -137,6 +140,7 @@ def test_out_buffers_are_filled_in_place(client: posenc.Client) -> None:
         (np.empty((100, 25), np.float32), "out"),  # width: known only from the response
         (np.empty((100, 24), np.float64), "out"),  # dtype differs from dtype=
         ([[0.0] * 24] * 100, "out"),
+        (np.broadcast_to(np.float32(0), (100, 24)), "out"),  # read-only
     ],
 )
 def test_bad_out_buffers_name_the_field(client: posenc.Client, out: Any, field: str) -> None:

@@ -161,6 +161,8 @@ class Output:
                 )
             if device is not None:
                 raise bad_argument("device", "goes without out=: the result is out, where it is")
+            if isinstance(out, np.ndarray) and not out.flags.writeable:
+                raise bad_argument("out", "is read-only")
             view = _host_view(out, dtype)
             if view is not None:
                 host = view.reshape(math.prod(shape), out.shape[-1])
@@ -181,7 +183,9 @@ class Output:
                 raise bad_argument(
                     "out", f"has shape {tuple(self.out.shape)}, the rows are {(*self.shape, width)}"
                 )
-            if self.host is None:
+            if self.host is None and isinstance(self.out, np.ndarray):  # not contiguous
+                np.copyto(self.out, rows.reshape(self.out.shape))
+            elif self.host is None:  # another device, a strided tensor
                 self.out.copy_(as_tensor(rows).view(self.out.shape))
             elif rows is not self.host:  # not decoded in place (e.g. from the row cache)
                 np.copyto(self.host, rows)
