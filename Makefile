@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 SERVER_STAMP := $(VENV)/.installed-server
 STAMP := $(VENV)/.installed
 
-.PHONY: run test soak lint typecheck stubs clean
+.PHONY: run test test-fast soak lint typecheck stubs clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -29,6 +29,10 @@ test: $(STAMP)
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy
 	$(BIN)/python -m pytest
+
+# The fast set, for the edit-test loop: under a minute, no slow or soak tests, no linters.
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest -m "not slow and not soak" -q
 
 # The proof under pressure in full: 120 s of load, 5,000 cache keys (tests/test_soak.py).
 soak: $(STAMP)

@@ -27,11 +27,9 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
-from posenc.presets import RotaryPreset, SinusoidalPreset
-from posenc.v1 import posenc_pb2 as pb
-from posenc_server import engine, servicer
+import posenc
+from posenc_server import convert, engine
 from posenc_server.config import ServerConfig
-from posenc_server.engine import EncodingSpec
 from posenc_server.errors import FieldViolation
 
 POSITIONS = (2**12, 2**16, 2**20, 2**24)
@@ -39,16 +37,19 @@ WINDOW = 16
 Array = npt.NDArray[Any]
 
 
-def exact_spec(preset: SinusoidalPreset | RotaryPreset, d_model: int = 0) -> EncodingSpec:
-    """posenc's float64 spec of a preset (the server's own parsing)."""
-    if isinstance(preset, RotaryPreset):
-        proto_spec = pb.EncodingSpec(rotary=preset.to_proto())
-    else:
-        proto_spec = pb.EncodingSpec(d_model=d_model, sinusoidal=preset.to_proto())
+def exact(spec: posenc.Spec) -> engine.Encoding:
+    """posenc's float64 table of ``spec``, through the server's own conversion and checks."""
     violations: list[FieldViolation] = []
-    spec = servicer.preset_spec_from_proto(proto_spec, "float64", ServerConfig(), violations)
-    assert spec is not None, violations
-    return spec
+    table = convert.table_from_proto(spec.to_proto(), violations)
+    assert table is not None, violations
+    violations = table.validate(f"spec.{table.NAME}", ServerConfig())
+    assert not violations, violations
+    return engine.Encoding.prepare(table, "float64")
+
+
+def exact_rows(spec: posenc.Spec, positions: Array) -> Array:
+    """posenc's float64 rows of ``spec`` at ``positions``."""
+    return engine.encode_positions(exact(spec), positions)
 
 
 # -- references: the real modules, called as a model calls them -------------------------------
@@ -61,8 +62,8 @@ def rotary_module(module: torch.nn.Module, positions: Array) -> Array:
     return np.concatenate([cos[0].numpy(), sin[0].numpy()], axis=1)
 
 
-def llama3_module() -> tuple[torch.nn.Module, RotaryPreset]:
-    """Llama 3.1 8B's rotary embedding and its preset (from the same config)."""
+def llama3_module() -> tuple[torch.nn.Module, posenc.Spec]:
+    """Llama 3.1 8B's rotary embedding and its table (from the same config)."""
     from transformers import LlamaConfig
     from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
@@ -80,10 +81,10 @@ def llama3_module() -> tuple[torch.nn.Module, RotaryPreset]:
             "high_freq_factor": 4.0,
         },
     )
-    return LlamaRotaryEmbedding(config), RotaryPreset.from_config(config.to_dict())
+    return LlamaRotaryEmbedding(config), posenc.Spec.from_config(config.to_dict())
 
 
-def mistral_module() -> tuple[torch.nn.Module, RotaryPreset]:
+def mistral_module() -> tuple[torch.nn.Module, posenc.Spec]:
     """Mistral 7B v0.2's rotary embedding (default rope, theta 1e6)."""
     from transformers import MistralConfig
     from transformers.models.mistral.modeling_mistral import MistralRotaryEmbedding
@@ -94,10 +95,10 @@ def mistral_module() -> tuple[torch.nn.Module, RotaryPreset]:
         max_position_embeddings=32768,
         rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
     )
-    return MistralRotaryEmbedding(config), RotaryPreset.from_config(config.to_dict())
+    return MistralRotaryEmbedding(config), posenc.Spec.from_config(config.to_dict())
 
 
-def qwen2_yarn_module() -> tuple[torch.nn.Module, RotaryPreset]:
+def qwen2_yarn_module() -> tuple[torch.nn.Module, posenc.Spec]:
     """Qwen2.5 7B with its documented YaRN (factor 4 over 32768) rotary embedding."""
     from transformers import Qwen2Config
     from transformers.models.qwen2.modeling_qwen2 import Qwen2RotaryEmbedding
@@ -113,7 +114,7 @@ def qwen2_yarn_module() -> tuple[torch.nn.Module, RotaryPreset]:
             "original_max_position_embeddings": 32768,
         },
     )
-    return Qwen2RotaryEmbedding(config), RotaryPreset.from_config(config.to_dict())
+    return Qwen2RotaryEmbedding(config), posenc.Spec.from_config(config.to_dict())
 
 
 # Phi-3's real factors ship with its checkpoint; these have the same shape (48 each,
@@ -122,7 +123,7 @@ PHI3_SHORT = [1.0 + 0.05 * i / 47 for i in range(48)]
 PHI3_LONG = [1.0 + 60.0 * (i / 47) ** 2 for i in range(48)]
 
 
-def phi3_longrope_module() -> tuple[torch.nn.Module, Callable[[int], RotaryPreset]]:
+def phi3_longrope_module() -> tuple[torch.nn.Module, Callable[[int], posenc.Spec]]:
     """Phi-3-mini-128k's shape of LongRoPE (head 96, 4096 -> 131072), synthetic factors."""
     from transformers import Phi3Config
     from transformers.models.phi3.modeling_phi3 import Phi3RotaryEmbedding
@@ -140,11 +141,11 @@ def phi3_longrope_module() -> tuple[torch.nn.Module, Callable[[int], RotaryPrese
             "original_max_position_embeddings": 4096,
         },
     )
-    preset = RotaryPreset.from_config(config.to_dict())
+    spec = posenc.Spec.from_config(config.to_dict())
 
-    def at(seq_len: int) -> RotaryPreset:
+    def at(seq_len: int) -> posenc.Spec:
         # transformers switches to the long factors once max(position_ids) + 1 > 4096.
-        return RotaryPreset(**{**preset.__dict__, "seq_len": seq_len})
+        return posenc.Spec("rotary", **{**spec.parameters, "seq_len": seq_len})
 
     return Phi3RotaryEmbedding(config), at
 
@@ -205,7 +206,7 @@ class Reference:
     """One row of the drift table."""
 
     label: str
-    preset: str
+    table: str
     rows: Callable[[Array], Array]  # the reference's float32 rows at these positions
     exact: Callable[[Array], Array]  # posenc's float64 rows
 
@@ -218,33 +219,34 @@ def references() -> list[Reference]:
         ("`MistralRotaryEmbedding`, Mistral 7B v0.2", mistral_module),
         ("`Qwen2RotaryEmbedding`, Qwen2.5 7B YaRN x4", qwen2_yarn_module),
     ):
-        module, preset = build()
-        spec = exact_spec(preset)
+        module, spec = build()
+        encoding = exact(spec)
+        scaling = spec.parameters.get("scaling")
         out.append(
             Reference(
                 label,
-                f"rotary `{preset.rope_type}`",
+                "`rotary`" + (f", scaling `{scaling}`" if scaling else ""),
                 lambda p, m=module: rotary_module(m, p),  # type: ignore[misc]
-                lambda p, s=spec: engine.encode_positions(s, p),  # type: ignore[misc]
+                lambda p, e=encoding: engine.encode_positions(e, p),  # type: ignore[misc]
             )
         )
-    phi3, phi3_preset = phi3_longrope_module()
+    phi3, phi3_spec = phi3_longrope_module()
     out.append(
         Reference(
             "`Phi3RotaryEmbedding`, Phi-3-mini-128k shape",
-            "rotary `longrope`",
+            "`rotary`, scaling `longrope`",
             lambda p: rotary_module(phi3, p),
-            lambda p: engine.encode_positions(exact_spec(phi3_preset(int(p.max()) + 1)), p),
+            lambda p: exact_rows(phi3_spec(int(p.max()) + 1), p),
         )
     )
-    gptj = exact_spec(RotaryPreset(head_dim=64, layout="gptj"))
-    whisper = exact_spec(SinusoidalPreset("whisper"), 384)
-    m2m = exact_spec(SinusoidalPreset("fairseq", padding_idx=1), 1024)
-    marian = exact_spec(SinusoidalPreset("vaswani_split"), 512)
+    gptj = exact(posenc.Spec("rotary", head_dim=64, layout="gptj"))
+    whisper = exact(posenc.Spec("whisper", d_model=384))
+    m2m = exact(posenc.Spec("fairseq", d_model=1024, padding_idx=1))
+    marian = exact(posenc.Spec("sinusoidal", d_model=512, layout="split"))
     out += [
         Reference(
             "GPT-J `create_sinusoidal_positions`, rotary_dim 64",
-            "rotary `default`, layout `gptj`",
+            "`rotary`, layout `gptj`",
             lambda p: gptj_replay(p, 64),
             lambda p: engine.encode_positions(gptj, p),
         ),
@@ -262,7 +264,7 @@ def references() -> list[Reference]:
         ),
         Reference(
             "Marian / Pegasus `create_weight`, d 512",
-            "`vaswani_split`",
+            "`sinusoidal`, layout `split`",
             lambda p: marian_replay(p, 512),
             lambda p: engine.encode_positions(marian, p),
         ),
@@ -281,13 +283,13 @@ def drift(reference: Reference, position: int) -> float:
 
 def table() -> str:
     """The README's drift table, in markdown."""
-    header = "| reference (float32) | preset | " + " | ".join(
+    header = "| reference (float32) | posenc table | " + " | ".join(
         f"2^{int(math.log2(p))}" for p in POSITIONS
     )
     lines = [header + " |", "|---|---|" + "---:|" * len(POSITIONS)]
     for reference in references():
         cells = " | ".join(f"{drift(reference, p):.2g}" for p in POSITIONS)
-        lines.append(f"| {reference.label} | {reference.preset} | {cells} |")
+        lines.append(f"| {reference.label} | {reference.table} | {cells} |")
     return "\n".join(lines)
 
 

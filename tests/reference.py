@@ -1,23 +1,64 @@
-"""An independent reference for the tables: the formula as written, evaluated with mpmath."""
+"""An independent reference for the tables (the formula as written, evaluated with mpmath),
+and the shortest ways to run the server's engine on a table without a server."""
 
 from __future__ import annotations
 
 import mpmath
 import numpy as np
+import numpy.typing as npt
 
-from posenc_server.engine import Layout, Schedule
+from posenc.v1 import posenc_pb2 as pb
+from posenc_server import convert, engine
+from posenc_server.config import ServerConfig
+from posenc_server.tables.sinusoidal import Sinusoidal
 
 mpmath.mp.dps = 50
 
+LAYOUTS = ("interleaved", "split")
+SCHEDULES = ("paper", "tensor2tensor")
 
-def column_role(d_model: int, layout: Layout, schedule: Schedule, column: int) -> tuple[str, int]:
+
+def classic(
+    d_model: int,
+    base: float = 10000.0,
+    dtype: str = "float32",
+    layout: str = "interleaved",
+    schedule: str = "paper",
+) -> engine.Encoding:
+    """The classic sinusoidal table, ready for ``engine.encode_range`` / ``encode_positions``."""
+    return engine.Encoding.prepare(Sinusoidal(d_model, base, layout, schedule), dtype)
+
+
+def prepared(spec: pb.EncodingSpec, config: ServerConfig | None = None) -> engine.Encoding:
+    """The engine's form of ``spec``, through the server's own conversion and validation."""
+    violations: list[object] = []
+    table = convert.table_from_proto(spec, violations)  # type: ignore[arg-type]
+    assert table is not None, violations
+    assert not (problems := table.validate(f"spec.{table.NAME}", config or ServerConfig())), (
+        problems
+    )
+    dtype = pb.Dtype.Name(spec.dtype or pb.DTYPE_FLOAT32).removeprefix("DTYPE_").lower()
+    return engine.Encoding.prepare(table, dtype)
+
+
+def engine_range(spec: pb.EncodingSpec, start: int, stop: int) -> npt.NDArray[np.generic]:
+    """What the server answers for ``spec`` and positions ``start .. stop - 1``."""
+    return engine.encode_range(prepared(spec), start, stop)
+
+
+def engine_positions(spec: pb.EncodingSpec, positions: npt.ArrayLike) -> npt.NDArray[np.generic]:
+    """What the server answers for ``spec`` and ``positions``."""
+    return engine.encode_positions(prepared(spec), positions)
+
+
+def column_role(d_model: int, layout: str, schedule: str, column: int) -> tuple[str, int]:
     """("sin" | "cos" | "zero", frequency index) of one column, straight from the definitions."""
-    if schedule is Schedule.TENSOR2TENSOR:
+    if schedule == "tensor2tensor":
         pairs = d_model // 2
         n_sin = n_cos = pairs
     else:
         n_sin, n_cos = (d_model + 1) // 2, d_model // 2
-    if layout is Layout.INTERLEAVED:
+    if layout == "interleaved":
         if column < 2 * n_cos:
             return ("sin" if column % 2 == 0 else "cos"), column // 2
         if column < n_sin + n_cos:
@@ -30,16 +71,16 @@ def column_role(d_model: int, layout: Layout, schedule: Schedule, column: int) -
     return "zero", 0
 
 
-def inv_freq(base: float, d_model: int, schedule: Schedule, i: int) -> mpmath.mpf:
-    """inv_freq[i] per PRODUCT section 2, at 50 digits."""
+def inv_freq(base: float, d_model: int, schedule: str, i: int) -> mpmath.mpf:
+    """inv_freq[i] of the schedule (see ``posenc.v1.Schedule``), at 50 digits."""
     b = mpmath.mpf(base)
-    if schedule is Schedule.PAPER:
+    if schedule == "paper":
         return b ** (-mpmath.mpf(2 * i) / d_model)
     return b ** (-mpmath.mpf(i) / max(d_model // 2 - 1, 1))
 
 
 def exact(
-    base: float, d_model: int, layout: Layout, schedule: Schedule, position: int, column: int
+    base: float, d_model: int, layout: str, schedule: str, position: int, column: int
 ) -> mpmath.mpf:
     """The exact table value at (position, column)."""
     role, i = column_role(d_model, layout, schedule, column)
@@ -67,7 +108,7 @@ def _step(value: np.generic, up: bool) -> np.generic:
 
 
 def within_contract(value: np.generic, exact_value: mpmath.mpf) -> bool:
-    """PRODUCT section 3 for one element.
+    """The accuracy contract for one element.
 
     float64: absolute error <= 2**-50. Narrower dtypes: the value is the correctly rounded
     value or its neighbour (no representable number lies strictly between the value and the

@@ -23,12 +23,19 @@ LIMIT = 2**42
 GET = "/posenc.v1.PositionalEncodingService/GetEncoding"
 
 
+def sinusoidal(d_model: int, dtype: int = 0, **table: object) -> pb.EncodingSpec:
+    """The classic sinusoidal table's spec."""
+    return pb.EncodingSpec(
+        dtype=dtype,  # type: ignore[arg-type]
+        sinusoidal=pb.SinusoidalTable(d_model=d_model, **table),  # type: ignore[arg-type]
+    )
+
+
 def request(
     d_model: int = 8, start: int = 0, stop: int = 4, **spec: object
 ) -> pb.GetEncodingRequest:
     return pb.GetEncodingRequest(
-        spec=pb.EncodingSpec(d_model=d_model, **spec),  # type: ignore[arg-type]
-        range=pb.PositionRange(start=start, stop=stop),
+        spec=sinusoidal(d_model, **spec), range=pb.PositionRange(start=start, stop=stop)
     )
 
 
@@ -50,32 +57,32 @@ def assert_still_serves(stub: posenc_pb2_grpc.PositionalEncodingServiceStub) -> 
 
 
 INVALID_UNARY = {
-    "d_model 0": (request(d_model=0), "spec.d_model"),
-    "d_model 10**9": (request(d_model=10**9), "spec.d_model"),
-    "base 1": (request(base=1.0), "spec.base"),
-    "base 0.5": (request(base=0.5), "spec.base"),
-    "base NaN": (request(base=float("nan")), "spec.base"),
-    "base inf": (request(base=float("inf")), "spec.base"),
-    "base -inf": (request(base=float("-inf")), "spec.base"),
-    "base 0 explicitly": (request(base=0.0), "spec.base"),
+    "d_model 0": (request(d_model=0), "spec.sinusoidal.d_model"),
+    "d_model 10**9": (request(d_model=10**9), "spec.sinusoidal.d_model"),
+    "base 1": (request(base=1.0), "spec.sinusoidal.base"),
+    "base 0.5": (request(base=0.5), "spec.sinusoidal.base"),
+    "base NaN": (request(base=float("nan")), "spec.sinusoidal.base"),
+    "base inf": (request(base=float("inf")), "spec.sinusoidal.base"),
+    "base -inf": (request(base=float("-inf")), "spec.sinusoidal.base"),
+    "base 0 explicitly": (request(base=0.0), "spec.sinusoidal.base"),
     "start > stop": (request(start=10, stop=5), "range.stop"),
     "start over the limit": (request(start=LIMIT + 1, stop=LIMIT + 2), "range.start"),
     "stop past the limit": (request(start=LIMIT, stop=LIMIT + 2), "range.stop"),
     "start under -limit": (request(start=-LIMIT - 1, stop=0), "range.start"),
     "unknown dtype": (request(dtype=7), "spec.dtype"),
-    "unknown layout": (request(layout=9), "spec.layout"),
-    "unknown schedule": (request(schedule=5), "spec.schedule"),
+    "unknown layout": (request(layout=9), "spec.sinusoidal.layout"),
+    "unknown schedule": (request(schedule=5), "spec.sinusoidal.schedule"),
     "position over the limit": (
         pb.GetEncodingRequest(
-            spec=pb.EncodingSpec(d_model=8), positions=pb.PositionList(positions=[1, -(2**43)])
+            spec=sinusoidal(8), positions=pb.PositionList(positions=[1, -(2**43)])
         ),
         "positions.positions[1]",
     ),
     "empty position list": (
-        pb.GetEncodingRequest(spec=pb.EncodingSpec(d_model=8), positions=pb.PositionList()),
+        pb.GetEncodingRequest(spec=sinusoidal(8), positions=pb.PositionList()),
         "positions.positions",
     ),
-    "no selection": (pb.GetEncodingRequest(spec=pb.EncodingSpec(d_model=8)), "selection"),
+    "no selection": (pb.GetEncodingRequest(spec=sinusoidal(8)), "selection"),
 }
 
 
@@ -112,7 +119,8 @@ def test_invalid_stream_requests_fail_the_same_way(
 
 def test_negative_d_model_on_the_wire_is_refused(server: RunningServer) -> None:
     # uint32 cannot hold -1, but a client can still send its 10-byte varint.
-    spec = b"\x08" + b"\xff" * 9 + b"\x01"
+    table = b"\x08" + b"\xff" * 9 + b"\x01"
+    spec = b"\x12" + bytes([len(table)]) + table
     selection = pb.PositionRange(start=0, stop=1).SerializeToString()
     raw = b"\x0a" + bytes([len(spec)]) + spec + b"\x12" + bytes([len(selection)]) + selection
     with grpc.insecure_channel(server.target) as channel:
@@ -120,7 +128,7 @@ def test_negative_d_model_on_the_wire_is_refused(server: RunningServer) -> None:
         with pytest.raises(grpc.RpcError) as raised:
             call(raw)
         assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-        assert "spec.d_model" in raised.value.details()
+        assert "spec.sinusoidal.d_model" in raised.value.details()
         assert_still_serves(posenc_pb2_grpc.PositionalEncodingServiceStub(channel))
 
 
@@ -130,7 +138,7 @@ def test_oversized_position_list_is_refused(
     positions = pb.PositionList(positions=range(1_048_577))
     with pytest.raises(grpc.RpcError) as raised:
         stub.GetEncoding(
-            pb.GetEncodingRequest(spec=pb.EncodingSpec(d_model=1), positions=positions)
+            pb.GetEncodingRequest(spec=sinusoidal(1), positions=positions)
         )
     assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "positions.positions" in field_violations(raised.value)
@@ -144,7 +152,7 @@ def test_largest_position_list_is_received(
     # 2**20 negative positions take 10 bytes each on the wire: the receive limit must fit them.
     positions = pb.PositionList(positions=range(-(2**20), 0))
     chunks = stub.StreamEncoding(
-        pb.StreamEncodingRequest(spec=pb.EncodingSpec(d_model=1), positions=positions)
+        pb.StreamEncodingRequest(spec=sinusoidal(1), positions=positions)
     )
     assert sum(chunk.chunk.rows for chunk in chunks) == 2**20
 
@@ -164,7 +172,7 @@ def test_stream_over_its_limit_is_refused_before_computing(
     stub: posenc_pb2_grpc.PositionalEncodingServiceStub,
 ) -> None:
     huge = pb.StreamEncodingRequest(
-        spec=pb.EncodingSpec(d_model=4096), range=pb.PositionRange(start=0, stop=2**20 + 1)
+        spec=sinusoidal(4096), range=pb.PositionRange(start=0, stop=2**20 + 1)
     )
     with pytest.raises(grpc.RpcError) as raised:
         next(iter(stub.StreamEncoding(huge)))
@@ -177,7 +185,7 @@ def test_chunk_smaller_than_a_row_is_refused(
     stub: posenc_pb2_grpc.PositionalEncodingServiceStub,
 ) -> None:
     message = pb.StreamEncodingRequest(
-        spec=pb.EncodingSpec(d_model=1024), range=pb.PositionRange(start=0, stop=10)
+        spec=sinusoidal(1024), range=pb.PositionRange(start=0, stop=10)
     )
     message.max_chunk_bytes = 4095
     with pytest.raises(grpc.RpcError) as raised:

@@ -35,11 +35,12 @@ import grpc
 import numpy as np
 import pytest
 from conftest import ROOT, ServerProcess, free_port
+from reference import classic
 
 import posenc
 from posenc.v1 import posenc_pb2 as pb
 from posenc.v1 import posenc_pb2_grpc as pb_grpc
-from posenc_server.engine import EncodingSpec, encode_positions, encode_range
+from posenc_server.engine import encode_positions, encode_range
 
 # Each scenario's own loops take about 10 s; the margin covers installing nginx on first use.
 pytestmark = pytest.mark.timeout(120)
@@ -238,16 +239,16 @@ def exact_call(client: posenc.Client, kind: str, rng: np.random.Generator) -> bo
     start = int(rng.integers(-(10**9), 10**9))
     if kind == "range":  # one unary GetEncoding, up to 200 KB
         table = client.get_range(start, start + 200, d_model)
-        expected = encode_range(EncodingSpec(d_model), start, start + 200)
+        expected = encode_range(classic(d_model), start, start + 200)
     elif kind == "positions":  # one unary GetEncoding of scattered positions
         positions = rng.integers(-(2**40), 2**40, 64)
         table = client.get_positions(positions, d_model)
-        expected = encode_positions(EncodingSpec(d_model), positions)
+        expected = encode_positions(classic(d_model), positions)
     elif kind == "stream":  # get_range over StreamEncoding: 1.25 MB in 16 KiB chunks
         table = client.get_range(start, start + 5000, 64)
-        expected = encode_range(EncodingSpec(64), start, start + 5000)
+        expected = encode_range(classic(64), start, start + 5000)
     elif kind == "iter":  # iter_range: 1 MiB in 16 KiB slices, in order, no gap
-        expected = encode_range(EncodingSpec(128), start, start + 2048)
+        expected = encode_range(classic(128), start, start + 2048)
         table = np.empty_like(expected)
         position = start
         for first, rows in client.iter_range(start, start + 2048, 128):
@@ -361,7 +362,7 @@ class LongStream:
         assert self.error is None, f"the long stream failed: {self.error}"
         assert self.gaps == 0 and self.received == LONG_ROWS
         assert self.table is not None
-        expected = encode_range(EncodingSpec(LONG_D_MODEL), 0, LONG_ROWS)
+        expected = encode_range(classic(LONG_D_MODEL), 0, LONG_ROWS)
         assert np.array_equal(self.table, expected)
 
 
@@ -453,7 +454,7 @@ def test_calls_spread_over_all_three_replicas(cluster: tuple[list[Replica], Bala
                 slices = [block for _, block in client.iter_range(0, rows, d_model)]
                 assert len(slices) >= 16
                 table = np.concatenate(slices)
-            assert np.array_equal(table, encode_range(EncodingSpec(d_model), 0, len(table)))
+            assert np.array_equal(table, encode_range(classic(d_model), 0, len(table)))
     infos = {r.target: info(r.target) for r in replicas}
     misses = {target: i.cache.misses for target, i in infos.items()}
     balancer.wait_for_log(30)
@@ -482,12 +483,12 @@ def test_the_largest_requests_and_results_pass_through_nginx(
         balancer.target, timeout=60, unary_max_bytes=limits.max_unary_bytes
     ) as client:
         table = client.get_positions(positions, 4)
-        assert np.array_equal(table, encode_positions(EncodingSpec(4), positions))
+        assert np.array_equal(table, encode_positions(classic(4), positions))
         table = client.get_range(0, unary_rows, 256)
-        assert np.array_equal(table, encode_range(EncodingSpec(256), 0, unary_rows))
+        assert np.array_equal(table, encode_range(classic(256), 0, unary_rows))
         # 64 MiB streamed in the server's largest chunks (1 MiB).
         table = client.get_range(0, 1 << 16, 256)
-        assert np.array_equal(table, encode_range(EncodingSpec(256), 0, 1 << 16))
+        assert np.array_equal(table, encode_range(classic(256), 0, 1 << 16))
 
 
 def test_nginx_passes_the_calls_of_a_dead_replica_to_live_ones(
@@ -522,7 +523,7 @@ def test_nginx_resets_a_stream_whose_replica_dies_mid_stream_with_internal(
     UNAVAILABLE."""
     replicas, balancer = cluster
     request = pb.StreamEncodingRequest(
-        spec=pb.EncodingSpec(d_model=LONG_D_MODEL),
+        spec=pb.EncodingSpec(sinusoidal=pb.SinusoidalTable(d_model=LONG_D_MODEL)),
         range=pb.PositionRange(start=0, stop=LONG_ROWS),
         max_chunk_bytes=LONG_CHUNK_BYTES,
     )

@@ -84,7 +84,7 @@ def test_fetch_error_is_one_line_without_traceback(
     argv = ["fetch", "0", "10", "--d-model", "100000", "-o", str(out), "--target", server.target]
     assert main(argv) == 1
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "INVALID_ARGUMENT" in err and "spec.d_model" in err
+    assert err.count("\n") == 1 and "INVALID_ARGUMENT" in err and "d_model" in err
     assert "Traceback" not in err
     assert not list(tmp_path.iterdir())
 
@@ -93,9 +93,98 @@ def test_fetch_usage_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) 
     out = str(tmp_path / "x.npy")
     assert main(["fetch", "--d-model", "4", "-o", out]) == 1
     assert "START and STOP are required" in capsys.readouterr().err
-    with pytest.raises(SystemExit) as exited:
-        main(["fetch", "0", "10", "-o", out])  # no --d-model
-    assert exited.value.code == 2
+    for argv, message in [
+        (["fetch", "0", "10", "-o", out], "--d-model is required"),
+        (["fetch", "0", "10", "--table", "whisper", "--layout", "split", "-o", out], "--layout"),
+        (["fetch", "0", "10", "--param", "factor=2", "--d-model", "4", "-o", out], "factor"),
+        (["fetch", "0", "10", "--table", "fairseq", "--param", "padding_idx", "-o", out], "NAME"),
+        (["fetch", "0", "10", "--table", "nope", "-o", out], "--table"),
+    ]:
+        with pytest.raises(SystemExit) as exited:
+            main(argv)
+        assert exited.value.code == 2, argv
+        assert message in capsys.readouterr().err, argv
+
+
+@pytest.mark.parametrize(
+    ("argv", "spec"),
+    [
+        (["--table", "whisper", "--d-model", "64"], posenc.Spec("whisper", d_model=64)),
+        (
+            ["--table", "fairseq", "--d-model", "32", "--param", "padding_idx=3"],
+            posenc.Spec("fairseq", d_model=32, padding_idx=3),
+        ),
+        (
+            ["--table", "tensor2tensor", "--param", "d_model=33", "--param", "start_index=5"],
+            posenc.Spec("tensor2tensor", d_model=33, start_index=5),
+        ),
+        (
+            ["--table", "rotary", "--param", "head_dim=32", "--param", "layout=gptj"],
+            posenc.Spec("rotary", head_dim=32, layout="gptj"),
+        ),
+        (
+            [
+                *("--table", "rotary", "--param", "head_dim=8", "--param", "scaling=longrope"),
+                *("--param", "short_factor=1,2,3,4", "--param", "long_factor=1,1,1,1"),
+                *("--param", "original_max_position_embeddings=64", "--param", "factor=2"),
+                *("--param", "seq_len=128"),
+            ],
+            posenc.Spec(
+                "rotary",
+                head_dim=8,
+                scaling="longrope",
+                short_factor=[1.0, 2.0, 3.0, 4.0],
+                long_factor=[1.0] * 4,
+                original_max_position_embeddings=64,
+                factor=2.0,
+                seq_len=128,
+            ),
+        ),
+    ],
+)
+def test_fetch_any_table_kind(
+    server: RunningServer, tmp_path: Path, argv: list[str], spec: posenc.Spec
+) -> None:
+    out = tmp_path / "t.npy"
+    assert main(["fetch", "0", "100", *argv, "-o", str(out), "--target", server.target]) == 0
+    with posenc.Client(server.target) as client:
+        expected = client.get_range(0, 100, spec)
+    assert np.array_equal(np.load(out), expected)
+
+
+def test_fetch_rope_config(server: RunningServer, tmp_path: Path) -> None:
+    config = {
+        "hidden_size": 256,
+        "num_attention_heads": 4,
+        "max_position_embeddings": 8192,
+        "rope_theta": 500000.0,
+        "rope_scaling": {
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 1024,
+        },
+    }
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(config))
+    out = tmp_path / "rope.npy"
+    argv = ["fetch", "0", "64", "--rope-config", str(path), "--param", "layout=vllm"]
+    assert main([*argv, "-o", str(out), "--target", server.target]) == 0
+    with posenc.Client(server.target) as client:
+        expected = client.get_range(0, 64, posenc.Spec.from_config(config, layout="vllm"))
+    assert expected.shape == (64, 64)
+    assert np.array_equal(np.load(out), expected)
+
+
+def test_fetch_of_an_empty_range_writes_an_empty_table(
+    server: RunningServer, tmp_path: Path
+) -> None:
+    out = tmp_path / "empty.npy"
+    assert (
+        main(["fetch", "7", "7", "--d-model", "12", "-o", str(out), "--target", server.target]) == 0
+    )
+    assert np.load(out).shape == (0, 12)
 
 
 def test_fetch_unreachable(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -148,7 +237,7 @@ def test_health_of_several_targets(
 def test_console_script_serve_and_health() -> None:
     port = free_port()
     server = subprocess.Popen(
-        [BIN / "posenc", "serve", "--port", str(port)],
+        [BIN / "posenc", "serve", "--port", str(port), "--metrics-port", "0"],
         stderr=subprocess.PIPE,
         text=True,
     )

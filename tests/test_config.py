@@ -43,12 +43,22 @@ def test_config_is_frozen() -> None:
     ("argv", "environ", "message"),
     [
         ([], {"POSENC_PORT": "eighty"}, "POSENC_PORT"),
-        (["--port", "70000"], {}, "port"),
-        (["--max-chunk-bytes", str(8 * MIB)], {}, "max_chunk_bytes"),
-        (["--max-chunk-bytes", "1000"], {}, "max_chunk_bytes"),
+        (["--port", "70000"], {}, "--port (POSENC_PORT)"),
+        (["--max-chunk-bytes", str(8 * MIB)], {}, "--max-chunk-bytes"),
+        (["--max-chunk-bytes", "1000"], {}, "--max-chunk-bytes"),
         (["--grace-seconds", "soon"], {}, "--grace-seconds"),
-        (["--log-level", "LOUD"], {}, "log_level"),
+        (["--log-level", "LOUD"], {}, "--log-level"),
         ([], {"POSENC_CACHE_BYTES": "2**1000000000"}, "POSENC_CACHE_BYTES"),
+        # Non-finite and out-of-range numbers, named by flag and variable.
+        (["--max-connection-age-seconds", "inf"], {}, "--max-connection-age-seconds"),
+        (["--max-connection-age-seconds", "nan"], {}, "--max-connection-age-seconds"),
+        (["--max-connection-age-seconds", "1e12"], {}, "--max-connection-age-seconds"),
+        (["--grace-seconds", "nan"], {}, "--grace-seconds"),
+        ([], {"POSENC_GRACE_SECONDS": "-inf"}, "POSENC_GRACE_SECONDS"),
+        (["--grace-seconds", "-1"], {}, "--grace-seconds"),
+        (["--workers", "0"], {}, "--workers (POSENC_WORKERS)"),
+        (["--cache-bytes", "-1"], {}, "--cache-bytes"),
+        (["--cache-bytes", "1 furlong"], {}, "512MiB"),
     ],
 )
 def test_invalid_values_are_refused_naming_the_setting(
@@ -56,3 +66,30 @@ def test_invalid_values_are_refused_naming_the_setting(
 ) -> None:
     with pytest.raises(ValueError, match=re.escape(message)):
         ServerConfig.from_args(argv, environ)
+
+
+@pytest.mark.parametrize(
+    ("text", "value"),
+    [("512MiB", 512 * MIB), ("1GiB", GIB), ("64 KiB", 64 << 10), ("1mb", 10**6), ("2**20", MIB)],
+)
+def test_sizes_take_units(text: str, value: int) -> None:
+    assert ServerConfig.from_args([], {"POSENC_CACHE_BYTES": text}).cache_bytes == value
+
+
+def test_every_invalid_value_is_one_line_naming_flag_and_variable() -> None:
+    with pytest.raises(ValueError) as caught:
+        ServerConfig.from_args(["--max-connection-age-seconds", "inf"], {})
+    assert "\n" not in str(caught.value)
+    with pytest.raises(ValueError) as caught:
+        ServerConfig.from_args(["--port", "-5", "--workers", "0"], {})
+    message = str(caught.value)
+    assert "--port (POSENC_PORT)" in message and "--workers (POSENC_WORKERS)" in message
+    assert "got -5" in message
+
+
+def test_help_shows_every_default(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        ServerConfig.from_args(["--help"], {})
+    text = " ".join(capsys.readouterr().out.split())
+    assert "(default ;" not in text
+    assert "(default none; env POSENC_TLS_CERT_FILE)" in text

@@ -1,4 +1,4 @@
-"""Conformance: every preset against the models' own code (transformers 5.17, CPU torch 2.13).
+"""Conformance: every table kind against the models' own code (transformers 5.17, CPU torch 2.13).
 
 Where the reference's float32 arithmetic is accurate (positions up to 2^16), posenc's rows
 match it within a tolerance that grows with the position as float32's does: a few units of
@@ -27,13 +27,12 @@ import numpy as np
 import pytest
 from conftest import ROOT
 from reference import within_contract
-from test_presets_reference import Rope, Sin, rope_exact, sinusoidal_exact
+from reference_tables import Rope, Sin, rope_exact, sinusoidal_exact
 
 torch = pytest.importorskip("torch", reason="the conformance extra (make test installs it)")
 transformers = pytest.importorskip("transformers")
 
-from posenc.presets import RotaryPreset, SinusoidalPreset  # noqa: E402
-from posenc_server import engine  # noqa: E402
+import posenc  # noqa: E402
 
 _spec = importlib.util.spec_from_file_location("drift", ROOT / "scripts" / "conformance_drift.py")
 assert _spec is not None and _spec.loader is not None
@@ -62,8 +61,14 @@ def assert_conforms(ours: Any, theirs: Any, positions: Any, scale: float = 1.0) 
     )
 
 
-def ours(preset: SinusoidalPreset | RotaryPreset, positions: Any, d_model: int = 0) -> Any:
-    return engine.encode_positions(drift.exact_spec(preset, d_model), np.asarray(positions))
+def ours(spec: posenc.Spec, positions: Any) -> Any:
+    """posenc's float64 rows of ``spec``."""
+    return drift.exact_rows(spec, np.asarray(positions))
+
+
+def replaced(spec: posenc.Spec, **changes: Any) -> posenc.Spec:
+    """``spec`` with some parameters changed."""
+    return posenc.Spec(spec.kind, **{**spec.parameters, **changes})
 
 
 @contextlib.contextmanager
@@ -77,19 +82,19 @@ def quiet() -> Iterator[None]:
 # -- rotary: transformers' modules, built from configs --------------------------------------
 
 
-def _rotary_cases() -> list[tuple[str, Any, RotaryPreset]]:
+def _rotary_cases() -> list[tuple[str, Any, posenc.Spec]]:
     from transformers import LlamaConfig, Phi3Config
     from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
     from transformers.models.phi3.modeling_phi3 import Phi3RotaryEmbedding
 
-    cases: list[tuple[str, Any, RotaryPreset]] = []
+    cases: list[tuple[str, Any, posenc.Spec]] = []
     for name, build in (
         ("llama3", drift.llama3_module),
         ("mistral", drift.mistral_module),
         ("qwen2-yarn", drift.qwen2_yarn_module),
     ):
-        module, preset = build()
-        cases.append((name, module, preset))
+        module, spec = build()
+        cases.append((name, module, spec))
     configs = {
         "linear": LlamaConfig(
             hidden_size=2048,
@@ -128,7 +133,7 @@ def _rotary_cases() -> list[tuple[str, Any, RotaryPreset]]:
     }
     for name, config in configs.items():
         cases.append(
-            (name, LlamaRotaryEmbedding(config), RotaryPreset.from_config(config.to_dict()))
+            (name, LlamaRotaryEmbedding(config), posenc.Spec.from_config(config.to_dict()))
         )
     partial = Phi3Config(
         hidden_size=2560,
@@ -137,47 +142,47 @@ def _rotary_cases() -> list[tuple[str, Any, RotaryPreset]]:
         partial_rotary_factor=0.5,
     )
     cases.append(
-        ("phi3-partial", Phi3RotaryEmbedding(partial), RotaryPreset.from_config(partial.to_dict()))
+        ("phi3-partial", Phi3RotaryEmbedding(partial), posenc.Spec.from_config(partial.to_dict()))
     )
     return cases
 
 
 @pytest.fixture(scope="module")
-def rotary_cases() -> list[tuple[str, Any, RotaryPreset]]:
+def rotary_cases() -> list[tuple[str, Any, posenc.Spec]]:
     with quiet():
         return _rotary_cases()
 
 
-def test_rotary_presets_match_transformers_modules(
-    rotary_cases: list[tuple[str, Any, RotaryPreset]],
+def test_rotary_tables_match_transformers_modules(
+    rotary_cases: list[tuple[str, Any, posenc.Spec]],
 ) -> None:
-    for name, module, preset in rotary_cases:
+    for name, module, spec in rotary_cases:
         for positions in (SMALL, SCATTERED):
             theirs = drift.rotary_module(module, positions)
-            mine = ours(preset, positions)
+            mine = ours(spec, positions)
             assert mine.shape == theirs.shape, name
             scale = max(1.0, float(module.attention_scaling))
             assert_conforms(mine, theirs, positions, scale)
             # vLLM's cos_sin_cache row: the first half of each of transformers' cos and sin.
-            half = preset.rotary_dim // 2
-            vllm = RotaryPreset(**{**preset.__dict__, "layout": "vllm"})
+            half = mine.shape[1] // 4
+            vllm = replaced(spec, layout="vllm")
             expected = np.concatenate([theirs[:, :half], theirs[:, 2 * half : 3 * half]], axis=1)
             assert_conforms(ours(vllm, positions), expected, positions, scale)
 
 
-def test_presets_from_configs_carry_the_config_parameters(
-    rotary_cases: list[tuple[str, Any, RotaryPreset]],
+def test_specs_from_configs_carry_the_config_parameters(
+    rotary_cases: list[tuple[str, Any, posenc.Spec]],
 ) -> None:
-    presets = {name: preset for name, _, preset in rotary_cases}
-    assert presets["llama3"].rope_type == "llama3" and presets["llama3"].factor == 8.0
-    assert presets["yarn-deepseek"].mscale == 0.707
-    assert presets["yarn-untruncated"].truncate is False
-    assert presets["phi3-partial"].rotary_dim == 40
+    specs = {name: spec.parameters for name, _, spec in rotary_cases}
+    assert specs["llama3"]["scaling"] == "llama3" and specs["llama3"]["factor"] == 8.0
+    assert specs["yarn-deepseek"]["mscale"] == 0.707
+    assert specs["yarn-untruncated"]["truncate"] is False
+    assert specs["phi3-partial"]["partial_rotary_factor"] == 0.5
 
 
 def test_dynamic_ntk_follows_the_module_state() -> None:
     # transformers recomputes the frequencies when a forward reaches past the cached length
-    # (seq_len = max(position_ids) + 1) and keeps them: seq_len is the preset's parameter.
+    # (seq_len = max(position_ids) + 1) and keeps them: seq_len is the table's parameter.
     from transformers import LlamaConfig
     from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
@@ -189,11 +194,11 @@ def test_dynamic_ntk_follows_the_module_state() -> None:
     )
     with quiet():
         module = LlamaRotaryEmbedding(config)
-    preset = RotaryPreset.from_config(config.to_dict())
-    assert_conforms(ours(preset, SMALL), drift.rotary_module(module, SMALL), SMALL)
+    spec = posenc.Spec.from_config(config.to_dict())
+    assert_conforms(ours(spec, SMALL), drift.rotary_module(module, SMALL), SMALL)
     for positions in (np.arange(0, 9000), np.arange(20_000, 20_100)):
         theirs = drift.rotary_module(module, positions)
-        grown = RotaryPreset(**{**preset.__dict__, "seq_len": int(positions.max()) + 1})
+        grown = replaced(spec, seq_len=int(positions.max()) + 1)
         assert_conforms(ours(grown, positions), theirs, positions)
 
 
@@ -211,7 +216,8 @@ def test_gptj_layout_matches_gptj() -> None:
     table = create_sinusoidal_positions(4096, 64)
     sin, cos = torch.split(table, 32, dim=-1)
     theirs = torch.cat([torch.repeat_interleave(t, 2, dim=-1) for t in (cos, sin)], dim=-1)
-    assert_conforms(ours(RotaryPreset(head_dim=64, layout="gptj"), SMALL), theirs.numpy(), SMALL)
+    gptj = posenc.Spec("rotary", head_dim=64, layout="gptj")
+    assert_conforms(ours(gptj, SMALL), theirs.numpy(), SMALL)
 
 
 # -- sinusoidal: transformers' functions and modules ----------------------------------------
@@ -223,7 +229,8 @@ def test_whisper_matches_sinusoids() -> None:
     for channels, length in ((384, 1500), (1280, 1500), (64, 2**16)):
         positions = np.arange(length)
         theirs = sinusoids(length, channels).numpy()
-        assert_conforms(ours(SinusoidalPreset("whisper"), positions, channels), theirs, positions)
+        spec = posenc.Spec("whisper", d_model=channels)
+        assert_conforms(ours(spec, positions), theirs, positions)
 
 
 @pytest.mark.parametrize("module", ["m2m_100", "speech_to_text"])
@@ -239,23 +246,23 @@ def test_fairseq_matches_the_transformers_ports(module: str) -> None:
     for dim, padding in ((1024, 1), (7, 0), (256, 3)):
         theirs = Embedding.get_embedding(4098, dim, padding).numpy()
         positions = np.arange(4098)
-        preset = SinusoidalPreset("fairseq", padding_idx=padding)
-        assert_conforms(ours(preset, positions, dim), theirs, positions)
+        spec = posenc.Spec("fairseq", d_model=dim, padding_idx=padding)
+        assert_conforms(ours(spec, positions), theirs, positions)
     # The module's forward: padded batches, the padding_idx offset, a decode step.
     embedding = Embedding(1024, 64, padding_idx=1)
     input_ids = torch.tensor([[5, 6, 7, 8, 9, 1, 1], [1, 1, 5, 6, 7, 8, 9]])
     position_ids = embedding.create_position_ids_from_input_ids(input_ids, 1, 0)
-    preset = SinusoidalPreset("fairseq", padding_idx=1)
+    spec = posenc.Spec("fairseq", d_model=64, padding_idx=1)
     for past in (0, 100):
         positions = embedding.create_position_ids_from_input_ids(input_ids, 1, past)
         theirs = embedding(input_ids, past_key_values_length=past).numpy().reshape(-1, 64)
         flat = positions.numpy().reshape(-1)
-        assert_conforms(ours(preset, flat, 64), theirs, flat)
+        assert_conforms(ours(spec, flat), theirs, flat)
     assert position_ids[0, 0] == 2  # token 0 is row padding_idx + 1
 
 
 @pytest.mark.parametrize("model", ["marian", "pegasus"])
-def test_vaswani_split_matches_marian_and_pegasus(model: str) -> None:
+def test_split_layout_matches_marian_and_pegasus(model: str) -> None:
     if model == "marian":
         from transformers.models.marian.modeling_marian import (
             MarianSinusoidalPositionalEmbedding as Embedding,
@@ -267,17 +274,18 @@ def test_vaswani_split_matches_marian_and_pegasus(model: str) -> None:
     for dim in (512, 9):
         theirs = Embedding(1024, dim).create_weight().numpy()
         positions = np.arange(1024)
-        mine = ours(SinusoidalPreset("vaswani_split"), positions, dim).astype(np.float32)
+        split = posenc.Spec("sinusoidal", d_model=dim, layout="split")
+        mine = ours(split, positions).astype(np.float32)
         # Computed in float64 and stored as float32: the same float32 numbers, to one ulp.
         np.testing.assert_array_max_ulp(mine, theirs, maxulp=1)
 
 
-def test_vaswani_matches_xlm() -> None:
+def test_interleaved_layout_matches_xlm() -> None:
     from transformers.models.xlm.modeling_xlm import create_sinusoidal_embeddings
 
     for dim in (512, 7):
         theirs = create_sinusoidal_embeddings(1024, dim, torch.empty(1024, dim)).numpy()
-        mine = ours(SinusoidalPreset("vaswani"), np.arange(1024), dim).astype(np.float32)
+        mine = ours(posenc.Spec("sinusoidal", d_model=dim), np.arange(1024)).astype(np.float32)
         np.testing.assert_array_max_ulp(mine, theirs, maxulp=1)
 
 
@@ -308,21 +316,14 @@ def test_tensor2tensor_matches_get_timing_signal_1d() -> None:
     positions = np.arange(4096)
     for channels, low, high, start in ((512, 1.0, 1e4, 0), (33, 2.0, 1e5, 7), (64, 0.5, 1e4, -3)):
         theirs = _t2t_timing_signal(positions, channels, low, high, start)
-        preset = SinusoidalPreset("tensor2tensor", min_timescale=low, start_index=start)
-        spec = _with_base(preset, channels, high)
-        assert_conforms(engine.encode_positions(spec, positions), theirs, positions + start)
-
-
-def _with_base(preset: SinusoidalPreset, d_model: int, base: float) -> Any:
-    from posenc.v1 import posenc_pb2 as pb
-    from posenc_server import servicer
-    from posenc_server.config import ServerConfig
-
-    violations: list[Any] = []
-    proto_spec = pb.EncodingSpec(d_model=d_model, base=base, sinusoidal=preset.to_proto())
-    spec = servicer.preset_spec_from_proto(proto_spec, "float64", ServerConfig(), violations)
-    assert spec is not None, violations
-    return spec
+        spec = posenc.Spec(
+            "tensor2tensor",
+            d_model=channels,
+            min_timescale=low,
+            max_timescale=high,
+            start_index=start,
+        )
+        assert_conforms(ours(spec, positions), theirs, positions + start)
 
 
 def _transfo_xl_pos_emb(klen: int, demb: int, clamp_len: int) -> Any:
@@ -344,10 +345,10 @@ def _transfo_xl_pos_emb(klen: int, demb: int, clamp_len: int) -> Any:
 def test_transformer_xl_matches_its_positional_embedding() -> None:
     for klen, demb, clamp in ((4096, 410, 1000), (640, 1024, 0)):
         theirs = _transfo_xl_pos_emb(klen, demb, clamp)
-        preset = SinusoidalPreset("transformer_xl", key_length=klen, clamp_len=clamp)
+        spec = posenc.Spec("transformer_xl", d_model=demb, key_length=klen, clamp_len=clamp)
         rows = np.arange(klen)
         relative = np.minimum(klen - 1 - rows, clamp if clamp > 0 else klen)
-        assert_conforms(ours(preset, rows, demb), theirs, relative)
+        assert_conforms(ours(spec, rows), theirs, relative)
 
 
 # -- replays used for the drift table are the real functions, bit for bit -------------------
@@ -392,16 +393,13 @@ def test_readme_records_the_measured_drift() -> None:
 
 
 def test_model_configs_meet_the_contract_at_large_positions(
-    rotary_cases: list[tuple[str, Any, RotaryPreset]],
+    rotary_cases: list[tuple[str, Any, posenc.Spec]],
 ) -> None:
     failures, checked = [], 0
     cache: dict[Rope, Any] = {}
-    for name, _, preset in rotary_cases:
-        fields = {k: v for k, v in preset.__dict__.items() if v is not None}
-        fields["short_factor"] = tuple(fields.get("short_factor") or ())
-        fields["long_factor"] = tuple(fields.get("long_factor") or ())
-        rope = Rope(**fields)
-        table = ours(preset, LARGE)
+    for name, _, spec in rotary_cases:
+        rope = Rope.of(spec)
+        table = ours(spec, LARGE)
         width = table.shape[1]
         for row, position in enumerate(LARGE):
             for column in sorted({0, 1, width // 4, width // 2 - 1, width // 2, width - 1}):
@@ -410,14 +408,14 @@ def test_model_configs_meet_the_contract_at_large_positions(
                 value = table[row, column]
                 if not within_contract(value, rope_exact(rope, position, column, cache)):
                     failures.append((name, position, column))
-    for preset_name, d in (("whisper", 384), ("fairseq", 1024), ("vaswani_split", 512)):
-        sin = Sin(preset_name, d)
-        table = ours(SinusoidalPreset(preset_name), LARGE, d)
+    for sin in (Sin("whisper", 384), Sin("fairseq", 1024), Sin("sinusoidal", 512, layout="split")):
+        table = ours(sin.spec(), LARGE)
+        d = sin.d_model
         for row, position in enumerate(LARGE):
             for column in (0, 1, d // 2 - 1, d // 2, d - 1):
                 checked += 1
                 if not within_contract(table[row, column], sinusoidal_exact(sin, position, column)):
-                    failures.append((preset_name, position, column))
+                    failures.append((sin, position, column))
     assert checked > 200
     assert not failures, failures[:5]
 

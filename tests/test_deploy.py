@@ -104,6 +104,7 @@ def test_manifests_match_the_kubernetes_schemas_offline(version: str) -> None:
         "Deployment",
         "Service",
         "HorizontalPodAutoscaler",
+        "NetworkPolicy",
         "PodDisruptionBudget",
     }
     for doc in docs:
@@ -332,3 +333,17 @@ def test_nginx_limits_fit_the_largest_request_and_a_long_stream() -> None:
         value = directive(timeout)[0]
         assert value.endswith("h") or (value.endswith("m") and int(value[:-1]) >= 10), timeout
     assert int(directive("http2_max_concurrent_streams")[0]) >= 100
+
+
+def test_the_network_policy_opens_grpc_and_limits_metrics_to_prometheus() -> None:
+    policy = one("NetworkPolicy")["spec"]
+    labels = one("Deployment")["spec"]["template"]["metadata"]["labels"]
+    assert selects(policy["podSelector"]["matchLabels"], labels)
+    assert policy["policyTypes"] == ["Ingress"]
+    rules = {rule["ports"][0]["port"]: rule for rule in policy["ingress"]}
+    assert set(rules) == {"grpc", "metrics"}  # named container ports: nothing else is open
+    assert "from" not in rules["grpc"]  # clients may be anywhere
+    (source,) = rules["metrics"]["from"]
+    assert source["podSelector"]["matchLabels"] == {"app.kubernetes.io/name": "prometheus"}
+    names = {p["name"] for p in container()["ports"]}
+    assert set(rules) <= names

@@ -8,17 +8,16 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 import pytest
-from reference import exact
+from reference import LAYOUTS, SCHEDULES, classic, exact
 
 from posenc_server import engine
-from posenc_server.engine import EncodingSpec, Layout, Schedule
 
 
 def formula(
-    d_model: int, positions: list[int], base: float, layout: Layout, schedule: Schedule
+    d_model: int, positions: list[int], base: float, layout: str, schedule: str
 ) -> np.ndarray:
-    """PRODUCT section 2 in plain float64 math (accurate for these small positions)."""
-    if schedule is Schedule.PAPER:
+    """The table's definition in plain float64 math (accurate for these small positions)."""
+    if schedule == "paper":
         count = math.ceil(d_model / 2)
         inv = [base ** (-2 * i / d_model) for i in range(count)]
         n_sin, n_cos = count, d_model // 2
@@ -30,7 +29,7 @@ def formula(
     for r, pos in enumerate(positions):
         sins = [math.sin(pos * f) for f in inv[:n_sin]]
         coss = [math.cos(pos * f) for f in inv[:n_cos]]
-        if layout is Layout.INTERLEAVED:
+        if layout == "interleaved":
             for i, value in enumerate(sins):
                 table[r, 2 * i] = value
             for i, value in enumerate(coss):
@@ -41,12 +40,12 @@ def formula(
     return table
 
 
-@pytest.mark.parametrize("layout", list(Layout))
-@pytest.mark.parametrize("schedule", list(Schedule))
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("schedule", SCHEDULES)
 @pytest.mark.parametrize("d_model", [1, 2, 3, 4, 7, 8, 33])
-def test_small_tables_match_the_formula(layout: Layout, schedule: Schedule, d_model: int) -> None:
+def test_small_tables_match_the_formula(layout: str, schedule: str, d_model: int) -> None:
     positions = [-5, -1, 0, 1, 2, 3, 17, 1000]
-    spec = EncodingSpec(d_model, 10000.0, "float64", layout, schedule)
+    spec = classic(d_model, 10000.0, "float64", layout, schedule)
     table = engine.encode_positions(spec, positions)
     np.testing.assert_allclose(
         table, formula(d_model, positions, 10000.0, layout, schedule), rtol=0, atol=1e-12
@@ -54,7 +53,7 @@ def test_small_tables_match_the_formula(layout: Layout, schedule: Schedule, d_mo
 
 
 def test_interleaved_paper_is_the_vaswani_table() -> None:
-    table = engine.encode_range(EncodingSpec(4, dtype="float64"), 0, 3)
+    table = engine.encode_range(classic(4, dtype="float64"), 0, 3)
     expected = [
         [0.0, 1.0, 0.0, 1.0],
         [math.sin(1), math.cos(1), math.sin(0.01), math.cos(0.01)],
@@ -64,21 +63,19 @@ def test_interleaved_paper_is_the_vaswani_table() -> None:
 
 
 def test_odd_widths_end_with_a_sin_for_paper_and_a_zero_for_tensor2tensor() -> None:
-    paper = engine.encode_positions(EncodingSpec(5, dtype="float64"), [3])[0]
+    paper = engine.encode_positions(classic(5, dtype="float64"), [3])[0]
     assert paper[4] == pytest.approx(math.sin(3 * 10000 ** (-4 / 5)), abs=1e-15)
-    t2t = engine.encode_positions(
-        EncodingSpec(5, dtype="float64", schedule=Schedule.TENSOR2TENSOR), [3]
-    )[0]
+    t2t = engine.encode_positions(classic(5, dtype="float64", schedule="tensor2tensor"), [3])[0]
     assert t2t[4] == 0.0
     assert t2t[0] == pytest.approx(math.sin(3), abs=1e-15)
     assert t2t[2] == pytest.approx(math.sin(3 * 10000**-1), abs=1e-15)
 
 
 def test_every_cell_of_a_wide_split_row_matches_mpmath() -> None:
-    spec = EncodingSpec(129, 500000.0, "float64", Layout.SPLIT, Schedule.PAPER)
+    spec = classic(129, 500000.0, "float64", "split", "paper")
     row = engine.encode_positions(spec, [2**42 - 3])[0]
     for column in range(129):
-        reference = exact(500000.0, 129, Layout.SPLIT, Schedule.PAPER, 2**42 - 3, column)
+        reference = exact(500000.0, 129, "split", "paper", 2**42 - 3, column)
         assert abs(row[column] - float(reference)) <= 2**-50
 
 
@@ -94,9 +91,9 @@ def test_every_cell_of_a_wide_split_row_matches_mpmath() -> None:
 def test_dtypes_are_little_endian_and_exactly_the_float64_table_rounded(
     dtype: str, numpy_dtype: np.dtype[Any]
 ) -> None:
-    table = engine.encode_range(EncodingSpec(16, dtype=dtype), 100, 110)
+    table = engine.encode_range(classic(16, dtype=dtype), 100, 110)
     assert table.dtype == numpy_dtype
-    wide = engine.encode_range(EncodingSpec(16, dtype="float64"), 100, 110)
+    wide = engine.encode_range(classic(16, dtype="float64"), 100, 110)
     if dtype != "float64":  # float64 is the table the others are rounded from
         np.testing.assert_array_equal(table, wide.astype(numpy_dtype))
 
@@ -104,7 +101,7 @@ def test_dtypes_are_little_endian_and_exactly_the_float64_table_rounded(
 def test_range_equals_the_same_positions_listed_and_rows_are_independent() -> None:
     # Each row depends on (spec, position) only, so any split of a request, on any replica,
     # range or list, cached or not, gives the same bytes.
-    spec = EncodingSpec(64, layout=Layout.SPLIT)
+    spec = classic(64, layout="split")
     whole = engine.encode_range(spec, -10, 500)
     listed = engine.encode_positions(spec, list(range(-10, 500)))
     np.testing.assert_array_equal(engine.encode_range(spec, 33, 333), whole[43:343])
@@ -114,7 +111,7 @@ def test_range_equals_the_same_positions_listed_and_rows_are_independent() -> No
 
 
 def test_negative_positions_are_odd_in_sin_and_even_in_cos() -> None:
-    spec = EncodingSpec(8, dtype="float64")
+    spec = classic(8, dtype="float64")
     positive = engine.encode_positions(spec, [12345, 2**41])
     negative = engine.encode_positions(spec, [-12345, -(2**41)])
     np.testing.assert_allclose(negative[:, 0::2], -positive[:, 0::2], rtol=0, atol=2**-50)
@@ -122,4 +119,4 @@ def test_negative_positions_are_odd_in_sin_and_even_in_cos() -> None:
 
 
 def test_empty_selection_gives_an_empty_table() -> None:
-    assert engine.encode_range(EncodingSpec(8), 5, 5).shape == (0, 8)
+    assert engine.encode_range(classic(8), 5, 5).shape == (0, 8)

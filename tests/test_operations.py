@@ -10,10 +10,11 @@ from collections.abc import Callable
 import grpc
 import pytest
 from conftest import ServerProcess
+from google.rpc import error_details_pb2
+from grpc_status import rpc_status
 from prometheus_client.parser import text_string_to_metric_families
 
 import posenc
-from posenc._protocol import _retry_after as proto_retry_after
 from posenc.v1 import posenc_pb2 as pb
 from posenc.v1 import posenc_pb2_grpc
 from posenc_server.app import RunningServer
@@ -85,9 +86,20 @@ def test_metrics_move_with_traffic(
     assert metric(after, "posenc_streams_in_flight") == 0
 
 
+def retry_delay(error: grpc.RpcError) -> float | None:
+    """The delay of the status's google.rpc.RetryInfo detail, read as any client would."""
+    status = rpc_status.from_call(error)  # type: ignore[arg-type]
+    for detail in status.details if status is not None else ():
+        if detail.Is(error_details_pb2.RetryInfo.DESCRIPTOR):
+            info = error_details_pb2.RetryInfo()
+            detail.Unpack(info)
+            return float(info.retry_delay.ToTimedelta().total_seconds())
+    return None
+
+
 def stream_request(rows: int, chunk: int = 64 * 1024) -> pb.StreamEncodingRequest:
     return pb.StreamEncodingRequest(
-        spec=pb.EncodingSpec(d_model=1024),
+        spec=pb.EncodingSpec(sinusoidal=pb.SinusoidalTable(d_model=1024)),
         range=pb.PositionRange(start=0, stop=rows),
         max_chunk_bytes=chunk,
     )
@@ -109,7 +121,10 @@ def test_concurrent_streams_over_the_cap_get_resource_exhausted(
         assert "streams" in raised.value.details()
         # Unary calls still find a thread.
         stub.GetEncoding(
-            pb.GetEncodingRequest(spec=pb.EncodingSpec(d_model=8), range=pb.PositionRange(stop=2))
+            pb.GetEncodingRequest(
+                spec=pb.EncodingSpec(sinusoidal=pb.SinusoidalTable(d_model=8)),
+                range=pb.PositionRange(stop=2),
+            )
         )
         for call in held:
             call.cancel()
@@ -134,7 +149,7 @@ def test_the_sdk_waits_at_the_stream_cap_as_the_server_asks(
         next(held)
         with pytest.raises(grpc.RpcError) as raised:
             next(stub.StreamEncoding(stream_request(16)))
-        retry_after = proto_retry_after(raised.value)
+        retry_after = retry_delay(raised.value)
         assert retry_after is not None and retry_after > 0
         threading.Timer(1.0, held.cancel).start()
         started = time.monotonic()

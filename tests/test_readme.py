@@ -10,10 +10,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import ml_dtypes
 import numpy as np
 import pytest
 from conftest import ROOT
 
+import posenc
 from posenc_server.app import RunningServer
 from posenc_server.config import ServerConfig
 
@@ -38,8 +40,35 @@ def test_python_examples_run(index: int, server: RunningServer) -> None:
     exec(compile(code, f"README.md python block {index}", "exec"), {"__name__": "readme"})
 
 
-@pytest.mark.timeout(120)
-def test_cli_examples_run(server: RunningServer, tmp_path: Path) -> None:
+# What each CLI example of the README writes: (start, stop, table, dtype), as the SDK asks.
+CLI_OUTPUTS: dict[str, tuple[int, int, int | posenc.Spec, str]] = {
+    "table.npy": (0, 1_000_000, 256, "float32"),
+    "t2t.npy": (0, 4096, posenc.Spec("tensor2tensor", d_model=1024), "bfloat16"),
+    "whisper.npy": (0, 1500, posenc.Spec("whisper", d_model=384), "float32"),
+    "m2m100.npy": (0, 1026, posenc.Spec("fairseq", d_model=1024, padding_idx=1), "float32"),
+    "rope.npy": (0, 8192, posenc.Spec("rotary", head_dim=128, rope_theta=1e6), "float32"),
+    "llama31.npy": (
+        0,
+        4096,
+        posenc.Spec(
+            "rotary",
+            head_dim=128,
+            scaling="llama3",
+            factor=8.0,
+            original_max_position_embeddings=8192,
+            low_freq_factor=1.0,
+            high_freq_factor=4.0,
+        ),
+        "float32",
+    ),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_cli_examples_write_their_tables(server: RunningServer, tmp_path: Path) -> None:
+    """Every CLI line of the README runs, and every file it writes is the table its text
+    says (compared with the SDK's rows of that table)."""
     commands = [
         line[2:] for block in blocks("console") for line in block.splitlines() if line[:2] == "$ "
     ]
@@ -49,10 +78,20 @@ def test_cli_examples_run(server: RunningServer, tmp_path: Path) -> None:
     for command in commands:
         argv = shlex.split(command)
         argv[0] = str(bin_dir / argv[0])
-        result = subprocess.run(argv, cwd=tmp_path, env=env, capture_output=True, timeout=60)
+        result = subprocess.run(argv, cwd=tmp_path, env=env, capture_output=True, timeout=120)
         assert result.returncode == 0, (command, result.stderr)
-    table = np.load(tmp_path / "table.npy")
-    assert table.shape == (1_000_000, 256) and table.dtype == np.float32
+    written = sorted(path.name for path in tmp_path.iterdir())
+    assert written == sorted(CLI_OUTPUTS), "a README example without a reference here"
+    with posenc.Client(server.target, timeout=120) as client:
+        for name, (start, stop, table, dtype) in CLI_OUTPUTS.items():
+            saved = np.load(tmp_path / name, mmap_mode="r")
+            if dtype == "bfloat16":  # .npy has no bfloat16: the file holds 2-byte voids
+                saved = saved.view(ml_dtypes.bfloat16)
+            for first, rows in client.iter_range(start, stop, table, dtype=dtype):
+                got = saved[first - start : first - start + len(rows)]
+                assert np.array_equal(
+                    got.view(f"u{rows.itemsize}"), rows.view(f"u{rows.itemsize}")
+                ), name
 
 
 def test_configuration_table_lists_every_setting_with_its_default() -> None:

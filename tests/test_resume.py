@@ -65,6 +65,7 @@ def check_resumed(restarted: ServerProcess, table: np.ndarray[Any, Any], rows: i
     assert np.array_equal(table, fresh)
 
 
+@pytest.mark.slow  # a GiB through a killed and restarted server
 def test_get_range_resumes_after_kill(spawn_server: Spawn) -> None:
     server = spawn_server(free_port())
     restart = kill_and_restart_when(spawn_server, server, ROWS // 8)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import grpc
 import pytest
 
-from posenc import _protocol as proto
+from posenc._retry import is_transient
 from posenc.errors import PosencError
 
 RESET = "Stream removed (RST_STREAM (Received RST_STREAM with error code 2))"
@@ -16,8 +16,8 @@ def test_resource_exhausted_is_retried_only_when_the_server_says_when() -> None:
         "at the stream cap", code=grpc.StatusCode.RESOURCE_EXHAUSTED, retry_after=0.2
     )
     too_big = PosencError("over the stream limit", code=grpc.StatusCode.RESOURCE_EXHAUSTED)
-    assert proto.is_transient(busy)
-    assert not proto.is_transient(too_big)
+    assert is_transient(busy)
+    assert not is_transient(too_big)
 
 
 @pytest.mark.parametrize(
@@ -35,4 +35,4 @@ def test_resource_exhausted_is_retried_only_when_the_server_says_when() -> None:
 def test_only_transient_failures_are_retried(
     code: grpc.StatusCode, details: str, transient: bool
 ) -> None:
-    assert proto.is_transient(PosencError(details, code=code)) is transient
+    assert is_transient(PosencError(details, code=code)) is transient

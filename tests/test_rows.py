@@ -11,30 +11,31 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+import grpc
+import grpc.aio
 import numpy as np
 import numpy.typing as npt
 import pytest
-from prometheus_client import REGISTRY
 
 import posenc
-from posenc import _protocol as proto
-from posenc._async_client import READ_AHEAD_TASK
+from posenc._query import Query, Widths, positions_query, table_spec
 from posenc._rows import MAX_CACHED_CALL_ROWS, MAX_READAHEAD_ROWS, Pending, RowCache, RowPlan
 from posenc_server.app import RunningServer
-from posenc_server.engine import EncodingSpec, encode_positions
 
 D_MODEL = 4096  # float32 rows of 16 KiB
 ROW_BYTES = D_MODEL * 4
 MIB = 1 << 20
 
 
-def query(positions: Any, d_model: int = D_MODEL, dtype: str = "float32") -> proto.Query:
-    return proto.positions_query(
-        positions, d_model, base=10000.0, dtype=dtype, layout="interleaved", schedule="paper"
-    )
+def query(positions: Any, d_model: int = D_MODEL, dtype: str = "float32") -> Query:
+    """A positions query of the classic table, whose width a response already told."""
+    spec = table_spec(d_model, dtype, {})
+    widths = Widths()
+    widths.learn(spec.SerializeToString(deterministic=True), d_model)
+    return positions_query(positions, spec, widths)
 
 
-def fake_rows(q: proto.Query) -> npt.NDArray[Any]:
+def fake_rows(q: Query) -> npt.NDArray[Any]:
     """Rows standing for the server's: every element of row i is positions[i]."""
     assert q.positions is not None
     rows = q.empty()
@@ -164,6 +165,16 @@ def test_the_budget_bounds_the_cache_and_evicts_the_least_recently_used() -> Non
         assert plan is not None and plan.fetch is None
 
 
+def test_a_table_of_unknown_width_is_not_cached_but_its_steps_count() -> None:
+    cache = RowCache(64 * MIB, MIB)
+    unknown = positions_query([1000], table_spec(D_MODEL, "float32", {}), Widths())
+    assert unknown.columns is None
+    assert cache.plan(unknown) is None  # the first call of a table: its width unknown
+    assert cache.claim_ahead(unknown, object) is None
+    # ... but it was a step: the next one, the width now known, reads ahead.
+    assert fetched_positions(cache.plan(query([1001])))[:2] == [1001, 1002]
+
+
 def test_large_calls_and_a_zero_budget_bypass_the_cache() -> None:
     cache = RowCache(64 * MIB, MIB)
     many = np.arange(MAX_CACHED_CALL_ROWS + 1)
@@ -235,10 +246,48 @@ def test_negative_sizes_are_refused(budget: int, readahead: int) -> None:
 # -- through a real server ------------------------------------------------------------------
 
 
-def get_encoding_calls() -> float:
-    """GetEncoding calls answered so far by the in-process servers (a global counter)."""
-    labels = {"method": "GetEncoding", "code": "OK"}
-    return REGISTRY.get_sample_value("posenc_requests_total", labels) or 0.0
+class CallCounter(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor):
+    """Counts a client's table calls by thread: the caller's, or the read-ahead thread's
+    (which has that name); and knows how many are in flight."""
+
+    def __init__(self) -> None:
+        self.calls = {"caller": 0, "background": 0}
+        self._lock = threading.Lock()
+        self._in_flight = 0
+
+    def _count(self, call: Callable[[], Any]) -> Any:
+        background = threading.current_thread().name == "posenc-read-ahead"
+        with self._lock:
+            self.calls["background" if background else "caller"] += 1
+            self._in_flight += 1
+        try:
+            return call()
+        finally:
+            with self._lock:
+                self._in_flight -= 1
+
+    def intercept_unary_unary(self, continuation: Any, details: Any, request: Any) -> Any:
+        def call() -> Any:
+            outcome = continuation(details, request)
+            outcome.result()  # the unary call ends here, as the client waits for it
+            return outcome
+
+        return self._count(call)
+
+    def intercept_unary_stream(self, continuation: Any, details: Any, request: Any) -> Any:
+        # A stream is counted; the caller reads it to its end before its call returns.
+        return self._count(lambda: continuation(details, request))
+
+    def settle(self) -> None:
+        """Waits for the client's background read-ahead calls to end."""
+        deadline = time.monotonic() + 30
+        while True:
+            with self._lock:
+                if not self._in_flight:
+                    break
+            assert time.monotonic() < deadline, "read-ahead never finished"
+            time.sleep(0.002)
+        time.sleep(0.01)  # its rows join the cache just after the call returns
 
 
 def decode_loop(
@@ -254,26 +303,8 @@ def decode_loop(
     return rows
 
 
-def settle(client: posenc.Client) -> None:
-    """Wait for the client's background read-ahead to finish."""
-    deadline = time.monotonic() + 30
-    while client._rows.in_flight:
-        assert time.monotonic() < deadline, "read-ahead never finished"
-        time.sleep(0.002)
-
-
-def count_calls(client: posenc.Client) -> dict[str, int]:
-    """Counts the client's fetches by thread: the caller's, or the read-ahead thread."""
-    calls = {"caller": 0, "background": 0}
-    fetch = client._fetch
-
-    def counted(*args: Any, **kwargs: Any) -> Any:
-        background = threading.current_thread().name == "posenc-read-ahead"
-        calls["background" if background else "caller"] += 1
-        return fetch(*args, **kwargs)
-
-    client._fetch = counted  # type: ignore[method-assign]
-    return calls
+def read_ahead_threads() -> set[threading.Thread]:
+    return {t for t in threading.enumerate() if t.name == "posenc-read-ahead"}
 
 
 @pytest.mark.parametrize(("sequences", "model_seconds"), [(1, 0.0), (8, 0.0), (64, 0.005)])
@@ -285,32 +316,28 @@ def test_a_decode_loop_gets_the_servers_exact_rows_from_two_calls_of_its_own(
     (1 MiB per step) get the next step's rows while the model runs."""
     lengths = 1_000_003 + 9_973 * np.arange(sequences, dtype=np.int64)
     steps = 150 if sequences < 64 else 40
+    cached_calls, direct_calls = CallCounter(), CallCounter()
     with (
-        posenc.Client(server.target) as cached,
-        posenc.Client(server.target, row_cache_bytes=0) as direct,
+        posenc.Client(server.target, interceptors=[cached_calls]) as cached,
+        posenc.Client(server.target, row_cache_bytes=0, interceptors=[direct_calls]) as direct,
     ):
-        before = get_encoding_calls()
         want = decode_loop(lambda p: direct.get_positions(p, D_MODEL), lengths, steps)
-        assert get_encoding_calls() - before == steps
-        calls = count_calls(cached)
         got = decode_loop(lambda p: cached.get_positions(p, D_MODEL), lengths, steps, model_seconds)
-        settle(cached)
-    assert calls["caller"] == 2
+        cached_calls.settle()
+    assert direct_calls.calls == {"caller": steps, "background": 0}
+    assert cached_calls.calls["caller"] == 2
     ahead = MAX_READAHEAD_ROWS // sequences if sequences < 64 else 1
-    assert calls["background"] <= 2 + steps // ahead
+    assert cached_calls.calls["background"] <= 2 + steps // ahead
     for step, (a, b) in enumerate(zip(got, want, strict=True)):
         assert a.tobytes() == b.tobytes(), f"step {step}"
-    spec = EncodingSpec(d_model=D_MODEL)
-    last = encode_positions(spec, lengths + steps - 1)
-    assert got[-1].tobytes() == last.tobytes()
 
 
 def test_closing_a_client_ends_its_read_ahead(server: RunningServer) -> None:
+    before = read_ahead_threads()
     client = posenc.Client(server.target)
     for step in range(40):
         client.get_positions([5_000 + step], D_MODEL)
-    thread = client._ahead_thread
-    assert thread is not None and thread.is_alive()
+    [thread] = read_ahead_threads() - before
     client.close()
     thread.join(10)
     assert not thread.is_alive()
@@ -324,99 +351,123 @@ def test_read_ahead_past_the_position_limit_falls_back_to_the_callers_call(
     at most, and an error names the caller's own position."""
     limit = server.config.max_abs_position
     positions = range(limit - 40, limit + 1)
-    with posenc.Client(server.target) as client:
-        calls = count_calls(client)
+    counter = CallCounter()
+    with (
+        posenc.Client(server.target, interceptors=[counter]) as client,
+        posenc.Client(server.target, row_cache_bytes=0) as direct,
+    ):
         for position in positions:
             rows = client.get_positions([position], 64)
-            expected = encode_positions(EncodingSpec(d_model=64), np.array([position]))
-            assert rows.tobytes() == expected.tobytes()
-            settle(client)
+            assert rows.tobytes() == direct.get_positions([position], 64).tobytes()
+            counter.settle()
         with pytest.raises(posenc.InvalidArgumentError) as error:
             client.get_positions([limit + 1], 64)
         assert error.value.field_violations[0][0] == "positions.positions[0]"
-    assert calls["caller"] <= 2 * len(positions) + 2
-    assert calls["background"] >= 1
+    assert counter.calls["caller"] <= 2 * len(positions) + 2
+    assert counter.calls["background"] >= 1
+
+
+class AsyncUnaryCounter(grpc.aio.UnaryUnaryClientInterceptor):
+    """Counts an AsyncClient's unary calls into ``calls``. (grpc.aio takes an interceptor
+    as one kind only, the first it is: streams have their own.)"""
+
+    def __init__(self, calls: list[str]) -> None:
+        self.calls = calls
+
+    async def intercept_unary_unary(self, continuation: Any, details: Any, request: Any) -> Any:
+        self.calls.append(details.method)
+        return await continuation(details, request)
+
+
+class AsyncStreamCounter(grpc.aio.UnaryStreamClientInterceptor):
+    """Counts an AsyncClient's streams into ``calls``."""
+
+    def __init__(self, calls: list[str]) -> None:
+        self.calls = calls
+
+    async def intercept_unary_stream(self, continuation: Any, details: Any, request: Any) -> Any:
+        self.calls.append(details.method)
+        return await continuation(details, request)
 
 
 def test_the_async_client_reads_ahead_too(server: RunningServer) -> None:
     lengths = np.array([5_000_000, 6_000_000], dtype=np.int64)
     steps = 70
 
-    async def loop(**options: int) -> tuple[list[npt.NDArray[Any]], dict[str, int]]:
-        calls = {"caller": 0, "background": 0}
-        async with posenc.AsyncClient(server.target, **options) as client:
-            fetch = client._fetch
-
-            async def counted(*args: Any, **kwargs: Any) -> Any:
-                task = asyncio.current_task()
-                background = task is not None and task.get_name() == READ_AHEAD_TASK
-                calls["background" if background else "caller"] += 1
-                return await fetch(*args, **kwargs)
-
-            client._fetch = counted  # type: ignore[method-assign]
-            rows = [await client.get_positions(lengths + step, D_MODEL) for step in range(steps)]
-            while client._rows.in_flight:
-                await asyncio.sleep(0.002)
-        return rows, calls
+    async def loop(**options: int) -> tuple[list[npt.NDArray[Any]], int]:
+        calls: list[str] = []
+        counters = [AsyncUnaryCounter(calls), AsyncStreamCounter(calls)]
+        async with posenc.AsyncClient(server.target, interceptors=counters, **options) as c:
+            rows = [await c.get_positions(lengths + step, D_MODEL) for step in range(steps)]
+        return rows, len(calls)
 
     got, cached_calls = asyncio.run(loop())
     want, direct_calls = asyncio.run(loop(row_cache_bytes=0))
-    assert direct_calls == {"caller": steps, "background": 0}
-    assert cached_calls["caller"] == 2
-    assert cached_calls["background"] <= 2 + steps // (MAX_READAHEAD_ROWS // 2)
+    assert direct_calls == steps
+    # Two calls of its own, then a background window of 32 rows every 16 steps at most.
+    assert cached_calls <= 2 + 2 + steps // (MAX_READAHEAD_ROWS // 2)
     assert [a.tobytes() for a in got] == [b.tobytes() for b in want]
 
 
 def test_threads_sharing_a_client_each_get_their_exact_rows(server: RunningServer) -> None:
-    spec = EncodingSpec(d_model=256)
     steps = 200
+    counter = CallCounter()
 
     def loop(client: posenc.Client, lengths: npt.NDArray[np.int64]) -> None:
-        for step in range(steps):
-            rows = client.get_positions(lengths + step, 256)
-            assert rows.tobytes() == encode_positions(spec, lengths + step).tobytes()
+        with posenc.Client(server.target, row_cache_bytes=0) as direct:
+            for step in range(steps):
+                rows = client.get_positions(lengths + step, 256)
+                assert rows.tobytes() == direct.get_positions(lengths + step, 256).tobytes()
 
-    with posenc.Client(server.target) as client, ThreadPoolExecutor(4) as pool:
+    with (
+        posenc.Client(server.target, interceptors=[counter]) as client,
+        ThreadPoolExecutor(4) as pool,
+    ):
         starts = [np.array([10_000 * k + 1, 10_000 * k + 500]) for k in range(4)]
         for future in [pool.submit(loop, client, lengths) for lengths in starts]:
             future.result()
-        assert 0 < client._rows.nbytes <= client._rows.budget_bytes
+    assert sum(counter.calls.values()) < 4 * steps // 4  # the cache answered most steps
 
 
 def test_a_client_dropped_without_close_is_collected_and_its_thread_ends(
     server: RunningServer,
 ) -> None:
-    client = posenc.Client(server.target)
+    before = read_ahead_threads()
+    counter = CallCounter()
+    client = posenc.Client(server.target, interceptors=[counter])
     for step in range(40):
         client.get_positions([9_000 + step], D_MODEL)
-    settle(client)
-    thread = client._ahead_thread
-    assert thread is not None and thread.is_alive()
+    counter.settle()
+    [thread] = read_ahead_threads() - before
     dropped = weakref.ref(client)
     del client
-    gc.collect()
+    for _ in range(100):  # the thread holds it while it files its last rows, then lets go
+        gc.collect()
+        if dropped() is None:
+            break
+        time.sleep(0.01)
     assert dropped() is None  # the read-ahead thread holds it weakly
     thread.join(10)
     assert not thread.is_alive()
 
 
-def test_closing_an_async_client_with_a_read_ahead_in_flight_clears_it(
+def test_closing_an_async_client_with_a_read_ahead_in_flight_ends_it(
     server: RunningServer,
 ) -> None:
-    async def main() -> tuple[int, int]:
+    async def main() -> None:
         client = posenc.AsyncClient(server.target)
         for step in range(34):  # the last step starts the next window in the background
             await client.get_positions([5_000 + step], D_MODEL)
-        in_flight = client._rows.in_flight
-        await client.close()  # cancels the task, before it could run
-        for _ in range(100):  # its done callback, within a second
-            if not client._rows.in_flight:
+        ahead = [t for t in asyncio.all_tasks() if t.get_name() == "posenc-read-ahead"]
+        assert ahead
+        await client.close()  # cancels the task
+        for _ in range(100):
+            if all(task.done() for task in ahead):
                 break
             await asyncio.sleep(0.01)
-        return in_flight, client._rows.in_flight
+        assert all(task.done() for task in ahead)
 
-    before, after = asyncio.run(main())
-    assert before == MAX_READAHEAD_ROWS and after == 0
+    asyncio.run(main())
 
 
 def test_positions_are_copied_at_call_time() -> None:

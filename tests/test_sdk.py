@@ -1,4 +1,8 @@
-"""The blocking SDK against real servers on loopback: results, errors, retries, balancing."""
+"""The blocking SDK against real servers on loopback: results, errors, retries, balancing.
+
+Black-box: results are checked against what the server sends on the wire (read with the
+generated stubs, without the SDK), and the server is observed through its own counters.
+"""
 
 from __future__ import annotations
 
@@ -17,24 +21,43 @@ import pytest
 from conftest import ServerProcess, free_port, same_bits
 from google.protobuf import any_pb2
 from google.rpc import error_details_pb2, status_pb2
+from prometheus_client import REGISTRY
 
 import posenc
-from posenc import _protocol as proto
+from posenc._channel import channel_options, channel_target
+from posenc._retry import map_rpc_error
 from posenc.errors import error_class_for_code
-from posenc_server import engine
+from posenc.v1 import posenc_pb2 as pb
+from posenc.v1 import posenc_pb2_grpc as pb_grpc
 from posenc_server.app import RunningServer
 
 
-def reference(start: int, stop: int, d_model: int, **options: Any) -> np.ndarray[Any, Any]:
-    """The server engine's table, computed in this process."""
-    spec = engine.EncodingSpec(
-        d_model=d_model,
-        base=options.get("base", 10000.0),
-        dtype=options.get("dtype", "float32"),
-        layout=engine.Layout(options.get("layout", "interleaved")),
-        schedule=engine.Schedule(options.get("schedule", "paper")),
-    )
-    return engine.encode_range(spec, start, stop)
+def on_the_wire(
+    target: str,
+    table: int | posenc.Spec,
+    start: int,
+    stop: int,
+    dtype: str = "float32",
+    **classic: Any,
+) -> np.ndarray[Any, Any]:
+    """The rows the server sends for ``[start, stop)``, read with the generated stubs."""
+    spec = (
+        posenc.Spec("sinusoidal", d_model=table, **classic) if isinstance(table, int) else table
+    ).to_proto()
+    spec.dtype = pb.Dtype.Value(f"DTYPE_{dtype.upper()}")
+    request = pb.StreamEncodingRequest(spec=spec, range=pb.PositionRange(start=start, stop=stop))
+    with grpc.insecure_channel(target) as channel:
+        chunks = list(pb_grpc.PositionalEncodingServiceStub(channel).StreamEncoding(request))
+    blocks = [
+        np.frombuffer(c.chunk.data, dtype=np.dtype(dtype)).reshape(c.chunk.rows, c.chunk.columns)
+        for c in chunks
+    ]
+    return np.concatenate(blocks)
+
+
+def streams_in_flight() -> float:
+    """The in-process servers' ``posenc_streams_in_flight`` gauge."""
+    return REGISTRY.get_sample_value("posenc_streams_in_flight") or 0.0
 
 
 @pytest.fixture
@@ -50,18 +73,52 @@ def client(server: RunningServer) -> Iterator[posenc.Client]:
 @pytest.mark.parametrize(
     ("layout", "schedule"), [("interleaved", "paper"), ("split", "tensor2tensor")]
 )
-def test_get_range_matches_engine(
-    client: posenc.Client, dtype: str, layout: str, schedule: str
+def test_get_range_is_what_the_server_sends(
+    client: posenc.Client, server: RunningServer, dtype: str, layout: str, schedule: str
 ) -> None:
-    options: dict[str, Any] = {
-        "dtype": dtype,
-        "layout": layout,
-        "schedule": schedule,
-        "base": 500.0,
-    }
-    table = client.get_range(-7, 93, 33, **options)
+    classic: dict[str, Any] = {"layout": layout, "schedule": schedule, "base": 500.0}
+    table = client.get_range(-7, 93, 33, dtype=dtype, **classic)
     assert table.shape == (100, 33)
-    assert same_bits(table, reference(-7, 93, 33, **options))
+    assert same_bits(table, on_the_wire(server.target, 33, -7, 93, dtype, **classic))
+
+
+def test_an_int_table_is_the_classic_spec(client: posenc.Client) -> None:
+    spec = posenc.Spec("sinusoidal", d_model=24, layout="split", base=500.0)
+    by_int = client.get_range(0, 40, 24, layout="split", base=500.0)
+    assert same_bits(by_int, client.get_range(0, 40, spec))
+    assert same_bits(by_int[[3, 7]], client.get_positions([3, 7], spec))
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [
+        posenc.Spec("whisper", d_model=384),
+        posenc.Spec("fairseq", d_model=64, padding_idx=1),
+        posenc.Spec("tensor2tensor", d_model=33, min_timescale=2.0, start_index=5),
+        posenc.Spec("transformer_xl", d_model=32, key_length=64),
+        posenc.Spec("rotary", head_dim=64, layout="vllm"),
+        posenc.Spec(
+            "rotary",
+            head_dim=64,
+            rope_theta=5e5,
+            scaling="yarn",
+            factor=4.0,
+            original_max_position_embeddings=4096,
+        ),
+    ],
+    ids=repr,
+)
+def test_every_kind_takes_its_width_from_the_server(
+    client: posenc.Client, server: RunningServer, spec: posenc.Spec
+) -> None:
+    expected = on_the_wire(server.target, spec, 0, 50)
+    table = client.get_range(0, 50, spec)
+    assert same_bits(table, expected)
+    # Later calls know the width: unary, and from the row cache's planning alike.
+    assert same_bits(client.get_range(0, 50, spec), expected)
+    assert same_bits(client.get_positions([49, 0], spec), expected[[49, 0]])
+    pieces = [rows for _, rows in client.iter_range(0, 50, spec, chunk_bytes=4096)]
+    assert same_bits(np.concatenate(pieces), expected)
 
 
 def test_bfloat16_results_are_ml_dtypes(client: posenc.Client) -> None:
@@ -88,15 +145,17 @@ def test_unary_and_streaming_give_identical_arrays(server: RunningServer) -> Non
             lambda c: c.get_positions(positions, 96, dtype="float64"),
         ]
         for fetch in fetches:
+            fetch(unary)  # the client now knows the width: the next call is unary
             assert same_bits(fetch(unary), fetch(streaming))
 
 
-def test_large_result_streams_into_one_array(client: posenc.Client) -> None:
+def test_large_result_streams_into_one_array(client: posenc.Client, server: RunningServer) -> None:
     # 8 MiB: over the unary limit of the server, so GetEncoding could not serve it.
-    table = client.get_range(0, 8192, 256)
-    assert table.shape == (8192, 256)
-    assert table.flags.c_contiguous and table.flags.owndata
-    assert same_bits(table[5000:5010], reference(5000, 5010, 256))
+    for _ in range(2):  # before and after the client knows the width
+        table = client.get_range(0, 8192, 256)
+        assert table.shape == (8192, 256)
+        assert table.flags.c_contiguous and table.flags.owndata
+    assert same_bits(table[5000:5010], on_the_wire(server.target, 256, 5000, 5010))
 
 
 def test_results_are_writable(client: posenc.Client) -> None:
@@ -114,6 +173,7 @@ def test_get_positions_order_repeats_and_numpy_input(client: posenc.Client) -> N
 
 def test_empty_range(client: posenc.Client) -> None:
     assert client.get_range(5, 5, 12).shape == (0, 12)
+    assert client.get_range(5, 5, posenc.Spec("rotary", head_dim=8, layout="vllm")).shape == (0, 8)
     assert list(client.iter_range(5, 5, 12)) == []
 
 
@@ -142,24 +202,23 @@ def test_iter_positions_yields_indices(client: posenc.Client) -> None:
     assert seen == len(positions)
 
 
-def wait_until_idle(server: RunningServer) -> None:
-    """Until the server has no call in flight (a stream left open would stay in flight,
-    held by flow control)."""
+def wait_for_streams(count: float) -> None:
+    """Until the servers' streams in flight are ``count`` (a stream left open would stay
+    in flight, held by flow control)."""
     deadline = time.monotonic() + 10
-    while server.servicer._in_flight:
-        assert time.monotonic() < deadline, "the server still serves the abandoned stream"
+    while streams_in_flight() != count:
+        assert time.monotonic() < deadline, f"{streams_in_flight()} streams in flight"
         time.sleep(0.01)
 
 
-def test_abandoned_iterator_cancels_the_stream(
-    client: posenc.Client, server: RunningServer
-) -> None:
+def test_abandoned_iterator_cancels_the_stream(client: posenc.Client) -> None:
+    before = streams_in_flight()
     iterator = client.iter_range(0, 1 << 20, 256, chunk_bytes=65536)
     first, rows = next(iterator)
     assert (first, rows.shape) == (0, (64, 256))
-    assert server.servicer._in_flight == 1
+    wait_for_streams(before + 1)
     iterator.close()  # type: ignore[attr-defined]
-    wait_until_idle(server)
+    wait_for_streams(before)
     # The channel is still usable.
     assert client.get_range(0, 1, 4).shape == (1, 4)
 
@@ -172,9 +231,9 @@ def test_invalid_argument_names_fields(client: posenc.Client) -> None:
         client.get_range(0, 10, 10**6, base=0.5)
     error = caught.value
     assert error.code == grpc.StatusCode.INVALID_ARGUMENT
-    fields = dict(error.field_violations)
-    assert set(fields) == {"spec.d_model", "spec.base"}
-    assert "spec.d_model" in str(error)
+    fields = {field.rsplit(".", 1)[-1] for field, _ in error.field_violations}
+    assert fields == {"d_model", "base"}
+    assert "d_model" in str(error)
     assert isinstance(error, ValueError)
 
 
@@ -183,8 +242,9 @@ def test_invalid_argument_names_fields(client: posenc.Client) -> None:
     [
         (lambda c: c.get_range(5, 3, 8), "range.stop"),
         (lambda c: list(c.iter_range(5, 3, 8)), "range.stop"),
-        (lambda c: c.get_range(0, 3, 0), "spec.d_model"),
+        (lambda c: c.get_range(0, 3, 0), "d_model"),
         (lambda c: c.get_positions([], 8), "positions.positions"),
+        (lambda c: c.get_range(0, 3, posenc.Spec("rotary", head_dim=0)), "head_dim"),
     ],
 )
 def test_values_are_judged_by_the_server(
@@ -192,8 +252,9 @@ def test_values_are_judged_by_the_server(
 ) -> None:
     with pytest.raises(posenc.InvalidArgumentError) as caught:
         call(client)
-    assert [f for f, _ in caught.value.field_violations] == [field]
-    assert "must" in caught.value.field_violations[0][1]
+    [(named, description)] = caught.value.field_violations
+    assert named.endswith(field)
+    assert "must" in description
 
 
 def test_invalid_positions_from_server(client: posenc.Client) -> None:
@@ -202,6 +263,9 @@ def test_invalid_positions_from_server(client: posenc.Client) -> None:
     [(field, description)] = caught.value.field_violations
     assert field.startswith("positions")
     assert str(1 << 50) in description
+
+
+ROTARY = posenc.Spec("rotary", head_dim=64)
 
 
 @pytest.mark.parametrize(
@@ -215,12 +279,17 @@ def test_invalid_positions_from_server(client: posenc.Client) -> None:
         (lambda c: c.get_positions([1 << 64], 8), "positions"),
         (lambda c: c.get_range(0.5, 3, 8), "range.start"),
         (lambda c: c.get_range(0, 1 << 63, 8), "range.stop"),
-        (lambda c: c.get_range(0, 3, -1), "spec.d_model"),
-        (lambda c: c.get_range(0, 3, 1 << 32), "spec.d_model"),
+        (lambda c: c.get_range(0, 3, -1), "spec.sinusoidal.d_model"),
+        (lambda c: c.get_range(0, 3, 1 << 32), "spec.sinusoidal.d_model"),
+        (lambda c: c.get_range(0, 3, 8.0), "spec.table"),
+        (lambda c: c.get_range(0, 3, True), "spec.table"),
         (lambda c: c.get_range(0, 3, 8, dtype="int8"), "spec.dtype"),
-        (lambda c: c.get_range(0, 3, 8, layout="sideways"), "spec.layout"),
-        (lambda c: c.get_range(0, 3, 8, schedule="t5"), "spec.schedule"),
-        (lambda c: c.get_range(0, 3, 8, base="10"), "spec.base"),
+        (lambda c: c.get_range(0, 3, 8, layout="sideways"), "spec.sinusoidal.layout"),
+        (lambda c: c.get_range(0, 3, 8, schedule="t5"), "spec.sinusoidal.schedule"),
+        (lambda c: c.get_range(0, 3, 8, base="10"), "spec.sinusoidal.base"),
+        (lambda c: c.get_range(0, 3, 8, rope_theta=1.0), "spec.sinusoidal.rope_theta"),
+        (lambda c: c.get_range(0, 3, ROTARY, base=2.0), "spec.rotary.base"),
+        (lambda c: c.get_positions([1], ROTARY, layout="split"), "spec.rotary.layout"),
         (lambda c: c.iter_range(0, 3, 8, chunk_bytes=0), "max_chunk_bytes"),
     ],
 )
@@ -256,8 +325,10 @@ def test_unary_refusal_falls_back_to_streaming(
     # The server's unary limit (16 KiB) is far below the client's 1 MiB threshold.
     server = server_factory(max_unary_bytes=16 << 10)
     with posenc.Client(server.target) as client:
-        table = client.get_range(0, 1000, 64)
-    assert same_bits(table, reference(0, 1000, 64))
+        first = client.get_range(0, 1000, 64)  # unary, refused, then streamed
+        again = client.get_range(0, 1000, 64)  # the same, with the width known
+    assert same_bits(first, again)
+    assert same_bits(again, on_the_wire(server.target, 64, 0, 1000))
 
 
 def test_timeout_raises_deadline_exceeded(client: posenc.Client) -> None:
@@ -277,6 +348,16 @@ def test_per_call_timeout_overrides_the_default(server: RunningServer) -> None:
         assert client.get_range(0, 10, 8, timeout=None).shape == (10, 8)
 
 
+def aio_error(
+    code: grpc.StatusCode, details: str, status: status_pb2.Status | None = None
+) -> grpc.aio.AioRpcError:
+    """A failed call as gRPC reports it, with a rich status in its trailer when given."""
+    trailer = grpc.aio.Metadata()
+    if status is not None:
+        trailer = grpc.aio.Metadata(("grpc-status-details-bin", status.SerializeToString()))
+    return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), trailer, details, None)
+
+
 def test_field_violations_survive_a_mismatched_rich_status() -> None:
     # grpc_status.from_call refuses a rich status whose message differs from the call's;
     # the SDK still reads the violations from the grpc-status-details-bin trailer.
@@ -289,26 +370,32 @@ def test_field_violations_survive_a_mismatched_rich_status() -> None:
         )
     )
     status = status_pb2.Status(code=3, message="other words", details=[detail])
-    trailer = grpc.aio.Metadata(("grpc-status-details-bin", status.SerializeToString()))
-    error = grpc.aio.AioRpcError(
-        grpc.StatusCode.INVALID_ARGUMENT, grpc.aio.Metadata(), trailer, "bad", None
-    )
-    mapped = proto.map_rpc_error(error)
+    mapped = map_rpc_error(aio_error(grpc.StatusCode.INVALID_ARGUMENT, "bad", status))
     assert isinstance(mapped, posenc.InvalidArgumentError)
     assert (mapped.details, mapped.field_violations) == ("bad", [("f", "d")])
 
 
-def test_every_status_code_maps_to_a_posenc_error() -> None:
-    assert error_class_for_code(grpc.StatusCode.UNAVAILABLE) is posenc.UnavailableError
-    assert error_class_for_code(grpc.StatusCode.UNAUTHENTICATED) is posenc.UnauthenticatedError
-    assert error_class_for_code(grpc.StatusCode.PERMISSION_DENIED) is posenc.PermissionDeniedError
-    assert error_class_for_code(grpc.StatusCode.CANCELLED) is posenc.CancelledError
-    assert error_class_for_code(grpc.StatusCode.INTERNAL) is posenc.InternalError
-    for code in grpc.StatusCode:
-        if code is not grpc.StatusCode.OK:
-            error = error_class_for_code(code)("boom", code=code)
-            assert isinstance(error, posenc.PosencError)
-            assert error.code is code and error.details == "boom"
+DOCUMENTED = {
+    grpc.StatusCode.INVALID_ARGUMENT: posenc.InvalidArgumentError,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: posenc.ResourceExhaustedError,
+    grpc.StatusCode.UNAVAILABLE: posenc.UnavailableError,
+    grpc.StatusCode.DEADLINE_EXCEEDED: posenc.DeadlineExceededError,
+    grpc.StatusCode.UNAUTHENTICATED: posenc.UnauthenticatedError,
+    grpc.StatusCode.PERMISSION_DENIED: posenc.PermissionDeniedError,
+    grpc.StatusCode.CANCELLED: posenc.CancelledError,
+    grpc.StatusCode.NOT_FOUND: posenc.NotFoundError,
+    grpc.StatusCode.UNIMPLEMENTED: posenc.UnimplementedError,
+    grpc.StatusCode.INTERNAL: posenc.InternalError,
+    grpc.StatusCode.DATA_LOSS: posenc.InternalError,
+}
+
+
+@pytest.mark.parametrize("code", [c for c in grpc.StatusCode if c is not grpc.StatusCode.OK])
+def test_every_status_code_maps_to_its_documented_error(code: grpc.StatusCode) -> None:
+    mapped = map_rpc_error(aio_error(code, "boom"))
+    assert type(mapped) is DOCUMENTED.get(code, posenc.PosencError)
+    assert error_class_for_code(code) is type(mapped)
+    assert (mapped.code, mapped.details) == (code, "boom")
 
 
 # -- service ----------------------------------------------------------------------------
@@ -317,15 +404,19 @@ def test_every_status_code_maps_to_a_posenc_error() -> None:
 def test_server_info(client: posenc.Client) -> None:
     client.get_range(0, 10, 8)
     info = client.server_info()
+    assert isinstance(info, posenc.ServerInfo)
     assert info.version
     assert info.server_id
-    assert info.limits.max_d_model == 65536
+    assert isinstance(info.limits, posenc.Limits) and info.limits.max_d_model == 65536
     assert info.limits.max_unary_bytes <= 4 << 20
     assert set(info.dtypes) == set(posenc.DTYPE_NAMES)
-    assert set(info.layouts) == set(posenc.LAYOUT_NAMES)
-    assert set(info.schedules) == set(posenc.SCHEDULE_NAMES)
+    assert isinstance(info.cache, posenc.CacheStats)
     assert info.rows_computed > 0
     assert info.cache.misses > 0
+    kinds = {kind.name: kind for kind in info.table_kinds}
+    assert isinstance(kinds["whisper"], posenc.TableKind)
+    for parameter in kinds["whisper"].parameters:
+        assert isinstance(parameter, posenc.TableParameter)
     assert info.to_dict()["limits"]["max_positions"] == info.limits.max_positions
 
 
@@ -375,7 +466,7 @@ def test_retry_waits_for_a_server_that_is_starting(
     finally:
         starter.join()
         client.close()
-    assert same_bits(table, reference(0, 100, 16))
+    assert same_bits(table, on_the_wire(f"127.0.0.1:{port}", 16, 0, 100))
     assert any("retrying" in record.message for record in caplog.records)
 
 
@@ -388,36 +479,68 @@ def test_round_robin_over_two_servers(server_factory: Callable[..., RunningServe
         for i in range(40):
             client.get_range(i * 10_000, i * 10_000 + 10, 8)
         server_ids = {client.server_info().server_id for _ in range(6)}
+    direct_ids = set()
     for server in (first, second):
         with posenc.Client(server.target) as direct:
             info = direct.server_info()
         assert info.rows_computed > 0
         assert info.cache.misses > 0
+        direct_ids.add(info.server_id)
     # Round robin: six calls reach both servers.
-    assert server_ids == {first.servicer.service.server_id, second.servicer.service.server_id}
+    assert server_ids == direct_ids and len(direct_ids) == 2
 
 
-# -- targets ----------------------------------------------------------------------------
+# -- targets and channels ---------------------------------------------------------------------
 
 
 def test_channel_targets() -> None:
-    assert proto.channel_target("example.com:1") == "example.com:1"
-    assert proto.channel_target("dns:///example.com:1") == "dns:///example.com:1"
-    assert proto.channel_target(["10.0.0.1:1", "10.0.0.2:2"]) == "ipv4:10.0.0.1:1,10.0.0.2:2"
-    assert proto.channel_target(["[::1]:1", "[fe80::2]:2"]) == "ipv6:[::1]:1,[fe80::2]:2"
+    assert channel_target("example.com:1") == "example.com:1"
+    assert channel_target("dns:///example.com:1") == "dns:///example.com:1"
+    assert channel_target(["10.0.0.1:1", "10.0.0.2:2"]) == "ipv4:10.0.0.1:1,10.0.0.2:2"
+    assert channel_target(["[::1]:1", "[fe80::2]:2"]) == "ipv6:[::1]:1,[fe80::2]:2"
     mapped = ipaddress.IPv6Address("::ffff:10.0.0.1")  # spelled differently across Pythons
-    assert proto.channel_target(["[::1]:1", "10.0.0.1:2"]) == f"ipv6:[::1]:1,[{mapped}]:2"
+    assert channel_target(["[::1]:1", "10.0.0.1:2"]) == f"ipv6:[::1]:1,[{mapped}]:2"
     for bad in ([], ["a:1", "dns:///b:2"], ["nocolon", "a:1"], ["a:x", "b:1"]):
         with pytest.raises(ValueError):
-            proto.channel_target(bad)
+            channel_target(bad)
     with pytest.raises(ValueError, match="cannot resolve"):
-        proto.channel_target(["no-such-host.invalid:1", "127.0.0.1:2"])
+        channel_target(["no-such-host.invalid:1", "127.0.0.1:2"])
 
 
 def test_user_options_override_the_sdk_defaults() -> None:
-    options = dict(proto.channel_options([("grpc.lb_policy_name", "pick_first")], "ua"))
+    options = dict(channel_options([("grpc.lb_policy_name", "pick_first")], "ua"))
     assert options["grpc.lb_policy_name"] == "pick_first"
     assert options["grpc.max_receive_message_length"] >= 8 << 20
+
+
+class Recorder(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor):
+    """Records the method and metadata of every call."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, dict[str, str]]] = []
+
+    def _record(self, details: grpc.ClientCallDetails) -> None:
+        self.calls.append((details.method, dict(details.metadata or ())))
+
+    def intercept_unary_unary(self, continuation: Any, details: Any, request: Any) -> Any:
+        self._record(details)
+        return continuation(details, request)
+
+    def intercept_unary_stream(self, continuation: Any, details: Any, request: Any) -> Any:
+        self._record(details)
+        return continuation(details, request)
+
+
+def test_interceptors_see_every_call_with_its_token(server: RunningServer) -> None:
+    recorder = Recorder()
+    with posenc.Client(server.target, token="t0k3n", interceptors=[recorder]) as client:
+        client.get_range(0, 10, 8)
+        client.get_range(0, 1 << 20, 8)  # 32 MiB: streamed
+        client.server_info()
+        client.health()
+    methods = [method.rsplit("/", 1)[-1] for method, _ in recorder.calls]
+    assert methods == ["GetEncoding", "StreamEncoding", "GetServerInfo", "Check"]
+    assert all(metadata["authorization"] == "Bearer t0k3n" for _, metadata in recorder.calls)
 
 
 def test_context_manager_closes_the_channel(server: RunningServer) -> None:

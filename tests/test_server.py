@@ -12,23 +12,26 @@ import pytest
 from conftest import ServerProcess, peak_rss_mib
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+from reference import engine_range
 
 from posenc.v1 import posenc_pb2 as pb
 from posenc.v1 import posenc_pb2_grpc
-from posenc_server import engine
 from posenc_server.app import RunningServer
-from posenc_server.engine import EncodingSpec, Layout, Schedule
 
 MIB = 1 << 20
 
 
-def stream_request(
-    d_model: int, start: int, stop: int, chunk: int = 0, **spec: object
-) -> pb.StreamEncodingRequest:
+def classic(d_model: int, dtype: int = 0, **table: object) -> pb.EncodingSpec:
+    """The classic sinusoidal table's spec."""
+    return pb.EncodingSpec(
+        dtype=dtype,  # type: ignore[arg-type]
+        sinusoidal=pb.SinusoidalTable(d_model=d_model, **table),  # type: ignore[arg-type]
+    )
+
+
+def stream_request(d_model: int, start: int, stop: int, chunk: int = 0) -> pb.StreamEncodingRequest:
     return pb.StreamEncodingRequest(
-        spec=pb.EncodingSpec(d_model=d_model, **spec),  # type: ignore[arg-type]
-        range=pb.PositionRange(start=start, stop=stop),
-        max_chunk_bytes=chunk,
+        spec=classic(d_model), range=pb.PositionRange(start=start, stop=stop), max_chunk_bytes=chunk
     )
 
 
@@ -53,23 +56,17 @@ def test_stream_chunks_are_row_aligned_ordered_and_within_the_chunk_limit(
         expected_offset += tensor.rows
     assert expected_offset == stop - start
     table = np.concatenate(parts)
-    np.testing.assert_array_equal(table, engine.encode_range(EncodingSpec(d_model), start, stop))
+    np.testing.assert_array_equal(table, engine_range(classic(d_model), start, stop))
 
 
 @pytest.mark.parametrize("dtype", [pb.DTYPE_FLOAT16, pb.DTYPE_BFLOAT16, pb.DTYPE_FLOAT64])
 def test_unary_and_stream_and_list_agree_with_the_engine(
     stub: posenc_pb2_grpc.PositionalEncodingServiceStub, dtype: int
 ) -> None:
-    name = {pb.DTYPE_FLOAT16: "float16", pb.DTYPE_BFLOAT16: "bfloat16", pb.DTYPE_FLOAT64: "float64"}
-    spec = EncodingSpec(96, 500000.0, name[dtype], Layout.SPLIT, Schedule.TENSOR2TENSOR)
-    wire = pb.EncodingSpec(
-        d_model=96,
-        base=500000.0,
-        dtype=dtype,  # type: ignore[arg-type]
-        layout=pb.LAYOUT_SPLIT,
-        schedule=pb.SCHEDULE_TENSOR2TENSOR,
+    wire = classic(
+        96, dtype, base=500000.0, layout=pb.LAYOUT_SPLIT, schedule=pb.SCHEDULE_TENSOR2TENSOR
     )
-    expected = engine.encode_range(spec, 2**40, 2**40 + 50)
+    expected = engine_range(wire, 2**40, 2**40 + 50)
     unary = stub.GetEncoding(
         pb.GetEncodingRequest(spec=wire, range=pb.PositionRange(start=2**40, stop=2**40 + 50))
     ).tensor
@@ -112,18 +109,17 @@ def test_the_cache_key_covers_everything_that_changes_the_bytes(
     stub: posenc_pb2_grpc.PositionalEncodingServiceStub,
 ) -> None:
     variants = [
-        {},
-        {"base": 500.0},
-        {"dtype": pb.DTYPE_FLOAT64},
-        {"layout": pb.LAYOUT_SPLIT},
-        {"schedule": pb.SCHEDULE_TENSOR2TENSOR},
+        classic(64),
+        classic(64, base=500.0),
+        classic(64, pb.DTYPE_FLOAT64),
+        classic(64, layout=pb.LAYOUT_SPLIT),
+        classic(64, schedule=pb.SCHEDULE_TENSOR2TENSOR),
+        pb.EncodingSpec(whisper=pb.WhisperTable(d_model=64)),
+        pb.EncodingSpec(rotary=pb.RotaryTable(head_dim=32)),
     ]
     tables = set()
-    for variant in variants:
-        message = pb.GetEncodingRequest(
-            spec=pb.EncodingSpec(d_model=64, **variant),  # type: ignore[arg-type]
-            range=pb.PositionRange(start=10, stop=20),
-        )
+    for spec in variants:
+        message = pb.GetEncodingRequest(spec=spec, range=pb.PositionRange(start=10, stop=20))
         tables.add(stub.GetEncoding(message).tensor.data)
     assert len(tables) == len(variants)
     assert info(stub).cache.entries == len(variants)
@@ -138,7 +134,7 @@ def test_server_info_reports_version_limits_and_options(
     assert response.limits.max_abs_position == 2**42
     assert response.limits.max_chunk_bytes == MIB
     assert set(response.dtypes) == {1, 2, 3, 4}
-    assert set(response.layouts) == {pb.LAYOUT_INTERLEAVED, pb.LAYOUT_SPLIT}
+    assert [kind.name for kind in response.table_kinds][:2] == ["sinusoidal", "tensor2tensor"]
     assert response.cache.budget_bytes == 512 * MIB
     assert response.server_id
 
@@ -165,9 +161,7 @@ def test_a_stream_larger_than_the_cache_budget_keeps_server_memory_bounded(
     process = spawn_server(0, "--cache-bytes", str(budget))
     with grpc.insecure_channel(process.target) as channel:
         stub = posenc_pb2_grpc.PositionalEncodingServiceStub(channel)
-        stub.GetEncoding(
-            pb.GetEncodingRequest(spec=pb.EncodingSpec(d_model=8), range=pb.PositionRange(stop=1))
-        )
+        stub.GetEncoding(pb.GetEncodingRequest(spec=classic(8), range=pb.PositionRange(stop=1)))
         baseline = peak_rss_mib(process.process.pid)
         rows = 0
         # 1 GiB, 32 times the budget.
@@ -181,6 +175,7 @@ def test_a_stream_larger_than_the_cache_budget_keeps_server_memory_bounded(
     assert growth < budget / MIB + 64, f"server peak RSS grew {growth:.0f} MiB"
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_sigterm_drains_streams_in_flight_and_refuses_new_calls(
     spawn_server: Callable[..., ServerProcess],
@@ -208,11 +203,7 @@ def test_sigterm_drains_streams_in_flight_and_refuses_new_calls(
             status = health.Check(health_pb2.HealthCheckRequest()).status
         assert status == health_pb2.HealthCheckResponse.NOT_SERVING, process.log_lines
         with pytest.raises(grpc.RpcError) as raised:
-            stub.GetEncoding(
-                pb.GetEncodingRequest(
-                    spec=pb.EncodingSpec(d_model=8), range=pb.PositionRange(stop=1)
-                )
-            )
+            stub.GetEncoding(pb.GetEncodingRequest(spec=classic(8), range=pb.PositionRange(stop=1)))
         assert raised.value.code() == grpc.StatusCode.UNAVAILABLE
         reader.join(30)
     assert finished.is_set()
@@ -237,5 +228,5 @@ def test_startup_logs_one_line_with_address_version_and_limits(
 def test_serve_refuses_bad_configuration_with_a_message(
     spawn_server: Callable[..., ServerProcess],
 ) -> None:
-    with pytest.raises(RuntimeError, match="max_chunk_bytes"):
+    with pytest.raises(RuntimeError, match="max-chunk-bytes"):
         spawn_server(0, "--max-chunk-bytes", str(64 * MIB))

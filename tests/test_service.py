@@ -1,78 +1,118 @@
-"""The encoding service without gRPC: how position lists use the block cache."""
+"""How position lists use the block cache, observed through the server's own counters."""
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
+
+import grpc
 import numpy as np
 import pytest
+from reference import engine_positions
 
+from posenc.v1 import posenc_pb2 as pb
+from posenc.v1 import posenc_pb2_grpc
+from posenc_server import convert
+from posenc_server.app import RunningServer
 from posenc_server.config import ServerConfig
-from posenc_server.engine import EncodingSpec, encode_positions
-from posenc_server.service import EncodingService, PositionList
+from posenc_server.service import EncodingService
+from posenc_server.specs import SpecTable
 
-SPEC = EncodingSpec(d_model=4096)  # 16 KiB rows: blocks of 64 rows (1 MiB)
+# 16 KiB rows: blocks of 64 rows (1 MiB).
+SPEC = pb.EncodingSpec(sinusoidal=pb.SinusoidalTable(d_model=4096))
 
 
-def scattered(blocks: int, offset: int = 3, per_block: int = 1) -> PositionList:
+def scattered(blocks: int, offset: int = 3, per_block: int = 1) -> list[int]:
     """``per_block`` positions in each of ``blocks`` consecutive blocks, in shuffled order."""
     first = 5_000_000 * 64 + 64 * np.arange(blocks, dtype=np.int64) + offset
     positions = (first[:, None] + 7 * np.arange(per_block)).reshape(-1)
-    return PositionList(np.random.default_rng(blocks).permutation(positions))
+    return np.random.default_rng(blocks).permutation(positions).tolist()  # type: ignore[no-any-return]
+
+
+class Server:
+    """A raw stub on a fresh server, and its counters."""
+
+    def __init__(self, running: RunningServer) -> None:
+        options = [("grpc.max_receive_message_length", 16 << 20)]
+        self.channel = grpc.insecure_channel(running.target, options=options)
+        self.stub = posenc_pb2_grpc.PositionalEncodingServiceStub(self.channel)
+
+    def get(self, positions: list[int]) -> bytes:
+        request = pb.GetEncodingRequest(spec=SPEC, positions=pb.PositionList(positions=positions))
+        return self.stub.GetEncoding(request).tensor.data
+
+    def stream(self, positions: list[int], chunk_rows: int) -> list[pb.Tensor]:
+        request = pb.StreamEncodingRequest(
+            spec=SPEC,
+            positions=pb.PositionList(positions=positions),
+            max_chunk_bytes=chunk_rows * 4096 * 4,
+        )
+        return [response.chunk for response in self.stub.StreamEncoding(request)]
+
+    def counters(self) -> tuple[int, int, int]:
+        """(rows computed, cache entries, cache hits)."""
+        info = self.stub.GetServerInfo(pb.GetServerInfoRequest())
+        return info.rows_computed, info.cache.entries, info.cache.hits
+
+
+@pytest.fixture
+def fresh(server_factory: Callable[..., RunningServer]) -> Iterator[Server]:
+    # 300 rows of 16 KiB in one message.
+    server = Server(server_factory(max_unary_bytes=8 << 20))
+    yield server
+    server.channel.close()
 
 
 # 100 rows are gathered row by row, 300 block by block.
 @pytest.mark.parametrize("per_block", [1, 3])
 def test_a_unary_list_computes_at_most_64_new_blocks_and_the_rest_row_by_row(
-    per_block: int,
+    fresh: Server, per_block: int
 ) -> None:
-    service = EncodingService(ServerConfig())
-    selection = scattered(100, per_block=per_block)
-    rows = service.table(SPEC, selection)
-    assert rows.tobytes() == encode_positions(SPEC, selection.positions).tobytes()
-    assert service.cache_stats().entries == 64
+    positions = scattered(100, per_block=per_block)
+    assert fresh.get(positions) == engine_positions(SPEC, positions).tobytes()
+    rows, entries, _ = fresh.counters()
+    assert entries == 64
     # 64 blocks, then the rows of the other 36 one by one.
-    assert service.rows_computed == 64 * 64 + 36 * per_block
+    assert rows == 64 * 64 + 36 * per_block
 
 
-def test_a_unary_list_takes_every_cached_block_it_finds() -> None:
-    service = EncodingService(ServerConfig())
-    service.table(SPEC, scattered(64))
-    computed = service.rows_computed
+def test_a_unary_list_takes_every_cached_block_it_finds(fresh: Server) -> None:
+    fresh.get(scattered(64))
+    computed, _, hits = fresh.counters()
     # Other rows of the same 64 blocks: all from the cache, nothing computed.
-    rows = service.table(SPEC, scattered(64, offset=40))
-    assert rows.tobytes() == encode_positions(SPEC, scattered(64, offset=40).positions).tobytes()
-    assert service.rows_computed == computed
-    assert service.cache_stats().hits >= 64
+    positions = scattered(64, offset=40)
+    assert fresh.get(positions) == engine_positions(SPEC, positions).tobytes()
+    rows, _, hits_after = fresh.counters()
+    assert rows == computed
+    assert hits_after - hits >= 64
 
 
-def test_a_streamed_list_reads_cached_blocks_but_computes_no_new_ones() -> None:
-    service = EncodingService(ServerConfig())
-    service.table(SPEC, scattered(10))  # blocks 0 .. 9 of the list's 20 are cached
-    computed, entries = service.rows_computed, service.cache_stats().entries
-    selection = scattered(20, offset=11)
-    chunks = list(service.chunks(SPEC, selection, chunk_rows=8))
-    rows = np.concatenate([chunk.rows for chunk in chunks])
+def test_a_streamed_list_reads_cached_blocks_but_computes_no_new_ones(fresh: Server) -> None:
+    fresh.get(scattered(10))  # blocks 0 .. 9 of the list's 20 are cached
+    computed, entries, _ = fresh.counters()
+    positions = scattered(20, offset=11)
+    chunks = fresh.stream(positions, chunk_rows=8)
     assert [chunk.row_offset for chunk in chunks] == [0, 8, 16]
-    assert rows.tobytes() == encode_positions(SPEC, selection.positions).tobytes()
-    assert service.cache_stats().entries == entries
-    assert service.rows_computed == computed + 10  # only the uncached blocks' rows
+    assert b"".join(c.data for c in chunks) == engine_positions(SPEC, positions).tobytes()
+    rows, entries_after, _ = fresh.counters()
+    assert entries_after == entries
+    assert rows == computed + 10  # only the uncached blocks' rows
 
 
 def test_evicting_enough_asks_for_a_heap_trim() -> None:
-    service = EncodingService(ServerConfig(cache_bytes=8 << 20))
+    # The service's signal to the housekeeping thread (which trims the heap): no call
+    # reports it, so this test drives the service on its own.
+    config = ServerConfig(cache_bytes=8 << 20)
+    service, specs = EncodingService(config), SpecTable(config)
     start = 64 * 1_000_000
+
+    def get(positions: list[int]) -> None:
+        request = pb.GetEncodingRequest(spec=SPEC, positions=pb.PositionList(positions=positions))
+        service.unary(specs.resolve(convert.encoding_query(request, config)))
+
     # 1 MiB blocks: the first 8 fill the budget, the next 16 evict 16 MiB.
-    service.table(SPEC, PositionList(start + 64 * np.arange(8, dtype=np.int64)))
+    get([start + 64 * block for block in range(8)])
     assert not service.trim_due.is_set()
-    service.table(SPEC, PositionList(start + 64 * np.arange(8, 23, dtype=np.int64)))
+    get([start + 64 * block for block in range(8, 23)])
     assert not service.trim_due.is_set()  # 15 MiB evicted
-    service.table(SPEC, PositionList(np.array([start + 64 * 23])))
+    get([start + 64 * 23])
     assert service.trim_due.is_set()
-
-
-def test_the_most_negative_int64_is_out_of_range() -> None:
-    service = EncodingService(ServerConfig())
-    violations = service.validate_selection(
-        PositionList(np.array([5, -(2**63), 2**62], dtype=np.int64)), []
-    )
-    assert [v.field for v in violations] == ["positions.positions[1]"]
-    assert "(2 positions out of range)" in violations[0].description

@@ -16,10 +16,10 @@ from dataclasses import dataclass
 import numpy as np
 import pytest
 from conftest import ServerProcess, peak_rss_mib
+from reference import classic
 
 import posenc
 from posenc_server import engine
-from posenc_server.engine import EncodingSpec, Layout, Schedule
 
 SOAK = os.environ.get("POSENC_SOAK") == "1"
 MIB = 1 << 20
@@ -43,15 +43,15 @@ def load_mix() -> list[Call]:
         ("stream 2 MiB", 0, 2048, 256, "float64", "interleaved", "tensor2tensor"),
         ("stream 8 MiB", 5000, 5000 + 8192, 256, "float32", "split", "tensor2tensor"),
     ]:
-        spec = EncodingSpec(d_model, 10000.0, dtype, Layout(layout), Schedule(schedule))
-        kwargs = {"d_model": d_model, "dtype": dtype, "layout": layout, "schedule": schedule}
+        spec = classic(d_model, 10000.0, dtype, layout, schedule)
+        kwargs = {"table": d_model, "dtype": dtype, "layout": layout, "schedule": schedule}
         expected = engine.encode_range(spec, start, stop).tobytes()
         calls.append(Call(name, {"start": start, "stop": stop, **kwargs}, None, expected))
     for name, count in [("decode 1", 1), ("decode 64", 64)]:
         positions = [123_456 + 1000 * i for i in range(count)]
-        spec = EncodingSpec(4096)
+        spec = classic(4096)
         expected = engine.encode_positions(spec, positions).tobytes()
-        calls.append(Call(name, {"d_model": 4096}, positions, expected))
+        calls.append(Call(name, {"table": 4096}, positions, expected))
     return calls
 
 
@@ -134,7 +134,7 @@ def test_sigterm_during_8_streams_drains_them_and_turns_new_calls_away(
     spawn_server: Callable[..., ServerProcess],
 ) -> None:
     process = spawn_server(0, "--grace-seconds", "30")
-    spec = EncodingSpec(1024)
+    spec = classic(1024)
     expected = engine.encode_range(spec, 0, 8192)
     results: list[np.ndarray] = []
     failures: list[str] = []

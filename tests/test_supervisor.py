@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -11,10 +12,10 @@ from collections.abc import Callable
 import numpy as np
 import pytest
 from conftest import ServerProcess
+from reference import classic
 
 import posenc
 from posenc_server import engine
-from posenc_server.engine import EncodingSpec
 
 
 def worker_pids(supervisor_pid: int) -> set[int]:
@@ -46,7 +47,7 @@ def test_workers_share_the_port_and_each_serves(
     startup = [entry for entry in process.logs() if entry["message"] == "listening"]
     assert len(startup) == 1 and startup[0]["processes"] == 2
     server_ids = set()
-    expected = engine.encode_range(EncodingSpec(64), 1000, 1100)
+    expected = engine.encode_range(classic(64), 1000, 1100)
     # The kernel spreads connections over the workers; one client is one connection.
     for _ in range(24):
         with posenc.Client(process.target) as client:
@@ -120,9 +121,72 @@ def test_a_dead_worker_is_replaced(spawn_server: Callable[..., ServerProcess]) -
         assert client.health() == "SERVING"
 
 
-def test_a_busy_port_is_an_error(spawn_server: Callable[..., ServerProcess]) -> None:
+@pytest.mark.parametrize("processes", ["1", "2"])
+def test_a_busy_port_is_an_error(
+    spawn_server: Callable[..., ServerProcess], processes: str
+) -> None:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         sock.listen()
-        with pytest.raises(RuntimeError, match="cannot listen"):
-            spawn_server(sock.getsockname()[1], "--processes", "2")
+        with pytest.raises(RuntimeError, match=r"port \d+ is in use.*--port"):
+            spawn_server(sock.getsockname()[1], "--processes", processes)
+
+
+@pytest.mark.timeout(120)
+def test_a_second_server_never_joins_a_running_one(
+    spawn_server: Callable[..., ServerProcess],
+) -> None:
+    # The first server shares its port between its workers (SO_REUSEPORT); a second one
+    # with the same port must not slip in beside them.
+    first = spawn_server(0, "--processes", "2")
+    for processes in ("1", "2"):
+        with pytest.raises(RuntimeError, match=f"port {first.port} is in use"):
+            spawn_server(first.port, "--processes", processes)
+
+
+@pytest.mark.parametrize("processes", ["1", "2"])
+def test_a_busy_metrics_port_fails_before_anything_listens(
+    spawn_server: Callable[..., ServerProcess], processes: str
+) -> None:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen()
+        port = sock.getsockname()[1]
+        with pytest.raises(RuntimeError) as caught:
+            spawn_server(0, "--processes", processes, "--metrics-port", str(port))
+    message = str(caught.value)
+    assert f"port {port}" in message and "--metrics-port" in message
+    assert "listening" not in message  # no worker, no server started first
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_a_hung_worker_is_replaced(spawn_server: Callable[..., ServerProcess]) -> None:
+    process = spawn_server(0, "--processes", "2")
+    victim = min(worker_pids(process.process.pid))
+    os.kill(victim, signal.SIGSTOP)
+    stopped = time.monotonic()
+    try:
+        while (
+            victim in worker_pids(process.process.pid) or len(worker_pids(process.process.pid)) < 2
+        ):
+            assert time.monotonic() - stopped < 20, "the hung worker was not replaced"
+            time.sleep(0.1)
+        replaced_after = time.monotonic() - stopped
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(victim, signal.SIGKILL)
+    assert replaced_after < 10
+    assert any(
+        entry["message"] == "worker stopped answering its health checks; replacing it"
+        for entry in process.logs()
+    )
+    # New connections reach live workers only: every call succeeds.
+    deadline = time.monotonic() + 30
+    while not any(entry.get("message") == "worker listening" for entry in process.logs()[-5:]):
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+    for _ in range(10):
+        with posenc.Client(process.target, timeout=5) as client:
+            assert client.health() == "SERVING"
+            assert client.get_range(0, 4, 8).shape == (4, 8)

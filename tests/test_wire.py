@@ -8,11 +8,21 @@ from google.protobuf.message import DecodeError
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from posenc import _wire
+from posenc import wire
 from posenc.v1 import posenc_pb2 as pb
 
 UINT32 = st.integers(0, 2**32 - 1)
 UINT64 = st.integers(0, 2**64 - 1)
+
+
+def varint(value: int) -> bytes:
+    """protobuf's base-128 varint, written out independently of the codec."""
+    out = bytearray()
+    while True:
+        low, value = value & 0x7F, value >> 7
+        out.append(low | (0x80 if value else 0))
+        if not value:
+            return bytes(out)
 
 
 @settings(max_examples=300, deadline=None)
@@ -20,7 +30,7 @@ UINT64 = st.integers(0, 2**64 - 1)
 def test_stock_protobuf_reads_what_the_server_writes(
     dtype: int, row_offset: int, rows: int, columns: int, data: bytes
 ) -> None:
-    message = _wire.encode_tensor_response(dtype, row_offset, rows, columns, data)
+    message = wire.encode_tensor_response(dtype, row_offset, rows, columns, data)
     expected = pb.Tensor(dtype=dtype, row_offset=row_offset, rows=rows, columns=columns, data=data)  # type: ignore[arg-type]
     for message_type in (pb.StreamEncodingResponse, pb.GetEncodingResponse):
         parsed = message_type.FromString(message)
@@ -48,8 +58,8 @@ def test_the_sdk_reads_what_stock_protobuf_writes_unknown_fields_included(
     extra = b"\x7a" + bytes([len(unknown)]) + unknown + b"\x70\x96\x01" + b"\x69" + b"\x00" * 8
     extra += b"\x65" + b"\x01" * 4
     inner = extra + tensor.SerializeToString() + extra
-    message = extra + b"\x0a" + _wire._varint(len(inner)) + inner
-    view = _wire.decode_tensor_response(message)
+    message = extra + b"\x0a" + varint(len(inner)) + inner
+    view = wire.decode_tensor_response(message)
     assert (view.dtype, view.row_offset, view.rows, view.columns) == (
         dtype,
         row_offset,
@@ -61,8 +71,8 @@ def test_the_sdk_reads_what_stock_protobuf_writes_unknown_fields_included(
 
 def test_payload_is_a_view_not_a_copy() -> None:
     payload = np.arange(1024, dtype=np.float32)
-    message = _wire.encode_tensor_response(1, 0, 1, 1024, payload.view(np.uint8).data)
-    view = _wire.decode_tensor_response(message)
+    message = wire.encode_tensor_response(1, 0, 1, 1024, payload.view(np.uint8).data)
+    view = wire.decode_tensor_response(message)
     assert view.data.obj is message
     np.testing.assert_array_equal(np.frombuffer(view.data, "<f4"), payload)
 
@@ -73,4 +83,4 @@ def test_payload_is_a_view_not_a_copy() -> None:
 )
 def test_truncated_or_malformed_messages_raise_decode_error(garbage: bytes) -> None:
     with pytest.raises(DecodeError):
-        _wire.decode_tensor_response(garbage)
+        wire.decode_tensor_response(garbage)

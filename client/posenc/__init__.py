@@ -1,4 +1,4 @@
-"""posenc: exact sinusoidal positional-encoding tables from a gRPC service.
+"""posenc: exact positional-encoding tables (sinusoidal and rotary) from a gRPC service.
 
 The SDK of the posenc service::
 
@@ -9,23 +9,17 @@ The SDK of the posenc service::
         rows = client.get_positions([3, 1_000_000], 512, dtype="bfloat16")
         for first, block in client.iter_range(0, 10_000_000, 512, timeout=None):
             ...                                                  # O(chunk) memory
+        whisper = client.get_range(0, 1500, posenc.Spec("whisper", d_model=384))
 
-``AsyncClient`` has the same methods for asyncio. Failures raise :class:`PosencError`
-subclasses (see :mod:`posenc.errors`).
+An int ``table`` is the classic sinusoidal table's ``d_model``; any other table is a
+:class:`Spec`. ``AsyncClient`` has the same methods for asyncio. Failures raise
+:class:`PosencError` subclasses (see :mod:`posenc.errors`).
 """
 
 from posenc._async_client import AsyncClient
+from posenc._channel import DEFAULT_TARGET
 from posenc._client import Client
-from posenc._protocol import (
-    DEFAULT_TARGET,
-    DTYPE_NAMES,
-    LAYOUT_NAMES,
-    SCHEDULE_NAMES,
-    CacheStats,
-    Limits,
-    PresetInfo,
-    ServerInfo,
-)
+from posenc._query import DTYPE_NAMES
 from posenc.errors import (
     CancelledError,
     DeadlineExceededError,
@@ -39,18 +33,27 @@ from posenc.errors import (
     UnavailableError,
     UnimplementedError,
 )
-from posenc.presets import RotaryPreset, SinusoidalPreset
+from posenc.spec import Spec
+from posenc.types import (
+    DEFAULT,
+    CacheStats,
+    ClassicOptions,
+    Limits,
+    ServerInfo,
+    TableKind,
+    TableParameter,
+)
 
 __version__ = "1.0.0"
 
 __all__ = [
+    "DEFAULT",
     "DEFAULT_TARGET",
     "DTYPE_NAMES",
-    "LAYOUT_NAMES",
-    "SCHEDULE_NAMES",
     "AsyncClient",
     "CacheStats",
     "CancelledError",
+    "ClassicOptions",
     "Client",
     "DeadlineExceededError",
     "InternalError",
@@ -59,11 +62,11 @@ __all__ = [
     "NotFoundError",
     "PermissionDeniedError",
     "PosencError",
-    "PresetInfo",
     "ResourceExhaustedError",
-    "RotaryPreset",
     "ServerInfo",
-    "SinusoidalPreset",
+    "Spec",
+    "TableKind",
+    "TableParameter",
     "UnauthenticatedError",
     "UnavailableError",
     "UnimplementedError",

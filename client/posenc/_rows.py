@@ -14,8 +14,9 @@ moving forward whose cached rows run short (the next window, or for large steps 
 step): a loop that does anything between steps (a model's forward pass) then finds its
 rows cached. A call that needs rows still in flight waits for them (``Pending``).
 
-This module only plans and assembles; the clients make the calls (see ``RowPlan`` and
-``AheadFetch``).
+This module only plans and assembles; :mod:`posenc._core` makes the calls (see ``RowPlan``
+and ``AheadFetch``). Rows are counted in bytes, so a table is cached once its width is
+known: from a response, the first of each table going to the server as asked.
 """
 
 from __future__ import annotations
@@ -30,8 +31,9 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from posenc._channel import DEFAULT_UNARY_MAX_BYTES
 from posenc._checks import INT64_MAX
-from posenc._protocol import DEFAULT_UNARY_MAX_BYTES, Query
+from posenc._query import Query
 
 DEFAULT_ROW_CACHE_BYTES = 64 << 20
 # One default unary call. Measured on a 64-sequence step of 1 MiB, fetching several steps
@@ -116,14 +118,22 @@ class RowCache:
         with self._lock:
             return self._bytes
 
-    def _cacheable(self, query: Query) -> bool:
+    def _steps(self, query: Query) -> bool:
+        """Whether ``query`` may be a decode step: a short list, with read-ahead on."""
         return (
             query.positions is not None
             and 0 < query.rows <= MAX_CACHED_CALL_ROWS
-            and query.row_bytes > 0  # d_model 0: the server's error to give
-            and self.readahead_bytes > 0  # only read-ahead puts rows in the cache
+            # Only read-ahead puts rows in the cache.
+            and self.readahead_bytes > 0
+            and self.budget_bytes > 0
+        )
+
+    def _cacheable(self, query: Query) -> bool:
+        return (
+            self._steps(query)
+            and bool(query.row_bytes)  # the width is known (and not 0, the server's error)
             # One call may not flush the whole cache.
-            and query.nbytes <= self.budget_bytes // 4
+            and (query.nbytes or 0) <= self.budget_bytes // 4
         )
 
     def plan(self, query: Query, *, wait: bool = True) -> RowPlan | Pending | None:
@@ -133,6 +143,11 @@ class RowCache:
         ``wait`` is false: the call then fetches them itself).
         """
         if not self._cacheable(query):
+            if query.columns is None and self._steps(query):
+                assert query.positions is not None
+                # The first call of a spec (its width still unknown) goes out as asked,
+                # but counts as a step: the next one may read ahead.
+                self._remember(query.spec_key, query.positions.tolist())
             return None
         assert query.positions is not None
         key = query.spec_key
@@ -144,10 +159,7 @@ class RowCache:
                 tokens = {in_flight[p] for p in wanted if p not in index and p in in_flight}
                 if tokens:
                     return Pending(tuple(tokens))
-            recent = self._recent.setdefault(key, OrderedDict())
-            self._recent.move_to_end(key)
-            if len(self._recent) > _RECENT_SPECS:
-                self._recent.popitem(last=False)
+            recent = self._recent_of(key)
             found = [index.get(position) for position in wanted]
             for batch in {entry[0] for entry in found if entry is not None}:
                 self._batches.move_to_end(batch)
@@ -159,11 +171,10 @@ class RowCache:
                 ],
                 dtype=bool,
             )
-            recent.update(dict.fromkeys(wanted))
-            while len(recent) > _RECENT_POSITIONS:
-                recent.popitem(last=False)
+            self._add_recent(recent, wanted)
         ahead = 1
         if advancing.any():
+            assert query.row_bytes is not None  # _cacheable
             fit = self.readahead_bytes // (int(advancing.sum()) * query.row_bytes)
             ahead = min(MAX_READAHEAD_ROWS, fit)
         if missing and ahead < 2:
@@ -174,6 +185,24 @@ class RowCache:
         lengths = np.ones(len(missing), dtype=np.int64)
         lengths[advancing] = ahead
         return RowPlan(self, query, key, found, starts, lengths)
+
+    def _recent_of(self, key: bytes) -> OrderedDict[int, None]:
+        """The positions asked for lately of spec ``key`` (under the lock)."""
+        recent = self._recent.setdefault(key, OrderedDict())
+        self._recent.move_to_end(key)
+        if len(self._recent) > _RECENT_SPECS:
+            self._recent.popitem(last=False)
+        return recent
+
+    @staticmethod
+    def _add_recent(recent: OrderedDict[int, None], positions: list[int]) -> None:
+        recent.update(dict.fromkeys(positions))
+        while len(recent) > _RECENT_POSITIONS:
+            recent.popitem(last=False)
+
+    def _remember(self, key: bytes, positions: list[int]) -> None:
+        with self._lock:
+            self._add_recent(self._recent_of(key), positions)
 
     def claim_ahead(self, query: Query, new_token: Callable[[], Any]) -> AheadFetch | None:
         """What to fetch in the background after ``query``: for each of its positions ``p``
@@ -196,6 +225,7 @@ class RowCache:
             ]
             if not moving:
                 return None
+            assert query.row_bytes is not None  # _cacheable
             window = max(
                 1, min(MAX_READAHEAD_ROWS, self.readahead_bytes // (len(moving) * query.row_bytes))
             )

@@ -7,7 +7,6 @@ traceback: they run in scripts, cron jobs and container health checks.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import itertools
 import json
 import os
@@ -20,14 +19,23 @@ from typing import Any
 import grpc
 import numpy as np
 import numpy.typing as npt
+from google.protobuf.descriptor import FieldDescriptor
 from numpy.lib.format import open_memmap
 from tqdm import tqdm
 
-from posenc import _protocol as proto
+from posenc._channel import DEFAULT_TARGET, is_uri
 from posenc._client import Client
-from posenc._protocol import DTYPE_NAMES, LAYOUT_NAMES, SCHEDULE_NAMES
+from posenc._query import DTYPE_NAMES, as_positions
 from posenc.errors import PosencError
-from posenc.presets import SINUSOIDAL_PRESETS, RotaryPreset, SinusoidalPreset
+from posenc.spec import (
+    Spec,
+    cases,
+    choice_oneofs,
+    enum_names,
+    kind_message,
+    kind_names,
+    parameter_fields,
+)
 
 __all__ = ["main"]
 
@@ -51,16 +59,16 @@ says '<V2' (2-byte void) and numpy.load returns dtype |V2. View them as bfloat16
 numpy.load(OUTPUT).view(ml_dtypes.bfloat16).
 
 Targets: --target may be repeated (calls are balanced round robin); the default is
-${_TARGET_ENV} (comma-separated host:port list) or {proto.DEFAULT_TARGET}.
+${_TARGET_ENV} (comma-separated host:port list) or {DEFAULT_TARGET}.
 """
 
 
 def _targets(args: argparse.Namespace) -> list[str]:
-    given: list[str] = args.target or [os.environ.get(_TARGET_ENV) or proto.DEFAULT_TARGET]
+    given: list[str] = args.target or [os.environ.get(_TARGET_ENV) or DEFAULT_TARGET]
     # "a:1,b:2" is a list of replicas, unless it is a gRPC URI (ipv4:a:1,b:2 has commas too).
     targets: list[str] = []
     for value in given:
-        if proto.is_uri(value):
+        if is_uri(value):
             targets.append(value)
         else:
             targets.extend(part.strip() for part in value.split(",") if part.strip())
@@ -80,7 +88,7 @@ def _add_client_arguments(parser: argparse.ArgumentParser, timeout: float | None
         action="append",
         metavar="HOST:PORT",
         help=f"server address; repeat for round robin over replicas "
-        f"(default: ${_TARGET_ENV} or {proto.DEFAULT_TARGET})",
+        f"(default: ${_TARGET_ENV} or {DEFAULT_TARGET})",
     )
     parser.add_argument(
         "--timeout",
@@ -120,6 +128,145 @@ def _client(args: argparse.Namespace, targets: Sequence[str], **settings: Any) -
     return Client(targets, timeout=args.timeout, token=token, credentials=credentials, **settings)
 
 
+# The classic table's fields are flags of their own (--d-model, --base, --layout, ...); they
+# also set the field of that name of another --table that has one (--d-model of whisper).
+_CLASSIC_KIND = "sinusoidal"
+_INTEGERS = (
+    FieldDescriptor.CPPTYPE_INT32,
+    FieldDescriptor.CPPTYPE_INT64,
+    FieldDescriptor.CPPTYPE_UINT32,
+    FieldDescriptor.CPPTYPE_UINT64,
+)
+_REALS = (FieldDescriptor.CPPTYPE_DOUBLE, FieldDescriptor.CPPTYPE_FLOAT)
+
+
+def _flag(field: FieldDescriptor) -> str:
+    return "--" + field.name.replace("_", "-")
+
+
+def _parse_scalar(field: FieldDescriptor, text: str) -> object:
+    """A flag's text as a value of ``field``'s type (the Spec checks enum names)."""
+    cpp_type = field.cpp_type
+    if cpp_type == FieldDescriptor.CPPTYPE_BOOL:
+        if text.lower() not in ("true", "false", "1", "0"):
+            raise ValueError(f"{field.name} must be true or false, got {text!r}")
+        return text.lower() in ("true", "1")
+    try:
+        if cpp_type in _INTEGERS:
+            return int(text)
+        if cpp_type in _REALS:
+            return float(text)
+    except ValueError:
+        kind = "an integer" if cpp_type in _INTEGERS else "a number"
+        raise ValueError(f"{field.name} must be {kind}, got {text!r}") from None
+    return text
+
+
+def _parse_value(field: FieldDescriptor, text: str) -> object:
+    if field.is_repeated:  # comma-separated
+        return [_parse_scalar(field, part.strip()) for part in text.split(",") if part.strip()]
+    return _parse_scalar(field, text)
+
+
+def _parameters_of(kind: str) -> dict[str, FieldDescriptor | None]:
+    """What ``--param`` takes for ``kind``: its fields, its oneofs (None: a name), and the
+    fields of each oneof's messages."""
+    message = kind_message(kind)
+    known: dict[str, FieldDescriptor | None] = {f.name: f for f in parameter_fields(message)}
+    for oneof in choice_oneofs(message):
+        known[oneof.name] = None
+        for case in cases(oneof).values():
+            assert case.message_type is not None
+            known.update((f.name, f) for f in case.message_type.fields)
+    return known
+
+
+def _add_table_arguments(fetch: argparse.ArgumentParser) -> None:
+    """The table flags of ``fetch``, from the descriptors of the table kinds."""
+    table = fetch.add_argument_group(
+        "table",
+        "The classic sinusoidal table by default, whose fields are the flags below;\n"
+        "any other kind with --table KIND and --param NAME=VALUE (posenc info lists them).",
+    )
+    table.add_argument(
+        "--table",
+        choices=kind_names(),
+        default=None,
+        metavar="KIND",
+        help=f"the table kind: {', '.join(kind_names())} (default: {_CLASSIC_KIND})",
+    )
+    for field in parameter_fields(kind_message(_CLASSIC_KIND)):
+        options: dict[str, Any] = {"default": None, "help": f"the table's {field.name}"}
+        if field.cpp_type == FieldDescriptor.CPPTYPE_ENUM:
+            assert field.enum_type is not None
+            options["choices"] = tuple(enum_names(field.enum_type))
+            options["help"] += f" (default: {options['choices'][0]})"
+        else:
+            options["type"] = lambda text, field=field: _parse_value(field, text)
+            options["metavar"] = "N" if field.cpp_type in _INTEGERS else "X"
+            if field.has_presence:
+                options["help"] += " (default: the server's)"
+        table.add_argument(_flag(field), dest=f"classic_{field.name}", **options)
+    table.add_argument(
+        "--param",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="a parameter of the --table kind, e.g. padding_idx=1, scaling=yarn, factor=8.0, "
+        "short_factor=1.0,1.1,... (repeatable)",
+    )
+    table.add_argument(
+        "--rope-config",
+        type=Path,
+        metavar="CONFIG_JSON",
+        help="a transformers config.json: its rotary table (implies --table rotary; "
+        "--param values override the config's)",
+    )
+    table.add_argument(
+        "--dtype",
+        choices=DTYPE_NAMES,
+        default=DTYPE_NAMES[0],
+        help=f"element type (default: {DTYPE_NAMES[0]})",
+    )
+
+
+def _usage_error(message: str) -> SystemExit:
+    """A usage error, reported as argparse reports them."""
+    print(f"posenc fetch: error: {message}", file=sys.stderr)
+    return SystemExit(EXIT_USAGE)
+
+
+def _table(args: argparse.Namespace) -> Spec:
+    """The table of a fetch: --table, the classic flags, --param and --rope-config."""
+    kind = args.table or ("rotary" if args.rope_config is not None else _CLASSIC_KIND)
+    if args.rope_config is not None and kind != "rotary":
+        raise _usage_error("--rope-config goes with --table rotary")
+    known = _parameters_of(kind)
+    values: dict[str, object] = {}
+    for field in parameter_fields(kind_message(_CLASSIC_KIND)):
+        value = getattr(args, f"classic_{field.name}")
+        if value is None:
+            continue
+        if field.name not in known:
+            raise _usage_error(f"{_flag(field)} does not apply to --table {kind}")
+        values[field.name] = value
+    for item in args.param:
+        name, sep, text = item.partition("=")
+        if not sep or name not in known:
+            raise _usage_error(
+                f"--param {item!r}: expected NAME=VALUE with NAME one of {', '.join(known)}"
+            )
+        parameter = known[name]
+        values[name] = text if parameter is None else _parse_value(parameter, text)
+    if args.rope_config is not None:
+        config = json.loads(args.rope_config.read_text())
+        layout = str(values.get("layout", "transformers"))
+        return Spec("rotary", **{**Spec.from_config(config, layout=layout).parameters, **values})
+    if kind == _CLASSIC_KIND and "d_model" not in values:
+        raise _usage_error("--d-model is required (or another --table)")
+    return Spec(kind, **values)
+
+
 def _build_parser() -> argparse.ArgumentParser:
     from posenc import __version__
 
@@ -139,7 +286,7 @@ def _build_parser() -> argparse.ArgumentParser:
     fetch = commands.add_parser(
         "fetch",
         help="stream a table into a .npy file",
-        description="Stream the rows of positions [START, STOP) into a .npy file.",
+        description="Stream the rows of positions [START, STOP) of a table into a .npy file.",
         epilog=_FETCH_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -152,33 +299,7 @@ def _build_parser() -> argparse.ArgumentParser:
         help="fetch these positions instead of a range: a .npy integer array, or text "
         "with one integer per line",
     )
-    fetch.add_argument(
-        "--d-model", type=int, metavar="N", help="row width (a rotary preset sets its own)"
-    )
-    fetch.add_argument("--base", type=float, default=10000.0, help="frequency base (10000)")
-    fetch.add_argument("--dtype", choices=DTYPE_NAMES, default="float32")
-    fetch.add_argument("--layout", choices=LAYOUT_NAMES, default="interleaved")
-    fetch.add_argument("--schedule", choices=SCHEDULE_NAMES, default="paper")
-    fetch.add_argument(
-        "--preset",
-        choices=(*SINUSOIDAL_PRESETS, "rotary"),
-        help="a model family's table (README: Presets); 'rotary' takes --preset-param "
-        "head_dim=... rope_type=... or --rope-config",
-    )
-    fetch.add_argument(
-        "--preset-param",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="a preset parameter, e.g. padding_idx=1, factor=8.0, short_factor=1.0,1.1,... "
-        "(repeatable)",
-    )
-    fetch.add_argument(
-        "--rope-config",
-        type=Path,
-        metavar="CONFIG_JSON",
-        help="a transformers config.json: its rotary preset (implies --preset rotary)",
-    )
+    _add_table_arguments(fetch)
     fetch.add_argument("-o", "--output", type=Path, required=True, help="the .npy file to write")
     fetch.add_argument(
         "--chunk-bytes", type=int, metavar="BYTES", help="stream chunk size (server default)"
@@ -242,7 +363,7 @@ def _load_positions(path: Path) -> npt.NDArray[np.int64]:
         data = np.load(path, allow_pickle=False)
     else:
         data = np.loadtxt(path, dtype=np.int64, ndmin=1)
-    return proto.as_positions(data)
+    return as_positions(data)
 
 
 def _human_bytes(size: float) -> str:
@@ -253,69 +374,9 @@ def _human_bytes(size: float) -> str:
     raise AssertionError("unreachable")
 
 
-def _preset_value(field: dataclasses.Field[Any], text: str) -> Any:
-    kind = str(field.type)
-    if "Sequence" in kind:
-        return [float(part) for part in text.split(",") if part.strip()]
-    if "bool" in kind:
-        if text.lower() not in ("true", "false", "1", "0"):
-            raise ValueError(f"{field.name} must be true or false, got {text!r}")
-        return text.lower() in ("true", "1")
-    if "int" in kind:
-        return int(text)
-    if "float" in kind:
-        return float(text)
-    return text
-
-
-def _preset(args: argparse.Namespace) -> SinusoidalPreset | RotaryPreset | None:
-    """The --preset, --preset-param and --rope-config of a fetch."""
-    name = "rotary" if args.rope_config is not None else args.preset
-    if name is None:
-        if args.preset_param:
-            raise ValueError("--preset-param needs --preset")
-        return None
-    cls: type[SinusoidalPreset] | type[RotaryPreset]
-    cls = RotaryPreset if name == "rotary" else SinusoidalPreset
-    known = {field.name: field for field in dataclasses.fields(cls) if field.name != "name"}
-    values: dict[str, Any] = {}
-    for item in args.preset_param:
-        key, sep, text = item.partition("=")
-        if not sep or key not in known:
-            raise ValueError(
-                f"--preset-param {item!r}: expected KEY=VALUE with KEY one of {', '.join(known)}"
-            )
-        values[key] = _preset_value(known[key], text)
-    if name != "rotary":
-        return SinusoidalPreset(name, **values)
-    if args.rope_config is None:
-        if "head_dim" not in values:
-            raise ValueError("--preset rotary needs --preset-param head_dim=N (or --rope-config)")
-        return RotaryPreset(**values)
-    config = json.loads(args.rope_config.read_text())
-    preset = RotaryPreset.from_config(config, layout=values.pop("layout", "transformers"))
-    return dataclasses.replace(preset, **values)
-
-
 def _fetch(args: argparse.Namespace) -> int:
-    preset = _preset(args)
-    if isinstance(preset, RotaryPreset):
-        args.d_model = args.d_model or preset.width
-    elif args.d_model is None:
-        # A usage error, as argparse reports them.
-        print(
-            "posenc fetch: error: --d-model is required (except with a rotary preset)",
-            file=sys.stderr,
-        )
-        raise SystemExit(EXIT_USAGE)
-    spec: dict[str, Any] = {
-        "base": args.base,
-        "dtype": args.dtype,
-        "layout": args.layout,
-        "schedule": args.schedule,
-        "chunk_bytes": args.chunk_bytes,
-        "preset": preset,
-    }
+    table = _table(args)
+    options: dict[str, Any] = {"dtype": args.dtype, "chunk_bytes": args.chunk_bytes}
     with _client(args, _targets(args)) as client:
         # Slices arrive labelled by position (range) or by index (list): `origin` maps
         # either to the row of the output array.
@@ -325,14 +386,22 @@ def _fetch(args: argparse.Namespace) -> int:
                 raise ValueError("give either START STOP or --positions-file, not both")
             positions = _load_positions(args.positions_file)
             rows, origin = len(positions), 0
-            slices = client.iter_positions(positions, args.d_model, **spec)
+            slices = client.iter_positions(positions, table, **options)
         else:
             if args.start is None or args.stop is None:
                 raise ValueError("START and STOP are required (or --positions-file)")
             rows, origin = args.stop - args.start, args.start
-            slices = client.iter_range(args.start, args.stop, args.d_model, **spec)
-        dtype = proto.numpy_dtype(args.dtype)
-        _write_npy(args.output, slices, (rows, args.d_model), dtype, origin, args.no_progress)
+            slices = client.iter_range(args.start, args.stop, table, **options)
+        # The first slice carries the server's verdict on the request (limits, bad
+        # arguments) and the table's width: have it before creating a file of that size.
+        first = next(slices, None)
+        if first is None:  # an empty table: ask for its width
+            width = client.get_range(origin, origin, table, dtype=args.dtype).shape[1]
+        else:
+            width = first[1].shape[1]
+            slices = itertools.chain([first], slices)
+        dtype = np.dtype(args.dtype)
+        _write_npy(args.output, slices, (rows, width), dtype, origin, args.no_progress)
     return EXIT_OK
 
 
@@ -347,10 +416,6 @@ def _write_npy(
     partial = output.with_name(f".{output.name}.{os.getpid()}.partial")
     started = time.monotonic()
     row_bytes = shape[1] * dtype.itemsize
-    # The first slice carries the server's verdict on the request (limits, bad arguments):
-    # have it before creating a file of the requested size.
-    first_slice = next(slices, None)
-    slices = itertools.chain([] if first_slice is None else [first_slice], slices)
     try:
         table = open_memmap(partial, mode="w+", dtype=dtype, shape=shape)
         with tqdm(
@@ -394,9 +459,7 @@ def _info(args: argparse.Namespace) -> int:
     print(f"version:       {info.version}")
     print(f"server_id:     {info.server_id}")
     print(f"dtypes:        {', '.join(info.dtypes)}")
-    print(f"layouts:       {', '.join(info.layouts)}")
-    print(f"schedules:     {', '.join(info.schedules)}")
-    print(f"presets:       {', '.join(preset.name for preset in info.presets)}")
+    print(f"table kinds:   {', '.join(kind.name for kind in info.table_kinds)}")
     print(f"rows_computed: {info.rows_computed:,}")
     for title, section in (("limits", info.limits), ("cache", info.cache)):
         print(f"{title}:")

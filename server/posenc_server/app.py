@@ -6,13 +6,14 @@ import contextlib
 import ctypes
 import json
 import logging
+import os
 import signal
 import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent import futures
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from importlib import metadata
 from types import FrameType
 from typing import Any
@@ -21,16 +22,16 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from posenc.v1 import posenc_pb2
 from posenc_server import auth, metrics, supervisor
 from posenc_server.config import ServerConfig
+from posenc_server.interceptors import ServingInterceptor
 from posenc_server.service import EncodingService
-from posenc_server.servicer import PositionalEncodingServicer, add_to_server
+from posenc_server.servicer import SERVICE_NAME, PositionalEncodingServicer, add_to_server
+from posenc_server.specs import SpecTable
 
 log = logging.getLogger("posenc_server")
 
 _CONNECTION_AGE_GRACE_MS = 30_000
-SERVICE_NAME = posenc_pb2.DESCRIPTOR.services_by_name["PositionalEncodingService"].full_name
 
 
 def version() -> str:
@@ -78,8 +79,14 @@ class RunningServer:
     config: ServerConfig
     port: int
     server: grpc.Server
-    servicer: PositionalEncodingServicer
+    service: EncodingService
     health: health.HealthServicer
+    publisher: metrics.ServicePublisher = field(default_factory=metrics.ServicePublisher)
+
+    def publish_metrics(self) -> None:
+        """Bring the cache and computation metrics up to date (called now and then: on
+        every call, it would cost the decode steps more than their rows)."""
+        self.publisher.publish(self.service.cache_stats(), self.service.rows_computed)
 
     @property
     def target(self) -> str:
@@ -97,8 +104,8 @@ class RunningServer:
         grace = self.config.grace_seconds if grace is None else grace
         deadline = time.monotonic() + grace
         self.health.enter_graceful_shutdown()
-        self.servicer.begin_drain()
-        drained = self.servicer.wait_idle(grace)
+        self.service.begin_drain()
+        drained = self.service.wait_idle(grace)
         self.server.stop(max(0.0, deadline - time.monotonic())).wait()
         return drained
 
@@ -120,7 +127,7 @@ def server_credentials(config: ServerConfig) -> grpc.ServerCredentials | None:
     )
 
 
-def housekeeping(servicer: PositionalEncodingServicer, stop: threading.Event) -> None:
+def housekeeping(running: RunningServer, stop: threading.Event) -> None:
     """Publish the cache metrics five times a second, and trim the heap after evictions.
 
     glibc serves the 1 MiB blocks from its heap, where long-lived cached blocks pin the
@@ -134,12 +141,12 @@ def housekeeping(servicer: PositionalEncodingServicer, stop: threading.Event) ->
     if sys.platform.startswith("linux"):
         with contextlib.suppress(OSError, AttributeError):
             malloc_trim = ctypes.CDLL(None).malloc_trim  # called without the GIL
-    service = servicer.service
+    service = running.service
     evictions = 0
     while not stop.is_set():
         due = service.trim_due.wait(0.2)
         service.trim_due.clear()
-        servicer.publish_metrics()
+        running.publish_metrics()
         current = service.cache_stats().evictions
         if (due or current != evictions) and malloc_trim is not None:
             evictions = current
@@ -153,10 +160,11 @@ def start_server(config: ServerConfig, *, reuse_port: bool = False) -> RunningSe
     otherwise a busy port is an error rather than silently shared.
     """
     service = EncodingService(config)
-    servicer = PositionalEncodingServicer(service, version())
-    interceptors: list[grpc.ServerInterceptor[Any, Any]] = []
+    servicer = PositionalEncodingServicer(config, SpecTable(config, max_bytes=config.spec_bytes), service, version())
+    token = None
     if config.auth_token_file:
-        interceptors.append(auth.BearerTokenInterceptor(auth.read_token(config.auth_token_file)))
+        token = auth.BearerToken(auth.read_token(config.auth_token_file))
+    interceptors: list[grpc.ServerInterceptor[Any, Any]] = [ServingInterceptor(SERVICE_NAME, token)]
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=config.workers, thread_name_prefix="posenc"),
         interceptors=interceptors,
@@ -177,6 +185,10 @@ def start_server(config: ServerConfig, *, reuse_port: bool = False) -> RunningSe
         (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server
     )
     credentials = server_credentials(config)
+    if path := os.environ.get(supervisor.HEALTH_SOCKET_ENV):
+        # The supervisor's private line for health checks: it reaches this worker, not
+        # whichever worker the kernel hands a TCP connection on the shared port.
+        server.add_insecure_port(f"unix:{path}")
     if credentials is None:
         port = server.add_insecure_port(config.address)
     else:
@@ -186,7 +198,9 @@ def start_server(config: ServerConfig, *, reuse_port: bool = False) -> RunningSe
     server.start()
     for name in ("", SERVICE_NAME):
         health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-    return RunningServer(config, port, server, servicer, health_servicer)
+    running = RunningServer(config, port, server, service, health_servicer)
+    running.publish_metrics()
+    return running
 
 
 def startup_fields(config: ServerConfig, port: int, metrics_port: int) -> dict[str, object]:
@@ -227,17 +241,19 @@ def run(argv: Sequence[str] | None = None) -> int:
     if worker is not None:
         supervisor.die_with_supervisor()
     try:
-        # The supervisor serves the metrics of all its workers.
         metrics_port = -1
-        if worker is None and config.metrics_port >= 0:
-            metrics_port = metrics.serve(config.host, config.metrics_port)
+        if worker is None:
+            # Both ports are checked before either listens: nothing serves half-started.
+            # (A supervisor's workers share its port, and it serves their metrics.)
+            supervisor.check_port_free(config.host, config.port, "--port (POSENC_PORT)")
+            metrics_port = supervisor.serve_metrics(config)
         running = start_server(config, reuse_port=worker is not None)
     except (OSError, RuntimeError, ValueError) as error:
-        print(f"posenc serve: cannot listen: {error}", file=sys.stderr)
+        print(f"posenc serve: {error}", file=sys.stderr)
         return 1
     threading.Thread(
         target=housekeeping,
-        args=(running.servicer, stop),
+        args=(running, stop),
         name="posenc-housekeeping",
         daemon=True,
     ).start()
@@ -249,6 +265,6 @@ def run(argv: Sequence[str] | None = None) -> int:
         pass
     log.info("draining", extra={"fields": {"signal": signals[0], "grace": config.grace_seconds}})
     drained = running.shutdown()
-    running.servicer.publish_metrics()
+    running.publish_metrics()
     log.info("stopped", extra={"fields": {"drained": drained}})
     return 0

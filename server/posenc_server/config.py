@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import os
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -22,6 +24,21 @@ DEFAULT_CLIENT_RECEIVE_LIMIT = 4 * MIB
 MESSAGE_OVERHEAD = 16 * 1024
 # A packed int64 takes at most 10 bytes on the wire.
 MAX_VARINT_BYTES = 10
+# The largest connection age gRPC can take: 2**31 - 1 milliseconds, about 24 days.
+_MAX_CONNECTION_AGE_SECONDS = 2_000_000
+# Size suffixes of integer settings: 512MiB, 1GiB, 64KiB (binary), 1MB, 2GB (decimal).
+_SIZE_SUFFIXES = {
+    "": 1,
+    "kib": 1 << 10,
+    "mib": 1 << 20,
+    "gib": 1 << 30,
+    "tib": 1 << 40,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+}
+_SIZE = re.compile(r"^(?P<number>[0-9][0-9_]*)\s*(?P<suffix>[a-z]*)$")
 
 
 @dataclass(frozen=True)
@@ -44,6 +61,13 @@ class ServerConfig:
         default=MIB, metadata={"help": "largest stream chunk in bytes (at most 4 MiB)"}
     )
     cache_bytes: int = field(default=512 * MIB, metadata={"help": "cache budget in bytes"})
+    spec_bytes: int = field(
+        default=16 * MIB,
+        metadata={
+            "help": "budget in bytes of the spec table (the frequencies and rotation tables "
+            "of recently used specs, up to 4 MiB each)"
+        },
+    )
     processes: int = field(
         default=0,
         metadata={"help": "server processes sharing the port (0: one per available core)"},
@@ -85,39 +109,57 @@ class ServerConfig:
 
     def __post_init__(self) -> None:
         problems = []
-        if not 0 <= self.port <= 65535:
-            problems.append("port must be in 0..65535")
-        if not 1 <= self.max_d_model <= 1 << 20:
-            problems.append("max_d_model must be in 1..1048576")
-        if not 0 <= self.max_abs_position <= 1 << 52:
-            problems.append("max_abs_position must be in 0..2**52 (exact in float64)")
-        if self.max_positions < 1:
-            problems.append("max_positions must be >= 1")
-        if not self.max_d_model * 8 <= self.max_chunk_bytes <= DEFAULT_CLIENT_RECEIVE_LIMIT:
-            problems.append(
-                "max_chunk_bytes must hold one float64 row of max_d_model "
-                f"({self.max_d_model * 8} bytes) and be at most 4 MiB"
-            )
-        if self.max_unary_bytes < 0 or self.max_stream_bytes < 0 or self.cache_bytes < 0:
-            problems.append("byte limits must be >= 0")
-        if not 0 <= self.processes <= 256:
-            problems.append("processes must be in 0..256")
-        if self.workers < 1:
-            problems.append("workers must be >= 1")
-        if self.max_connection_age_seconds <= 0:
-            problems.append("max_connection_age_seconds must be > 0")
-        if self.grace_seconds < 0:
-            problems.append("grace_seconds must be >= 0")
-        if not 1 <= self.max_concurrent_streams < self.workers:
-            problems.append("max_concurrent_streams must be between 1 and workers - 1")
-        if not -1 <= self.metrics_port <= 65535:
-            problems.append("metrics_port must be in -1..65535")
+
+        def check(name: str, valid: bool, rule: str) -> None:
+            if not valid:
+                value = getattr(self, name)
+                problems.append(f"{_flag(name)} ({_env_name(name)}) {rule}, got {value!r}")
+
+        check("port", 0 <= self.port <= 65535, "must be in 0..65535")
+        check("max_d_model", 1 <= self.max_d_model <= 1 << 20, "must be in 1..1048576")
+        check(
+            "max_abs_position",
+            0 <= self.max_abs_position <= 1 << 52,
+            "must be in 0..2**52 (exact in float64)",
+        )
+        check("max_positions", 1 <= self.max_positions <= 1 << 26, "must be in 1..2**26")
+        check(
+            "max_chunk_bytes",
+            self.max_d_model * 8 <= self.max_chunk_bytes <= DEFAULT_CLIENT_RECEIVE_LIMIT,
+            f"must hold one float64 row of max_d_model ({self.max_d_model * 8} bytes) "
+            "and be at most 4 MiB",
+        )
+        for name in ("max_unary_bytes", "max_stream_bytes", "cache_bytes", "spec_bytes"):
+            check(name, 0 <= getattr(self, name) <= 1 << 50, "must be in 0..2**50")
+        check("processes", 0 <= self.processes <= 256, "must be in 0..256")
+        check("workers", 1 <= self.workers <= 4096, "must be in 1..4096")
+        # gRPC takes the age in milliseconds as a C int.
+        check(
+            "max_connection_age_seconds",
+            math.isfinite(self.max_connection_age_seconds)
+            and 0 < self.max_connection_age_seconds <= _MAX_CONNECTION_AGE_SECONDS,
+            f"must be a number of seconds in (0, {_MAX_CONNECTION_AGE_SECONDS}]",
+        )
+        check(
+            "grace_seconds",
+            math.isfinite(self.grace_seconds) and 0 <= self.grace_seconds <= 86400,
+            "must be a number of seconds in [0, 86400]",
+        )
+        check(
+            "max_concurrent_streams",
+            1 <= self.max_concurrent_streams < self.workers,
+            f"must be between 1 and workers - 1 ({self.workers - 1})",
+        )
+        check("metrics_port", -1 <= self.metrics_port <= 65535, "must be in -1..65535")
         if bool(self.tls_cert_file) != bool(self.tls_key_file):
-            problems.append("tls_cert_file and tls_key_file go together")
+            problems.append("--tls-cert-file and --tls-key-file go together")
         if self.tls_client_ca_file and not self.tls_cert_file:
-            problems.append("tls_client_ca_file needs tls_cert_file and tls_key_file")
-        if self.log_level.upper() not in {"DEBUG", "INFO", "WARNING", "ERROR"}:
-            problems.append("log_level must be DEBUG, INFO, WARNING or ERROR")
+            problems.append("--tls-client-ca-file needs --tls-cert-file and --tls-key-file")
+        check(
+            "log_level",
+            self.log_level.upper() in {"DEBUG", "INFO", "WARNING", "ERROR"},
+            "must be DEBUG, INFO, WARNING or ERROR",
+        )
         if problems:
             raise ValueError("invalid configuration: " + "; ".join(problems))
 
@@ -157,19 +199,20 @@ class ServerConfig:
             epilog="Every flag can also be set as POSENC_<FLAG> (e.g. POSENC_PORT=50052).",
         )
         for spec in dataclasses.fields(cls):
+            default = "none" if spec.default == "" else spec.default
             parser.add_argument(
-                "--" + spec.name.replace("_", "-"),
+                _flag(spec.name),
                 dest=spec.name,
-                type=integer if spec.type == "int" else str,
+                type=str,
                 default=None,
-                help=f"{spec.metadata['help']} (default {spec.default}; "
-                f"env {_env_name(spec.name)})",
+                metavar=spec.name.upper(),
+                help=f"{spec.metadata['help']} (default {default}; env {_env_name(spec.name)})",
             )
         parsed = parser.parse_args(list(argv or []))
         values: dict[str, Any] = {}
         for spec in dataclasses.fields(cls):
             raw = getattr(parsed, spec.name)
-            source = f"--{spec.name.replace('_', '-')}"
+            source = _flag(spec.name)
             if raw is None and _env_name(spec.name) in environ:
                 raw, source = environ[_env_name(spec.name)], _env_name(spec.name)
             if raw is None:
@@ -196,15 +239,20 @@ def _env_name(name: str) -> str:
     return "POSENC_" + name.upper()
 
 
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
 def integer(raw: str) -> int:
-    """An integer setting; the name is what argparse shows in its errors."""
-    # Accepts 1048576, 1_048_576, 0x100000 and 2**20 style sizes.
+    """An integer setting: ``1048576``, ``1_048_576``, ``0x100000``, ``2**20``, ``1MiB``."""
     text = raw.strip().replace("_", "")
     if "**" in text:
         base, exponent = (int(part, 0) for part in text.split("**", 1))
         if not 0 <= exponent <= 64:
             raise ValueError(f"exponent must be in 0..64, got {exponent}")
         return int(base**exponent)
+    if (match := _SIZE.match(text.lower())) and match["suffix"] in _SIZE_SUFFIXES:
+        return int(match["number"]) * _SIZE_SUFFIXES[match["suffix"]]
     return int(text, 0)
 
 
@@ -214,10 +262,15 @@ def _convert(type_name: object, raw: object) -> object:
         try:
             return integer(text)
         except ValueError:
-            raise ValueError(f"expected an integer, got {text!r}") from None
+            raise ValueError(
+                f"expected an integer (e.g. 536870912, 2**29, 512MiB, 1GiB), got {text!r}"
+            ) from None
     if type_name == "float":
         try:
-            return float(text)
+            number = float(text)
         except ValueError:
-            raise ValueError(f"expected a number, got {text!r}") from None
+            number = math.nan
+        if not math.isfinite(number):
+            raise ValueError(f"expected a finite number, got {text!r}")
+        return number
     return text

@@ -1,13 +1,13 @@
-"""Exact sinusoidal positional-encoding tables, in pure numpy.
+"""Exact sinusoidal rows, in pure numpy, for any table kind.
 
-The table is ``PE[pos, 2i] = sin(pos * inv_freq[i])``, ``PE[pos, 2i+1] = cos(pos * inv_freq[i])``
-(see ``Layout`` and ``Schedule`` for the variants). Computing ``pos * inv_freq`` in float64
-loses the angle at large positions: at ``pos = 2**42`` one float64 ulp of the angle is about
-1e-3 radians. So the angle is carried in turns (``pos * inv_freq / 2pi``) as a double-double:
+A table is built from rows ``v(p) = sin(p w) + i cos(p w)`` over its frequencies ``w``.
+Computing ``p * w`` in float64 loses the angle at large positions: at ``p = 2**42`` one
+float64 ulp of the angle is about 1e-3 radians. So the angle is carried in turns
+(``p * w / 2pi``) as a double-double:
 
-1. ``inv_freq / 2pi`` is computed once per table with 50 significant digits (``decimal``)
-   and split into ``hi + lo`` float64 pairs (~106 bits): a ``Waves``.
-2. ``pos * hi`` is an exact two-product (Dekker); its integer part is dropped exactly, leaving
+1. ``w / 2pi`` is computed once per table with 50 significant digits (``decimal``) and
+   split into ``hi + lo`` float64 pairs (~106 bits): a ``Waves``.
+2. ``p * hi`` is an exact two-product (Dekker); its integer part is dropped exactly, leaving
    the fractional turn with an absolute error near 2**-64.
 3. The fraction times 2pi (again double-double) is the angle reduced to [-pi, pi], and
    ``sin(a + da) = sin(a) + cos(a) * da`` folds in the low part.
@@ -15,15 +15,16 @@ loses the angle at large positions: at ``pos = 2**42`` one float64 ulp of the an
 Only the first position of each aligned block of rows takes this path; the others are one
 complex multiplication away (``wave_rows``, ``wave_blocks``). The float64 result is within
 about 2**-51 of the exact value, which rounds to float32, float16 and bfloat16 within one
-ulp. The classic tables and every preset (``presets``) share this machinery. The module
-imports no gRPC: it is the domain core.
+ulp.
+
+The engine knows no table kind: a kind (``posenc_server.tables``) says its frequencies, how
+its positions map to rows of the wave table (``PositionMap``) and how a row of ``v`` becomes
+its columns (``Table``); ``encode_range`` and ``encode_positions`` run any of them. The
+module imports no gRPC and no protobuf: it is the domain core.
 """
 
 from __future__ import annotations
 
-import enum
-import functools
-import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from decimal import Decimal, localcontext
@@ -35,25 +36,8 @@ import numpy.typing as npt
 
 Float64Array = npt.NDArray[np.float64]
 Int64Array = npt.NDArray[np.int64]
-
-
-class Layout(enum.Enum):
-    """Column order of a row."""
-
-    INTERLEAVED = "interleaved"
-    """``sin_0, cos_0, sin_1, cos_1, ...`` (Vaswani et al. 2017)."""
-    SPLIT = "split"
-    """``sin_0 .. sin_{h-1}, cos_0 .. cos_{h-1}``."""
-
-
-class Schedule(enum.Enum):
-    """Frequency schedule ``inv_freq[i]``."""
-
-    PAPER = "paper"
-    """``base ** (-2i / d_model)`` for ``i < ceil(d_model / 2)``; odd widths end with a sin."""
-    TENSOR2TENSOR = "tensor2tensor"
-    """``base ** (-i / max(h - 1, 1))``, ``h = d_model // 2``; odd widths end with a zero."""
-
+ComplexRows = npt.NDArray[np.complex128]
+Rows = npt.NDArray[np.generic]
 
 DTYPES: Final[dict[str, np.dtype[np.generic]]] = {
     "float32": np.dtype("<f4"),
@@ -63,68 +47,70 @@ DTYPES: Final[dict[str, np.dtype[np.generic]]] = {
 }
 """Output dtypes by name; all little-endian, as they travel on the wire."""
 
-DEFAULT_BASE: Final = 10000.0
+TWO_PI: Final = Decimal("6.28318530717958647692528676655900576839433879875021164194989")
+"""2pi to 60 significant digits; the engine tests check it against mpmath."""
+PRECISION: Final = 50
+"""Digits of the frequencies: their relative error stays near 1e-45 even after the 32768
+products of the widest table, far under the 2**-97 that position 2**42 needs."""
 
-# 2pi to 60 significant digits; the engine tests check it against mpmath.
-_TWO_PI = Decimal("6.28318530717958647692528676655900576839433879875021164194989")
-_TWO_PI_HI: Final = float(_TWO_PI)
-_TWO_PI_LO: Final = float(_TWO_PI - Decimal(_TWO_PI_HI))
+_TWO_PI_HI: Final = float(TWO_PI)
+_TWO_PI_LO: Final = float(TWO_PI - Decimal(_TWO_PI_HI))
 # Veltkamp's constant 2**27 + 1 splits a float64 into two halves of at most 26 bits each,
 # whose pairwise products are exact.
 _SPLITTER: Final = 134217729.0
 # Elements per numpy pass: keeps the float64 temporaries of one pass inside the L2 cache.
 _ELEMENTS_PER_PASS: Final = 1 << 15
-# Digits of the frequencies: their relative error stays near 1e-45 even after the 32768
-# products of the widest table, far under the 2**-97 that position 2**42 needs.
-PRECISION: Final = 50
-
-
-class TablePreset(Protocol):
-    """A model family's table (``posenc_server.presets``): frozen, hashable, all parameters."""
-
-    def encode_positions(
-        self, spec: EncodingSpec, positions: Int64Array
-    ) -> npt.NDArray[np.generic]: ...
-
-    def encode_range(
-        self, spec: EncodingSpec, start: int, stop: int
-    ) -> npt.NDArray[np.generic]: ...
 
 
 @dataclass(frozen=True)
-class EncodingSpec:
-    """Everything that determines the values and bytes of a table."""
+class PositionMap:
+    """Which row of the wave table a requested position ``p`` is.
 
-    d_model: int
-    base: float = DEFAULT_BASE
-    dtype: str = "float32"
-    layout: Layout = Layout.INTERLEAVED
-    schedule: Schedule = Schedule.PAPER
-    preset: TablePreset | None = None
-    """When set, the preset computes the table (``d_model`` wide, in ``dtype``); the other
-    fields are then informative only."""
+    ``offset - p`` when ``descending``, else ``p + offset``; then clamped to at most
+    ``clamp`` (when set). The row of the requested position ``zero_row`` is all zeros.
+    """
 
-    @property
-    def numpy_dtype(self) -> np.dtype[np.generic]:
-        """The numpy dtype of the table's elements."""
-        return DTYPES[self.dtype]
+    offset: int = 0
+    descending: bool = False
+    clamp: int | None = None
+    zero_row: int | None = None
 
     @property
-    def row_bytes(self) -> int:
-        """Bytes of one table row."""
-        return self.d_model * self.numpy_dtype.itemsize
+    def keeps_ranges(self) -> bool:
+        """Whether a range of positions maps to a range (a plain shift)."""
+        return not self.descending and self.clamp is None
+
+    def apply(self, positions: Int64Array) -> Int64Array:
+        """The wave-table positions of ``positions``."""
+        mapped = self.offset - positions if self.descending else positions + self.offset
+        if self.clamp is not None:
+            mapped = np.minimum(mapped, self.clamp)
+        return mapped
+
+
+class Table(Protocol):
+    """What the engine needs of a table kind (``posenc_server.tables``)."""
 
     @property
-    def sin_columns(self) -> int:
-        """Number of sin columns (frequencies)."""
-        if self.schedule is Schedule.TENSOR2TENSOR:
-            return self.d_model // 2
-        return (self.d_model + 1) // 2
+    def width(self) -> int:
+        """Columns of a row."""
+        ...
 
     @property
-    def cos_columns(self) -> int:
-        """Number of cos columns."""
-        return self.d_model // 2
+    def position_map(self) -> PositionMap:
+        """How requested positions map to wave-table positions."""
+        ...
+
+    def waves(self) -> Waves:
+        """The table's exact frequencies (computed once per spec, by the caller's choice)."""
+        ...
+
+    def write_columns(self, target: Rows, rows: ComplexRows) -> None:
+        """Write ``rows`` of ``v = sin + i cos`` into ``target``'s columns (zeros beforehand).
+
+        ``rows`` may be a scratch buffer: the method must not keep it.
+        """
+        ...
 
 
 class Waves:
@@ -134,19 +120,21 @@ class Waves:
     i cos(p w)``: as complex128 in memory, [sin, cos] pairs, the interleaved layout as it
     is. ``rotations`` holds ``conj(u(j)) = cos(j w) - i sin(j w)`` for the ``j < block``
     rows of one block, each within about 2**-53 of exact, so that
-    ``v(b + j) = v(b) * conj(u(j))``. The classic tables and every preset build their rows
-    from one of these (``wave_rows``, ``wave_blocks``).
+    ``v(b + j) = v(b) * conj(u(j))``. Every table kind builds its rows from one of these
+    (``wave_rows``, ``wave_blocks``), then scales them by ``amplitude``.
     """
 
-    def __init__(self, frequencies: Sequence[Decimal]) -> None:
-        """``frequencies`` are the angular frequencies ``inv_freq[i]``, to ``PRECISION``."""
+    def __init__(self, frequencies: Sequence[Decimal], amplitude: float = 1.0) -> None:
+        """``frequencies`` are the angular frequencies ``inv_freq[i]``, to ``PRECISION``;
+        every row is multiplied by ``amplitude`` (rotary's attention factor)."""
         self.count = len(frequencies)
+        self.amplitude = amplitude
         self.hi = np.empty(self.count, dtype=np.float64)
         self.lo = np.empty(self.count, dtype=np.float64)
         with localcontext() as context:
             context.prec = PRECISION
             for i, frequency in enumerate(frequencies):
-                turns = frequency / _TWO_PI
+                turns = frequency / TWO_PI
                 self.hi[i] = float(turns)
                 self.lo[i] = float(turns - Decimal(self.hi[i]))
         self.block = _block_rows(self.count)
@@ -165,27 +153,39 @@ class Waves:
         out.imag = cos
         return out
 
+    @property
+    def nbytes(self) -> int:
+        """Bytes held by the frequencies and the rotation table."""
+        return self.hi.nbytes + self.lo.nbytes + self.rotations.nbytes
 
-def classic_waves(spec: EncodingSpec) -> Waves:
-    """The waves of the paper's and tensor2tensor's schedules, one per sin column."""
-    return _classic_waves(spec.base, spec.d_model, spec.schedule)
 
+@dataclass(frozen=True, eq=False)
+class Encoding:
+    """A table kind ready to run: its waves (computed once) and its element type."""
 
-@functools.lru_cache(maxsize=32)
-def _classic_waves(base: float, d_model: int, schedule: Schedule) -> Waves:
-    count = EncodingSpec(d_model=d_model, base=base, schedule=schedule).sin_columns
-    with localcontext() as context:
-        context.prec = PRECISION
-        if schedule is Schedule.PAPER:
-            exponent_step = Decimal(2) / Decimal(d_model)
-        else:
-            exponent_step = Decimal(1) / Decimal(max(count - 1, 1))
-        ratio = (-exponent_step * Decimal(base).ln()).exp()
-        # inv_freq[i] = ratio ** i: one product per column instead of one exp per column.
-        frequencies = [Decimal(1)]
-        for _ in range(count - 1):
-            frequencies.append(frequencies[-1] * ratio)
-    return Waves(frequencies[:count])
+    table: Table
+    dtype: np.dtype[np.generic]
+    waves: Waves
+
+    @classmethod
+    def prepare(cls, table: Table, dtype: str) -> Encoding:
+        """Compute ``table``'s waves; ``dtype`` is a key of ``DTYPES``."""
+        return cls(table, DTYPES[dtype], table.waves())
+
+    @property
+    def width(self) -> int:
+        """Columns of a row."""
+        return self.table.width
+
+    @property
+    def row_bytes(self) -> int:
+        """Bytes of one row."""
+        return self.table.width * self.dtype.itemsize
+
+    @property
+    def nbytes(self) -> int:
+        """Approximately the memory it holds."""
+        return self.waves.nbytes + 512
 
 
 def _split(values: Float64Array) -> tuple[Float64Array, Float64Array]:
@@ -240,50 +240,62 @@ def _sin_cos_rows(
     return sin_exact, cos_exact
 
 
-def encode_positions(spec: EncodingSpec, positions: npt.ArrayLike) -> npt.NDArray[np.generic]:
-    """The table rows for ``positions`` (any int64 values with ``|pos| <= 2**52``).
+def encode_range(encoding: Encoding, start: int, stop: int) -> Rows:
+    """The rows of positions ``start, start + 1, ..., stop - 1``, C-contiguous.
 
-    Returns a C-contiguous array of shape ``(len(positions), d_model)`` in ``spec.dtype``.
-    Callers validate ``spec`` and the positions; this function trusts them. Each row is a
-    function of (spec, position) alone: the same bytes as ``encode_range`` gives for it.
+    Callers validate the table and the positions; this function trusts them. Each row is a
+    function of (table, position) alone: the same bytes as ``encode_positions`` gives.
     """
-    pos = np.asarray(positions, dtype=np.int64).reshape(-1)
-    if spec.preset is not None:
-        return spec.preset.encode_positions(spec, pos)
-    if pos.size and (span := int(pos.max()) - int(pos.min()) + 1) <= 4 * pos.size:
-        # Clustered positions (a decode window, a shuffled range): the covering range is
-        # cheaper than one extended-precision angle per row, and gives the same rows.
-        low = int(pos.min())
-        return encode_range(spec, low, low + span)[pos - low]
-    out = np.zeros((pos.size, spec.d_model), dtype=spec.numpy_dtype)
-    _write_layout(spec, out, wave_rows(classic_waves(spec), pos))
-    return out
-
-
-def encode_range(spec: EncodingSpec, start: int, stop: int) -> npt.NDArray[np.generic]:
-    """The table rows for positions ``start, start + 1, ..., stop - 1``."""
-    if spec.preset is not None:
-        return spec.preset.encode_range(spec, start, stop)
-    out = np.zeros((stop - start, spec.d_model), dtype=spec.numpy_dtype)
-    for first, rows in wave_blocks(classic_waves(spec), start, stop):
-        _write_layout(spec, out[first : first + len(rows)], rows)
-    return out
-
-
-def _write_layout(
-    spec: EncodingSpec, target: npt.NDArray[np.generic], waves: npt.NDArray[np.complex128]
-) -> None:
-    """Write rows of ``v = sin + i cos`` into ``target`` in the spec's column order."""
-    n_sin, n_cos = spec.sin_columns, spec.cos_columns
-    if spec.layout is Layout.INTERLEAVED:
-        # One contiguous conversion: [sin, cos] pairs are v's memory as it is.
-        target[:, : n_sin + n_cos] = waves.view(np.float64)[:, : n_sin + n_cos]
+    position_map = encoding.table.position_map
+    if position_map.keeps_ranges:
+        offset = position_map.offset
+        out = _range_rows(encoding, start + offset, stop + offset)
     else:
-        target[:, :n_sin] = waves.real
-        target[:, n_sin : n_sin + n_cos] = waves.imag[:, :n_cos]
+        out = _rows_at(encoding, position_map.apply(np.arange(start, stop, dtype=np.int64)))
+    zero_row = position_map.zero_row
+    if zero_row is not None and start <= zero_row < stop:
+        out[zero_row - start] = 0
+    return out
 
 
-def wave_rows(waves: Waves, positions: Int64Array) -> npt.NDArray[np.complex128]:
+def encode_positions(encoding: Encoding, positions: npt.ArrayLike) -> Rows:
+    """The rows of ``positions`` (any int64 values the table's validation accepts)."""
+    requested = np.asarray(positions, dtype=np.int64).reshape(-1)
+    position_map = encoding.table.position_map
+    out = _rows_at(encoding, position_map.apply(requested))
+    if position_map.zero_row is not None:
+        out[requested == position_map.zero_row] = 0
+    return out
+
+
+def _range_rows(encoding: Encoding, first: int, last: int) -> Rows:
+    """Wave-table rows ``first .. last - 1`` in the table's columns, block by block."""
+    out = np.zeros((max(last - first, 0), encoding.width), dtype=encoding.dtype)
+    amplitude = encoding.waves.amplitude
+    for offset, rows in wave_blocks(encoding.waves, first, last):
+        if amplitude != 1.0:
+            rows *= amplitude
+        encoding.table.write_columns(out[offset : offset + len(rows)], rows)
+    return out
+
+
+def _rows_at(encoding: Encoding, mapped: Int64Array) -> Rows:
+    """Wave-table rows at ``mapped`` positions, in the table's columns."""
+    if mapped.size and (span := int(mapped.max()) - int(mapped.min()) + 1) <= 4 * mapped.size:
+        # Clustered positions (a decode window, a shuffled or descending range): the
+        # covering range is cheaper than one extended-precision angle per row, and gives
+        # the same rows.
+        low = int(mapped.min())
+        return _range_rows(encoding, low, low + span)[mapped - low]
+    out = np.zeros((mapped.size, encoding.width), dtype=encoding.dtype)
+    rows = wave_rows(encoding.waves, mapped)
+    if encoding.waves.amplitude != 1.0:
+        rows *= encoding.waves.amplitude
+    encoding.table.write_columns(out, rows)
+    return out
+
+
+def wave_rows(waves: Waves, positions: Int64Array) -> ComplexRows:
     """``v(p) = sin(p w) + i cos(p w)`` for every position (rows) and frequency (columns).
 
     Uses the relative-position property of the paper, ``u(b + j) = u(b) * u(j)``: a position
@@ -308,9 +320,7 @@ def wave_rows(waves: Waves, positions: Int64Array) -> npt.NDArray[np.complex128]
     return out
 
 
-def wave_blocks(
-    waves: Waves, start: int, stop: int
-) -> Iterator[tuple[int, npt.NDArray[np.complex128]]]:
+def wave_blocks(waves: Waves, start: int, stop: int) -> Iterator[tuple[int, ComplexRows]]:
     """``wave_rows`` of positions ``start .. stop - 1``, one aligned block at a time.
 
     Yields ``(row offset, rows)``; ``rows`` is a scratch buffer reused for the next block,
@@ -338,8 +348,3 @@ def wave_blocks(
 def _block_rows(count: int) -> int:
     """Rows per block: up to 64, keeping the rotation table at 2**18 entries (4 MiB) at most."""
     return max(1, min(64, (1 << 18) // max(count, 1)))
-
-
-def is_valid_base(base: float) -> bool:
-    """Whether ``base`` is accepted: finite and greater than 1."""
-    return math.isfinite(base) and base > 1.0

@@ -48,9 +48,11 @@ class MethodMetrics:
         self.payload_bytes = PAYLOAD_BYTES.labels(method)
         self._requests: dict[str, Counter] = {}
 
-    def record(self, code: str, seconds: float) -> None:
-        """Count one finished call with its status code name and duration."""
-        self.latency.observe(seconds)
+    def record(self, code: str, seconds: float | None) -> None:
+        """Count one finished call with its status code name and duration (None: a call
+        refused before it started, as an unauthenticated one)."""
+        if seconds is not None:
+            self.latency.observe(seconds)
         requests = self._requests.get(code)
         if requests is None:
             requests = self._requests[code] = REQUESTS.labels(self.method, code)

@@ -1,35 +1,44 @@
-"""The encoding service as plain Python: validation, limits, block caching, chunking.
+"""The encoding service: admission, limits, block caching, chunking, and the wire format.
 
 Rows are computed in fixed blocks of ``block_rows`` consecutive positions, aligned to
 multiples of ``block_rows``, so that any range request reuses the blocks of earlier ones. A
 block is at most ``max_chunk_bytes``, so a cached block never has to be re-split to respect
 the chunk limit unless the client asks for smaller chunks.
+
+Every encoding call is admitted first: refused while the server drains, and streams beyond
+``max_concurrent_streams`` are refused with a hint to retry. Results leave as serialized
+responses (``posenc.wire``), so the rows are copied once, into the message.
 """
 
 from __future__ import annotations
 
-import itertools
+import contextlib
 import os
 import secrets
 import socket
 import threading
-from collections import OrderedDict
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 
 import numpy as np
 import numpy.typing as npt
 
+from posenc.wire import encode_tensor_response
 from posenc_server import engine
 from posenc_server.cache import BlockCache, CacheStats
 from posenc_server.config import ServerConfig
-from posenc_server.engine import EncodingSpec
-from posenc_server.errors import FieldViolation, InvalidRequestError, LimitExceededError
+from posenc_server.errors import (
+    FieldViolation,
+    InvalidRequestError,
+    LimitExceededError,
+    OverloadedError,
+    ShuttingDownError,
+)
+from posenc_server.requests import PositionList, PositionRange, Selection
+from posenc_server.specs import Request, Spec
 
 Table = npt.NDArray[np.generic]
-BlockKey = tuple[int, int]  # (spec id, block index)
-# Specs with an id at once; beyond, the least recently used is forgotten.
-_MAX_SPEC_IDS = 4096
+BlockKey = tuple[int, int]  # (spec serial, block index)
 # A unary position list computes at most this many new blocks (of max_chunk_bytes each);
 # the rows of further uncached blocks are computed one by one.
 _MAX_NEW_BLOCKS_PER_LIST = 64
@@ -37,34 +46,8 @@ _MAX_NEW_BLOCKS_PER_LIST = 64
 _TRIM_AFTER_EVICTED_BYTES = 16 << 20
 # Position lists up to this long are gathered row by row, longer ones block by block.
 _ROW_BY_ROW_GATHER = 256
-
-
-@dataclass(frozen=True)
-class PositionRange:
-    """Positions ``start .. stop - 1``."""
-
-    start: int
-    stop: int
-
-    @property
-    def rows(self) -> int:
-        """Number of rows selected."""
-        return self.stop - self.start
-
-
-@dataclass(frozen=True, eq=False)
-class PositionList:
-    """Explicit positions, in the order the rows are wanted."""
-
-    positions: npt.NDArray[np.int64]
-
-    @property
-    def rows(self) -> int:
-        """Number of rows selected."""
-        return int(self.positions.size)
-
-
-Selection = PositionRange | PositionList
+# How long a client turned away at the stream cap is told to wait before trying again.
+_STREAM_RETRY_AFTER = 0.2
 
 
 @dataclass(frozen=True)
@@ -75,18 +58,16 @@ class Chunk:
     rows: Table
 
 
-def validate_spec(
-    d_model: int, base: float, max_d_model: int, violations: list[FieldViolation]
-) -> None:
-    """Append the problems of ``d_model`` and ``base`` to ``violations``."""
-    if not 1 <= d_model <= max_d_model:
-        violations.append(
-            FieldViolation("spec.d_model", f"must be between 1 and {max_d_model}, got {d_model}")
-        )
-    if not engine.is_valid_base(base):
-        violations.append(
-            FieldViolation("spec.base", f"must be finite and greater than 1, got {base!r}")
-        )
+@dataclass(frozen=True)
+class ServerInfo:
+    """What GetServerInfo reports, in domain terms."""
+
+    version: str
+    server_id: str
+    limits: Mapping[str, int]
+    """``posenc.v1.Limits`` fields by name."""
+    cache: CacheStats
+    rows_computed: int
 
 
 class EncodingService:
@@ -103,8 +84,10 @@ class EncodingService:
         self.server_id = f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(3)}"
         self._rows_computed = 0
         self._counter_lock = threading.Lock()
-        self._spec_ids: OrderedDict[EncodingSpec, int] = OrderedDict()
-        self._next_spec_id = itertools.count()
+        self._draining = False
+        self._in_flight = 0
+        self._streams = 0
+        self._idle = threading.Condition()
 
     def _count_evicted(self, nbytes: int) -> None:
         # Under the cache's lock: no lock of its own needed.
@@ -113,76 +96,66 @@ class EncodingService:
             self._evicted_since_trim = 0
             self.trim_due.set()
 
-    # Validation -----------------------------------------------------------------------------
+    # Calls ----------------------------------------------------------------------------------
 
-    def validate_selection(
-        self, selection: Selection, violations: list[FieldViolation]
-    ) -> list[FieldViolation]:
-        """Append the problems of ``selection`` to ``violations`` and return it."""
-        limit = self.config.max_abs_position
-        if isinstance(selection, PositionRange):
-            if selection.start > selection.stop:
-                violations.append(
-                    FieldViolation(
-                        "range.stop",
-                        f"must be >= range.start ({selection.start}), got {selection.stop}",
-                    )
-                )
-            if abs(selection.start) > limit:
-                violations.append(
-                    FieldViolation(
-                        "range.start",
-                        f"|position| must be at most {limit}, got {selection.start}",
-                    )
-                )
-            # stop is exclusive: the last row is stop - 1.
-            if selection.stop - 1 > limit or selection.stop < -limit:
-                violations.append(
-                    FieldViolation(
-                        "range.stop",
-                        f"must be between {-limit} and {limit + 1}, got {selection.stop}",
-                    )
-                )
-            return violations
-        count = selection.rows
-        if not 1 <= count <= self.config.max_positions:
-            violations.append(
-                FieldViolation(
-                    "positions.positions",
-                    f"must hold 1 to {self.config.max_positions} positions, got {count}",
-                )
-            )
-        elif (
-            # Not np.abs: it overflows (stays negative) for -2**63.
-            bad := np.flatnonzero((selection.positions > limit) | (selection.positions < -limit))
-        ).size:
-            index = int(bad[0])
-            violations.append(
-                FieldViolation(
-                    f"positions.positions[{index}]",
-                    f"|position| must be at most {limit}, got {int(selection.positions[index])}"
-                    + (f" ({bad.size} positions out of range)" if bad.size > 1 else ""),
-                )
-            )
-        return violations
+    def unary(self, request: Request) -> bytes:
+        """The serialized GetEncodingResponse of a small table."""
+        with self._admitted(stream=False):
+            spec, selection = request.spec, request.selection
+            limit = self.config.max_unary_bytes
+            _check_size(spec, selection, "unary", limit, "use StreamEncoding for large results")
+            return _response(spec, Chunk(0, self.table(spec, selection)))
 
-    @staticmethod
-    def raise_if_invalid(violations: list[FieldViolation]) -> None:
-        """Raise InvalidRequestError when ``violations`` is not empty."""
-        if violations:
-            raise InvalidRequestError(violations)
+    def stream(self, request: Request) -> Iterator[bytes]:
+        """The serialized StreamEncodingResponses of a table of any size, lazily: each chunk
+        is computed when the consumer asks for it, so a cancelled stream stops computing."""
+        with self._admitted(stream=True):
+            spec, selection = request.spec, request.selection
+            limit = self.config.max_stream_bytes
+            _check_size(spec, selection, "stream", limit, "split the request into smaller ranges")
+            chunk_rows = self.chunk_rows(spec, request.max_chunk_bytes)
+            for chunk in self.chunks(spec, selection, chunk_rows):
+                yield _response(spec, chunk)
 
-    def check_unary_size(self, spec: EncodingSpec, selection: Selection) -> None:
-        """Refuse a GetEncoding result over the unary limit."""
-        limit = self.config.max_unary_bytes
-        _check_size(spec, selection, "unary", limit, "use StreamEncoding for large results")
+    # Admission and drain --------------------------------------------------------------------
 
-    def check_stream_size(self, spec: EncodingSpec, selection: Selection) -> None:
-        """Refuse a StreamEncoding result over the stream limit."""
-        limit = self.config.max_stream_bytes
-        _check_size(spec, selection, "stream", limit, "split the request into smaller ranges")
+    def begin_drain(self) -> None:
+        """Refuse new encoding calls (ShuttingDownError); calls in flight go on."""
+        with self._idle:
+            self._draining = True
 
-    def chunk_rows(self, spec: EncodingSpec, requested_chunk_bytes: int) -> int:
+    def wait_idle(self, timeout: float) -> bool:
+        """Wait until no encoding call is in flight; False if ``timeout`` passed first."""
+        with self._idle:
+            return self._idle.wait_for(lambda: self._in_flight == 0, timeout)
+
+    @contextlib.contextmanager
+    def _admitted(self, *, stream: bool) -> Iterator[None]:
+        """Count a call in flight (for the drain), refusing it while draining or at the cap."""
+        limit = self.config.max_concurrent_streams
+        with self._idle:
+            if self._draining:
+                raise ShuttingDownError("the server is shutting down: retry on another replica")
+            if stream and self._streams >= limit:
+                raise OverloadedError(
+                    f"this server process already serves {limit} streams, its limit: "
+                    "retry later or on another replica",
+                    retry_after_seconds=_STREAM_RETRY_AFTER,
+                )
+            self._in_flight += 1
+            self._streams += stream
+        try:
+            yield
+        finally:
+            with self._idle:
+                self._in_flight -= 1
+                self._streams -= stream
+                if self._draining:  # only wait_idle waits, and only once draining
+                    self._idle.notify_all()
+
+    # Limits ---------------------------------------------------------------------------------
+
+    def chunk_rows(self, spec: Spec, requested_chunk_bytes: int) -> int:
         """Rows per stream chunk for a client asking for ``requested_chunk_bytes`` (0: max)."""
         limit = self.config.max_chunk_bytes
         chunk_bytes = limit if requested_chunk_bytes == 0 else min(requested_chunk_bytes, limit)
@@ -200,11 +173,11 @@ class EncodingService:
 
     # Tables ---------------------------------------------------------------------------------
 
-    def block_rows(self, spec: EncodingSpec) -> int:
+    def block_rows(self, spec: Spec) -> int:
         """Rows per cached block: as many as fit in one maximal chunk."""
         return max(1, self.config.max_chunk_bytes // spec.row_bytes)
 
-    def table(self, spec: EncodingSpec, selection: Selection) -> Table:
+    def table(self, spec: Spec, selection: Selection) -> Table:
         """The whole table of a small (unary) selection, in one array (read-only when it is
         a cached block's rows as they are).
 
@@ -218,12 +191,12 @@ class EncodingService:
         chunks = list(self._range_chunks(spec, selection, self.block_rows(spec)))
         if len(chunks) == 1:
             return chunks[0].rows  # within one block: no copy before the message's
-        out = np.empty((selection.rows, spec.d_model), dtype=spec.numpy_dtype)
+        out = np.empty((selection.rows, spec.width), dtype=spec.encoding.dtype)
         for chunk in chunks:
             out[chunk.row_offset : chunk.row_offset + len(chunk.rows)] = chunk.rows
         return out
 
-    def chunks(self, spec: EncodingSpec, selection: Selection, chunk_rows: int) -> Iterator[Chunk]:
+    def chunks(self, spec: Spec, selection: Selection, chunk_rows: int) -> Iterator[Chunk]:
         """The table of a (validated) selection as consecutive chunks of <= chunk_rows rows.
 
         Lazy: each chunk is computed when the consumer asks for it, so a cancelled stream stops
@@ -240,10 +213,10 @@ class EncodingService:
                 yield Chunk(first, self._rows_for_positions(spec, positions, new_blocks=0))
 
     def _range_chunks(
-        self, spec: EncodingSpec, selection: PositionRange, chunk_rows: int
+        self, spec: Spec, selection: PositionRange, chunk_rows: int
     ) -> Iterator[Chunk]:
         block_rows = self.block_rows(spec)
-        spec_id = self._spec_id(spec)
+        spec_id = spec.serial
         position = selection.start
         while position < selection.stop:
             index = position // block_rows
@@ -258,36 +231,18 @@ class EncodingService:
                 )
                 position = end
 
-    def _block(self, spec: EncodingSpec, spec_id: int, index: int, block_rows: int) -> Table:
-        """Block ``index`` of ``spec`` (whose ``_spec_id`` is ``spec_id``), from the cache."""
+    def _block(self, spec: Spec, spec_id: int, index: int, block_rows: int) -> Table:
+        """Block ``index`` of ``spec`` (whose serial is ``spec_id``), from the cache."""
 
         def compute() -> Table:
             self._count_rows(block_rows)
             start = index * block_rows
-            return engine.encode_range(spec, start, start + block_rows)
+            return engine.encode_range(spec.encoding, start, start + block_rows)
 
         return self.cache.get_or_compute((spec_id, index), compute)
 
-    def _spec_id(self, spec: EncodingSpec) -> int:
-        """A small integer standing for ``spec`` in cache keys.
-
-        Hashing a spec (a dataclass of floats, enums and preset parameters) costs
-        microseconds, and a decode step looks up dozens of blocks: an int hashes at once.
-        The table of ids is bounded; a forgotten spec gets a new id, and its old blocks
-        age out of the cache.
-        """
-        with self._counter_lock:
-            spec_id = self._spec_ids.get(spec)
-            if spec_id is None:
-                spec_id = self._spec_ids[spec] = next(self._next_spec_id)
-                if len(self._spec_ids) > _MAX_SPEC_IDS:
-                    self._spec_ids.popitem(last=False)
-            else:
-                self._spec_ids.move_to_end(spec)
-            return spec_id
-
     def _rows_for_positions(
-        self, spec: EncodingSpec, positions: npt.NDArray[np.int64], *, new_blocks: int
+        self, spec: Spec, positions: npt.NDArray[np.int64], *, new_blocks: int
     ) -> Table:
         """Rows for arbitrary positions, from cached blocks where possible.
 
@@ -300,7 +255,7 @@ class EncodingService:
         """
         block_rows = self.block_rows(spec)
         block_ids = positions // block_rows
-        spec_id = self._spec_id(spec)
+        spec_id = spec.serial
         offsets = positions - block_ids * block_rows
         first_block = int(block_ids[0])
         if (block_ids == first_block).all() and (
@@ -308,7 +263,7 @@ class EncodingService:
         ):
             rows: Table = self._block(spec, spec_id, first_block, block_rows)[offsets]
             return rows  # one block, as for one sequence's step: no grouping
-        out = np.empty((positions.size, spec.d_model), dtype=spec.numpy_dtype)
+        out = np.empty((positions.size, spec.width), dtype=spec.encoding.dtype)
 
         def cached_block(block_id: int) -> Table | None:
             """The block from the cache, computed while new ones are allowed; else None."""
@@ -353,7 +308,7 @@ class EncodingService:
             uncached = np.concatenate(groups) if groups else []
         if len(uncached):
             self._count_rows(len(uncached))
-            out[uncached] = engine.encode_positions(spec, positions[uncached])
+            out[uncached] = engine.encode_positions(spec.encoding, positions[uncached])
         return out
 
     def _count_rows(self, rows: int) -> None:
@@ -372,10 +327,36 @@ class EncodingService:
         """The cache counters."""
         return self.cache.stats()
 
+    def info(self, version: str) -> ServerInfo:
+        """What GetServerInfo reports."""
+        return ServerInfo(
+            version=version,
+            server_id=self.server_id,
+            limits={
+                **self.config.public_limits(),
+                "max_receive_message_bytes": self.config.max_receive_message_bytes,
+            },
+            cache=self.cache_stats(),
+            rows_computed=self.rows_computed,
+        )
 
-def _check_size(spec: EncodingSpec, selection: Selection, kind: str, limit: int, hint: str) -> None:
+
+def _check_size(spec: Spec, selection: Selection, kind: str, limit: int, hint: str) -> None:
     size = selection.rows * spec.row_bytes
     if size > limit:
         raise LimitExceededError(
             f"the result is {size} bytes, over the {kind} limit of {limit} bytes: {hint}"
         )
+
+
+def _response(spec: Spec, chunk: Chunk) -> bytes:
+    """A serialized Get/StreamEncodingResponse, encoded by hand to copy the rows only once."""
+    rows = np.ascontiguousarray(chunk.rows)
+    return encode_tensor_response(
+        spec.dtype_code,
+        chunk.row_offset,
+        rows.shape[0],
+        spec.width,
+        # Bytes, whatever the dtype: memoryview cannot export bfloat16.
+        rows.reshape(-1).view(np.uint8).data,
+    )

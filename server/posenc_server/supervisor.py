@@ -3,13 +3,16 @@
 Python runs one thread at a time, so one process uses about one core however many requests
 it has. ``posenc serve`` therefore starts ``processes`` workers that all listen on the same
 port (SO_REUSEPORT: the kernel spreads incoming connections over them) and supervises them:
-it forwards their logs, replaces a worker that dies, and on SIGTERM drains them all. Each
-worker has ``cache_bytes / processes`` of cache, so the budget holds for the whole server.
+it forwards their logs, replaces a worker that dies or stops answering its health checks,
+and on SIGTERM drains them all. Each worker has ``cache_bytes / processes`` of cache, so the
+budget holds for the whole server.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import errno
 import logging
 import os
 import signal
@@ -22,6 +25,9 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
 from posenc_server import metrics
 from posenc_server.config import ServerConfig
 
@@ -30,9 +36,58 @@ log = logging.getLogger("posenc_server")
 # Set in a worker's environment by its supervisor: the worker's index and the supervisor's pid.
 WORKER_INDEX_ENV = "POSENC_WORKER_INDEX"
 SUPERVISOR_PID_ENV = "POSENC_SUPERVISOR_PID"
+# Set in a worker's environment: a unix socket where it also serves, so that the supervisor
+# can ask that one worker for its health (the shared port reaches a worker the kernel picks).
+HEALTH_SOCKET_ENV = "POSENC_WORKER_HEALTH_SOCKET"
 WORKER_READY = "worker listening"
 _START_TIMEOUT = 60.0
 _RESTART_DELAY = 1.0
+# A worker that fails this many health checks in a row, one a second, each given a second
+# to answer, is replaced: a hung worker keeps taking the connections the kernel sends it.
+_HEALTH_INTERVAL = 1.0
+_HEALTH_TIMEOUT = 1.0
+_HEALTH_FAILURES = 3
+
+
+class PortInUseError(OSError):
+    """A port the server needs is taken by another program (or another posenc server)."""
+
+
+def check_port_free(host: str, port: int, setting: str) -> None:
+    """Raise PortInUseError naming ``port`` and ``setting`` when something holds the port.
+
+    The probe binds without SO_REUSEPORT, which fails while any socket is bound there, even
+    one of another server that shares its port with SO_REUSEPORT: so a second server never
+    silently joins a running one. Port 0 (any free port) is never busy.
+    """
+    if port == 0:
+        return
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        try:
+            probe.bind((host, port))
+        except OSError as error:
+            if error.errno == errno.EADDRINUSE:
+                raise PortInUseError(
+                    errno.EADDRINUSE, f"port {port} is in use: choose another with {setting}"
+                ) from None
+            raise
+
+
+def serve_metrics(config: ServerConfig, multiprocess_dir: str | None = None) -> int:
+    """Serve /metrics as ``config`` says; its port, or -1 when metrics are off.
+
+    A failure raises OSError whose message names the port and the setting that chose it.
+    """
+    if config.metrics_port < 0:
+        return -1
+    try:
+        return metrics.serve(config.host, config.metrics_port, multiprocess_dir)
+    except OSError as error:
+        raise OSError(
+            f"cannot serve metrics on port {config.metrics_port}: {error} "
+            "(choose another with --metrics-port (POSENC_METRICS_PORT), or -1 for none)"
+        ) from None
 
 
 def worker_index() -> int | None:
@@ -58,7 +113,21 @@ def die_with_supervisor() -> None:
 class _Worker:
     index: int
     process: subprocess.Popen[str]
+    health_socket: str
     ready: threading.Event = field(default_factory=threading.Event)
+    failed_checks: int = 0
+
+    def check_health(self) -> None:
+        """Ask this worker (not the kernel's pick) for its health; count the failures."""
+        with grpc.insecure_channel(f"unix:{self.health_socket}") as channel:
+            try:
+                response = health_pb2_grpc.HealthStub(channel).Check(
+                    health_pb2.HealthCheckRequest(), timeout=_HEALTH_TIMEOUT
+                )
+                healthy = response.status == health_pb2.HealthCheckResponse.SERVING
+            except grpc.RpcError:
+                healthy = False
+        self.failed_checks = 0 if healthy else self.failed_checks + 1
 
 
 def _reserve_port(config: ServerConfig) -> socket.socket:
@@ -67,6 +136,7 @@ def _reserve_port(config: ServerConfig) -> socket.socket:
     It shares the port with the workers (SO_REUSEPORT) but never listens, so it takes no
     connections; holding it keeps other programs off the port while a worker restarts.
     """
+    check_port_free(config.host, config.port, "--port (POSENC_PORT)")
     family = socket.AF_INET6 if ":" in config.host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     try:
@@ -97,8 +167,18 @@ def supervise(
         print(f"posenc serve: cannot listen on {config.address}: {error}", file=sys.stderr)
         return 1
     port = int(port_holder.getsockname()[1])
-    # Workers write their metrics here; the supervisor serves the sum.
+    # Workers write their metrics here; the supervisor serves the sum. Their health sockets
+    # live here too.
     metrics_dir = tempfile.TemporaryDirectory(prefix="posenc-metrics-")
+    # Metrics listen before any worker does: a busy metrics port fails the start while
+    # nothing serves yet.
+    try:
+        metrics_port = serve_metrics(config, metrics_dir.name)
+    except OSError as error:
+        port_holder.close()
+        metrics_dir.cleanup()
+        print(f"posenc serve: {error}", file=sys.stderr)
+        return 1
     worker_argv = [
         *argv,
         # Later flags win: these override whatever argv said.
@@ -107,19 +187,23 @@ def supervise(
     ]
 
     def start(index: int) -> _Worker:
+        health_socket = os.path.join(metrics_dir.name, f"worker-{index}.sock")
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(health_socket)  # a replaced worker's
         process = subprocess.Popen(
             [sys.executable, "-m", "posenc_server", *worker_argv],
             env={
                 **os.environ,
                 WORKER_INDEX_ENV: str(index),
                 SUPERVISOR_PID_ENV: str(os.getpid()),
+                HEALTH_SOCKET_ENV: health_socket,
                 metrics.MULTIPROCESS_DIR_ENV: metrics_dir.name,
             },
             stdin=subprocess.DEVNULL,
             stderr=subprocess.PIPE,
             text=True,
         )
-        worker = _Worker(index, process)
+        worker = _Worker(index, process, health_socket)
         threading.Thread(target=_forward_logs, args=(worker,), daemon=True).start()
         return worker
 
@@ -137,15 +221,12 @@ def supervise(
                     return 0
         from posenc_server.app import startup_fields  # app imports this module
 
-        metrics_port = -1
-        if config.metrics_port >= 0:
-            try:
-                metrics_port = metrics.serve(config.host, config.metrics_port, metrics_dir.name)
-            except OSError as error:
-                print(f"posenc serve: cannot serve metrics: {error}", file=sys.stderr)
-                return 1
         fields = startup_fields(config, port, metrics_port)
         log.info("listening", extra={"fields": {**fields, "processes": count}})
+        watchdog = threading.Thread(
+            target=_watch_health, args=(workers, stop), name="posenc-watchdog", daemon=True
+        )
+        watchdog.start()
         while not stop.wait(0.2):
             for position, worker in enumerate(workers):
                 if worker.process.poll() is not None and not stop.is_set():
@@ -170,6 +251,22 @@ def supervise(
         metrics_dir.cleanup()
     log.info("stopped", extra={"fields": {"drained": drained}})
     return 0
+
+
+def _watch_health(workers: list[_Worker], stop: threading.Event) -> None:
+    """Kill workers that stop answering their health checks; the supervisor's loop then
+    replaces them as it replaces any worker that exits."""
+    while not stop.wait(_HEALTH_INTERVAL):
+        for worker in list(workers):
+            if not worker.ready.is_set() or worker.process.poll() is not None:
+                continue  # starting, or already gone
+            worker.check_health()
+            if worker.failed_checks >= _HEALTH_FAILURES and not stop.is_set():
+                log.error(
+                    "worker stopped answering its health checks; replacing it",
+                    extra={"fields": {"worker": worker.index, "pid": worker.process.pid}},
+                )
+                worker.process.kill()
 
 
 def _stop_workers(workers: list[_Worker], grace: float) -> bool:

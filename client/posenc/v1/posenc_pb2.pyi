@@ -97,98 +97,6 @@ d_model gets a zero last column, as in tensor2tensor.
 """
 Global___Schedule: _TypeAlias = Schedule  # noqa: Y015
 
-class _SinusoidalPresetName:
-    ValueType = _typing.NewType("ValueType", _builtins.int)
-    V: _TypeAlias = ValueType  # noqa: Y015
-
-class _SinusoidalPresetNameEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_SinusoidalPresetName.ValueType], _builtins.type):
-    DESCRIPTOR: _descriptor.EnumDescriptor
-    SINUSOIDAL_PRESET_NAME_UNSPECIFIED: _SinusoidalPresetName.ValueType  # 0
-    SINUSOIDAL_PRESET_NAME_VASWANI: _SinusoidalPresetName.ValueType  # 1
-    """Vaswani et al. 2017: sin_0, cos_0, sin_1, cos_1, ... (the classic default)."""
-    SINUSOIDAL_PRESET_NAME_VASWANI_SPLIT: _SinusoidalPresetName.ValueType  # 2
-    """Marian, Pegasus: the paper's frequencies, sin in the first ceil(d/2)
-    columns, cos in the rest.
-    """
-    SINUSOIDAL_PRESET_NAME_TENSOR2TENSOR: _SinusoidalPresetName.ValueType  # 3
-    """tensor2tensor get_timing_signal_1d: [sin | cos] over d // 2 timescales
-    from min_timescale to max_timescale (base), a zero last column for odd d;
-    row p is position p + start_index.
-    """
-    SINUSOIDAL_PRESET_NAME_WHISPER: _SinusoidalPresetName.ValueType  # 4
-    """Whisper encoder sinusoids(length, d, max_timescale=base): [sin | cos],
-    even d >= 4.
-    """
-    SINUSOIDAL_PRESET_NAME_FAIRSEQ: _SinusoidalPresetName.ValueType  # 5
-    """fairseq SinusoidalPositionalEmbedding and its transformers ports (M2M100,
-    Speech2Text, ...): row p is the module's weight row p (token t of an
-    unpadded sequence is row padding_idx + 1 + t); row padding_idx is zero.
-    """
-    SINUSOIDAL_PRESET_NAME_TRANSFORMER_XL: _SinusoidalPresetName.ValueType  # 6
-    """Transformer-XL relative positions: [sin | cos] of min(r, clamp_len), where
-    r = key_length - 1 - p (descending, as the model's pos_seq) when
-    key_length is set, else r = p. Even d.
-    """
-
-class SinusoidalPresetName(_SinusoidalPresetName, metaclass=_SinusoidalPresetNameEnumTypeWrapper):
-    """Named sinusoidal tables (GetServerInfo lists each with its parameters)."""
-
-SINUSOIDAL_PRESET_NAME_UNSPECIFIED: SinusoidalPresetName.ValueType  # 0
-SINUSOIDAL_PRESET_NAME_VASWANI: SinusoidalPresetName.ValueType  # 1
-"""Vaswani et al. 2017: sin_0, cos_0, sin_1, cos_1, ... (the classic default)."""
-SINUSOIDAL_PRESET_NAME_VASWANI_SPLIT: SinusoidalPresetName.ValueType  # 2
-"""Marian, Pegasus: the paper's frequencies, sin in the first ceil(d/2)
-columns, cos in the rest.
-"""
-SINUSOIDAL_PRESET_NAME_TENSOR2TENSOR: SinusoidalPresetName.ValueType  # 3
-"""tensor2tensor get_timing_signal_1d: [sin | cos] over d // 2 timescales
-from min_timescale to max_timescale (base), a zero last column for odd d;
-row p is position p + start_index.
-"""
-SINUSOIDAL_PRESET_NAME_WHISPER: SinusoidalPresetName.ValueType  # 4
-"""Whisper encoder sinusoids(length, d, max_timescale=base): [sin | cos],
-even d >= 4.
-"""
-SINUSOIDAL_PRESET_NAME_FAIRSEQ: SinusoidalPresetName.ValueType  # 5
-"""fairseq SinusoidalPositionalEmbedding and its transformers ports (M2M100,
-Speech2Text, ...): row p is the module's weight row p (token t of an
-unpadded sequence is row padding_idx + 1 + t); row padding_idx is zero.
-"""
-SINUSOIDAL_PRESET_NAME_TRANSFORMER_XL: SinusoidalPresetName.ValueType  # 6
-"""Transformer-XL relative positions: [sin | cos] of min(r, clamp_len), where
-r = key_length - 1 - p (descending, as the model's pos_seq) when
-key_length is set, else r = p. Even d.
-"""
-Global___SinusoidalPresetName: _TypeAlias = SinusoidalPresetName  # noqa: Y015
-
-class _RopeType:
-    ValueType = _typing.NewType("ValueType", _builtins.int)
-    V: _TypeAlias = ValueType  # noqa: Y015
-
-class _RopeTypeEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_RopeType.ValueType], _builtins.type):
-    DESCRIPTOR: _descriptor.EnumDescriptor
-    ROPE_TYPE_UNSPECIFIED: _RopeType.ValueType  # 0
-    """Treated as ROPE_TYPE_DEFAULT."""
-    ROPE_TYPE_DEFAULT: _RopeType.ValueType  # 1
-    ROPE_TYPE_LINEAR: _RopeType.ValueType  # 2
-    ROPE_TYPE_DYNAMIC: _RopeType.ValueType  # 3
-    ROPE_TYPE_YARN: _RopeType.ValueType  # 4
-    ROPE_TYPE_LONGROPE: _RopeType.ValueType  # 5
-    ROPE_TYPE_LLAMA3: _RopeType.ValueType  # 6
-
-class RopeType(_RopeType, metaclass=_RopeTypeEnumTypeWrapper):
-    """The rope_type of transformers' modeling_rope_utils."""
-
-ROPE_TYPE_UNSPECIFIED: RopeType.ValueType  # 0
-"""Treated as ROPE_TYPE_DEFAULT."""
-ROPE_TYPE_DEFAULT: RopeType.ValueType  # 1
-ROPE_TYPE_LINEAR: RopeType.ValueType  # 2
-ROPE_TYPE_DYNAMIC: RopeType.ValueType  # 3
-ROPE_TYPE_YARN: RopeType.ValueType  # 4
-ROPE_TYPE_LONGROPE: RopeType.ValueType  # 5
-ROPE_TYPE_LLAMA3: RopeType.ValueType  # 6
-Global___RopeType: _TypeAlias = RopeType  # noqa: Y015
-
 class _RopeLayout:
     ValueType = _typing.NewType("ValueType", _builtins.int)
     V: _TypeAlias = ValueType  # noqa: Y015
@@ -213,7 +121,7 @@ class _RopeLayoutEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_RopeLayout
 
 class RopeLayout(_RopeLayout, metaclass=_RopeLayoutEnumTypeWrapper):
     """Column order of a rotary table; h = rotary_dim / 2 frequencies, every value
-    times the attention factor.
+    times the scaling's attention factor.
     """
 
 ROPE_LAYOUT_UNSPECIFIED: RopeLayout.ValueType  # 0
@@ -235,211 +143,422 @@ Global___RopeLayout: _TypeAlias = RopeLayout  # noqa: Y015
 
 @_typing.final
 class EncodingSpec(_message.Message):
-    """Everything that determines the values of a table."""
+    """Everything that determines the bytes of a table: its element type and its
+    kind, a message holding exactly that kind's parameters. The same spec and
+    positions give the same bytes, whichever replica answers.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    DTYPE_FIELD_NUMBER: _builtins.int
+    SINUSOIDAL_FIELD_NUMBER: _builtins.int
+    TENSOR2TENSOR_FIELD_NUMBER: _builtins.int
+    WHISPER_FIELD_NUMBER: _builtins.int
+    FAIRSEQ_FIELD_NUMBER: _builtins.int
+    TRANSFORMER_XL_FIELD_NUMBER: _builtins.int
+    ROTARY_FIELD_NUMBER: _builtins.int
+    dtype: Global___Dtype.ValueType
+    @_builtins.property
+    def sinusoidal(self) -> Global___SinusoidalTable: ...
+    @_builtins.property
+    def tensor2tensor(self) -> Global___Tensor2TensorTable: ...
+    @_builtins.property
+    def whisper(self) -> Global___WhisperTable: ...
+    @_builtins.property
+    def fairseq(self) -> Global___FairseqTable: ...
+    @_builtins.property
+    def transformer_xl(self) -> Global___TransformerXlTable: ...
+    @_builtins.property
+    def rotary(self) -> Global___RotaryTable: ...
+    def __init__(
+        self,
+        *,
+        dtype: Global___Dtype.ValueType = ...,
+        sinusoidal: Global___SinusoidalTable | None = ...,
+        tensor2tensor: Global___Tensor2TensorTable | None = ...,
+        whisper: Global___WhisperTable | None = ...,
+        fairseq: Global___FairseqTable | None = ...,
+        transformer_xl: Global___TransformerXlTable | None = ...,
+        rotary: Global___RotaryTable | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["fairseq", b"fairseq", "rotary", b"rotary", "sinusoidal", b"sinusoidal", "table", b"table", "tensor2tensor", b"tensor2tensor", "transformer_xl", b"transformer_xl", "whisper", b"whisper"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["dtype", b"dtype", "fairseq", b"fairseq", "rotary", b"rotary", "sinusoidal", b"sinusoidal", "table", b"table", "tensor2tensor", b"tensor2tensor", "transformer_xl", b"transformer_xl", "whisper", b"whisper"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType_table: _TypeAlias = _typing.Literal["sinusoidal", "tensor2tensor", "whisper", "fairseq", "transformer_xl", "rotary"]  # noqa: Y015
+    _WhichOneofArgType_table: _TypeAlias = _typing.Literal["table", b"table"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType_table) -> _WhichOneofReturnType_table | None: ...
+
+Global___EncodingSpec: _TypeAlias = EncodingSpec  # noqa: Y015
+
+@_typing.final
+class SinusoidalTable(_message.Message):
+    """The classic table (Vaswani et al. 2017) and its two variants of column
+    order and frequency schedule: d_model columns.
+    """
 
     DESCRIPTOR: _descriptor.Descriptor
 
     D_MODEL_FIELD_NUMBER: _builtins.int
     BASE_FIELD_NUMBER: _builtins.int
-    DTYPE_FIELD_NUMBER: _builtins.int
     LAYOUT_FIELD_NUMBER: _builtins.int
     SCHEDULE_FIELD_NUMBER: _builtins.int
-    SINUSOIDAL_FIELD_NUMBER: _builtins.int
-    ROTARY_FIELD_NUMBER: _builtins.int
     d_model: _builtins.int
     """Width of a row, 1 .. the server's max_d_model."""
     base: _builtins.float
     """Frequency base, finite and > 1. Unset means 10000."""
-    dtype: Global___Dtype.ValueType
     layout: Global___Layout.ValueType
     schedule: Global___Schedule.ValueType
-    @_builtins.property
-    def sinusoidal(self) -> Global___SinusoidalPreset: ...
-    @_builtins.property
-    def rotary(self) -> Global___RotaryPreset: ...
     def __init__(
         self,
         *,
         d_model: _builtins.int = ...,
         base: _builtins.float | None = ...,
-        dtype: Global___Dtype.ValueType = ...,
         layout: Global___Layout.ValueType = ...,
         schedule: Global___Schedule.ValueType = ...,
-        sinusoidal: Global___SinusoidalPreset | None = ...,
-        rotary: Global___RotaryPreset | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_base", b"_base", "base", b"base", "preset", b"preset", "rotary", b"rotary", "sinusoidal", b"sinusoidal"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_base", b"_base", "base", b"base"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_base", b"_base", "base", b"base", "d_model", b"d_model", "dtype", b"dtype", "layout", b"layout", "preset", b"preset", "rotary", b"rotary", "schedule", b"schedule", "sinusoidal", b"sinusoidal"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_base", b"_base", "base", b"base", "d_model", b"d_model", "layout", b"layout", "schedule", b"schedule"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__base: _TypeAlias = _typing.Literal["base"]  # noqa: Y015
     _WhichOneofArgType__base: _TypeAlias = _typing.Literal["_base", b"_base"]  # noqa: Y015
-    _WhichOneofReturnType_preset: _TypeAlias = _typing.Literal["sinusoidal", "rotary"]  # noqa: Y015
-    _WhichOneofArgType_preset: _TypeAlias = _typing.Literal["preset", b"preset"]  # noqa: Y015
-    @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__base) -> _WhichOneofReturnType__base | None: ...
-    @_typing.overload
-    def WhichOneof(self, oneof_group: _WhichOneofArgType_preset) -> _WhichOneofReturnType_preset | None: ...
 
-Global___EncodingSpec: _TypeAlias = EncodingSpec  # noqa: Y015
+Global___SinusoidalTable: _TypeAlias = SinusoidalTable  # noqa: Y015
 
 @_typing.final
-class SinusoidalPreset(_message.Message):
-    """A sinusoidal preset and its parameters; a parameter the preset does not
-    take must stay unset.
+class Tensor2TensorTable(_message.Message):
+    """tensor2tensor get_timing_signal_1d: [sin | cos] over d_model // 2
+    timescales from min_timescale to max_timescale, a zero last column for odd
+    d_model; row p is position p + start_index.
     """
 
     DESCRIPTOR: _descriptor.Descriptor
 
-    NAME_FIELD_NUMBER: _builtins.int
+    D_MODEL_FIELD_NUMBER: _builtins.int
+    MAX_TIMESCALE_FIELD_NUMBER: _builtins.int
     MIN_TIMESCALE_FIELD_NUMBER: _builtins.int
     START_INDEX_FIELD_NUMBER: _builtins.int
-    PADDING_IDX_FIELD_NUMBER: _builtins.int
-    CLAMP_LEN_FIELD_NUMBER: _builtins.int
-    KEY_LENGTH_FIELD_NUMBER: _builtins.int
-    name: Global___SinusoidalPresetName.ValueType
+    d_model: _builtins.int
+    max_timescale: _builtins.float
+    """Finite and > min_timescale. Unset means 10000."""
     min_timescale: _builtins.float
-    """tensor2tensor: the smallest timescale, > 0 and < base. Unset means 1."""
+    """Finite, > 0 and < max_timescale. Unset means 1."""
     start_index: _builtins.int
-    """tensor2tensor: added to every position. Unset means 0."""
-    padding_idx: _builtins.int
-    """fairseq: the zero row, >= 0. Unset means 1."""
-    clamp_len: _builtins.int
-    """transformer_xl: relative positions above it are clamped to it; unset or
-    <= 0 means no clamping.
-    """
-    key_length: _builtins.int
-    """transformer_xl: klen; row p is relative position key_length - 1 - p."""
+    """Added to every position."""
     def __init__(
         self,
         *,
-        name: Global___SinusoidalPresetName.ValueType = ...,
+        d_model: _builtins.int = ...,
+        max_timescale: _builtins.float | None = ...,
         min_timescale: _builtins.float | None = ...,
-        start_index: _builtins.int | None = ...,
-        padding_idx: _builtins.int | None = ...,
-        clamp_len: _builtins.int | None = ...,
-        key_length: _builtins.int | None = ...,
+        start_index: _builtins.int = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_clamp_len", b"_clamp_len", "_key_length", b"_key_length", "_min_timescale", b"_min_timescale", "_padding_idx", b"_padding_idx", "_start_index", b"_start_index", "clamp_len", b"clamp_len", "key_length", b"key_length", "min_timescale", b"min_timescale", "padding_idx", b"padding_idx", "start_index", b"start_index"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_max_timescale", b"_max_timescale", "_min_timescale", b"_min_timescale", "max_timescale", b"max_timescale", "min_timescale", b"min_timescale"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_clamp_len", b"_clamp_len", "_key_length", b"_key_length", "_min_timescale", b"_min_timescale", "_padding_idx", b"_padding_idx", "_start_index", b"_start_index", "clamp_len", b"clamp_len", "key_length", b"key_length", "min_timescale", b"min_timescale", "name", b"name", "padding_idx", b"padding_idx", "start_index", b"start_index"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_max_timescale", b"_max_timescale", "_min_timescale", b"_min_timescale", "d_model", b"d_model", "max_timescale", b"max_timescale", "min_timescale", b"min_timescale", "start_index", b"start_index"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType__clamp_len: _TypeAlias = _typing.Literal["clamp_len"]  # noqa: Y015
-    _WhichOneofArgType__clamp_len: _TypeAlias = _typing.Literal["_clamp_len", b"_clamp_len"]  # noqa: Y015
-    _WhichOneofReturnType__key_length: _TypeAlias = _typing.Literal["key_length"]  # noqa: Y015
-    _WhichOneofArgType__key_length: _TypeAlias = _typing.Literal["_key_length", b"_key_length"]  # noqa: Y015
+    _WhichOneofReturnType__max_timescale: _TypeAlias = _typing.Literal["max_timescale"]  # noqa: Y015
+    _WhichOneofArgType__max_timescale: _TypeAlias = _typing.Literal["_max_timescale", b"_max_timescale"]  # noqa: Y015
     _WhichOneofReturnType__min_timescale: _TypeAlias = _typing.Literal["min_timescale"]  # noqa: Y015
     _WhichOneofArgType__min_timescale: _TypeAlias = _typing.Literal["_min_timescale", b"_min_timescale"]  # noqa: Y015
-    _WhichOneofReturnType__padding_idx: _TypeAlias = _typing.Literal["padding_idx"]  # noqa: Y015
-    _WhichOneofArgType__padding_idx: _TypeAlias = _typing.Literal["_padding_idx", b"_padding_idx"]  # noqa: Y015
-    _WhichOneofReturnType__start_index: _TypeAlias = _typing.Literal["start_index"]  # noqa: Y015
-    _WhichOneofArgType__start_index: _TypeAlias = _typing.Literal["_start_index", b"_start_index"]  # noqa: Y015
     @_typing.overload
-    def WhichOneof(self, oneof_group: _WhichOneofArgType__clamp_len) -> _WhichOneofReturnType__clamp_len | None: ...
-    @_typing.overload
-    def WhichOneof(self, oneof_group: _WhichOneofArgType__key_length) -> _WhichOneofReturnType__key_length | None: ...
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__max_timescale) -> _WhichOneofReturnType__max_timescale | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__min_timescale) -> _WhichOneofReturnType__min_timescale | None: ...
-    @_typing.overload
-    def WhichOneof(self, oneof_group: _WhichOneofArgType__padding_idx) -> _WhichOneofReturnType__padding_idx | None: ...
-    @_typing.overload
-    def WhichOneof(self, oneof_group: _WhichOneofArgType__start_index) -> _WhichOneofReturnType__start_index | None: ...
 
-Global___SinusoidalPreset: _TypeAlias = SinusoidalPreset  # noqa: Y015
+Global___Tensor2TensorTable: _TypeAlias = Tensor2TensorTable  # noqa: Y015
 
 @_typing.final
-class RotaryPreset(_message.Message):
-    """A rotary (RoPE) cos/sin table with the semantics of transformers'
-    modeling_rope_utils; the fields are the config's rope parameters. A field
-    the rope type does not take must stay unset.
+class WhisperTable(_message.Message):
+    """Whisper's encoder sinusoids(length, d_model, max_timescale): [sin | cos]
+    over d_model / 2 timescales from 1 to max_timescale; even d_model >= 4.
     """
 
     DESCRIPTOR: _descriptor.Descriptor
 
-    ROPE_TYPE_FIELD_NUMBER: _builtins.int
-    LAYOUT_FIELD_NUMBER: _builtins.int
+    D_MODEL_FIELD_NUMBER: _builtins.int
+    MAX_TIMESCALE_FIELD_NUMBER: _builtins.int
+    d_model: _builtins.int
+    max_timescale: _builtins.float
+    """Finite and > 1. Unset means 10000."""
+    def __init__(
+        self,
+        *,
+        d_model: _builtins.int = ...,
+        max_timescale: _builtins.float | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_max_timescale", b"_max_timescale", "max_timescale", b"max_timescale"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_max_timescale", b"_max_timescale", "d_model", b"d_model", "max_timescale", b"max_timescale"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__max_timescale: _TypeAlias = _typing.Literal["max_timescale"]  # noqa: Y015
+    _WhichOneofArgType__max_timescale: _TypeAlias = _typing.Literal["_max_timescale", b"_max_timescale"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__max_timescale) -> _WhichOneofReturnType__max_timescale | None: ...
+
+Global___WhisperTable: _TypeAlias = WhisperTable  # noqa: Y015
+
+@_typing.final
+class FairseqTable(_message.Message):
+    """fairseq SinusoidalPositionalEmbedding and its transformers ports (M2M100,
+    NLLB, Speech2Text): row p is the module's weight row p (token t of an
+    unpadded sequence is row padding_idx + 1 + t); row padding_idx is zero.
+    d_model >= 4.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    D_MODEL_FIELD_NUMBER: _builtins.int
+    BASE_FIELD_NUMBER: _builtins.int
+    PADDING_IDX_FIELD_NUMBER: _builtins.int
+    d_model: _builtins.int
+    base: _builtins.float
+    """Frequency base, finite and > 1. Unset means 10000."""
+    padding_idx: _builtins.int
+    """The zero row, >= 0. Unset means 1."""
+    def __init__(
+        self,
+        *,
+        d_model: _builtins.int = ...,
+        base: _builtins.float | None = ...,
+        padding_idx: _builtins.int | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_base", b"_base", "_padding_idx", b"_padding_idx", "base", b"base", "padding_idx", b"padding_idx"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_base", b"_base", "_padding_idx", b"_padding_idx", "base", b"base", "d_model", b"d_model", "padding_idx", b"padding_idx"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__base: _TypeAlias = _typing.Literal["base"]  # noqa: Y015
+    _WhichOneofArgType__base: _TypeAlias = _typing.Literal["_base", b"_base"]  # noqa: Y015
+    _WhichOneofReturnType__padding_idx: _TypeAlias = _typing.Literal["padding_idx"]  # noqa: Y015
+    _WhichOneofArgType__padding_idx: _TypeAlias = _typing.Literal["_padding_idx", b"_padding_idx"]  # noqa: Y015
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__base) -> _WhichOneofReturnType__base | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__padding_idx) -> _WhichOneofReturnType__padding_idx | None: ...
+
+Global___FairseqTable: _TypeAlias = FairseqTable  # noqa: Y015
+
+@_typing.final
+class TransformerXlTable(_message.Message):
+    """Transformer-XL relative positions: [sin | cos] of min(r, clamp_len), where
+    r = key_length - 1 - p (descending, as the model's pos_seq) when key_length
+    is set, else r = p. Even d_model.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    D_MODEL_FIELD_NUMBER: _builtins.int
+    BASE_FIELD_NUMBER: _builtins.int
+    CLAMP_LEN_FIELD_NUMBER: _builtins.int
+    KEY_LENGTH_FIELD_NUMBER: _builtins.int
+    d_model: _builtins.int
+    base: _builtins.float
+    """Frequency base, finite and > 1. Unset means 10000."""
+    clamp_len: _builtins.int
+    """Relative positions above it are clamped to it; 0 or less means none."""
+    key_length: _builtins.int
+    """klen: row p is relative position key_length - 1 - p."""
+    def __init__(
+        self,
+        *,
+        d_model: _builtins.int = ...,
+        base: _builtins.float | None = ...,
+        clamp_len: _builtins.int = ...,
+        key_length: _builtins.int | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_base", b"_base", "_key_length", b"_key_length", "base", b"base", "key_length", b"key_length"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_base", b"_base", "_key_length", b"_key_length", "base", b"base", "clamp_len", b"clamp_len", "d_model", b"d_model", "key_length", b"key_length"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__base: _TypeAlias = _typing.Literal["base"]  # noqa: Y015
+    _WhichOneofArgType__base: _TypeAlias = _typing.Literal["_base", b"_base"]  # noqa: Y015
+    _WhichOneofReturnType__key_length: _TypeAlias = _typing.Literal["key_length"]  # noqa: Y015
+    _WhichOneofArgType__key_length: _TypeAlias = _typing.Literal["_key_length", b"_key_length"]  # noqa: Y015
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__base) -> _WhichOneofReturnType__base | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__key_length) -> _WhichOneofReturnType__key_length | None: ...
+
+Global___TransformerXlTable: _TypeAlias = TransformerXlTable  # noqa: Y015
+
+@_typing.final
+class RotaryTable(_message.Message):
+    """A rotary (RoPE) cos/sin table with the semantics of transformers'
+    modeling_rope_utils: inv_freq[i] = rope_theta ** (-2i / rotary_dim), then
+    the scaling, if any. The field names are the model config's.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
     HEAD_DIM_FIELD_NUMBER: _builtins.int
     ROPE_THETA_FIELD_NUMBER: _builtins.int
     PARTIAL_ROTARY_FACTOR_FIELD_NUMBER: _builtins.int
+    LAYOUT_FIELD_NUMBER: _builtins.int
+    LINEAR_FIELD_NUMBER: _builtins.int
+    DYNAMIC_FIELD_NUMBER: _builtins.int
+    YARN_FIELD_NUMBER: _builtins.int
+    LONGROPE_FIELD_NUMBER: _builtins.int
+    LLAMA3_FIELD_NUMBER: _builtins.int
+    head_dim: _builtins.int
+    """The attention head width (config.head_dim, else hidden_size //
+    num_attention_heads), >= 2.
+    """
+    rope_theta: _builtins.float
+    """Finite and > 1. Unset means 10000."""
+    partial_rotary_factor: _builtins.float
+    """rotary_dim = int(head_dim * partial_rotary_factor), even; in (0, 1].
+    Unset means 1.
+    """
+    layout: Global___RopeLayout.ValueType
+    @_builtins.property
+    def linear(self) -> Global___LinearScaling: ...
+    @_builtins.property
+    def dynamic(self) -> Global___DynamicScaling: ...
+    @_builtins.property
+    def yarn(self) -> Global___YarnScaling: ...
+    @_builtins.property
+    def longrope(self) -> Global___LongRopeScaling: ...
+    @_builtins.property
+    def llama3(self) -> Global___Llama3Scaling: ...
+    def __init__(
+        self,
+        *,
+        head_dim: _builtins.int = ...,
+        rope_theta: _builtins.float | None = ...,
+        partial_rotary_factor: _builtins.float | None = ...,
+        layout: Global___RopeLayout.ValueType = ...,
+        linear: Global___LinearScaling | None = ...,
+        dynamic: Global___DynamicScaling | None = ...,
+        yarn: Global___YarnScaling | None = ...,
+        longrope: Global___LongRopeScaling | None = ...,
+        llama3: Global___Llama3Scaling | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_partial_rotary_factor", b"_partial_rotary_factor", "_rope_theta", b"_rope_theta", "dynamic", b"dynamic", "linear", b"linear", "llama3", b"llama3", "longrope", b"longrope", "partial_rotary_factor", b"partial_rotary_factor", "rope_theta", b"rope_theta", "scaling", b"scaling", "yarn", b"yarn"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_partial_rotary_factor", b"_partial_rotary_factor", "_rope_theta", b"_rope_theta", "dynamic", b"dynamic", "head_dim", b"head_dim", "layout", b"layout", "linear", b"linear", "llama3", b"llama3", "longrope", b"longrope", "partial_rotary_factor", b"partial_rotary_factor", "rope_theta", b"rope_theta", "scaling", b"scaling", "yarn", b"yarn"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__partial_rotary_factor: _TypeAlias = _typing.Literal["partial_rotary_factor"]  # noqa: Y015
+    _WhichOneofArgType__partial_rotary_factor: _TypeAlias = _typing.Literal["_partial_rotary_factor", b"_partial_rotary_factor"]  # noqa: Y015
+    _WhichOneofReturnType__rope_theta: _TypeAlias = _typing.Literal["rope_theta"]  # noqa: Y015
+    _WhichOneofArgType__rope_theta: _TypeAlias = _typing.Literal["_rope_theta", b"_rope_theta"]  # noqa: Y015
+    _WhichOneofReturnType_scaling: _TypeAlias = _typing.Literal["linear", "dynamic", "yarn", "longrope", "llama3"]  # noqa: Y015
+    _WhichOneofArgType_scaling: _TypeAlias = _typing.Literal["scaling", b"scaling"]  # noqa: Y015
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__partial_rotary_factor) -> _WhichOneofReturnType__partial_rotary_factor | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__rope_theta) -> _WhichOneofReturnType__rope_theta | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType_scaling) -> _WhichOneofReturnType_scaling | None: ...
+
+Global___RotaryTable: _TypeAlias = RotaryTable  # noqa: Y015
+
+@_typing.final
+class LinearScaling(_message.Message):
+    """Position interpolation: inv_freq / factor."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    FACTOR_FIELD_NUMBER: _builtins.int
+    factor: _builtins.float
+    """> 0."""
+    def __init__(
+        self,
+        *,
+        factor: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["factor", b"factor"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___LinearScaling: _TypeAlias = LinearScaling  # noqa: Y015
+
+@_typing.final
+class DynamicScaling(_message.Message):
+    """Dynamic NTK: rope_theta scaled for seq_len beyond max_position_embeddings."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    FACTOR_FIELD_NUMBER: _builtins.int
+    MAX_POSITION_EMBEDDINGS_FIELD_NUMBER: _builtins.int
+    SEQ_LEN_FIELD_NUMBER: _builtins.int
+    factor: _builtins.float
+    """> 0."""
+    max_position_embeddings: _builtins.int
+    """>= 1."""
+    seq_len: _builtins.int
+    """The sequence length the frequencies are computed for (transformers:
+    max(position_ids) + 1 of the longest forward so far). Unset: the model's
+    initial table (max_position_embeddings).
+    """
+    def __init__(
+        self,
+        *,
+        factor: _builtins.float = ...,
+        max_position_embeddings: _builtins.int = ...,
+        seq_len: _builtins.int | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_seq_len", b"_seq_len", "seq_len", b"seq_len"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_seq_len", b"_seq_len", "factor", b"factor", "max_position_embeddings", b"max_position_embeddings", "seq_len", b"seq_len"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__seq_len: _TypeAlias = _typing.Literal["seq_len"]  # noqa: Y015
+    _WhichOneofArgType__seq_len: _TypeAlias = _typing.Literal["_seq_len", b"_seq_len"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__seq_len) -> _WhichOneofReturnType__seq_len | None: ...
+
+Global___DynamicScaling: _TypeAlias = DynamicScaling  # noqa: Y015
+
+@_typing.final
+class YarnScaling(_message.Message):
+    """YaRN: an interpolation ramp between beta_fast and beta_slow, and an
+    attention factor.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
     FACTOR_FIELD_NUMBER: _builtins.int
     ORIGINAL_MAX_POSITION_EMBEDDINGS_FIELD_NUMBER: _builtins.int
     MAX_POSITION_EMBEDDINGS_FIELD_NUMBER: _builtins.int
-    LOW_FREQ_FACTOR_FIELD_NUMBER: _builtins.int
-    HIGH_FREQ_FACTOR_FIELD_NUMBER: _builtins.int
     BETA_FAST_FIELD_NUMBER: _builtins.int
     BETA_SLOW_FIELD_NUMBER: _builtins.int
     MSCALE_FIELD_NUMBER: _builtins.int
     MSCALE_ALL_DIM_FIELD_NUMBER: _builtins.int
     TRUNCATE_FIELD_NUMBER: _builtins.int
     ATTENTION_FACTOR_FIELD_NUMBER: _builtins.int
-    SHORT_FACTOR_FIELD_NUMBER: _builtins.int
-    LONG_FACTOR_FIELD_NUMBER: _builtins.int
-    SEQ_LEN_FIELD_NUMBER: _builtins.int
-    rope_type: Global___RopeType.ValueType
-    layout: Global___RopeLayout.ValueType
-    head_dim: _builtins.int
-    """The attention head width (config.head_dim, else hidden_size //
-    num_attention_heads).
-    """
-    rope_theta: _builtins.float
-    """Unset means 10000."""
-    partial_rotary_factor: _builtins.float
-    """rotary_dim = int(head_dim * partial_rotary_factor), even. Unset means 1."""
     factor: _builtins.float
-    """linear, dynamic, yarn, llama3 (required), longrope (optional)."""
+    """> 0. Unset: max_position_embeddings / original_max_position_embeddings."""
     original_max_position_embeddings: _builtins.int
-    """yarn, longrope, llama3."""
+    """>= 1."""
     max_position_embeddings: _builtins.int
-    """dynamic (required); yarn and longrope without factor."""
-    low_freq_factor: _builtins.float
-    """llama3."""
-    high_freq_factor: _builtins.float
+    """Only used to derive factor when it is unset."""
     beta_fast: _builtins.float
-    """yarn."""
+    """Unset (or 0) means 32."""
     beta_slow: _builtins.float
+    """Unset (or 0) means 1."""
     mscale: _builtins.float
     mscale_all_dim: _builtins.float
     truncate: _builtins.bool
+    """Floor and ceil the correction range. Unset means true."""
     attention_factor: _builtins.float
-    """yarn, longrope: the cos/sin scale; unset means the rope type's default."""
-    seq_len: _builtins.int
-    """dynamic, longrope: the sequence length the frequencies are computed for
-    (transformers: max(position_ids) + 1 of the longest forward so far).
-    Unset: the model's initial table (dynamic: max_position_embeddings;
-    longrope: short_factor).
-    """
-    @_builtins.property
-    def short_factor(self) -> _containers.RepeatedScalarFieldContainer[_builtins.float]:
-        """longrope: rotary_dim / 2 factors each."""
-
-    @_builtins.property
-    def long_factor(self) -> _containers.RepeatedScalarFieldContainer[_builtins.float]: ...
+    """The cos/sin scale. Unset: 0.1 ln(factor) + 1, or the mscale ratio."""
     def __init__(
         self,
         *,
-        rope_type: Global___RopeType.ValueType = ...,
-        layout: Global___RopeLayout.ValueType = ...,
-        head_dim: _builtins.int = ...,
-        rope_theta: _builtins.float | None = ...,
-        partial_rotary_factor: _builtins.float | None = ...,
         factor: _builtins.float | None = ...,
-        original_max_position_embeddings: _builtins.int | None = ...,
+        original_max_position_embeddings: _builtins.int = ...,
         max_position_embeddings: _builtins.int | None = ...,
-        low_freq_factor: _builtins.float | None = ...,
-        high_freq_factor: _builtins.float | None = ...,
         beta_fast: _builtins.float | None = ...,
         beta_slow: _builtins.float | None = ...,
         mscale: _builtins.float | None = ...,
         mscale_all_dim: _builtins.float | None = ...,
         truncate: _builtins.bool | None = ...,
         attention_factor: _builtins.float | None = ...,
-        short_factor: _abc.Iterable[_builtins.float] | None = ...,
-        long_factor: _abc.Iterable[_builtins.float] | None = ...,
-        seq_len: _builtins.int | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_attention_factor", b"_attention_factor", "_beta_fast", b"_beta_fast", "_beta_slow", b"_beta_slow", "_factor", b"_factor", "_high_freq_factor", b"_high_freq_factor", "_low_freq_factor", b"_low_freq_factor", "_max_position_embeddings", b"_max_position_embeddings", "_mscale", b"_mscale", "_mscale_all_dim", b"_mscale_all_dim", "_original_max_position_embeddings", b"_original_max_position_embeddings", "_partial_rotary_factor", b"_partial_rotary_factor", "_rope_theta", b"_rope_theta", "_seq_len", b"_seq_len", "_truncate", b"_truncate", "attention_factor", b"attention_factor", "beta_fast", b"beta_fast", "beta_slow", b"beta_slow", "factor", b"factor", "high_freq_factor", b"high_freq_factor", "low_freq_factor", b"low_freq_factor", "max_position_embeddings", b"max_position_embeddings", "mscale", b"mscale", "mscale_all_dim", b"mscale_all_dim", "original_max_position_embeddings", b"original_max_position_embeddings", "partial_rotary_factor", b"partial_rotary_factor", "rope_theta", b"rope_theta", "seq_len", b"seq_len", "truncate", b"truncate"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_attention_factor", b"_attention_factor", "_beta_fast", b"_beta_fast", "_beta_slow", b"_beta_slow", "_factor", b"_factor", "_max_position_embeddings", b"_max_position_embeddings", "_mscale", b"_mscale", "_mscale_all_dim", b"_mscale_all_dim", "_truncate", b"_truncate", "attention_factor", b"attention_factor", "beta_fast", b"beta_fast", "beta_slow", b"beta_slow", "factor", b"factor", "max_position_embeddings", b"max_position_embeddings", "mscale", b"mscale", "mscale_all_dim", b"mscale_all_dim", "truncate", b"truncate"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_attention_factor", b"_attention_factor", "_beta_fast", b"_beta_fast", "_beta_slow", b"_beta_slow", "_factor", b"_factor", "_high_freq_factor", b"_high_freq_factor", "_low_freq_factor", b"_low_freq_factor", "_max_position_embeddings", b"_max_position_embeddings", "_mscale", b"_mscale", "_mscale_all_dim", b"_mscale_all_dim", "_original_max_position_embeddings", b"_original_max_position_embeddings", "_partial_rotary_factor", b"_partial_rotary_factor", "_rope_theta", b"_rope_theta", "_seq_len", b"_seq_len", "_truncate", b"_truncate", "attention_factor", b"attention_factor", "beta_fast", b"beta_fast", "beta_slow", b"beta_slow", "factor", b"factor", "head_dim", b"head_dim", "high_freq_factor", b"high_freq_factor", "layout", b"layout", "long_factor", b"long_factor", "low_freq_factor", b"low_freq_factor", "max_position_embeddings", b"max_position_embeddings", "mscale", b"mscale", "mscale_all_dim", b"mscale_all_dim", "original_max_position_embeddings", b"original_max_position_embeddings", "partial_rotary_factor", b"partial_rotary_factor", "rope_theta", b"rope_theta", "rope_type", b"rope_type", "seq_len", b"seq_len", "short_factor", b"short_factor", "truncate", b"truncate"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_attention_factor", b"_attention_factor", "_beta_fast", b"_beta_fast", "_beta_slow", b"_beta_slow", "_factor", b"_factor", "_max_position_embeddings", b"_max_position_embeddings", "_mscale", b"_mscale", "_mscale_all_dim", b"_mscale_all_dim", "_truncate", b"_truncate", "attention_factor", b"attention_factor", "beta_fast", b"beta_fast", "beta_slow", b"beta_slow", "factor", b"factor", "max_position_embeddings", b"max_position_embeddings", "mscale", b"mscale", "mscale_all_dim", b"mscale_all_dim", "original_max_position_embeddings", b"original_max_position_embeddings", "truncate", b"truncate"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__attention_factor: _TypeAlias = _typing.Literal["attention_factor"]  # noqa: Y015
     _WhichOneofArgType__attention_factor: _TypeAlias = _typing.Literal["_attention_factor", b"_attention_factor"]  # noqa: Y015
@@ -449,24 +568,12 @@ class RotaryPreset(_message.Message):
     _WhichOneofArgType__beta_slow: _TypeAlias = _typing.Literal["_beta_slow", b"_beta_slow"]  # noqa: Y015
     _WhichOneofReturnType__factor: _TypeAlias = _typing.Literal["factor"]  # noqa: Y015
     _WhichOneofArgType__factor: _TypeAlias = _typing.Literal["_factor", b"_factor"]  # noqa: Y015
-    _WhichOneofReturnType__high_freq_factor: _TypeAlias = _typing.Literal["high_freq_factor"]  # noqa: Y015
-    _WhichOneofArgType__high_freq_factor: _TypeAlias = _typing.Literal["_high_freq_factor", b"_high_freq_factor"]  # noqa: Y015
-    _WhichOneofReturnType__low_freq_factor: _TypeAlias = _typing.Literal["low_freq_factor"]  # noqa: Y015
-    _WhichOneofArgType__low_freq_factor: _TypeAlias = _typing.Literal["_low_freq_factor", b"_low_freq_factor"]  # noqa: Y015
     _WhichOneofReturnType__max_position_embeddings: _TypeAlias = _typing.Literal["max_position_embeddings"]  # noqa: Y015
     _WhichOneofArgType__max_position_embeddings: _TypeAlias = _typing.Literal["_max_position_embeddings", b"_max_position_embeddings"]  # noqa: Y015
     _WhichOneofReturnType__mscale: _TypeAlias = _typing.Literal["mscale"]  # noqa: Y015
     _WhichOneofArgType__mscale: _TypeAlias = _typing.Literal["_mscale", b"_mscale"]  # noqa: Y015
     _WhichOneofReturnType__mscale_all_dim: _TypeAlias = _typing.Literal["mscale_all_dim"]  # noqa: Y015
     _WhichOneofArgType__mscale_all_dim: _TypeAlias = _typing.Literal["_mscale_all_dim", b"_mscale_all_dim"]  # noqa: Y015
-    _WhichOneofReturnType__original_max_position_embeddings: _TypeAlias = _typing.Literal["original_max_position_embeddings"]  # noqa: Y015
-    _WhichOneofArgType__original_max_position_embeddings: _TypeAlias = _typing.Literal["_original_max_position_embeddings", b"_original_max_position_embeddings"]  # noqa: Y015
-    _WhichOneofReturnType__partial_rotary_factor: _TypeAlias = _typing.Literal["partial_rotary_factor"]  # noqa: Y015
-    _WhichOneofArgType__partial_rotary_factor: _TypeAlias = _typing.Literal["_partial_rotary_factor", b"_partial_rotary_factor"]  # noqa: Y015
-    _WhichOneofReturnType__rope_theta: _TypeAlias = _typing.Literal["rope_theta"]  # noqa: Y015
-    _WhichOneofArgType__rope_theta: _TypeAlias = _typing.Literal["_rope_theta", b"_rope_theta"]  # noqa: Y015
-    _WhichOneofReturnType__seq_len: _TypeAlias = _typing.Literal["seq_len"]  # noqa: Y015
-    _WhichOneofArgType__seq_len: _TypeAlias = _typing.Literal["_seq_len", b"_seq_len"]  # noqa: Y015
     _WhichOneofReturnType__truncate: _TypeAlias = _typing.Literal["truncate"]  # noqa: Y015
     _WhichOneofArgType__truncate: _TypeAlias = _typing.Literal["_truncate", b"_truncate"]  # noqa: Y015
     @_typing.overload
@@ -478,27 +585,113 @@ class RotaryPreset(_message.Message):
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__factor) -> _WhichOneofReturnType__factor | None: ...
     @_typing.overload
-    def WhichOneof(self, oneof_group: _WhichOneofArgType__high_freq_factor) -> _WhichOneofReturnType__high_freq_factor | None: ...
-    @_typing.overload
-    def WhichOneof(self, oneof_group: _WhichOneofArgType__low_freq_factor) -> _WhichOneofReturnType__low_freq_factor | None: ...
-    @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__max_position_embeddings) -> _WhichOneofReturnType__max_position_embeddings | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__mscale) -> _WhichOneofReturnType__mscale | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__mscale_all_dim) -> _WhichOneofReturnType__mscale_all_dim | None: ...
     @_typing.overload
-    def WhichOneof(self, oneof_group: _WhichOneofArgType__original_max_position_embeddings) -> _WhichOneofReturnType__original_max_position_embeddings | None: ...
-    @_typing.overload
-    def WhichOneof(self, oneof_group: _WhichOneofArgType__partial_rotary_factor) -> _WhichOneofReturnType__partial_rotary_factor | None: ...
-    @_typing.overload
-    def WhichOneof(self, oneof_group: _WhichOneofArgType__rope_theta) -> _WhichOneofReturnType__rope_theta | None: ...
-    @_typing.overload
-    def WhichOneof(self, oneof_group: _WhichOneofArgType__seq_len) -> _WhichOneofReturnType__seq_len | None: ...
-    @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__truncate) -> _WhichOneofReturnType__truncate | None: ...
 
-Global___RotaryPreset: _TypeAlias = RotaryPreset  # noqa: Y015
+Global___YarnScaling: _TypeAlias = YarnScaling  # noqa: Y015
+
+@_typing.final
+class LongRopeScaling(_message.Message):
+    """LongRoPE (Phi-3): per-frequency short or long factors, chosen by seq_len."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    FACTOR_FIELD_NUMBER: _builtins.int
+    ORIGINAL_MAX_POSITION_EMBEDDINGS_FIELD_NUMBER: _builtins.int
+    MAX_POSITION_EMBEDDINGS_FIELD_NUMBER: _builtins.int
+    SHORT_FACTOR_FIELD_NUMBER: _builtins.int
+    LONG_FACTOR_FIELD_NUMBER: _builtins.int
+    ATTENTION_FACTOR_FIELD_NUMBER: _builtins.int
+    SEQ_LEN_FIELD_NUMBER: _builtins.int
+    factor: _builtins.float
+    """> 0. Unset: max_position_embeddings / original_max_position_embeddings."""
+    original_max_position_embeddings: _builtins.int
+    """>= 1."""
+    max_position_embeddings: _builtins.int
+    """Only used to derive factor when it is unset."""
+    attention_factor: _builtins.float
+    """The cos/sin scale. Unset: sqrt(1 + ln(factor) / ln(original))."""
+    seq_len: _builtins.int
+    """long_factor when seq_len > original_max_position_embeddings, else
+    short_factor. Unset: short_factor.
+    """
+    @_builtins.property
+    def short_factor(self) -> _containers.RepeatedScalarFieldContainer[_builtins.float]:
+        """rotary_dim / 2 factors each, every one finite and > 0."""
+
+    @_builtins.property
+    def long_factor(self) -> _containers.RepeatedScalarFieldContainer[_builtins.float]: ...
+    def __init__(
+        self,
+        *,
+        factor: _builtins.float | None = ...,
+        original_max_position_embeddings: _builtins.int = ...,
+        max_position_embeddings: _builtins.int | None = ...,
+        short_factor: _abc.Iterable[_builtins.float] | None = ...,
+        long_factor: _abc.Iterable[_builtins.float] | None = ...,
+        attention_factor: _builtins.float | None = ...,
+        seq_len: _builtins.int | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_attention_factor", b"_attention_factor", "_factor", b"_factor", "_max_position_embeddings", b"_max_position_embeddings", "_seq_len", b"_seq_len", "attention_factor", b"attention_factor", "factor", b"factor", "max_position_embeddings", b"max_position_embeddings", "seq_len", b"seq_len"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_attention_factor", b"_attention_factor", "_factor", b"_factor", "_max_position_embeddings", b"_max_position_embeddings", "_seq_len", b"_seq_len", "attention_factor", b"attention_factor", "factor", b"factor", "long_factor", b"long_factor", "max_position_embeddings", b"max_position_embeddings", "original_max_position_embeddings", b"original_max_position_embeddings", "seq_len", b"seq_len", "short_factor", b"short_factor"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__attention_factor: _TypeAlias = _typing.Literal["attention_factor"]  # noqa: Y015
+    _WhichOneofArgType__attention_factor: _TypeAlias = _typing.Literal["_attention_factor", b"_attention_factor"]  # noqa: Y015
+    _WhichOneofReturnType__factor: _TypeAlias = _typing.Literal["factor"]  # noqa: Y015
+    _WhichOneofArgType__factor: _TypeAlias = _typing.Literal["_factor", b"_factor"]  # noqa: Y015
+    _WhichOneofReturnType__max_position_embeddings: _TypeAlias = _typing.Literal["max_position_embeddings"]  # noqa: Y015
+    _WhichOneofArgType__max_position_embeddings: _TypeAlias = _typing.Literal["_max_position_embeddings", b"_max_position_embeddings"]  # noqa: Y015
+    _WhichOneofReturnType__seq_len: _TypeAlias = _typing.Literal["seq_len"]  # noqa: Y015
+    _WhichOneofArgType__seq_len: _TypeAlias = _typing.Literal["_seq_len", b"_seq_len"]  # noqa: Y015
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__attention_factor) -> _WhichOneofReturnType__attention_factor | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__factor) -> _WhichOneofReturnType__factor | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__max_position_embeddings) -> _WhichOneofReturnType__max_position_embeddings | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__seq_len) -> _WhichOneofReturnType__seq_len | None: ...
+
+Global___LongRopeScaling: _TypeAlias = LongRopeScaling  # noqa: Y015
+
+@_typing.final
+class Llama3Scaling(_message.Message):
+    """Llama 3.1: low frequencies / factor, high ones kept, a smooth band between."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    FACTOR_FIELD_NUMBER: _builtins.int
+    ORIGINAL_MAX_POSITION_EMBEDDINGS_FIELD_NUMBER: _builtins.int
+    LOW_FREQ_FACTOR_FIELD_NUMBER: _builtins.int
+    HIGH_FREQ_FACTOR_FIELD_NUMBER: _builtins.int
+    factor: _builtins.float
+    """> 0."""
+    original_max_position_embeddings: _builtins.int
+    """>= 1."""
+    low_freq_factor: _builtins.float
+    """> 0, and high_freq_factor > low_freq_factor."""
+    high_freq_factor: _builtins.float
+    def __init__(
+        self,
+        *,
+        factor: _builtins.float = ...,
+        original_max_position_embeddings: _builtins.int = ...,
+        low_freq_factor: _builtins.float = ...,
+        high_freq_factor: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["factor", b"factor", "high_freq_factor", b"high_freq_factor", "low_freq_factor", b"low_freq_factor", "original_max_position_embeddings", b"original_max_position_embeddings"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___Llama3Scaling: _TypeAlias = Llama3Scaling  # noqa: Y015
 
 @_typing.final
 class PositionRange(_message.Message):
@@ -803,12 +996,10 @@ class GetServerInfoResponse(_message.Message):
     VERSION_FIELD_NUMBER: _builtins.int
     LIMITS_FIELD_NUMBER: _builtins.int
     DTYPES_FIELD_NUMBER: _builtins.int
-    LAYOUTS_FIELD_NUMBER: _builtins.int
-    SCHEDULES_FIELD_NUMBER: _builtins.int
     CACHE_FIELD_NUMBER: _builtins.int
     SERVER_ID_FIELD_NUMBER: _builtins.int
     ROWS_COMPUTED_FIELD_NUMBER: _builtins.int
-    PRESETS_FIELD_NUMBER: _builtins.int
+    TABLE_KINDS_FIELD_NUMBER: _builtins.int
     version: _builtins.str
     server_id: _builtins.str
     """Identifies this server process (host and pid), to tell replicas apart."""
@@ -819,14 +1010,12 @@ class GetServerInfoResponse(_message.Message):
     @_builtins.property
     def dtypes(self) -> _containers.RepeatedScalarFieldContainer[Global___Dtype.ValueType]: ...
     @_builtins.property
-    def layouts(self) -> _containers.RepeatedScalarFieldContainer[Global___Layout.ValueType]: ...
-    @_builtins.property
-    def schedules(self) -> _containers.RepeatedScalarFieldContainer[Global___Schedule.ValueType]: ...
-    @_builtins.property
     def cache(self) -> Global___CacheStats: ...
     @_builtins.property
-    def presets(self) -> _containers.RepeatedCompositeFieldContainer[Global___PresetInfo]:
-        """The presets this server serves (EncodingSpec.preset), with their parameters."""
+    def table_kinds(self) -> _containers.RepeatedCompositeFieldContainer[Global___TableKind]:
+        """The table kinds this server serves (EncodingSpec.table, and the scalings
+        of RotaryTable), with their parameters.
+        """
 
     def __init__(
         self,
@@ -834,24 +1023,22 @@ class GetServerInfoResponse(_message.Message):
         version: _builtins.str = ...,
         limits: Global___Limits | None = ...,
         dtypes: _abc.Iterable[Global___Dtype.ValueType] | None = ...,
-        layouts: _abc.Iterable[Global___Layout.ValueType] | None = ...,
-        schedules: _abc.Iterable[Global___Schedule.ValueType] | None = ...,
         cache: Global___CacheStats | None = ...,
         server_id: _builtins.str = ...,
         rows_computed: _builtins.int = ...,
-        presets: _abc.Iterable[Global___PresetInfo] | None = ...,
+        table_kinds: _abc.Iterable[Global___TableKind] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["cache", b"cache", "limits", b"limits"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cache", b"cache", "dtypes", b"dtypes", "layouts", b"layouts", "limits", b"limits", "presets", b"presets", "rows_computed", b"rows_computed", "schedules", b"schedules", "server_id", b"server_id", "version", b"version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cache", b"cache", "dtypes", b"dtypes", "limits", b"limits", "rows_computed", b"rows_computed", "server_id", b"server_id", "table_kinds", b"table_kinds", "version", b"version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___GetServerInfoResponse: _TypeAlias = GetServerInfoResponse  # noqa: Y015
 
 @_typing.final
-class PresetInfo(_message.Message):
-    """One preset of GetServerInfo."""
+class TableKind(_message.Message):
+    """One table kind of GetServerInfo."""
 
     DESCRIPTOR: _descriptor.Descriptor
 
@@ -859,16 +1046,18 @@ class PresetInfo(_message.Message):
     DESCRIPTION_FIELD_NUMBER: _builtins.int
     PARAMETERS_FIELD_NUMBER: _builtins.int
     name: _builtins.str
-    """"vaswani", ..., for sinusoidal presets; "rotary:default", ..., for rope types."""
+    """The EncodingSpec.table field ("sinusoidal", "rotary", ...), or
+    "rotary.<scaling>" for a scaling of the rotary table.
+    """
     description: _builtins.str
     @_builtins.property
-    def parameters(self) -> _containers.RepeatedCompositeFieldContainer[Global___PresetParameter]: ...
+    def parameters(self) -> _containers.RepeatedCompositeFieldContainer[Global___TableParameter]: ...
     def __init__(
         self,
         *,
         name: _builtins.str = ...,
         description: _builtins.str = ...,
-        parameters: _abc.Iterable[Global___PresetParameter] | None = ...,
+        parameters: _abc.Iterable[Global___TableParameter] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
@@ -876,11 +1065,11 @@ class PresetInfo(_message.Message):
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
-Global___PresetInfo: _TypeAlias = PresetInfo  # noqa: Y015
+Global___TableKind: _TypeAlias = TableKind  # noqa: Y015
 
 @_typing.final
-class PresetParameter(_message.Message):
-    """A parameter of a preset."""
+class TableParameter(_message.Message):
+    """A parameter of a table kind."""
 
     DESCRIPTOR: _descriptor.Descriptor
 
@@ -888,7 +1077,7 @@ class PresetParameter(_message.Message):
     DESCRIPTION_FIELD_NUMBER: _builtins.int
     DEFAULT_FIELD_NUMBER: _builtins.int
     field: _builtins.str
-    """The request field, e.g. "spec.rotary.factor"."""
+    """The request field, e.g. "spec.rotary.yarn.factor"."""
     description: _builtins.str
     default: _builtins.str
     """The value used when the field is unset; empty when the field is required."""
@@ -905,4 +1094,4 @@ class PresetParameter(_message.Message):
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
-Global___PresetParameter: _TypeAlias = PresetParameter  # noqa: Y015
+Global___TableParameter: _TypeAlias = TableParameter  # noqa: Y015

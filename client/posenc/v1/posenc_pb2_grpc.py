@@ -26,7 +26,8 @@ if _version_not_supported:
 
 
 class PositionalEncodingServiceStub:
-    """Serves sinusoidal positional-encoding tables, computed exactly and cached.
+    """Serves positional-encoding tables (sinusoidal and rotary), computed exactly
+    and cached.
 
     Rows are positions, columns are encoding dimensions. Every table is fully
     determined by an EncodingSpec; the same spec and positions always produce
@@ -57,7 +58,8 @@ class PositionalEncodingServiceStub:
 
 
 class PositionalEncodingServiceServicer:
-    """Serves sinusoidal positional-encoding tables, computed exactly and cached.
+    """Serves positional-encoding tables (sinusoidal and rotary), computed exactly
+    and cached.
 
     Rows are positions, columns are encoding dimensions. Every table is fully
     determined by an EncodingSpec; the same spec and positions always produce
@@ -115,7 +117,8 @@ def add_PositionalEncodingServiceServicer_to_server(servicer, server):
 
  # This class is part of an EXPERIMENTAL API.
 class PositionalEncodingService:
-    """Serves sinusoidal positional-encoding tables, computed exactly and cached.
+    """Serves positional-encoding tables (sinusoidal and rotary), computed exactly
+    and cached.
 
     Rows are positions, columns are encoding dimensions. Every table is fully
     determined by an EncodingSpec; the same spec and positions always produce

@@ -1,4 +1,4 @@
-"""Hand-written protobuf encoding of the two table responses, without copying the payload.
+"""The wire codec of the two table responses, shared by the server and the SDK by design.
 
 ``GetEncodingResponse`` and ``StreamEncodingResponse`` both hold one ``Tensor`` in field 1.
 The generated classes copy a ``bytes`` field on every step: into the message, out of it when

@@ -1,0 +1,247 @@
+"""The public methods of ``Client`` and ``AsyncClient``, written once.
+
+Each method checks its arguments, asks :mod:`posenc._core` for the steps of the call and
+hands them to the client's driver: ``_run`` (blocking: the result; asyncio: an awaitable of
+it) or ``_iterate`` (an iterator, or an async iterator, of slices). The type parameters say
+which, so that each client's signatures are exact for type checkers.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Iterable, Sequence
+from typing import Any, Generic, TypeVar, Unpack, cast
+
+import grpc
+import numpy.typing as npt
+
+from posenc._channel import DEFAULT_TARGET, DEFAULT_UNARY_MAX_BYTES, Settings
+from posenc._core import Core, Steps
+from posenc._retry import DEFAULT_MAX_RETRIES, DEFAULT_RETRY_BACKOFF, DEFAULT_TIMEOUT
+from posenc._rows import DEFAULT_READAHEAD_BYTES, DEFAULT_ROW_CACHE_BYTES, RowCache
+from posenc.types import DEFAULT, ClassicOptions, DTypeArg, Table, Timeout
+
+# What the methods return: the value itself (Client) or an awaitable of it (AsyncClient).
+ArrayT = TypeVar("ArrayT")
+InfoT = TypeVar("InfoT")
+StatusT = TypeVar("StatusT")
+# Iterator or AsyncIterator of (label, rows) slices.
+SlicesT = TypeVar("SlicesT")
+
+
+class BaseClient(Generic[ArrayT, InfoT, StatusT, SlicesT]):
+    """What ``Client`` and ``AsyncClient`` share: construction and every public method.
+
+    Args:
+        target: ``host:port`` of a server, any gRPC target URI (``dns:///host:port``), or
+            a sequence of ``host:port`` replicas that calls are spread over, round robin.
+        timeout: Default deadline of each call in seconds, retries and whole streams
+            included; ``None`` for none. Every method takes a ``timeout=`` override.
+        max_retries: How many times a call is retried on UNAVAILABLE (server down or
+            restarting), with exponential backoff from ``retry_backoff`` seconds, capped
+            at 2 s. An interrupted stream resumes from the last row received.
+        retry_backoff: First retry delay, in seconds.
+        chunk_bytes: Preferred stream chunk size in bytes (the server caps it); ``None``
+            for the server's default.
+        unary_max_bytes: Results up to this size are fetched in one unary call, larger
+            ones are streamed. The client learns a table's width (so its size) from the
+            first response for that table; until then, a call streams when it would be
+            too large even with one column, and otherwise tries one unary call first.
+        credentials: ``grpc.ChannelCredentials`` for TLS; plaintext when ``None``.
+        options: Extra gRPC channel options, overriding the SDK's.
+        token: Bearer token sent with every call, for servers started with
+            ``--auth-token-file``.
+        row_cache_bytes: Memory for the rows :meth:`get_positions` fetched ahead, which
+            answer later calls for the same (spec, position) without a call: a row
+            depends on nothing else, so a cached row is the server's row. ``0`` turns
+            the cache, and so read-ahead, off.
+        readahead_bytes: When a call asks for position ``p`` right after one that asked
+            for ``p - 1`` (a decode loop moving forward), it also fetches up to 64
+            following positions, at most this many bytes in all, and after the call
+            fetches the next ones in the background, so the next steps of the loop need
+            no call. ``0`` turns read-ahead off.
+        interceptors: gRPC client interceptors that every call goes through (``grpc``'s
+            for ``Client``, ``grpc.aio``'s for ``AsyncClient``).
+    """
+
+    def __init__(
+        self,
+        target: str | Sequence[str] = DEFAULT_TARGET,
+        *,
+        timeout: float | None = DEFAULT_TIMEOUT,
+        max_retries: int = DEFAULT_MAX_RETRIES,
+        retry_backoff: float = DEFAULT_RETRY_BACKOFF,
+        chunk_bytes: int | None = None,
+        unary_max_bytes: int = DEFAULT_UNARY_MAX_BYTES,
+        credentials: grpc.ChannelCredentials | None = None,
+        options: Iterable[tuple[str, Any]] | None = None,
+        token: str | None = None,
+        row_cache_bytes: int = DEFAULT_ROW_CACHE_BYTES,
+        readahead_bytes: int = DEFAULT_READAHEAD_BYTES,
+        interceptors: Sequence[Any] = (),
+    ) -> None:
+        settings = Settings.create(
+            target,
+            timeout=timeout,
+            max_retries=max_retries,
+            retry_backoff=retry_backoff,
+            chunk_bytes=chunk_bytes,
+            unary_max_bytes=unary_max_bytes,
+            options=options,
+            token=token,
+        )
+        rows = RowCache(operator.index(row_cache_bytes), operator.index(readahead_bytes))
+        self._core = Core(settings, rows, self._new_token)
+        self._credentials = credentials
+        self._interceptors = tuple(interceptors)
+        self._closed = False
+        self._setup()
+
+    @property
+    def target(self) -> str:
+        """The gRPC target the channel connects to."""
+        return self._core.settings.target
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.target!r})"
+
+    # -- tables ---------------------------------------------------------------------------
+
+    def get_range(
+        self,
+        start: int,
+        stop: int,
+        table: Table,
+        *,
+        dtype: DTypeArg = "float32",
+        timeout: Timeout = DEFAULT,
+        **classic: Unpack[ClassicOptions],
+    ) -> ArrayT:
+        """Returns the rows of positions ``[start, stop)``, one row per position.
+
+        Args:
+            start: First position (any int64 the server accepts, negative included).
+            stop: End of the range, exclusive.
+            table: The table: an int is the ``d_model`` of the classic sinusoidal table
+                (Vaswani et al.), whose options ``base`` (frequency base; the server's
+                default is 10000), ``layout`` (``"interleaved"``: sin, cos, sin, cos, ...;
+                ``"split"``: all sines, then all cosines) and ``schedule`` (``"paper"``,
+                ``"tensor2tensor"``) are keywords allowed only with an int. Any table is
+                a :class:`posenc.Spec`. The result's width is the server's.
+            dtype: ``"float32"``, ``"float16"``, ``"bfloat16"`` (``ml_dtypes.bfloat16``
+                result) or ``"float64"``; numpy dtypes are accepted too.
+            timeout: Deadline of the whole call in seconds (``None``: none); defaults to
+                the client's.
+
+        Small results take one unary call; large ones are streamed straight into the
+        returned array, resuming after interruptions. ``AsyncClient``: awaitable.
+
+        Raises:
+            InvalidArgumentError: A bad argument (``field_violations`` names it).
+            ResourceExhaustedError: The result exceeds the server's stream limit.
+            DeadlineExceededError: The timeout expired.
+            UnavailableError: The server stayed unreachable through every retry.
+        """
+        query = self._core.range_query(start, stop, table, dtype, classic)
+        return cast(ArrayT, self._run(self._core.fetch(query, timeout)))
+
+    def get_positions(
+        self,
+        positions: npt.ArrayLike,
+        table: Table,
+        *,
+        dtype: DTypeArg = "float32",
+        timeout: Timeout = DEFAULT,
+        **classic: Unpack[ClassicOptions],
+    ) -> ArrayT:
+        """Returns the rows of arbitrary ``positions``, one row per position.
+
+        ``positions`` is any sequence or 1-D numpy array of integers, in the order the rows
+        are wanted (repeats allowed). Other arguments as in :meth:`get_range`.
+
+        Made for decode loops: rows come from the client's row cache when it holds them,
+        and a sequence moving forward has its next rows fetched ahead, in the call and in
+        the background (see ``row_cache_bytes`` and ``readahead_bytes``). The result is
+        always a new array. ``AsyncClient``: awaitable.
+        """
+        query = self._core.positions_query(positions, table, dtype, classic)
+        return cast(ArrayT, self._run(self._core.fetch_positions(query, timeout)))
+
+    def iter_range(
+        self,
+        start: int,
+        stop: int,
+        table: Table,
+        *,
+        dtype: DTypeArg = "float32",
+        chunk_bytes: int | None = None,
+        timeout: Timeout = DEFAULT,
+        **classic: Unpack[ClassicOptions],
+    ) -> SlicesT:
+        """Streams positions ``[start, stop)`` as ``(first_position, rows)`` slices, in order.
+
+        Memory stays at one chunk (``chunk_bytes``, else the client's, capped by the
+        server) however long the range: for tables too large to hold, e.g. written to
+        disk as they arrive. An interrupted stream resumes where it stopped. ``timeout``
+        bounds the whole iteration, including the time the caller spends between slices;
+        pass ``timeout=None`` for long jobs. Other arguments as in :meth:`get_range`;
+        they are checked when this is called, not at the first slice. ``AsyncClient``:
+        ``async for``.
+        """
+        query = self._core.range_query(start, stop, table, dtype, classic)
+        return self._iterate(self._core.stream(query, chunk_bytes, timeout))
+
+    def iter_positions(
+        self,
+        positions: npt.ArrayLike,
+        table: Table,
+        *,
+        dtype: DTypeArg = "float32",
+        chunk_bytes: int | None = None,
+        timeout: Timeout = DEFAULT,
+        **classic: Unpack[ClassicOptions],
+    ) -> SlicesT:
+        """Streams the rows of ``positions`` as ``(index_of_first_row, rows)`` slices.
+
+        ``rows`` are the rows of ``positions[index : index + len(rows)]``. Otherwise as
+        :meth:`iter_range`.
+        """
+        query = self._core.positions_query(positions, table, dtype, classic)
+        return self._iterate(self._core.stream(query, chunk_bytes, timeout))
+
+    # -- service --------------------------------------------------------------------------
+
+    def server_info(self, *, timeout: Timeout = DEFAULT) -> InfoT:
+        """Describes the server that answers: version, limits, table kinds, cache
+        statistics (:class:`posenc.ServerInfo`).
+
+        With several targets, each call may reach a different replica.
+        """
+        return cast(InfoT, self._run(self._core.server_info(timeout)))
+
+    def health(self, service: str = "", *, timeout: Timeout = DEFAULT) -> StatusT:
+        """The ``grpc.health.v1`` status of ``service`` ("" = the whole server).
+
+        Returns ``"SERVING"``, ``"NOT_SERVING"`` (e.g. draining before shutdown), or
+        ``"SERVICE_UNKNOWN"``. A probe reports what it sees now, so it is never retried:
+        an unreachable server raises :class:`UnavailableError`.
+        """
+        return cast(StatusT, self._run(self._core.health(service, timeout)))
+
+    # -- what each client does its own way ----------------------------------------------------
+
+    def _setup(self) -> None:
+        """The client's own state: its channel (or how it makes one), its read-ahead."""
+        raise NotImplementedError
+
+    def _new_token(self) -> Any:
+        """A future that a read-ahead completes, of the kind the client waits on."""
+        raise NotImplementedError
+
+    def _run(self, steps: Steps[Any]) -> Any:
+        """Performs ``steps``: their result (or, asyncio, an awaitable of it)."""
+        raise NotImplementedError
+
+    def _iterate(self, steps: Steps[None]) -> SlicesT:
+        """Performs ``steps`` as the caller iterates, yielding the slices they deliver."""
+        raise NotImplementedError

@@ -1,0 +1,198 @@
+"""Where calls go and how: targets (round robin over replicas), channel options, the
+client's validated settings, and the RPC methods on a channel, sync or asyncio alike."""
+
+from __future__ import annotations
+
+import ipaddress
+import math
+import operator
+import socket
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any, Final
+
+import grpc
+import grpc.aio
+from grpc_health.v1 import health_pb2
+
+from posenc import wire
+from posenc._query import check_chunk_bytes
+from posenc._retry import resolve_timeout
+from posenc.v1 import posenc_pb2 as pb
+
+DEFAULT_TARGET: Final = "127.0.0.1:50051"
+#: Results up to this size use the unary GetEncoding (one round trip, the decode-loop
+#: case); larger ones stream. Well under the server's 4 MiB unary limit, so a unary
+#: response never makes the caller wait for megabytes before seeing the first row.
+DEFAULT_UNARY_MAX_BYTES: Final = 1 << 20
+
+# The largest unary response the server may be configured for, with headroom; chunks are
+# at most 4 MiB. gRPC's own 4 MiB default would reject a server with a raised limit.
+_MAX_RECEIVE_BYTES: Final = 64 << 20
+# 1,048,576 positions at up to 10 varint bytes each (negative int64) is ~10.5 MB.
+_MAX_SEND_BYTES: Final = 32 << 20
+# gRPC reconnects to a failed server with 1 s initial, 120 s max backoff by default, and
+# while it waits, calls fail at once without trying: a replica back after 2 s could stay
+# unreachable for the channel well past our retry budget. Reconnecting at least every
+# 0.5 s means the channel sees a restarted server within ~0.6 s, so the default budget
+# (about 5 s of sleeps) rides out some 4.5 s of downtime.
+_RECONNECT_OPTIONS: Final = (
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 500),
+)
+
+
+def user_agent() -> str:
+    """The SDK's gRPC user agent, so server logs can tell SDK versions apart."""
+    from posenc import __version__  # late: posenc/__init__ imports this module
+
+    return f"posenc-python/{__version__}"
+
+
+def _split_host_port(target: str) -> tuple[str, int]:
+    if target.startswith("["):
+        host, sep, port = target[1:].partition("]:")
+    else:
+        host, sep, port = target.rpartition(":")
+    if not sep or not host or not port.isdigit():
+        raise ValueError(f"target {target!r} is not host:port")
+    return host, int(port)
+
+
+def _resolve(host: str, port: int) -> list[ipaddress.IPv4Address | ipaddress.IPv6Address]:
+    try:
+        return [ipaddress.ip_address(host)]
+    except ValueError:
+        pass
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except socket.gaierror as e:
+        raise ValueError(f"cannot resolve {host!r}: {e}") from None
+    addresses = [ipaddress.ip_address(info[4][0]) for info in infos]
+    # One family per host: IPv4 when it has any (what servers listen on by default).
+    v4 = [a for a in addresses if a.version == 4]
+    return list(dict.fromkeys(v4 or addresses))
+
+
+def is_uri(target: str) -> bool:
+    """Whether ``target`` is a gRPC URI (``dns:///h:p``, ``ipv4:a:p,b:q``, ...), not host:port."""
+    return "://" in target or target.startswith(("ipv4:", "ipv6:", "unix:", "dns:"))
+
+
+def channel_target(target: str | Sequence[str]) -> str:
+    """The gRPC target for one or several server addresses.
+
+    One target is used as given (``host:port`` or any gRPC URI such as ``dns:///host:port``),
+    and gRPC resolves it. Several ``host:port`` targets become one static address list,
+    ``ipv4:a:p,b:q`` (or ``ipv6:``), which the channel's round_robin policy spreads calls
+    over; hostnames are resolved here, once, because those URIs take IP literals only.
+    """
+    targets = [target] if isinstance(target, str) else list(target)
+    if not targets or not all(isinstance(t, str) and t for t in targets):
+        raise ValueError(f"target must be a non-empty string or sequence of them, got {target!r}")
+    if len(targets) == 1:
+        return targets[0]
+    addresses: list[tuple[ipaddress.IPv4Address | ipaddress.IPv6Address, int]] = []
+    for t in targets:
+        if is_uri(t):
+            raise ValueError(f"several targets must each be host:port, got {t!r}")
+        host, port = _split_host_port(t)
+        addresses.extend((address, port) for address in _resolve(host, port))
+    if all(a.version == 4 for a, _ in addresses):
+        return "ipv4:" + ",".join(f"{a}:{p}" for a, p in addresses)
+    # Mixed families: IPv4 addresses become v4-mapped IPv6 ones (dual-stack sockets).
+    mapped = [a if a.version == 6 else ipaddress.IPv6Address(f"::ffff:{a}") for a, _ in addresses]
+    return "ipv6:" + ",".join(f"[{a}]:{p}" for a, (_, p) in zip(mapped, addresses, strict=True))
+
+
+def channel_options(
+    user_options: Iterable[tuple[str, Any]] | None, user_agent: str
+) -> list[tuple[str, Any]]:
+    """Channel options: the SDK's, overridden by any the caller passes."""
+    options: dict[str, Any] = {
+        "grpc.lb_policy_name": "round_robin",
+        "grpc.max_receive_message_length": _MAX_RECEIVE_BYTES,
+        "grpc.max_send_message_length": _MAX_SEND_BYTES,
+        "grpc.primary_user_agent": user_agent,
+        **dict(_RECONNECT_OPTIONS),
+    }
+    options.update(dict(user_options or ()))
+    return list(options.items())
+
+
+@dataclass(frozen=True)
+class Settings:
+    """A client's validated constructor arguments, shared by Client and AsyncClient."""
+
+    target: str
+    timeout: float | None
+    max_retries: int
+    retry_backoff: float
+    chunk_bytes: int | None
+    unary_max_bytes: int
+    options: list[tuple[str, Any]]
+    # Sent with every call: the bearer token, when there is one.
+    metadata: tuple[tuple[str, str], ...]
+
+    @classmethod
+    def create(
+        cls,
+        target: str | Sequence[str],
+        *,
+        timeout: float | None,
+        max_retries: int,
+        retry_backoff: float,
+        chunk_bytes: int | None,
+        unary_max_bytes: int,
+        options: Iterable[tuple[str, Any]] | None,
+        token: str | None = None,
+    ) -> Settings:
+        retries = operator.index(max_retries)
+        if retries < 0:
+            raise ValueError(f"max_retries must be >= 0, got {max_retries}")
+        if not (math.isfinite(retry_backoff) and retry_backoff >= 0):
+            raise ValueError(f"retry_backoff must be >= 0, got {retry_backoff}")
+        unary_max = operator.index(unary_max_bytes)
+        if unary_max < 0:
+            raise ValueError(f"unary_max_bytes must be >= 0, got {unary_max_bytes}")
+        return cls(
+            target=channel_target(target),
+            timeout=resolve_timeout(timeout, None),
+            max_retries=retries,
+            retry_backoff=float(retry_backoff),
+            chunk_bytes=check_chunk_bytes(chunk_bytes),
+            unary_max_bytes=unary_max,
+            options=channel_options(options, user_agent()),
+            metadata=(("authorization", f"Bearer {token}"),) if token else (),
+        )
+
+
+class Calls:
+    """The RPC methods the SDK calls, on a channel: sync or asyncio alike.
+
+    The table methods parse their responses with :mod:`posenc.wire` (zero-copy views of the
+    payload); the others with the generated classes.
+    """
+
+    def __init__(self, channel: grpc.Channel | grpc.aio.Channel) -> None:
+        service = "/posenc.v1.PositionalEncodingService/"
+        self.get_encoding: Any = channel.unary_unary(
+            service + "GetEncoding",
+            request_serializer=pb.GetEncodingRequest.SerializeToString,
+            response_deserializer=wire.decode_tensor_response,
+        )
+        self.stream_encoding: Any = channel.unary_stream(
+            service + "StreamEncoding",
+            request_serializer=pb.StreamEncodingRequest.SerializeToString,
+            response_deserializer=wire.decode_tensor_response,
+        )
+        self.get_server_info: Any = channel.unary_unary(
+            service + "GetServerInfo",
+            request_serializer=pb.GetServerInfoRequest.SerializeToString,
+            response_deserializer=pb.GetServerInfoResponse.FromString,
+        )
+        self.health_check: Any = channel.unary_unary(
+            "/grpc.health.v1.Health/Check",
+            request_serializer=health_pb2.HealthCheckRequest.SerializeToString,
+            response_deserializer=health_pb2.HealthCheckResponse.FromString,
+        )

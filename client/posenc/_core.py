@@ -1,0 +1,364 @@
+"""Everything a client call does except its I/O, once for ``Client`` and ``AsyncClient``.
+
+Each SDK call is a generator of this module (sans-I/O): it yields operations — make this
+unary call, open this stream, read its next chunk, sleep, wait for these read-ahead tokens,
+hand this slice to the caller, start this read-ahead — and the client performs each one
+its own way (blocking, or awaited), sending the result back in, or throwing the
+``grpc.RpcError`` in. Request building, the unary-or-stream choice, stream resume, retries,
+error mapping and the read-ahead bookkeeping are written here only; the clients hold a
+driver of a few lines and the operations' I/O.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable, Generator, Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any, Generic, TypeAlias, TypeVar
+
+import grpc
+import numpy.typing as npt
+from grpc_health.v1 import health_pb2
+
+from posenc._channel import Settings
+from posenc._cursor import StreamCursor, decode_unary
+from posenc._query import (
+    Query,
+    Widths,
+    check_chunk_bytes,
+    positions_query,
+    range_query,
+    table_spec,
+)
+from posenc._retry import (
+    CallBudget,
+    resolve_timeout,
+)
+from posenc._rows import (
+    AheadFetch,
+    Pending,
+    RowCache,
+    RowPlan,
+)
+from posenc.errors import InvalidArgumentError, NotFoundError, ResourceExhaustedError
+from posenc.types import DEFAULT, DTypeArg, ServerInfo, Timeout, server_info_from_proto
+from posenc.v1 import posenc_pb2 as pb
+
+T = TypeVar("T")
+Rows: TypeAlias = npt.NDArray[Any]
+#: What iterators yield: the label of the first row (a position, or an index into the
+#: positions), and the rows.
+Slice: TypeAlias = tuple[int, Rows]
+# The classic table's keyword options, as a table method received them.
+Classic: TypeAlias = Mapping[str, object]
+
+
+# -- operations: what a call asks its client to do --------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Unary:
+    """Make the unary call ``method`` (an attribute of :class:`posenc._channel.Calls`);
+    the response is sent back."""
+
+    method: str
+    request: Any
+    timeout: float | None
+
+
+@dataclass(frozen=True, slots=True)
+class OpenStream:
+    """Start a StreamEncoding call; the call object is sent back."""
+
+    request: pb.StreamEncodingRequest
+    timeout: float | None
+
+
+@dataclass(frozen=True, slots=True)
+class NextChunk:
+    """Read the next response of stream ``call``; None is sent back at its end."""
+
+    call: Any
+
+
+@dataclass(frozen=True, slots=True)
+class Sleep:
+    """Sleep before a retry."""
+
+    seconds: float
+
+
+@dataclass(frozen=True, slots=True)
+class Wait:
+    """Wait (at most ``timeout``) for read-ahead ``tokens``, the client's futures."""
+
+    tokens: tuple[Any, ...]
+    timeout: float | None
+
+
+@dataclass(frozen=True, slots=True)
+class Deliver:
+    """Hand ``slice``, ``(label, rows)``, to the caller of an iterator."""
+
+    slice: Slice
+
+
+@dataclass(frozen=True, slots=True)
+class ReadAhead:
+    """Run :meth:`Core.fetch_ahead` for ``ahead`` in the background (a thread, a task),
+    then :meth:`Core.finish_ahead`."""
+
+    ahead: AheadFetch
+
+
+Operation: TypeAlias = Unary | OpenStream | NextChunk | Sleep | Wait | Deliver | ReadAhead
+Steps: TypeAlias = Generator[Operation, Any, T]
+
+
+class Stepper(Generic[T]):
+    """Runs the steps of one call for a driver: :meth:`next` gives the next operation,
+    after :meth:`send` or :meth:`throw` gave the outcome of the last; None once the call
+    returned (its value is :attr:`result`). Closing it closes the steps, which cancels a
+    stream left open."""
+
+    def __init__(self, steps: Steps[T]) -> None:
+        self._steps = steps
+        self._value: Any = None
+        self._error: BaseException | None = None
+        self.result: T
+
+    def next(self) -> Operation | None:
+        error, self._error = self._error, None
+        try:
+            if error is not None:
+                return self._steps.throw(error)
+            return self._steps.send(self._value)
+        except StopIteration as stop:
+            self.result = stop.value
+            return None
+
+    def __iter__(self) -> Iterator[Operation]:
+        while (operation := self.next()) is not None:
+            yield operation
+
+    def send(self, value: object) -> None:
+        self._value = value
+
+    def throw(self, error: BaseException) -> None:
+        self._value, self._error = None, error
+
+    def perform(self, perform: Callable[[Operation], Any], operation: Operation) -> None:
+        """Performs ``operation``; its outcome goes to the steps at :meth:`next`."""
+        try:
+            self.send(perform(operation))
+        except grpc.RpcError as error:
+            self.throw(error)
+
+    async def perform_async(
+        self, perform: Callable[[Operation], Awaitable[Any]], operation: Operation
+    ) -> None:
+        """:meth:`perform`, awaited."""
+        try:
+            self.send(await perform(operation))
+        except grpc.RpcError as error:
+            self.throw(error)
+
+    def __enter__(self) -> Stepper[T]:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self._steps.close()
+
+
+# -- the calls ---------------------------------------------------------------------------------
+
+
+class Core:
+    """The steps of every SDK call, on a client's settings, row cache and known widths.
+
+    The public-facing methods check their arguments when called (not at the first step) and
+    return the steps; ``new_token`` makes the futures that read-ahead tokens are.
+    """
+
+    def __init__(self, settings: Settings, rows: RowCache, new_token: Callable[[], Any]) -> None:
+        self.settings = settings
+        self.rows = rows
+        self.widths = Widths()
+        self._new_token = new_token
+
+    def budget(self, timeout: Timeout, *, retry: bool = True) -> CallBudget:
+        """The deadline and retry budget of one call."""
+        return CallBudget(
+            resolve_timeout(timeout, self.settings.timeout),
+            self.settings.max_retries if retry else 0,
+            self.settings.retry_backoff,
+        )
+
+    # -- what the public methods run; arguments are checked, and deadlines start, when
+    # these are called, not at the first step
+
+    def range_query(
+        self, start: object, stop: object, table: object, dtype: DTypeArg, classic: Classic
+    ) -> Query:
+        return range_query(start, stop, table_spec(table, dtype, classic), self.widths)
+
+    def positions_query(
+        self, positions: npt.ArrayLike, table: object, dtype: DTypeArg, classic: Classic
+    ) -> Query:
+        return positions_query(positions, table_spec(table, dtype, classic), self.widths)
+
+    def fetch(self, query: Query, timeout: Timeout) -> Steps[Rows]:
+        """A whole table (``get_range``)."""
+        return self._fetch(query, self.budget(timeout))
+
+    def fetch_positions(self, query: Query, timeout: Timeout) -> Steps[Rows]:
+        """The rows of a positions query, through the row cache (``get_positions``)."""
+        return self._through_rows(query, self.budget(timeout))
+
+    def stream(self, query: Query, chunk_bytes: object, timeout: Timeout) -> Steps[None]:
+        """A table slice by slice (``iter_range``, ``iter_positions``)."""
+        return self._stream(self._cursor(query, chunk_bytes), self.budget(timeout))
+
+    def server_info(self, timeout: Timeout) -> Steps[ServerInfo]:
+        return self._server_info(self.budget(timeout))
+
+    def health(self, service: str, timeout: Timeout) -> Steps[str]:
+        if not isinstance(service, str):
+            raise TypeError(f"service must be a str, got {type(service).__name__}")
+        # A probe reports what it sees now: never retried.
+        request = health_pb2.HealthCheckRequest(service=service)
+        return self._health(request, self.budget(timeout, retry=False))
+
+    def fetch_ahead(self, ahead: AheadFetch) -> Steps[Rows | None]:
+        """The steps of a background read-ahead: its rows, or None when it failed."""
+        budget = self.budget(DEFAULT, retry=False)
+        try:
+            return (yield from self._fetch(ahead.query, budget, self._readahead_unary_max))
+        except Exception:
+            # Nothing is lost: the call that needs these rows fetches them itself, and
+            # reports its own errors.
+            return None
+
+    def finish_ahead(self, ahead: AheadFetch, rows: Rows | None) -> None:
+        """A read-ahead ended (``rows`` None: it failed, or never ran): its rows join the
+        cache, and whoever waits for its token is woken."""
+        self.rows.finish_ahead(ahead, rows)
+        ahead.token.set_result(None)
+
+    # -- the steps
+
+    def _cursor(
+        self, query: Query, chunk_bytes: object = None, *, collect: bool = False
+    ) -> StreamCursor:
+        chunk = check_chunk_bytes(chunk_bytes) or self.settings.chunk_bytes
+        return StreamCursor(query, chunk, collect=collect)
+
+    @property
+    def _readahead_unary_max(self) -> int:
+        # One GetEncoding call even above unary_max_bytes: the server answers position
+        # lists from its cached blocks there, which the next steps' rows share.
+        return max(self.settings.unary_max_bytes, self.rows.readahead_bytes)
+
+    def _call(self, method: str, request: object, budget: CallBudget) -> Steps[Any]:
+        """One unary call, retried on transient failures within the budget."""
+        while True:
+            try:
+                return (yield Unary(method, request, budget.attempt_timeout()))
+            except grpc.RpcError as error:
+                delay = budget.on_error(error)
+            yield Sleep(delay)
+
+    def _server_info(self, budget: CallBudget) -> Steps[ServerInfo]:
+        response = yield from self._call("get_server_info", pb.GetServerInfoRequest(), budget)
+        return server_info_from_proto(response)
+
+    def _health(self, request: health_pb2.HealthCheckRequest, budget: CallBudget) -> Steps[str]:
+        try:
+            response = yield from self._call("health_check", request, budget)
+        except NotFoundError:
+            return "SERVICE_UNKNOWN"  # an answer: the server knows no such service
+        try:
+            name: str = health_pb2.HealthCheckResponse.ServingStatus.Name(response.status)
+        except ValueError:
+            return f"UNKNOWN({response.status})"
+        return name
+
+    def _fetch(
+        self, query: Query, budget: CallBudget, unary_max_bytes: int | None = None
+    ) -> Steps[Rows]:
+        """A whole table: one unary call when it is small (or empty: the response still
+        tells its width), else a stream collected into one array.
+
+        Until a response has told the table's width, a call is small when it would be with
+        one column: the server refuses a unary result over its limit before computing
+        anything, and the call then streams. A decode loop's first step is one unary call.
+        """
+        unary_max = self.settings.unary_max_bytes if unary_max_bytes is None else unary_max_bytes
+        size = query.nbytes
+        if size is None:
+            size = query.rows * query.dtype.itemsize
+        if query.rows <= 0 or size <= unary_max:
+            try:
+                tensor = yield from self._call("get_encoding", query.unary_request(), budget)
+                rows = decode_unary(tensor, query)
+                self.widths.learn(query.spec_key, rows.shape[1])
+                return rows
+            except ResourceExhaustedError:
+                if query.rows <= 0:
+                    raise
+                # The server's unary limit is below ours: stream instead.
+        cursor = self._cursor(query, collect=True)
+        yield from self._stream(cursor, budget)
+        return cursor.result()
+
+    def _stream(self, cursor: StreamCursor, budget: CallBudget) -> Steps[None]:
+        """The cursor's chunks (delivered unless it collects them); an interrupted call
+        resumes with the missing rows."""
+        collect = cursor.collect
+        while True:
+            call = yield OpenStream(cursor.request(), budget.attempt_timeout())
+            try:
+                while (chunk := (yield NextChunk(call))) is not None:
+                    label, rows = cursor.accept(chunk)
+                    self.widths.learn(cursor.query.spec_key, rows.shape[1])
+                    if not collect:
+                        yield Deliver((label, rows))
+                    budget.progress()
+                cursor.check_complete()
+                return
+            except grpc.RpcError as error:
+                if cursor.done:
+                    return  # the failure came after the last row: nothing is missing
+                delay = budget.on_error(error)
+            finally:
+                # A no-op when the call finished; frees the server's stream when the
+                # caller abandoned the iterator or a chunk failed validation.
+                call.cancel()
+            yield Sleep(delay)
+
+    def _through_rows(self, query: Query, budget: CallBudget) -> Steps[Rows]:
+        """A positions query, through the row cache (see :mod:`posenc._rows`)."""
+        plan = self.rows.plan(query)
+        if isinstance(plan, Pending):  # rows on their way: wait, then take them
+            yield Wait(plan.tokens, budget.attempt_timeout())
+            plan = self.rows.plan(query, wait=False)
+        rows = yield from self._rows_of(query, plan, budget)
+        ahead = self.rows.claim_ahead(query, self._new_token)
+        if ahead is not None:
+            yield ReadAhead(ahead)
+        return rows
+
+    def _rows_of(
+        self, query: Query, plan: RowPlan | Pending | None, budget: CallBudget
+    ) -> Steps[Rows]:
+        if plan is None:
+            return (yield from self._fetch(query, budget))
+        assert isinstance(plan, RowPlan)
+        if plan.fetch is None:
+            return plan.result()
+        try:
+            fetched = yield from self._fetch(plan.fetch, budget, self._readahead_unary_max)
+            return plan.result(fetched)
+        except (InvalidArgumentError, ResourceExhaustedError):
+            # Read-ahead may pass the server's position limit: the server judges the
+            # caller's own request, and its error names the caller's positions.
+            return (yield from self._fetch(query, budget))

@@ -1,0 +1,132 @@
+"""Responses into arrays: the unary decode, and the stream cursor that resumes a stream.
+
+Responses are parsed by :mod:`posenc.wire`, which hands out the payload as a view of the
+received message, so each chunk is copied once: into the result array. The width of a
+table is whatever the server's ``columns`` say (the same in every response of a query).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from posenc._query import Query
+from posenc.errors import InternalError
+from posenc.spec import enum_name
+from posenc.v1 import posenc_pb2 as pb
+from posenc.wire import TensorView
+
+
+def _copy_tensor(
+    tensor: TensorView, query: Query, columns: int | None, out: np.ndarray[Any, Any] | None
+) -> np.ndarray[Any, Any]:
+    """Validates ``tensor`` (``columns``: the width it must have, when known) and copies its
+    rows into ``out``, or into a new array when ``out`` is None."""
+    rows = tensor.rows if out is None else out.shape[0]
+    dtype = query.dtype
+    if (
+        tensor.dtype != query.spec.dtype
+        or tensor.rows != rows
+        or columns not in (None, tensor.columns)
+    ):
+        expected = f"{rows}x{'?' if columns is None else columns} {dtype.name}"
+        raise InternalError(
+            f"server sent a {tensor.rows}x{tensor.columns} "
+            f"{enum_name(pb.Dtype.DESCRIPTOR, tensor.dtype)} tensor, expected {expected}"
+        )
+    row_bytes = tensor.columns * dtype.itemsize
+    if len(tensor.data) != rows * row_bytes:
+        raise InternalError(
+            f"server sent {len(tensor.data)} data bytes for {rows} rows of {row_bytes}"
+        )
+    if out is None:
+        out = np.empty((rows, tensor.columns), dtype=dtype)
+    # One copy, straight from the message bytes into the destination rows. Through unsigned
+    # integers of the element size, which handles byte order for every dtype (bfloat16
+    # included) in one place.
+    source = np.frombuffer(tensor.data, dtype=f"<u{dtype.itemsize}")
+    out.view(f"=u{dtype.itemsize}")[...] = source.reshape(rows, tensor.columns)
+    return out
+
+
+def decode_unary(tensor: TensorView, query: Query) -> np.ndarray[Any, Any]:
+    """The result array of a GetEncoding response (writable, owns its memory)."""
+    if tensor.row_offset != 0:
+        raise InternalError(f"server sent row_offset {tensor.row_offset} in a unary response")
+    if tensor.rows != query.rows:
+        raise InternalError(f"server sent {tensor.rows} rows, expected {query.rows}")
+    return _copy_tensor(tensor, query, query.columns, None)
+
+
+class StreamCursor:
+    """Progress of one streamed table across however many StreamEncoding calls it takes.
+
+    ``received`` counts rows delivered so far. After an interruption, :meth:`request`
+    asks for the remaining rows only; chunk ``row_offset`` values are relative to the
+    request's own selection, so they are checked against ``received - base``.
+    """
+
+    def __init__(self, query: Query, max_chunk_bytes: int | None, *, collect: bool = False) -> None:
+        self.query = query
+        self.max_chunk_bytes = max_chunk_bytes
+        self.received = 0
+        self.columns = query.columns  # the width, once known: every chunk must have it
+        self._base = 0  # first row of the current call's selection
+        self.collect = collect
+        self._out: np.ndarray[Any, Any] | None = None
+
+    @property
+    def done(self) -> bool:
+        """Every row arrived, so a failure now (after the last chunk) loses nothing.
+
+        Never true for an empty or negative selection: its errors must be raised.
+        """
+        return 0 < self.query.rows == self.received
+
+    def request(self) -> pb.StreamEncodingRequest:
+        """The request for the rows not yet received."""
+        self._base = self.received
+        return self.query.stream_request(self.received, self.max_chunk_bytes)
+
+    def accept(self, chunk: TensorView) -> tuple[int, np.ndarray[Any, Any]]:
+        """Takes one chunk: returns ``(label of its first row, its rows)``.
+
+        When collecting, the rows are copied into the one result array (and a view of them
+        returned); otherwise into a new array of the chunk's size.
+        """
+        if chunk.row_offset != self.received - self._base:
+            raise InternalError(
+                f"server sent row_offset {chunk.row_offset}, expected "
+                f"{self.received - self._base}: chunks must arrive in order"
+            )
+        if chunk.rows == 0 or self.received + chunk.rows > self.query.rows:
+            raise InternalError(
+                f"server sent {chunk.rows} rows at row {self.received} of {self.query.rows}"
+            )
+        first = self.received
+        target = None
+        if self.collect:
+            if self._out is None:
+                # Allocated at the first chunk rather than before the call: a request the
+                # server refuses (over its limits, invalid) fails without first reserving
+                # memory for the whole result; and the chunk tells the width.
+                self._out = np.empty((self.query.rows, chunk.columns), dtype=self.query.dtype)
+            target = self._out[first : first + chunk.rows]
+        rows = _copy_tensor(chunk, self.query, self.columns, target)
+        self.columns = chunk.columns
+        self.received += chunk.rows
+        return self.query.label(first), rows
+
+    def result(self) -> np.ndarray[Any, Any]:
+        """The collected table, once every row arrived."""
+        if self._out is not None:
+            return self._out
+        return np.empty((max(self.query.rows, 0), self.columns or 0), dtype=self.query.dtype)
+
+    def check_complete(self) -> None:
+        """Called when a call ended without error: every row must have arrived."""
+        if self.received != self.query.rows:
+            raise InternalError(
+                f"stream ended after {self.received} of {self.query.rows} rows without an error"
+            )

@@ -1,0 +1,215 @@
+"""One table request, as the SDK's methods were called: argument checks and the ``Query``.
+
+Values are the server's to judge (its limits are configurable, and its messages name them);
+the checks here refuse only what the wire types cannot carry, and what would be a bug.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Final
+
+import ml_dtypes  # noqa: F401  (registers numpy's "bfloat16")
+import numpy as np
+import numpy.typing as npt
+
+from posenc._checks import INT64_MAX, INT64_MIN, as_int, as_int64, bad_argument, choice
+from posenc.spec import Spec, enum_name, enum_names
+from posenc.types import DTypeArg
+from posenc.v1 import posenc_pb2 as pb
+
+#: The ``dtype=`` names, from the ``Dtype`` enum; numpy knows each by that name.
+DTYPE_NAMES: Final = tuple(enum_names(pb.Dtype.DESCRIPTOR))
+_DTYPE_ENUMS: Final[Mapping[str, int]] = enum_names(pb.Dtype.DESCRIPTOR)
+# The classic table: what an int ``table`` is.
+_CLASSIC: Final = "sinusoidal"
+# Widths learned from responses, per spec: more than any process uses at once.
+_WIDTHS_KEPT: Final = 256
+
+
+def dtype_name(dtype: DTypeArg) -> str:
+    """Normalizes a ``dtype=`` argument: a name, or a numpy dtype such as ``np.float16``."""
+    if isinstance(dtype, str):
+        return choice(dtype, _DTYPE_ENUMS, "spec.dtype")
+    try:
+        name = np.dtype(dtype).name
+    except TypeError:
+        raise bad_argument("spec.dtype", f"{dtype!r} is not a dtype") from None
+    return choice(name, _DTYPE_ENUMS, "spec.dtype")
+
+
+def numpy_dtype(dtype: DTypeArg) -> np.dtype[Any]:
+    """The numpy dtype of results for a ``dtype=`` argument (bfloat16: ml_dtypes)."""
+    return np.dtype(dtype_name(dtype))
+
+
+def as_spec(table: object, classic: Mapping[str, object]) -> Spec:
+    """The spec of a ``table`` argument: an int is the classic table's ``d_model``, and
+    ``classic`` (``base``, ``layout``, ``schedule``) its options."""
+    if isinstance(table, Spec):
+        if classic:
+            name = next(iter(classic))
+            raise bad_argument(
+                f"spec.{table.kind}.{name}",
+                f"{name}= goes with an int table (the classic d_model); "
+                "a Spec carries its own parameters",
+            )
+        return table
+    if isinstance(table, bool) or not isinstance(table, int | np.integer):
+        raise bad_argument(
+            "spec.table",
+            f"must be a d_model (int) or a posenc.Spec, got {type(table).__name__}",
+        )
+    return Spec(_CLASSIC, d_model=table, **classic)
+
+
+def as_positions(positions: npt.ArrayLike) -> npt.NDArray[np.int64]:
+    """Converts ``positions`` to a 1-D int64 array, refusing anything but integers.
+
+    Floats are refused even when integral: ``np.arange(0, 1, 0.1)`` passed by mistake
+    should fail loudly rather than be truncated to zeros.
+    """
+    if isinstance(positions, str | bytes):
+        raise bad_argument("positions", "must be a sequence of integers, got a string")
+    try:
+        array = np.asarray(positions)
+    except (TypeError, ValueError, OverflowError) as e:
+        raise bad_argument("positions", f"must be a sequence of integers ({e})") from None
+    if array.ndim != 1:
+        raise bad_argument("positions", f"must be 1-D, got shape {array.shape}")
+    if array.size == 0:
+        return np.zeros(0, dtype=np.int64)
+    if array.dtype.kind == "O":
+        # Python ints beyond int64 (or mixed objects): check each one.
+        values = [as_int(v, "positions") for v in array]
+        if any(not INT64_MIN <= v <= INT64_MAX for v in values):
+            raise bad_argument("positions", "every position must fit in int64")
+        return np.asarray(values, dtype=np.int64)
+    if array.dtype.kind not in "iu":
+        raise bad_argument("positions", f"must be integers, got dtype {array.dtype}")
+    if array.dtype.kind == "u" and int(array.max()) > INT64_MAX:
+        raise bad_argument("positions", "every position must fit in int64")
+    # Always a copy: a resumed stream or a read-ahead plan reads the positions again later,
+    # when the caller may have reused its array.
+    return np.array(array, dtype=np.int64)
+
+
+def check_chunk_bytes(chunk_bytes: object) -> int | None:
+    """Validates a ``chunk_bytes=`` argument (None: the server's default chunk size)."""
+    if chunk_bytes is None:
+        return None
+    value = as_int(chunk_bytes, "max_chunk_bytes")
+    if not 1 <= value < 1 << 32:
+        raise bad_argument("max_chunk_bytes", f"must be in 1 .. 2**32 - 1, got {value}")
+    return value
+
+
+@dataclass(frozen=True, eq=False)
+class Query:
+    """One table request, independent of how it travels (unary, stream, resumed stream).
+
+    Rows are numbered 0 .. ``rows - 1`` within the selection; a range's row ``i`` is
+    position ``start + i``, a list's row ``i`` is ``positions[i]``. ``columns`` is the
+    table's width once a response has told it (the client knows no table's width by
+    itself), else None.
+    """
+
+    spec: pb.EncodingSpec
+    #: The spec as deterministic bytes: what tells two specs' rows apart.
+    spec_key: bytes
+    dtype: np.dtype[Any]
+    rows: int
+    start: int = 0
+    positions: npt.NDArray[np.int64] | None = None
+    columns: int | None = None
+
+    @property
+    def row_bytes(self) -> int | None:
+        """Bytes of a row, once the width is known."""
+        return None if self.columns is None else self.columns * self.dtype.itemsize
+
+    @property
+    def nbytes(self) -> int | None:
+        """Size of the whole result's data, once the width is known."""
+        return None if self.columns is None else self.rows * self.columns * self.dtype.itemsize
+
+    def label(self, row: int) -> int:
+        """What iterators yield for a slice starting at ``row``: a range's position, a
+        list's index into the positions."""
+        return self.start + row if self.positions is None else row
+
+    def _selection(self, first_row: int) -> dict[str, Any]:
+        # Rows before first_row were already received: ask only for the rest.
+        if self.positions is None:
+            stop = self.start + self.rows
+            return {"range": pb.PositionRange(start=self.start + first_row, stop=stop)}
+        return {"positions": pb.PositionList(positions=self.positions[first_row:].tolist())}
+
+    def unary_request(self) -> pb.GetEncodingRequest:
+        return pb.GetEncodingRequest(spec=self.spec, **self._selection(0))
+
+    def stream_request(
+        self, first_row: int, max_chunk_bytes: int | None
+    ) -> pb.StreamEncodingRequest:
+        return pb.StreamEncodingRequest(
+            spec=self.spec, max_chunk_bytes=max_chunk_bytes or 0, **self._selection(first_row)
+        )
+
+    def empty(self, rows: int | None = None) -> np.ndarray[Any, np.dtype[Any]]:
+        """An uninitialized array of ``rows`` (default: all) rows of the known width."""
+        assert self.columns is not None, "the width is known from a response"
+        return np.empty((self.rows if rows is None else rows, self.columns), dtype=self.dtype)
+
+
+class Widths:
+    """Table widths learned from responses, by spec key: a table's width is a function of
+    its spec, and knowing it lets a call choose unary or stream by size, and the row cache
+    plan in bytes. Bounded, least recently used forgotten first; thread-safe."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._widths: OrderedDict[bytes, int] = OrderedDict()
+
+    def get(self, key: bytes) -> int | None:
+        with self._lock:
+            width = self._widths.get(key)
+            if width is not None:
+                self._widths.move_to_end(key)
+            return width
+
+    def learn(self, key: bytes, width: int) -> None:
+        with self._lock:
+            self._widths[key] = width
+            self._widths.move_to_end(key)
+            if len(self._widths) > _WIDTHS_KEPT:
+                self._widths.popitem(last=False)
+
+
+def table_spec(table: object, dtype: DTypeArg, classic: Mapping[str, object]) -> pb.EncodingSpec:
+    """The ``EncodingSpec`` of a table method's ``table``, ``dtype`` and classic options."""
+    spec = as_spec(table, classic).to_proto()
+    spec.dtype = _DTYPE_ENUMS[dtype_name(dtype)]  # type: ignore[assignment]
+    return spec
+
+
+def range_query(start: object, stop: object, spec: pb.EncodingSpec, widths: Widths) -> Query:
+    """The query for positions ``[start, stop)``."""
+    first, end = as_int64(start, "range.start"), as_int64(stop, "range.stop")
+    # A negative row count (stop < start) goes to the server, which refuses it with its
+    # own field violation; results are only allocated once the server has answered.
+    return _query(spec, widths, rows=end - first, start=first)
+
+
+def positions_query(positions: npt.ArrayLike, spec: pb.EncodingSpec, widths: Widths) -> Query:
+    """The query for an explicit list of positions."""
+    array = as_positions(positions)
+    return _query(spec, widths, rows=len(array), positions=array)
+
+
+def _query(spec: pb.EncodingSpec, widths: Widths, **selection: Any) -> Query:
+    key = spec.SerializeToString(deterministic=True)
+    dtype = np.dtype(enum_name(pb.Dtype.DESCRIPTOR, spec.dtype))
+    return Query(spec, key, dtype, columns=widths.get(key), **selection)

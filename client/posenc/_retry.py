@@ -1,0 +1,172 @@
+"""Failures: gRPC errors into :mod:`posenc.errors`, which of them are retried, and the
+deadline and retry budget that one SDK call shares among all its attempts."""
+
+from __future__ import annotations
+
+import logging
+import math
+import random
+import time
+from collections.abc import Iterable
+from typing import Final
+
+import grpc
+from google.protobuf.message import DecodeError
+from google.rpc import error_details_pb2, status_pb2
+from grpc_status import rpc_status
+
+from posenc.errors import (
+    DeadlineExceededError,
+    InvalidArgumentError,
+    PosencError,
+    error_class_for_code,
+)
+from posenc.types import DEFAULT, Timeout
+
+log = logging.getLogger("posenc")
+
+DEFAULT_TIMEOUT: Final = 60.0
+DEFAULT_MAX_RETRIES: Final = 6
+DEFAULT_RETRY_BACKOFF: Final = 0.1
+#: Longest sleep between two retries. With the defaults the sleeps are 0.1, 0.2, 0.4, 0.8,
+#: 1.6 and 2.0 s: about 5 s, enough for a replica to restart (its imports take 1-3 s).
+MAX_RETRY_BACKOFF: Final = 2.0
+
+_DETAILS_KEY: Final = "grpc-status-details-bin"
+
+
+def _rich_status(error: grpc.RpcError) -> status_pb2.Status | None:
+    try:
+        return rpc_status.from_call(error)  # type: ignore[arg-type]
+    except ValueError:
+        # from_call insists the rich status repeats code and message exactly; the field
+        # violations are worth having even from a server that gets that wrong.
+        pass
+    except (AttributeError, TypeError):
+        return None  # not a call (e.g. a bare RpcError): no metadata to read
+    metadata: Iterable[tuple[str, str | bytes]] = error.trailing_metadata() or ()  # type: ignore[assignment]
+    for key, value in metadata:
+        if key == _DETAILS_KEY and isinstance(value, bytes):
+            try:
+                return status_pb2.Status.FromString(value)
+            except DecodeError:
+                return None
+    return None
+
+
+def _field_violations(error: grpc.RpcError) -> list[tuple[str, str]]:
+    status = _rich_status(error)
+    if status is None:
+        return []
+    violations: list[tuple[str, str]] = []
+    for detail in status.details:
+        if detail.Is(error_details_pb2.BadRequest.DESCRIPTOR):
+            bad_request = error_details_pb2.BadRequest()
+            detail.Unpack(bad_request)
+            violations.extend((v.field, v.description) for v in bad_request.field_violations)
+    return violations
+
+
+def map_rpc_error(error: grpc.RpcError) -> PosencError:
+    """The SDK exception for a failed call (sync and aio errors alike)."""
+    try:
+        code = error.code()
+        details = error.details() or ""
+    except (AttributeError, TypeError):
+        return PosencError(str(error) or type(error).__name__)
+    cls = error_class_for_code(code)
+    if issubclass(cls, InvalidArgumentError):
+        return cls(details, code=code, field_violations=_field_violations(error))
+    return cls(details, code=code, retry_after=_retry_after(error))
+
+
+def _retry_after(error: grpc.RpcError) -> float | None:
+    """The delay of a ``google.rpc.RetryInfo`` detail, if the status carries one."""
+    status = _rich_status(error)
+    for detail in status.details if status is not None else ():
+        if detail.Is(error_details_pb2.RetryInfo.DESCRIPTOR):
+            info = error_details_pb2.RetryInfo()
+            detail.Unpack(info)
+            return float(info.retry_delay.ToTimedelta().total_seconds())
+    return None
+
+
+def is_transient(error: PosencError) -> bool:
+    """Whether the same request may succeed when tried again.
+
+    UNAVAILABLE; RESOURCE_EXHAUSTED when the server says when to retry (RetryInfo: it is at
+    a concurrency limit, unlike a request over a size limit); and the INTERNAL that gRPC
+    reports when an HTTP/2 stream is reset under it (a proxy such as nginx resets a
+    client's stream when its upstream replica dies). The server's own INTERNAL is a bug and
+    is not retried. Every posenc call only reads, so repeating one is safe.
+    """
+    if error.code == grpc.StatusCode.UNAVAILABLE:
+        return True
+    if error.code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+        return error.retry_after is not None
+    return error.code == grpc.StatusCode.INTERNAL and "RST_STREAM" in error.details
+
+
+class CallBudget:
+    """Deadline and retries of one SDK call, shared by all its attempts.
+
+    The timeout bounds the whole call, retries and resumed streams included: each attempt
+    gets what remains of it. Only transient failures are retried (see :func:`is_transient`);
+    the other codes say retrying the same request would fail the same way (or, for
+    DEADLINE_EXCEEDED, too late).
+    """
+
+    def __init__(self, timeout: float | None, max_retries: int, backoff: float) -> None:
+        self.timeout = timeout
+        self._deadline = None if timeout is None else time.monotonic() + timeout
+        self._max_retries = max_retries
+        self._backoff = backoff
+        self._failures = 0  # consecutive failed attempts without progress
+
+    def attempt_timeout(self) -> float | None:
+        """The timeout of the next attempt: what remains of the call's deadline."""
+        if self._deadline is None:
+            return None
+        remaining = self._deadline - time.monotonic()
+        if remaining <= 0:
+            raise DeadlineExceededError(f"deadline of {self.timeout} s exceeded")
+        return remaining
+
+    def progress(self) -> None:
+        """Rows arrived: a stream that keeps moving gets its full retry budget again."""
+        self._failures = 0
+
+    def on_error(self, error: grpc.RpcError) -> float:
+        """Returns how long to sleep before retrying, or raises the mapped exception."""
+        mapped = map_rpc_error(error)
+        if not is_transient(mapped) or self._failures >= self._max_retries:
+            if self._failures:
+                mapped.details += f" (after {self._failures + 1} attempts)"
+            raise mapped from error
+        delay = min(MAX_RETRY_BACKOFF, self._backoff * 2.0**self._failures)
+        delay = max(delay, mapped.retry_after or 0.0)
+        # Jitter upwards only, so the documented budget stays a lower bound, while
+        # clients that failed together do not all come back in the same millisecond.
+        delay *= 1.0 + 0.2 * random.random()
+        if self._deadline is not None and time.monotonic() + delay >= self._deadline:
+            raise DeadlineExceededError(
+                f"deadline of {self.timeout} s exceeded while retrying: {mapped}"
+            ) from error
+        self._failures += 1
+        log.info(
+            "retrying in %.2f s (retry %d of %d): %s",
+            delay,
+            self._failures,
+            self._max_retries,
+            mapped,
+        )
+        return delay
+
+
+def resolve_timeout(timeout: Timeout, default: float | None) -> float | None:
+    """A per-call ``timeout=`` argument, with ``DEFAULT`` meaning the client's default."""
+    if timeout is DEFAULT:
+        return default
+    if timeout is not None and (not math.isfinite(timeout) or timeout <= 0):
+        raise ValueError(f"timeout must be a positive number of seconds or None, got {timeout!r}")
+    return timeout

@@ -1,0 +1,368 @@
+"""Table specs: which table a call asks for, checked against the protocol's own descriptors.
+
+A table kind is a field of the ``EncodingSpec.table`` oneof (``"sinusoidal"``, ``"whisper"``,
+``"rotary"``, ...), and its parameters are the fields of that kind's message. Nothing here
+lists kinds, parameters or enum names by hand: they are read from ``posenc.v1``, so a kind or
+a parameter added to the proto is accepted by :class:`Spec` (and the CLI) as it is::
+
+    posenc.Spec("sinusoidal", d_model=512, layout="split")
+    posenc.Spec("fairseq", d_model=1024, padding_idx=1)
+    posenc.Spec("rotary", head_dim=128, rope_theta=500000.0, scaling="llama3", factor=8.0,
+                original_max_position_embeddings=8192, low_freq_factor=1.0,
+                high_freq_factor=4.0)
+
+A kind message's own oneofs of messages (the rotary ``scaling``) are chosen by name with the
+oneof's name as keyword (``scaling="yarn"``), and the chosen message's fields are given flat
+beside the kind's own. The server judges the values; a spec only checks what the wire types
+cannot carry, and names the request field of anything it refuses.
+"""
+
+from __future__ import annotations
+
+import numbers
+import operator
+from collections.abc import Iterable, Mapping
+from typing import Any, Final
+
+import numpy as np
+from google.protobuf.descriptor import Descriptor, EnumDescriptor, FieldDescriptor, OneofDescriptor
+
+from posenc._checks import bad_argument
+from posenc.v1 import posenc_pb2 as pb
+
+__all__ = [
+    "Spec",
+    "cases",
+    "choice_oneofs",
+    "enum_name",
+    "enum_names",
+    "kind_message",
+    "kind_names",
+    "parameter_fields",
+]
+
+_TABLE: Final[OneofDescriptor] = pb.EncodingSpec.DESCRIPTOR.oneofs_by_name["table"]
+
+_INTEGER_RANGES: Final[Mapping[int, tuple[int, int]]] = {
+    FieldDescriptor.CPPTYPE_INT32: (-(1 << 31), (1 << 31) - 1),
+    FieldDescriptor.CPPTYPE_INT64: (-(1 << 63), (1 << 63) - 1),
+    FieldDescriptor.CPPTYPE_UINT32: (0, (1 << 32) - 1),
+    FieldDescriptor.CPPTYPE_UINT64: (0, (1 << 64) - 1),
+}
+_REALS: Final = (FieldDescriptor.CPPTYPE_DOUBLE, FieldDescriptor.CPPTYPE_FLOAT)
+
+
+# -- names from descriptors ---------------------------------------------------------------
+
+
+def enum_names(enum: EnumDescriptor) -> dict[str, int]:
+    """The names an enum is given by in the SDK: ``LAYOUT_SPLIT`` -> ``"split"``.
+
+    The zero value (``*_UNSPECIFIED``, the server's default) is left out; its prefix is the
+    one every value name shares, as ``buf lint`` requires.
+    """
+    prefix = enum.values_by_number[0].name.removesuffix("UNSPECIFIED")
+    return {
+        value.name.removeprefix(prefix).lower(): value.number
+        for value in enum.values
+        if value.number != 0
+    }
+
+
+def enum_name(enum: EnumDescriptor, number: int) -> str:
+    """The SDK name of an enum value; values this SDK does not know stay readable."""
+    for name, value in enum_names(enum).items():
+        if value == number:
+            return name
+    return f"unknown({number})"
+
+
+def kind_names() -> tuple[str, ...]:
+    """The table kinds: the fields of ``EncodingSpec.table``, in proto order."""
+    return tuple(field.name for field in _TABLE.fields)
+
+
+def _message_of(field: FieldDescriptor) -> Descriptor:
+    message = field.message_type
+    assert message is not None, f"{field.full_name} is a message field"
+    return message
+
+
+def _enum_of(field: FieldDescriptor) -> EnumDescriptor:
+    enum = field.enum_type
+    assert enum is not None, f"{field.full_name} is an enum field"
+    return enum
+
+
+def cases(oneof: OneofDescriptor) -> dict[str, FieldDescriptor]:
+    """The fields of a oneof, by name."""
+    return {field.name: field for field in oneof.fields}
+
+
+def kind_message(kind: str) -> Descriptor:
+    """The message of table kind ``kind``; InvalidArgumentError naming the known ones."""
+    kinds = cases(_TABLE)
+    if not isinstance(kind, str) or kind not in kinds:
+        raise bad_argument("spec.table", f"{kind!r} is not a table kind: one of {', '.join(kinds)}")
+    return _message_of(kinds[kind])
+
+
+def _is_synthetic(oneof: OneofDescriptor) -> bool:
+    # proto3 `optional` wraps its field in a oneof of its own, named after it.
+    return len(oneof.fields) == 1 and oneof.name == "_" + oneof.fields[0].name
+
+
+def choice_oneofs(message: Descriptor) -> tuple[OneofDescriptor, ...]:
+    """The oneofs a kind chooses a message from by name (the rotary ``scaling``)."""
+    return tuple(oneof for oneof in message.oneofs if not _is_synthetic(oneof))
+
+
+def parameter_fields(message: Descriptor) -> tuple[FieldDescriptor, ...]:
+    """A message's own parameters: its fields outside the oneofs it chooses from."""
+    chosen = {field.name for oneof in choice_oneofs(message) for field in oneof.fields}
+    return tuple(field for field in message.fields if field.name not in chosen)
+
+
+# -- values ---------------------------------------------------------------------------------
+
+
+def _convert(field: FieldDescriptor, value: object, path: str) -> Any:
+    """``value`` as field ``field`` holds it (enums: the SDK name), or InvalidArgumentError."""
+    if field.is_repeated:
+        if isinstance(value, str | bytes) or not isinstance(value, Iterable):
+            raise bad_argument(path, f"must be a sequence, got {type(value).__name__}")
+        return tuple(_scalar(field, item, path) for item in value)
+    return _scalar(field, value, path)
+
+
+def _scalar(field: FieldDescriptor, value: object, path: str) -> Any:
+    cpp_type = field.cpp_type
+    if cpp_type == FieldDescriptor.CPPTYPE_ENUM:
+        names = enum_names(_enum_of(field))
+        if isinstance(value, str) and value.lower() in names:
+            return value.lower()
+        raise bad_argument(path, f"{value!r} is not one of {', '.join(names)}")
+    if cpp_type == FieldDescriptor.CPPTYPE_BOOL:
+        if not isinstance(value, bool | np.bool_):
+            raise bad_argument(path, f"must be true or false, got {value!r}")
+        return bool(value)
+    if isinstance(value, bool | np.bool_):  # an int to Python, a bug in a number field
+        raise bad_argument(path, f"must be a number, got {value!r}")
+    if cpp_type in _INTEGER_RANGES:
+        try:
+            number = operator.index(value)  # type: ignore[arg-type]
+        except TypeError:
+            raise bad_argument(path, f"must be an integer, got {type(value).__name__}") from None
+        low, high = _INTEGER_RANGES[cpp_type]
+        if not low <= number <= high:
+            # What the wire type cannot carry; the server judges the rest.
+            raise bad_argument(path, f"must be between {low} and {high}, got {number}")
+        return number
+    if cpp_type in _REALS:
+        if not isinstance(value, numbers.Real):
+            raise bad_argument(path, f"must be a real number, got {type(value).__name__}")
+        return float(value)
+    if cpp_type == FieldDescriptor.CPPTYPE_STRING:
+        if not isinstance(value, str):
+            raise bad_argument(path, f"must be a string, got {type(value).__name__}")
+        return value
+    raise bad_argument(path, "is not a parameter the SDK can set")
+
+
+def _set(message: Any, field: FieldDescriptor, value: Any) -> None:
+    if field.cpp_type == FieldDescriptor.CPPTYPE_ENUM:
+        value = enum_names(_enum_of(field))[value]
+    if field.is_repeated:
+        getattr(message, field.name).extend(value)
+    else:
+        setattr(message, field.name, value)
+
+
+# -- Spec -------------------------------------------------------------------------------------
+
+
+class Spec:
+    """One table: a kind (an ``EncodingSpec.table`` field name) and that kind's parameters.
+
+    Args:
+        kind: ``"sinusoidal"`` (the classic table), ``"tensor2tensor"``, ``"whisper"``,
+            ``"fairseq"``, ``"transformer_xl"``, ``"rotary"``, or any kind the proto adds.
+        parameters: The kind message's fields (see ``posenc.v1`` or ``posenc info``);
+            enum fields take names (``layout="split"``, ``layout="vllm"``), case-insensitive.
+            A oneof of the kind is chosen by name (``scaling="yarn"``) and its message's
+            fields are given flat beside the kind's. Unset fields take the server's defaults.
+
+    Raises:
+        InvalidArgumentError: An unknown kind or parameter (the error names the request
+            field and lists the known ones), or a value its wire type cannot carry.
+
+    A spec is immutable and hashable; every table method of :class:`posenc.Client` and
+    :class:`posenc.AsyncClient` takes one where it takes a ``d_model``.
+    """
+
+    __slots__ = ("_items", "_kind", "_message")
+
+    def __init__(self, kind: str, /, **parameters: object) -> None:
+        message_type = kind_message(kind)
+        spec = pb.EncodingSpec()
+        message = getattr(spec, kind)
+        message.SetInParent()  # a kind with every parameter unset is still chosen
+        # In the message's field order: equal specs list their parameters alike.
+        items: dict[str, Any] = {}
+        remaining = dict(parameters)
+        for field in parameter_fields(message_type):
+            if field.name in remaining:
+                path = f"spec.{kind}.{field.name}"
+                items[field.name] = _convert(field, remaining.pop(field.name), path)
+                _set(message, field, items[field.name])
+        for oneof in choice_oneofs(message_type):
+            if oneof.name in remaining:
+                choice, chosen = self._choose(kind, oneof, remaining)
+                items[oneof.name] = choice
+                items.update(chosen)
+                self._fill(getattr(message, choice), chosen)
+        if remaining:
+            raise self._unknown(kind, message_type, next(iter(remaining)), items)
+        self._kind = kind
+        self._items = items
+        self._message = spec
+
+    @staticmethod
+    def _choose(
+        kind: str, oneof: OneofDescriptor, remaining: dict[str, object]
+    ) -> tuple[str, dict[str, Any]]:
+        """Pops ``oneof``'s choice and its message's fields from ``remaining``."""
+        choice = remaining.pop(oneof.name)
+        named = cases(oneof)
+        if not isinstance(choice, str) or choice.lower() not in named:
+            raise bad_argument(
+                f"spec.{kind}.{oneof.name}", f"{choice!r} is not one of {', '.join(named)}"
+            )
+        case = named[choice.lower()]
+        chosen: dict[str, Any] = {}
+        for field in _message_of(case).fields:
+            if field.name in remaining:
+                path = f"spec.{kind}.{case.name}.{field.name}"
+                chosen[field.name] = _convert(field, remaining.pop(field.name), path)
+        return case.name, chosen
+
+    @staticmethod
+    def _fill(message: Any, values: Mapping[str, Any]) -> None:
+        message.SetInParent()  # a chosen message with every field unset is still chosen
+        for name, value in values.items():
+            _set(message, message.DESCRIPTOR.fields_by_name[name], value)
+
+    @staticmethod
+    def _unknown(
+        kind: str, message_type: Descriptor, name: str, given: Mapping[str, Any]
+    ) -> Exception:
+        """The error for parameter ``name``, which ``kind`` does not take as ``given``."""
+        own = [field.name for field in parameter_fields(message_type)]
+        for oneof in choice_oneofs(message_type):
+            named = cases(oneof)
+            owners = [
+                case for case, field in named.items() if name in _message_of(field).fields_by_name
+            ]
+            chosen = given.get(oneof.name)
+            if chosen is not None and owners:
+                taken = ", ".join(_message_of(named[chosen]).fields_by_name) or "nothing"
+                return bad_argument(
+                    f"spec.{kind}.{chosen}.{name}",
+                    f"{oneof.name} {chosen} has no parameter {name!r} ({' or '.join(owners)} "
+                    f"has); it takes {taken}",
+                )
+            if owners:
+                return bad_argument(
+                    f"spec.{kind}.{owners[0]}.{name}",
+                    f"{name} belongs to {oneof.name} {' or '.join(owners)}: "
+                    f"pass {oneof.name}={owners[0]!r} with it",
+                )
+            own.append(f"{oneof.name} ({', '.join(named)})")
+        return bad_argument(
+            f"spec.{kind}.{name}", f"{kind} has no parameter {name!r}; it takes {', '.join(own)}"
+        )
+
+    @property
+    def kind(self) -> str:
+        """The table kind: the ``EncodingSpec.table`` field this spec sets."""
+        return self._kind
+
+    @property
+    def parameters(self) -> dict[str, Any]:
+        """The parameters that were given (a new dict): enums by name, sequences as tuples."""
+        return dict(self._items)
+
+    def to_proto(self) -> pb.EncodingSpec:
+        """A new ``EncodingSpec`` with this table set (and ``dtype`` unset)."""
+        message = pb.EncodingSpec()
+        message.CopyFrom(self._message)
+        return message
+
+    def __repr__(self) -> str:
+        arguments = "".join(f", {name}={value!r}" for name, value in self._items.items())
+        return f"Spec({self._kind!r}{arguments})"
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Spec):
+            return NotImplemented
+        return (self._kind, self._items) == (other._kind, other._items)
+
+    def __hash__(self) -> int:
+        return hash((self._kind, tuple(self._items.items())))
+
+    @classmethod
+    def from_config(
+        cls,
+        config: Mapping[str, Any],
+        *,
+        layout: str = "transformers",
+        seq_len: int | None = None,
+    ) -> Spec:
+        """The rotary spec of a transformers model config (``config.json`` as a dict).
+
+        Reads ``head_dim`` (else ``hidden_size // num_attention_heads``), ``rope_theta``,
+        ``partial_rotary_factor`` and the rope parameters from ``rope_parameters``
+        (transformers 5) or ``rope_scaling`` (older configs): the rope type names the
+        ``scaling`` (``"default"`` is none), and the parameters are those of the scaling's
+        message, ``max_position_embeddings`` being the model's. Keys the scaling does not
+        take are dropped, as transformers ignores them.
+
+        Args:
+            config: The model config.
+            layout: The rotary layout (``"transformers"``, ``"vllm"``, ``"gptj"``).
+            seq_len: For scalings that depend on the sequence length (dynamic, longrope):
+                ``max(position_ids) + 1`` of the longest forward so far; ``None`` for the
+                model's initial table.
+        """
+        if not isinstance(config, Mapping):
+            raise bad_argument("config", "must be a model config (a JSON object)")
+        rope: dict[str, Any] = dict(
+            config.get("rope_parameters") or config.get("rope_scaling") or {}
+        )
+        try:
+            head_dim = (
+                config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+            )
+        except (KeyError, TypeError, ZeroDivisionError):
+            raise bad_argument(
+                "config", "needs head_dim, or hidden_size and num_attention_heads"
+            ) from None
+        parameters: dict[str, Any] = {"head_dim": head_dim, "layout": layout}
+        for name in ("rope_theta", "partial_rotary_factor"):
+            value = rope.get(name, config.get(name))
+            if value is not None:
+                parameters[name] = value
+        rope_type = str(rope.get("rope_type") or rope.get("type") or "default")
+        if rope_type != "default":
+            (oneof,) = choice_oneofs(kind_message("rotary"))
+            parameters[oneof.name] = rope_type
+            case = cases(oneof).get(rope_type)
+            taken = _message_of(case).fields_by_name if case is not None else {}
+            parameters.update(
+                (name, value) for name, value in rope.items() if name in taken and value is not None
+            )
+            if "max_position_embeddings" in taken and config.get("max_position_embeddings"):
+                parameters["max_position_embeddings"] = config["max_position_embeddings"]
+            if "seq_len" in taken and seq_len is not None:
+                parameters["seq_len"] = seq_len
+        return cls("rotary", **parameters)

@@ -1,0 +1,293 @@
+"""Protobuf <-> domain, generic over the ``posenc.v1`` descriptors.
+
+Nothing here lists a table kind's fields: a kind message's set fields become the keyword
+arguments of its class (``tables.KINDS``, by the ``EncodingSpec.table`` field name), enum
+numbers become the value names without their prefix, lowercased (``LAYOUT_SPLIT`` ->
+``"split"``), and a set sub-message of a oneof becomes the class its kind lists for that
+case (``TableKind.VARIANTS``). GetServerInfo's catalogue is built the same way, from the
+descriptors and the documentation each kind keeps.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, Protocol, TypeVar
+
+import numpy as np
+from google.protobuf.descriptor import Descriptor, EnumDescriptor
+from google.protobuf.message import DecodeError, Message
+
+from posenc.v1 import posenc_pb2 as pb
+from posenc_server import engine
+from posenc_server.errors import FieldViolation, InvalidRequestError
+from posenc_server.requests import PositionList, PositionRange, Query, Selection
+from posenc_server.service import ServerInfo
+from posenc_server.tables import KINDS, Documented, Limits, TableKind
+
+DEFAULT_DTYPE = "float32"
+"""The dtype of a request that leaves it unset (``DTYPE_UNSPECIFIED``)."""
+_TABLE = pb.EncodingSpec.DESCRIPTOR.oneofs_by_name["table"]
+
+RequestT = TypeVar("RequestT", bound=Message)
+
+
+# -- requests -------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class MalformedRequest:
+    """Request bytes that do not parse as the method's message.
+
+    gRPC's own deserialization failure is answered with INTERNAL; parsing through this
+    placeholder lets the server answer INVALID_ARGUMENT instead, as for any bad input.
+    """
+
+    message_type: str
+    error: str
+
+
+def tolerant_parser(message_type: type[RequestT]) -> Callable[[bytes], RequestT | MalformedRequest]:
+    """A request deserializer that never raises (see ``MalformedRequest``)."""
+
+    def parse(data: bytes) -> RequestT | MalformedRequest:
+        try:
+            return message_type.FromString(data)
+        except DecodeError as error:
+            return MalformedRequest(message_type.DESCRIPTOR.full_name, str(error))
+
+    return parse
+
+
+def parsed(request: RequestT | MalformedRequest) -> RequestT:
+    """The request, or InvalidRequestError when its bytes did not parse."""
+    if isinstance(request, MalformedRequest):
+        raise _malformed(request)
+    return request
+
+
+def _malformed(request: MalformedRequest) -> InvalidRequestError:
+    description = f"not a valid {request.message_type} message: {request.error}"
+    return InvalidRequestError([FieldViolation("request", description)])
+
+
+def encoding_query(
+    request: pb.GetEncodingRequest | pb.StreamEncodingRequest | MalformedRequest,
+    limits: SelectionLimits,
+) -> Query:
+    """The domain form of a GetEncoding or StreamEncoding request, its selection checked."""
+    if isinstance(request, MalformedRequest):
+        raise _malformed(request)
+    message = request
+    violations: list[FieldViolation] = []
+    spec = message.spec
+    dtype = DEFAULT_DTYPE
+    if spec.dtype:
+        dtype = _enum_name(pb.Dtype.DESCRIPTOR, spec.dtype, "spec.dtype", violations)
+    table = table_from_proto(spec, violations)
+    selection = _selection(message, limits, violations)
+    return Query(
+        spec_key=spec.SerializeToString(deterministic=True),
+        table=table,
+        dtype=dtype,
+        dtype_code=_DTYPE_CODES.get(dtype, 0),
+        selection=selection,
+        max_chunk_bytes=getattr(message, "max_chunk_bytes", 0),
+        violations=violations,
+    )
+
+
+def table_from_proto(spec: pb.EncodingSpec, violations: list[FieldViolation]) -> TableKind | None:
+    """The table kind of ``spec``; None, with ``violations`` added, when it cannot be built.
+
+    The kind is not validated here (``TableKind.validate``).
+    """
+    which = spec.WhichOneof("table")
+    if which is None:
+        known = ", ".join(field.name for field in _TABLE.fields)
+        violations.append(FieldViolation("spec.table", f"set one table kind: {known}"))
+        return None
+    before = len(violations)
+    kind = KINDS[which]
+    fields = _fields(getattr(spec, which), kind, f"spec.{which}", violations)
+    return kind(**fields) if len(violations) == before else None
+
+
+def _fields(
+    message: Message, kind: type[Documented], path: str, violations: list[FieldViolation]
+) -> dict[str, Any]:
+    """The set fields of ``message`` as keyword arguments of ``kind``."""
+    fields: dict[str, Any] = {}
+    for field, value in message.ListFields():
+        if field.message_type is not None:
+            # A case of a oneof of sub-messages (only those carry messages): its class.
+            assert field.containing_oneof is not None
+            oneof = field.containing_oneof.name
+            variant = kind.VARIANTS[oneof][field.name]
+            nested = _fields(value, variant, f"{path}.{field.name}", violations)
+            fields[oneof] = variant(**nested)
+        elif field.enum_type is not None:
+            fields[field.name] = _enum_name(
+                field.enum_type, value, f"{path}.{field.name}", violations
+            )
+        elif field.is_repeated:
+            fields[field.name] = tuple(value)
+        else:
+            fields[field.name] = value
+    return fields
+
+
+@functools.cache
+def _enum_names(enum: EnumDescriptor) -> Mapping[int, str]:
+    """Value names of ``enum`` by number, without the prefix, lowercased; 0 (unset) left out.
+
+    buf's ENUM_VALUE_PREFIX rule gives every value the prefix of ``*_UNSPECIFIED``.
+    """
+    prefix = enum.values_by_number[0].name.removesuffix("UNSPECIFIED")
+    return {
+        value.number: value.name.removeprefix(prefix).lower()
+        for value in enum.values
+        if value.number != 0
+    }
+
+
+def _enum_name(
+    enum: EnumDescriptor, number: int, path: str, violations: list[FieldViolation]
+) -> str:
+    names = _enum_names(enum)
+    name = names.get(number)
+    if name is None:
+        known = ", ".join(f"{value} ({name})" for value, name in names.items())
+        violations.append(FieldViolation(path, f"unknown value {number}; known: {known}"))
+        return ""
+    return name
+
+
+_DTYPE_CODES: Mapping[str, pb.Dtype.ValueType] = {
+    name: pb.Dtype.ValueType(number) for number, name in _enum_names(pb.Dtype.DESCRIPTOR).items()
+}
+
+
+class SelectionLimits(Limits, Protocol):
+    """The limits a selection is checked against (``ServerConfig`` has them)."""
+
+    @property
+    def max_positions(self) -> int:
+        """Longest accepted position list."""
+        ...
+
+
+def _selection(
+    message: pb.GetEncodingRequest | pb.StreamEncodingRequest,
+    limits: SelectionLimits,
+    violations: list[FieldViolation],
+) -> Selection | None:
+    which = message.WhichOneof("selection")
+    if which == "range":
+        selected = PositionRange(message.range.start, message.range.stop)
+        _check_range(selected, limits.max_abs_position, violations)
+        return selected
+    if which == "positions":
+        listed = PositionList(np.array(message.positions.positions, dtype=np.int64))
+        _check_positions(listed, limits, violations)
+        return listed
+    violations.append(FieldViolation("selection", "set either range or positions"))
+    return None
+
+
+def _check_range(selection: PositionRange, limit: int, violations: list[FieldViolation]) -> None:
+    start, stop = selection.start, selection.stop
+    if start > stop:
+        violations.append(
+            FieldViolation("range.stop", f"must be >= range.start ({start}), got {stop}")
+        )
+    if abs(start) > limit:
+        violations.append(
+            FieldViolation("range.start", f"|position| must be at most {limit}, got {start}")
+        )
+    # stop is exclusive: the last row is stop - 1.
+    if stop - 1 > limit or stop < -limit:
+        violations.append(
+            FieldViolation("range.stop", f"must be between {-limit} and {limit + 1}, got {stop}")
+        )
+
+
+def _check_positions(
+    selection: PositionList, limits: SelectionLimits, violations: list[FieldViolation]
+) -> None:
+    count, limit, positions = selection.rows, limits.max_abs_position, selection.positions
+    if not 1 <= count <= limits.max_positions:
+        violations.append(
+            FieldViolation(
+                "positions.positions",
+                f"must hold 1 to {limits.max_positions} positions, got {count}",
+            )
+        )
+    # Not np.abs: it overflows (stays negative) for -2**63.
+    elif (bad := np.flatnonzero((positions > limit) | (positions < -limit))).size:
+        index = int(bad[0])
+        violations.append(
+            FieldViolation(
+                f"positions.positions[{index}]",
+                f"|position| must be at most {limit}, got {int(positions[index])}"
+                + (f" ({bad.size} positions out of range)" if bad.size > 1 else ""),
+            )
+        )
+
+
+# -- GetServerInfo ---------------------------------------------------------------------------
+
+
+def server_info_response(info: ServerInfo) -> pb.GetServerInfoResponse:
+    """The GetServerInfoResponse of ``info``."""
+    return pb.GetServerInfoResponse(
+        version=info.version,
+        server_id=info.server_id,
+        limits=pb.Limits(**info.limits),
+        dtypes=[number for name, number in _DTYPE_CODES.items() if name in engine.DTYPES],
+        cache=pb.CacheStats(
+            hits=info.cache.hits,
+            misses=info.cache.misses,
+            evictions=info.cache.evictions,
+            bytes=info.cache.bytes,
+            entries=info.cache.entries,
+            budget_bytes=info.cache.budget_bytes,
+        ),
+        rows_computed=info.rows_computed,
+        table_kinds=table_kinds(),
+    )
+
+
+@functools.cache
+def table_kinds() -> tuple[pb.TableKind, ...]:
+    """Every table kind (and variant, as ``kind.case``) with its parameters, in proto order.
+
+    The response copies them, so sharing them is safe.
+    """
+    kinds: list[pb.TableKind] = []
+    for field in _TABLE.fields:
+        assert field.message_type is not None
+        _describe(field.name, KINDS[field.name], field.message_type, "spec", kinds)
+    return tuple(kinds)
+
+
+def _describe(
+    name: str, kind: type[Documented], message: Descriptor, path: str, out: list[pb.TableKind]
+) -> None:
+    path = f"{path}.{name.rsplit('.', 1)[-1]}"
+    parameters = [
+        pb.TableParameter(
+            field=f"{path}.{field.name}",
+            description=kind.PARAMETERS[field.name].description,
+            default=kind.PARAMETERS[field.name].default,
+        )
+        for field in message.fields
+        if field.message_type is None
+    ]
+    out.append(pb.TableKind(name=name, description=kind.DESCRIPTION, parameters=parameters))
+    for oneof in message.oneofs:
+        for field in oneof.fields:
+            if field.message_type is not None:  # a oneof of sub-messages: the kind's variants
+                variant = kind.VARIANTS[oneof.name][field.name]
+                _describe(f"{name}.{field.name}", variant, field.message_type, path, out)

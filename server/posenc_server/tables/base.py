@@ -1,0 +1,129 @@
+"""What every table kind is: the engine's ``Table`` plus its name, documentation and checks.
+
+A table kind is a frozen dataclass whose fields are exactly the fields of its message in
+``posenc.v1`` (an unset optional field is the dataclass default), so that ``convert`` builds
+it from a request generically and the kind is the whole cache key of its rows. Kinds with a
+``oneof`` of sub-messages (rotary's scaling) list the classes of its cases in ``VARIANTS``.
+"""
+
+from __future__ import annotations
+
+import abc
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import ClassVar, Protocol
+
+from posenc_server import engine
+from posenc_server.errors import FieldViolation
+
+# Positions after a kind's offset stay where float64 holds them exactly.
+MAX_MAPPED_POSITION = 1 << 52
+
+
+class Limits(Protocol):
+    """The server limits a kind's validation needs (``ServerConfig`` has them)."""
+
+    @property
+    def max_d_model(self) -> int:
+        """Widest accepted row."""
+        ...
+
+    @property
+    def max_abs_position(self) -> int:
+        """Largest accepted |position|."""
+        ...
+
+
+@dataclass(frozen=True)
+class Doc:
+    """What GetServerInfo says about a parameter: its meaning and default (empty: required)."""
+
+    description: str
+    default: str = ""
+
+
+class Documented(abc.ABC):
+    """A table kind or a variant of one: its proto field name and its documentation."""
+
+    NAME: ClassVar[str]
+    """The field of the message that selects it (``EncodingSpec.table``'s, or a oneof's)."""
+    DESCRIPTION: ClassVar[str]
+    PARAMETERS: ClassVar[Mapping[str, Doc]]
+    """Every field of its message by name, except the ``VARIANTS`` cases."""
+    VARIANTS: ClassVar[Mapping[str, Mapping[str, type[Documented]]]] = {}
+    """Per oneof of sub-messages: the class of each case, by field name."""
+
+
+class TableKind(Documented):
+    """A table kind: the engine's ``Table`` (width, position map, waves, columns) and the
+    validation of its own parameters."""
+
+    @property
+    @abc.abstractmethod
+    def width(self) -> int:
+        """Columns of a row."""
+
+    @property
+    def position_map(self) -> engine.PositionMap:
+        """Row ``p`` is the wave table's row ``p`` unless a kind says otherwise."""
+        return IDENTITY
+
+    @abc.abstractmethod
+    def waves(self) -> engine.Waves:
+        """The exact frequencies, to ``engine.PRECISION`` digits (costly: call once)."""
+
+    @abc.abstractmethod
+    def write_columns(self, target: engine.Rows, rows: engine.ComplexRows) -> None:
+        """Write rows of ``v = sin + i cos`` into ``target`` in this kind's column order."""
+
+    @abc.abstractmethod
+    def validate(self, path: str, limits: Limits) -> list[FieldViolation]:
+        """Every problem of the parameters, named ``{path}.{field}`` (``path`` is the
+        kind's message, e.g. ``spec.rotary``). The engine may run the kind when empty."""
+
+
+IDENTITY = engine.PositionMap()
+
+
+@dataclass
+class Checker:
+    """Collects the violations of one message's fields (``path`` names the message)."""
+
+    path: str
+    violations: list[FieldViolation] = field(default_factory=list)
+
+    def add(self, name: str, description: str) -> None:
+        """A problem of field ``name``."""
+        self.violations.append(FieldViolation(f"{self.path}.{name}", description))
+
+    def nested(self, name: str) -> Checker:
+        """A checker of the sub-message ``name`` that adds to the same violations."""
+        return Checker(f"{self.path}.{name}", self.violations)
+
+    def real(self, name: str, value: float | None, low: float, *, strict: bool = True) -> bool:
+        """Check that ``value`` (None: unset, valid) is finite and > ``low`` (>= unless
+        ``strict``); returns whether it is valid."""
+        if value is None:
+            return True
+        if math.isfinite(value) and (value > low or (not strict and value == low)):
+            return True
+        relation = ">" if strict else ">="
+        self.add(name, f"must be finite and {relation} {low:g}, got {value!r}")
+        return False
+
+    def between(
+        self, name: str, value: int | None, low: int, high: int, high_text: str = ""
+    ) -> bool:
+        """Check that ``low <= value <= high`` (None: unset, valid)."""
+        if value is None or low <= value <= high:
+            return True
+        self.add(name, f"must be between {low} and {high_text or high}, got {value}")
+        return False
+
+    def one_of(self, name: str, value: str, known: Mapping[str, object]) -> bool:
+        """Check that ``value`` is one of the names ``known`` supports."""
+        if value in known:
+            return True
+        self.add(name, f"unknown value {value!r}; known: {', '.join(known)}")
+        return False

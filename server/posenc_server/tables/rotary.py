@@ -1,0 +1,451 @@
+"""The rotary (RoPE) table kind: transformers' ``modeling_rope_utils`` in three layouts.
+
+``inv_freq[i] = rope_theta ** (-2i / rotary_dim)``, then the scaling (a ``Scaling``, one
+per case of ``RotaryTable.scaling``; none is transformers' "default" rope type). Every
+quantity is the real number the formula defines, to 50 digits, including the discrete
+choices (YaRN's truncated correction range, Llama 3's wavelength bands); the reference
+computes the same formulas in float32.
+"""
+
+from __future__ import annotations
+
+import abc
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from decimal import Decimal, localcontext
+from typing import ClassVar
+
+from posenc_server import engine
+from posenc_server.errors import FieldViolation
+from posenc_server.tables.base import Checker, Doc, Documented, Limits, TableKind
+
+_MAX_COUNT = 1 << 62
+_ORIGINAL = Doc("the pre-training context length, >= 1")
+_DERIVED_FACTOR = Doc("scaling factor, > 0", "max_position_embeddings / original")
+_CONFIG_LENGTH = Doc("the config's context length, only used to derive factor", "none")
+
+
+@dataclass(frozen=True)
+class Frequencies:
+    """What a scaling makes of the default frequencies."""
+
+    inv_freq: list[Decimal]
+    attention: Decimal = Decimal(1)
+    """The scale of cos and sin."""
+
+
+class Scaling(Documented):
+    """A rope type: how it changes the default frequencies, and the checks of its fields."""
+
+    MIN_ROTARY_DIM: ClassVar[int] = 2
+
+    def log_theta(self, log_theta: Decimal, rotary_dim: int) -> Decimal:
+        """``ln(rope_theta)`` as the scaling sees it (dynamic NTK changes it)."""
+        return log_theta
+
+    @abc.abstractmethod
+    def scale(self, inv_freq: list[Decimal], log_theta: Decimal, rotary_dim: int) -> Frequencies:
+        """The scaled frequencies of the default ``inv_freq`` (in a 50-digit context)."""
+
+    @abc.abstractmethod
+    def check(self, check: Checker) -> None:
+        """Check the fields on their own."""
+
+    def check_rotary_dim(self, check: Checker, rotary_dim: int) -> None:
+        """Check the fields that depend on ``rotary_dim`` (once the others are valid)."""
+
+
+def _factor(factor: float | None, max_length: int | None, original: int) -> Decimal:
+    """``factor``, else ``max_position_embeddings / original_max_position_embeddings``."""
+    if factor is not None:
+        return Decimal(factor)
+    assert max_length is not None
+    return Decimal(max_length) / Decimal(original)
+
+
+def _check_derived_factor(scaling: Yarn | LongRope, check: Checker) -> None:
+    if scaling.factor is None and scaling.max_position_embeddings is None:
+        check.add("factor", f"rope type {scaling.NAME} needs factor or max_position_embeddings")
+    check.real("factor", scaling.factor, 0.0)
+    _check_lengths(scaling, check, "original_max_position_embeddings", "max_position_embeddings")
+
+
+def _check_lengths(scaling: Scaling, check: Checker, *names: str) -> None:
+    """Each of the fields ``names`` (a length, or unset) is between 1 and 2**62."""
+    for name in names:
+        check.between(name, getattr(scaling, name), 1, _MAX_COUNT, "2**62")
+
+
+@dataclass(frozen=True)
+class Linear(Scaling):
+    """Position interpolation."""
+
+    NAME: ClassVar[str] = "linear"
+    DESCRIPTION: ClassVar[str] = "default / factor (position interpolation)"
+    PARAMETERS: ClassVar = {"factor": Doc("scaling factor, > 0")}
+
+    factor: float = 0.0
+
+    def scale(self, inv_freq: list[Decimal], log_theta: Decimal, rotary_dim: int) -> Frequencies:
+        """``inv_freq / factor``."""
+        return Frequencies([f / Decimal(self.factor) for f in inv_freq])
+
+    def check(self, check: Checker) -> None:
+        """factor > 0."""
+        check.real("factor", self.factor, 0.0)
+
+
+@dataclass(frozen=True)
+class Dynamic(Scaling):
+    """Dynamic NTK."""
+
+    NAME: ClassVar[str] = "dynamic"
+    DESCRIPTION: ClassVar[str] = (
+        "NTK-aware: rope_theta scaled for seq_len beyond max_position_embeddings"
+    )
+    PARAMETERS: ClassVar = {
+        "factor": Doc("scaling factor, > 0"),
+        "max_position_embeddings": Doc("the config's context length, >= 1"),
+        "seq_len": Doc("the sequence length the frequencies are for", "max_position_embeddings"),
+    }
+    # It divides by rotary_dim - 2.
+    MIN_ROTARY_DIM: ClassVar[int] = 4
+
+    factor: float = 0.0
+    max_position_embeddings: int = 0
+    seq_len: int | None = None
+
+    def log_theta(self, log_theta: Decimal, rotary_dim: int) -> Decimal:
+        """``rope_theta * stretch ** (dim / (dim - 2))`` for the sequence length."""
+        factor = Decimal(self.factor)
+        original = Decimal(self.max_position_embeddings)
+        length = Decimal(max(self.seq_len or 0, self.max_position_embeddings))
+        stretch = factor * length / original - (factor - 1)
+        return log_theta + Decimal(rotary_dim) / Decimal(rotary_dim - 2) * stretch.ln()
+
+    def scale(self, inv_freq: list[Decimal], log_theta: Decimal, rotary_dim: int) -> Frequencies:
+        """The default frequencies of the scaled theta."""
+        return Frequencies(inv_freq)
+
+    def check(self, check: Checker) -> None:
+        """factor > 0, lengths >= 1."""
+        check.real("factor", self.factor, 0.0)
+        _check_lengths(self, check, "max_position_embeddings", "seq_len")
+
+
+def _mscale(scale: Decimal, weight: Decimal = Decimal(1)) -> Decimal:
+    return Decimal(1) if scale <= 1 else Decimal("0.1") * weight * scale.ln() + 1
+
+
+@dataclass(frozen=True)
+class Yarn(Scaling):
+    """YaRN."""
+
+    NAME: ClassVar[str] = "yarn"
+    DESCRIPTION: ClassVar[str] = (
+        "YaRN: interpolation ramp between beta_fast and beta_slow, attention factor"
+    )
+    PARAMETERS: ClassVar = {
+        "factor": _DERIVED_FACTOR,
+        "original_max_position_embeddings": _ORIGINAL,
+        "max_position_embeddings": _CONFIG_LENGTH,
+        "beta_fast": Doc("YaRN beta_fast, > 0", "32"),
+        "beta_slow": Doc("YaRN beta_slow, > 0", "1"),
+        "mscale": Doc("YaRN mscale, >= 0", "none"),
+        "mscale_all_dim": Doc("YaRN mscale_all_dim, >= 0", "none"),
+        "truncate": Doc("floor and ceil the correction range", "true"),
+        "attention_factor": Doc(
+            "the scale of cos and sin, > 0", "0.1 ln(factor) + 1, or the mscale ratio"
+        ),
+    }
+
+    factor: float | None = None
+    original_max_position_embeddings: int = 0
+    max_position_embeddings: int | None = None
+    beta_fast: float | None = None
+    beta_slow: float | None = None
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
+    truncate: bool = True
+    attention_factor: float | None = None
+
+    def scale(self, inv_freq: list[Decimal], log_theta: Decimal, rotary_dim: int) -> Frequencies:
+        """Interpolated below the correction range, extrapolated above, a ramp between."""
+        original_length = self.original_max_position_embeddings
+        factor = _factor(self.factor, self.max_position_embeddings, original_length)
+        if self.attention_factor is not None:
+            attention = Decimal(self.attention_factor)
+        elif self.mscale and self.mscale_all_dim:
+            attention = _mscale(factor, Decimal(self.mscale)) / _mscale(
+                factor, Decimal(self.mscale_all_dim)
+            )
+        else:
+            attention = _mscale(factor)
+        # `or`: transformers treats 0 like unset.
+        beta_fast = Decimal(self.beta_fast or 32)
+        beta_slow = Decimal(self.beta_slow or 1)
+        original = Decimal(self.original_max_position_embeddings)
+        pi = engine.TWO_PI / 2
+
+        def correction_dim(rotations: Decimal) -> Decimal:
+            return Decimal(rotary_dim) * (original / (rotations * 2 * pi)).ln() / (2 * log_theta)
+
+        low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+        if self.truncate:
+            low, high = Decimal(math.floor(low)), Decimal(math.ceil(high))
+        low, high = max(low, Decimal(0)), min(high, Decimal(rotary_dim - 1))
+        if low == high:
+            high += Decimal("0.001")
+        frequencies = []
+        for i, extrapolation in enumerate(inv_freq):
+            ramp = min(max((Decimal(i) - low) / (high - low), Decimal(0)), Decimal(1))
+            # ramp = 1 - the extrapolation factor: interpolated (divided by factor) where 1.
+            frequencies.append(extrapolation / factor * ramp + extrapolation * (1 - ramp))
+        return Frequencies(frequencies, attention)
+
+    def check(self, check: Checker) -> None:
+        """factor (or max_position_embeddings), lengths, betas, mscales, attention."""
+        _check_derived_factor(self, check)
+        for name in ("beta_fast", "beta_slow", "attention_factor"):
+            check.real(name, getattr(self, name), 0.0)
+        for name in ("mscale", "mscale_all_dim"):
+            check.real(name, getattr(self, name), 0.0, strict=False)
+
+
+@dataclass(frozen=True)
+class LongRope(Scaling):
+    """LongRoPE (Phi-3)."""
+
+    NAME: ClassVar[str] = "longrope"
+    DESCRIPTION: ClassVar[str] = (
+        "LongRoPE (Phi-3): short or long factors by seq_len, attention factor"
+    )
+    PARAMETERS: ClassVar = {
+        "factor": _DERIVED_FACTOR,
+        "original_max_position_embeddings": _ORIGINAL,
+        "max_position_embeddings": _CONFIG_LENGTH,
+        "short_factor": Doc("rotary_dim / 2 factors, each finite and > 0"),
+        "long_factor": Doc("rotary_dim / 2 factors, each finite and > 0"),
+        "attention_factor": Doc(
+            "the scale of cos and sin, > 0", "sqrt(1 + ln(factor) / ln(original))"
+        ),
+        "seq_len": Doc("long_factor when above original_max_position_embeddings", "short_factor"),
+    }
+
+    factor: float | None = None
+    original_max_position_embeddings: int = 0
+    max_position_embeddings: int | None = None
+    short_factor: tuple[float, ...] = ()
+    long_factor: tuple[float, ...] = ()
+    attention_factor: float | None = None
+    seq_len: int | None = None
+
+    def scale(self, inv_freq: list[Decimal], log_theta: Decimal, rotary_dim: int) -> Frequencies:
+        """Each frequency divided by its short or long factor."""
+        original = self.original_max_position_embeddings
+        factor = _factor(self.factor, self.max_position_embeddings, original)
+        if self.attention_factor is not None:
+            attention = Decimal(self.attention_factor)
+        elif factor <= 1:
+            attention = Decimal(1)
+        else:
+            attention = (1 + factor.ln() / Decimal(original).ln()).sqrt()
+        long = self.seq_len is not None and self.seq_len > original
+        factors = self.long_factor if long else self.short_factor
+        return Frequencies(
+            [f / Decimal(s) for f, s in zip(inv_freq, factors, strict=True)], attention
+        )
+
+    def check(self, check: Checker) -> None:
+        """factor (or max_position_embeddings), lengths, attention."""
+        _check_derived_factor(self, check)
+        check.real("attention_factor", self.attention_factor, 0.0)
+        _check_lengths(self, check, "seq_len")
+
+    def check_rotary_dim(self, check: Checker, rotary_dim: int) -> None:
+        """rotary_dim / 2 positive factors each."""
+        for name in ("short_factor", "long_factor"):
+            values: Sequence[float] = getattr(self, name)
+            if len(values) != rotary_dim // 2:
+                check.add(
+                    name, f"must hold rotary_dim / 2 = {rotary_dim // 2} values, got {len(values)}"
+                )
+            elif not all(math.isfinite(v) and v > 0 for v in values):
+                check.add(name, "every factor must be finite and > 0")
+
+
+@dataclass(frozen=True)
+class Llama3(Scaling):
+    """Llama 3.1."""
+
+    NAME: ClassVar[str] = "llama3"
+    DESCRIPTION: ClassVar[str] = "Llama 3.1: low frequencies / factor, smooth band between"
+    PARAMETERS: ClassVar = {
+        "factor": Doc("scaling factor, > 0"),
+        "original_max_position_embeddings": _ORIGINAL,
+        "low_freq_factor": Doc("Llama 3 low_freq_factor, > 0"),
+        "high_freq_factor": Doc("Llama 3 high_freq_factor, > low_freq_factor"),
+    }
+
+    factor: float = 0.0
+    original_max_position_embeddings: int = 0
+    low_freq_factor: float = 0.0
+    high_freq_factor: float = 0.0
+
+    def scale(self, inv_freq: list[Decimal], log_theta: Decimal, rotary_dim: int) -> Frequencies:
+        """Long wavelengths / factor, short ones kept, a smooth band between."""
+        factor = Decimal(self.factor)
+        original = Decimal(self.original_max_position_embeddings)
+        low_factor, high_factor = Decimal(self.low_freq_factor), Decimal(self.high_freq_factor)
+        low_wavelength, high_wavelength = original / low_factor, original / high_factor
+        pi = engine.TWO_PI / 2
+        frequencies = []
+        for frequency in inv_freq:
+            wavelength = 2 * pi / frequency
+            if wavelength > low_wavelength:
+                frequencies.append(frequency / factor)
+            elif wavelength < high_wavelength:
+                frequencies.append(frequency)
+            else:
+                smooth = (original / wavelength - low_factor) / (high_factor - low_factor)
+                frequencies.append((1 - smooth) * frequency / factor + smooth * frequency)
+        return Frequencies(frequencies)
+
+    def check(self, check: Checker) -> None:
+        """Positive factors, high_freq_factor > low_freq_factor."""
+        check.real("factor", self.factor, 0.0)
+        _check_lengths(self, check, "original_max_position_embeddings")
+        low, high = self.low_freq_factor, self.high_freq_factor
+        low_valid = check.real("low_freq_factor", low, 0.0)
+        high_valid = check.real("high_freq_factor", high, 0.0)
+        if low_valid and high_valid and not high > low:
+            check.add(
+                "high_freq_factor", f"must be greater than low_freq_factor ({low!r}), got {high!r}"
+            )
+
+
+SCALINGS: dict[str, type[Scaling]] = {
+    scaling.NAME: scaling for scaling in (Linear, Dynamic, Yarn, LongRope, Llama3)
+}
+"""The cases of ``RotaryTable.scaling`` by field name."""
+
+
+def _transformers(target: engine.Rows, cos: engine.Float64Array, sin: engine.Float64Array) -> None:
+    half = cos.shape[1]
+    for index, values in enumerate((cos, cos, sin, sin)):
+        target[:, index * half : (index + 1) * half] = values
+
+
+def _vllm(target: engine.Rows, cos: engine.Float64Array, sin: engine.Float64Array) -> None:
+    half = cos.shape[1]
+    target[:, :half] = cos
+    target[:, half:] = sin
+
+
+def _gptj(target: engine.Rows, cos: engine.Float64Array, sin: engine.Float64Array) -> None:
+    half = cos.shape[1]
+    for index, values in enumerate((cos, sin)):
+        part = target[:, index * 2 * half : (index + 1) * 2 * half]
+        part[:, 0::2] = values
+        part[:, 1::2] = values
+
+
+LAYOUTS: dict[str, Callable[[engine.Rows, engine.Float64Array, engine.Float64Array], None]] = {
+    "transformers": _transformers,
+    "vllm": _vllm,
+    "gptj": _gptj,
+}
+"""Column writers by ``posenc.v1.RopeLayout`` name."""
+
+
+@dataclass(frozen=True)
+class Rotary(TableKind):
+    """A rotary cos/sin table."""
+
+    NAME: ClassVar[str] = "rotary"
+    DESCRIPTION: ClassVar[str] = (
+        "transformers' rotary cos/sin: inv_freq[i] = rope_theta ** (-2i / rotary_dim), "
+        "then the scaling (unset: the default rope type), times its attention factor"
+    )
+    PARAMETERS: ClassVar = {
+        "head_dim": Doc("the attention head width, >= 2"),
+        "rope_theta": Doc("frequency base, finite and > 1", "10000"),
+        "partial_rotary_factor": Doc("rotary_dim = int(head_dim * it), in (0, 1]", "1"),
+        "layout": Doc(
+            "transformers (2 * rotary_dim columns), vllm (rotary_dim) or gptj (2 * rotary_dim)",
+            "transformers",
+        ),
+    }
+    VARIANTS: ClassVar = {"scaling": SCALINGS}
+
+    head_dim: int = 0
+    rope_theta: float = 10000.0
+    partial_rotary_factor: float = 1.0
+    layout: str = "transformers"
+    scaling: Scaling | None = None
+
+    @property
+    def rotary_dim(self) -> int:
+        """``int(head_dim * partial_rotary_factor)``, as transformers computes it."""
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    @property
+    def width(self) -> int:
+        """Columns of a row in this layout."""
+        return self.rotary_dim if self.layout == "vllm" else 2 * self.rotary_dim
+
+    def waves(self) -> engine.Waves:
+        """The scaled frequencies; the attention factor is the rows' amplitude."""
+        dim = self.rotary_dim
+        with localcontext() as context:
+            context.prec = engine.PRECISION
+            log_theta = Decimal(self.rope_theta).ln()
+            if self.scaling is not None:
+                log_theta = self.scaling.log_theta(log_theta, dim)
+            inv_freq = [(-Decimal(2 * i) / Decimal(dim) * log_theta).exp() for i in range(dim // 2)]
+            scaled = Frequencies(inv_freq)
+            if self.scaling is not None:
+                scaled = self.scaling.scale(inv_freq, log_theta, dim)
+            return engine.Waves([+f for f in scaled.inv_freq], float(scaled.attention))
+
+    def write_columns(self, target: engine.Rows, rows: engine.ComplexRows) -> None:
+        """cos and sin (``v = sin + i cos``) in the layout's order."""
+        LAYOUTS[self.layout](target, rows.imag, rows.real)
+
+    def validate(self, path: str, limits: Limits) -> list[FieldViolation]:
+        """The fields, the scaling's, then rotary_dim and the width."""
+        check = Checker(path)
+        check.real("rope_theta", self.rope_theta, 1.0)
+        if check.real("partial_rotary_factor", self.partial_rotary_factor, 0.0) and not (
+            self.partial_rotary_factor <= 1.0
+        ):
+            check.add(
+                "partial_rotary_factor", f"must be in (0, 1], got {self.partial_rotary_factor!r}"
+            )
+        if self.head_dim < 2:
+            check.add("head_dim", f"must be at least 2, got {self.head_dim}")
+        check.one_of("layout", self.layout, LAYOUTS)
+        scaling = None if self.scaling is None else check.nested(self.scaling.NAME)
+        if self.scaling is not None and scaling is not None:
+            self.scaling.check(scaling)
+        if check.violations:
+            return check.violations
+        dim = self.rotary_dim
+        minimum = Scaling.MIN_ROTARY_DIM if self.scaling is None else self.scaling.MIN_ROTARY_DIM
+        if dim < minimum or dim % 2:
+            check.add(
+                "head_dim",
+                f"rotary_dim = int(head_dim * partial_rotary_factor) = {dim} must be even "
+                f"and at least {minimum}",
+            )
+            return check.violations
+        if self.scaling is not None and scaling is not None:
+            self.scaling.check_rotary_dim(scaling, dim)
+        if self.width > limits.max_d_model:
+            check.add(
+                "head_dim",
+                f"the row width {self.width} (layout {self.layout}, rotary_dim {dim}) is over "
+                f"the server's max_d_model {limits.max_d_model}",
+            )
+        return check.violations

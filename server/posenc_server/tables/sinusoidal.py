@@ -1,0 +1,314 @@
+"""The sinusoidal table kinds: the classic table and the conventions of model families.
+
+Each is ``[sin, cos]`` columns over geometric frequencies, at positions that may be mapped
+(an offset, a descending order, a clamp), with the odd details of each family (a zeroed
+padding row, a zero last column). Frequencies are computed from their definition with 50
+significant digits, not in the float32 of the reference code.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from decimal import Decimal, localcontext
+from typing import ClassVar
+
+import numpy as np
+
+from posenc_server import engine
+from posenc_server.errors import FieldViolation
+from posenc_server.tables.base import MAX_MAPPED_POSITION, Checker, Doc, Limits, TableKind
+
+DEFAULT_BASE = 10000.0
+
+_WIDTH = Doc("row width, 1 .. the server's max_d_model")
+_BASE = Doc("frequency base, finite and > 1", "10000")
+
+
+def geometric_frequencies(base: float, d_model: int, schedule: str) -> list[Decimal]:
+    """``inv_freq`` of the classic schedules, one per sin column.
+
+    paper: ``base ** (-2i / d_model)`` for ``i < ceil(d_model / 2)``; tensor2tensor:
+    ``base ** (-i / max(h - 1, 1))`` for ``i < h = d_model // 2``.
+    """
+    count = _sin_columns(d_model, schedule)
+    with localcontext() as context:
+        context.prec = engine.PRECISION
+        if schedule == "paper":
+            exponent_step = Decimal(2) / Decimal(d_model)
+        else:
+            exponent_step = Decimal(1) / Decimal(max(count - 1, 1))
+        ratio = (-exponent_step * Decimal(base).ln()).exp()
+        # inv_freq[i] = ratio ** i: one product per column instead of one exp per column.
+        frequencies = [Decimal(1)]
+        for _ in range(count - 1):
+            frequencies.append(frequencies[-1] * ratio)
+    return frequencies[:count]
+
+
+def _sin_columns(d_model: int, schedule: str) -> int:
+    # tensor2tensor's odd widths end with a zero column, the paper's with a sin.
+    return d_model // 2 if schedule == "tensor2tensor" else (d_model + 1) // 2
+
+
+def _interleaved(target: engine.Rows, rows: engine.ComplexRows, n_sin: int, n_cos: int) -> None:
+    # One contiguous conversion: [sin, cos] pairs are v's memory as it is.
+    target[:, : n_sin + n_cos] = rows.view(np.float64)[:, : n_sin + n_cos]
+
+
+def _split(target: engine.Rows, rows: engine.ComplexRows, n_sin: int, n_cos: int) -> None:
+    # [sin | cos]; columns past them (tensor2tensor's odd width) stay zero.
+    target[:, :n_sin] = rows.real
+    target[:, n_sin : n_sin + n_cos] = rows.imag[:, :n_cos]
+
+
+LAYOUTS = {"interleaved": _interleaved, "split": _split}
+"""Column writers by ``posenc.v1.Layout`` name."""
+SCHEDULES = ("paper", "tensor2tensor")
+"""``posenc.v1.Schedule`` names."""
+
+
+@dataclass(frozen=True)
+class _Sinusoid(TableKind):
+    """What the sinusoidal kinds share: a width and a frequency base."""
+
+    d_model: int = 0
+
+    @property
+    def width(self) -> int:
+        """``d_model`` columns."""
+        return self.d_model
+
+    def _check(self, check: Checker, limits: Limits, base_field: str, base: float) -> bool:
+        """Check ``d_model`` and the base; returns whether ``d_model`` is in range."""
+        in_range = check.between("d_model", self.d_model, 1, limits.max_d_model)
+        if not (math.isfinite(base) and base > 1.0):
+            check.add(base_field, f"must be finite and greater than 1, got {base!r}")
+        return in_range
+
+
+def _offset_limit(limits: Limits) -> int:
+    # Offsets keep mapped positions where float64 is exact.
+    return min(limits.max_abs_position, MAX_MAPPED_POSITION - limits.max_abs_position)
+
+
+@dataclass(frozen=True)
+class Sinusoidal(_Sinusoid):
+    """The classic table (Vaswani et al. 2017) in either column order and schedule."""
+
+    NAME: ClassVar[str] = "sinusoidal"
+    DESCRIPTION: ClassVar[str] = (
+        "Vaswani et al. 2017: sin and cos of position * base ** (-2i / d_model), "
+        "interleaved or split, or tensor2tensor's schedule"
+    )
+    PARAMETERS: ClassVar = {
+        "d_model": _WIDTH,
+        "base": _BASE,
+        "layout": Doc("interleaved (sin_0, cos_0, ...) or split ([sin | cos])", "interleaved"),
+        "schedule": Doc(
+            "paper (base ** (-2i / d_model)) or tensor2tensor (base ** (-i / (h - 1)))", "paper"
+        ),
+    }
+
+    base: float = DEFAULT_BASE
+    layout: str = "interleaved"
+    schedule: str = "paper"
+
+    def waves(self) -> engine.Waves:
+        """The schedule's frequencies."""
+        return engine.Waves(geometric_frequencies(self.base, self.d_model, self.schedule))
+
+    def write_columns(self, target: engine.Rows, rows: engine.ComplexRows) -> None:
+        """The layout's columns: ``ceil(d / 2)`` sin (paper) or ``d // 2`` (tensor2tensor),
+        ``d // 2`` cos."""
+        n_sin = _sin_columns(self.d_model, self.schedule)
+        LAYOUTS[self.layout](target, rows, n_sin, self.d_model // 2)
+
+    def validate(self, path: str, limits: Limits) -> list[FieldViolation]:
+        """d_model, base, layout and schedule."""
+        check = Checker(path)
+        self._check(check, limits, "base", self.base)
+        check.one_of("layout", self.layout, LAYOUTS)
+        check.one_of("schedule", self.schedule, dict.fromkeys(SCHEDULES))
+        return check.violations
+
+
+@dataclass(frozen=True)
+class Tensor2Tensor(_Sinusoid):
+    """tensor2tensor's ``get_timing_signal_1d``."""
+
+    NAME: ClassVar[str] = "tensor2tensor"
+    DESCRIPTION: ClassVar[str] = (
+        "tensor2tensor get_timing_signal_1d: [sin | cos] over d_model // 2 timescales from "
+        "min_timescale to max_timescale, zero last column for odd d_model; row p is "
+        "position p + start_index"
+    )
+    PARAMETERS: ClassVar = {
+        "d_model": _WIDTH,
+        "max_timescale": Doc("largest timescale, finite and > min_timescale", "10000"),
+        "min_timescale": Doc("smallest timescale, > 0 and < max_timescale", "1"),
+        "start_index": Doc("added to every position", "0"),
+    }
+
+    max_timescale: float = DEFAULT_BASE
+    min_timescale: float = 1.0
+    start_index: int = 0
+
+    def waves(self) -> engine.Waves:
+        """``min * exp(-i * ln(max / min) / max(n - 1, 1))`` for ``i < n = d // 2``."""
+        if self.min_timescale == 1.0:
+            # The classic tensor2tensor schedule, computed as it computes it: the same
+            # bytes as the sinusoidal table with that schedule.
+            return engine.Waves(
+                geometric_frequencies(self.max_timescale, self.d_model, "tensor2tensor")
+            )
+        count = self.d_model // 2
+        with localcontext() as context:
+            context.prec = engine.PRECISION
+            low = Decimal(self.min_timescale)
+            step = (Decimal(self.max_timescale) / low).ln() / Decimal(max(count - 1, 1))
+            return engine.Waves([low * (-step * i).exp() for i in range(count)])
+
+    @property
+    def position_map(self) -> engine.PositionMap:
+        """Shifted by ``start_index``."""
+        return engine.PositionMap(offset=self.start_index)
+
+    def write_columns(self, target: engine.Rows, rows: engine.ComplexRows) -> None:
+        """``[sin | cos]``, and a zero last column for odd ``d_model``."""
+        _split(target, rows, self.d_model // 2, self.d_model // 2)
+
+    def validate(self, path: str, limits: Limits) -> list[FieldViolation]:
+        """d_model, the timescales and start_index."""
+        check = Checker(path)
+        self._check(check, limits, "max_timescale", self.max_timescale)
+        low, high = self.min_timescale, self.max_timescale
+        high_valid = math.isfinite(high) and high > 1.0
+        if not (math.isfinite(low) and low > 0) or (high_valid and not low < high):
+            check.add(
+                "min_timescale", f"must be > 0 and below max_timescale ({high!r}), got {low!r}"
+            )
+        offset_limit = _offset_limit(limits)
+        check.between("start_index", self.start_index, -offset_limit, offset_limit)
+        return check.violations
+
+
+@dataclass(frozen=True)
+class Whisper(_Sinusoid):
+    """Whisper's encoder ``sinusoids(length, d_model, max_timescale)``."""
+
+    NAME: ClassVar[str] = "whisper"
+    DESCRIPTION: ClassVar[str] = (
+        "Whisper encoder sinusoids(length, d_model, max_timescale): [sin | cos], even d_model >= 4"
+    )
+    PARAMETERS: ClassVar = {
+        "d_model": Doc("row width, even and >= 4"),
+        "max_timescale": Doc("largest timescale, finite and > 1", "10000"),
+    }
+
+    max_timescale: float = DEFAULT_BASE
+
+    def waves(self) -> engine.Waves:
+        """tensor2tensor's schedule."""
+        return engine.Waves(
+            geometric_frequencies(self.max_timescale, self.d_model, "tensor2tensor")
+        )
+
+    def write_columns(self, target: engine.Rows, rows: engine.ComplexRows) -> None:
+        """``[sin | cos]``."""
+        _split(target, rows, self.d_model // 2, self.d_model // 2)
+
+    def validate(self, path: str, limits: Limits) -> list[FieldViolation]:
+        """An even d_model >= 4 and max_timescale."""
+        check = Checker(path)
+        if self._check(check, limits, "max_timescale", self.max_timescale) and (
+            self.d_model % 2 or self.d_model < 4
+        ):
+            check.add("d_model", f"whisper needs an even d_model >= 4, got {self.d_model}")
+        return check.violations
+
+
+@dataclass(frozen=True)
+class Fairseq(_Sinusoid):
+    """fairseq's ``SinusoidalPositionalEmbedding`` weights, padding row included."""
+
+    NAME: ClassVar[str] = "fairseq"
+    DESCRIPTION: ClassVar[str] = (
+        "fairseq SinusoidalPositionalEmbedding and its ports (M2M100, NLLB, Speech2Text): "
+        "row p is weight row p, token t is row padding_idx + 1 + t, row padding_idx is zero"
+    )
+    PARAMETERS: ClassVar = {
+        "d_model": Doc("row width, >= 4"),
+        "base": _BASE,
+        "padding_idx": Doc("the zero row, >= 0", "1"),
+    }
+
+    base: float = DEFAULT_BASE
+    padding_idx: int = 1
+
+    def waves(self) -> engine.Waves:
+        """tensor2tensor's schedule (fairseq's ``log(base) / (half_dim - 1)`` step)."""
+        return engine.Waves(geometric_frequencies(self.base, self.d_model, "tensor2tensor"))
+
+    @property
+    def position_map(self) -> engine.PositionMap:
+        """Row ``padding_idx`` is zero."""
+        return engine.PositionMap(zero_row=self.padding_idx)
+
+    def write_columns(self, target: engine.Rows, rows: engine.ComplexRows) -> None:
+        """``[sin | cos]``, and a zero last column for odd ``d_model``."""
+        _split(target, rows, self.d_model // 2, self.d_model // 2)
+
+    def validate(self, path: str, limits: Limits) -> list[FieldViolation]:
+        """d_model >= 4 (fairseq divides by half_dim - 1), base and padding_idx."""
+        check = Checker(path)
+        if self._check(check, limits, "base", self.base) and self.d_model < 4:
+            check.add("d_model", f"fairseq needs d_model >= 4, got {self.d_model}")
+        check.between("padding_idx", self.padding_idx, 0, limits.max_abs_position)
+        return check.violations
+
+
+@dataclass(frozen=True)
+class TransformerXl(_Sinusoid):
+    """Transformer-XL's relative position embedding of ``pos_seq``."""
+
+    NAME: ClassVar[str] = "transformer_xl"
+    DESCRIPTION: ClassVar[str] = (
+        "Transformer-XL relative positions: [sin | cos] of min(r, clamp_len), "
+        "r = key_length - 1 - p when key_length is set, else p; even d_model"
+    )
+    PARAMETERS: ClassVar = {
+        "d_model": Doc("row width, even"),
+        "base": _BASE,
+        "clamp_len": Doc("relative positions above it are clamped to it; <= 0: none", "0"),
+        "key_length": Doc("klen: row p is relative position key_length - 1 - p", "none"),
+    }
+
+    base: float = DEFAULT_BASE
+    clamp_len: int = 0
+    key_length: int | None = None
+
+    def waves(self) -> engine.Waves:
+        """The paper's schedule."""
+        return engine.Waves(geometric_frequencies(self.base, self.d_model, "paper"))
+
+    @property
+    def position_map(self) -> engine.PositionMap:
+        """Descending from ``key_length - 1`` when set; clamped at ``clamp_len`` > 0."""
+        clamp = self.clamp_len if self.clamp_len > 0 else None
+        if self.key_length is None:
+            return engine.PositionMap(clamp=clamp)
+        return engine.PositionMap(offset=self.key_length - 1, descending=True, clamp=clamp)
+
+    def write_columns(self, target: engine.Rows, rows: engine.ComplexRows) -> None:
+        """``[sin | cos]``."""
+        _split(target, rows, self.d_model // 2, self.d_model // 2)
+
+    def validate(self, path: str, limits: Limits) -> list[FieldViolation]:
+        """An even d_model, base and key_length."""
+        check = Checker(path)
+        if self._check(check, limits, "base", self.base) and self.d_model % 2:
+            # Its [sin | cos] of ceil(d / 2) frequencies each is d + 1 wide for odd d.
+            check.add("d_model", f"transformer_xl needs an even d_model, got {self.d_model}")
+        check.between("key_length", self.key_length, 0, _offset_limit(limits))
+        return check.violations
