@@ -40,8 +40,9 @@ from typing import Any
 import pytest
 import yaml
 from conftest import ROOT, free_port
+from reference import classic
 
-from posenc_server.engine import EncodingSpec, encode_range
+from posenc_server.engine import encode_range
 
 IMAGE = "posenc:1.0.0"
 CACHE = Path(
@@ -504,4 +505,4 @@ def posenc_image_fixture(podman: Podman) -> str:
 
 def expected(start: int, stop: int, d_model: int) -> bytes:
     """The float32 table the server must send, computed here by the engine."""
-    return encode_range(EncodingSpec(d_model), start, stop).tobytes()
+    return encode_range(classic(d_model), start, stop).tobytes()
