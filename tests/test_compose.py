@@ -35,7 +35,7 @@ import posenc
 NGINX_CONF = Path(__file__).resolve().parent.parent / "deploy" / "nginx" / "nginx.conf"
 METRICS_PORT = 9464
 
-pytestmark = pytest.mark.timeout(600)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 
 @dataclass

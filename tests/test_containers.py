@@ -17,11 +17,12 @@ import sys
 import threading
 import time
 import tomllib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import numpy as np
 import pytest
+import trustme
 import yaml
 from conftest import ROOT, ServerProcess, free_port
 from containers import (  # noqa: F401  (fixtures)
@@ -165,7 +166,9 @@ def posenc_cli(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([POSENC, *args], capture_output=True, text=True, timeout=60)
 
 
-def run_hardened(podman: Podman, name: str, network_name: str, *env: str) -> str:
+def run_hardened(
+    podman: Podman, name: str, network_name: str, *env: str, volumes: Sequence[str] = ()
+) -> str:
     """Runs the image as compose does: read-only root, /tmp in memory, no capabilities, the
     gRPC port published on a free loopback port. Returns the host's target."""
     podman.run(
@@ -174,6 +177,7 @@ def run_hardened(podman: Podman, name: str, network_name: str, *env: str) -> str
         "--cap-drop=ALL", "--security-opt=no-new-privileges:true",
         f"--publish=127.0.0.1:{free_port()}:50051",
         "--env=POSENC_PROCESSES=2", *(f"--env={pair}" for pair in env),
+        *(f"--volume={volume}" for volume in volumes),
         IMAGE,
     )  # fmt: skip
     podman.wait_healthy([name])
@@ -191,6 +195,7 @@ def served(podman: Podman, posenc_image: str) -> Iterator[tuple[str, str]]:
             podman.run("rm", "--force", "--time=5", name, check=False)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(900)  # a cold first build: apt-get, mmdebstrap, wheels, image
 def test_the_image_serves_info_tables_and_health_on_a_loopback_port(
     podman: Podman, served: tuple[str, str]
@@ -216,6 +221,7 @@ def test_the_image_serves_info_tables_and_health_on_a_loopback_port(
     assert podman.healthy(name)
 
 
+@pytest.mark.slow
 def test_the_container_runs_as_10001_on_a_read_only_root(
     podman: Podman, served: tuple[str, str]
 ) -> None:
@@ -239,6 +245,7 @@ def test_the_container_runs_as_10001_on_a_read_only_root(
     assert podman.out("exec", name, "ls", "/tmp").startswith("posenc-metrics-")
 
 
+@pytest.mark.slow
 def test_the_image_is_slim_without_a_compiler(podman: Podman, posenc_image: str) -> None:
     size = int(podman.out("image", "inspect", "--format", "{{.Size}}", IMAGE))
     base = int(podman.out("image", "inspect", "--format", "{{.Size}}", PYTHON_BASE.tag))
@@ -252,6 +259,7 @@ def test_the_image_is_slim_without_a_compiler(podman: Podman, posenc_image: str)
     assert tools.stdout.strip() == ""
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_a_cached_rebuild_takes_under_two_minutes(podman: Podman, posenc_image: str) -> None:
     before = podman.out("image", "inspect", "--format", "{{.Id}}", IMAGE)
@@ -268,6 +276,7 @@ def streams_in_flight(podman: Podman, name: str) -> float:
     return float(match.group(1)) if match else 0.0
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_sigterm_lets_a_stream_in_flight_finish_and_the_container_exit_0(
     podman: Podman, posenc_image: str
@@ -311,3 +320,36 @@ def test_sigterm_lets_a_stream_in_flight_finish_and_the_container_exit_0(
     assert isinstance(table, np.ndarray)
     assert table.tobytes() == expected(start, stop, d_model)
     assert '"message": "draining"' in logs and '"drained": true' in logs
+
+
+@pytest.mark.slow
+def test_the_images_health_check_speaks_tls_with_the_servers_settings(
+    podman: Podman, posenc_image: str, tmp_path: Path
+) -> None:
+    # A TLS server configured by POSENC_TLS_* alone: the image's HEALTHCHECK (posenc health,
+    # no flags) reads the same variables, so it passes; the host reaches it with TLS only.
+    authority = trustme.CA()
+    issued = authority.issue_cert("posenc.internal")
+    certs = tmp_path / "certs"
+    certs.mkdir(mode=0o755)
+    issued.cert_chain_pems[0].write_to_path(str(certs / "server.pem"))
+    issued.private_key_pem.write_to_path(str(certs / "server.key"))
+    for path in certs.iterdir():
+        path.chmod(0o644)  # readable by uid 10001 inside the container
+    with network(podman) as net:
+        name = f"{net}-posenc-tls"
+        try:
+            target = run_hardened(
+                podman, name, net,
+                "POSENC_TLS_CERT_FILE=/certs/server.pem", "POSENC_TLS_KEY_FILE=/certs/server.key",
+                volumes=[f"{certs}:/certs:ro"],
+            )  # fmt: skip
+            assert podman.healthy(name)
+            plaintext = posenc_cli("health", "--target", target)
+            assert plaintext.returncode == 1
+            authority.cert_pem.write_to_path(str(tmp_path / "ca.pem"))
+            tls = ["--tls-ca", str(tmp_path / "ca.pem"), "--tls-server-name", "posenc.internal"]
+            secure = posenc_cli("health", "--target", target, *tls)
+            assert (secure.returncode, secure.stdout.strip()) == (0, "SERVING"), secure.stderr
+        finally:
+            podman.run("rm", "--force", "--time=5", name, check=False)
