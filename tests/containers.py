@@ -484,7 +484,16 @@ def _podman(directory: Path) -> Podman | str:
 
 @functools.cache
 def _posenc_image(podman: Podman) -> str:
-    podman.build_posenc(podman.debian_image(PYTHON_BASE), wheelhouse())
+    started = time.monotonic()
+    base = podman.debian_image(PYTHON_BASE)
+    based = time.monotonic()
+    wheels = wheelhouse()
+    wheeled = time.monotonic()
+    podman.build_posenc(base, wheels)
+    print(
+        f"posenc image: base {based - started:.1f} s, wheels {wheeled - based:.1f} s, "
+        f"podman build {time.monotonic() - wheeled:.1f} s"
+    )
     return IMAGE
 
 

@@ -62,7 +62,9 @@ class Stack:
 def stack(
     podman: Podman, posenc_image: str, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Stack]:
+    started = time.monotonic()
     nginx_image = podman.debian_image(NGINX_BASE)
+    print(f"nginx image: {time.monotonic() - started:.1f} s")
     compose = ComposeStack(podman, images={"nginx:1.28": nginx_image})
     directory = tmp_path_factory.mktemp("compose")
     try:
