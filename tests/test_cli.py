@@ -233,6 +233,7 @@ def test_health_of_several_targets(
     assert capsys.readouterr().out == f"{up}: SERVING\n{dead}: UNREACHABLE\n"
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(60)
 def test_console_script_serve_and_health() -> None:
     port = free_port()

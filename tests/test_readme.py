@@ -101,5 +101,5 @@ def test_configuration_table_lists_every_setting_with_its_default() -> None:
         assert setting.name in documented, f"README lacks --{setting.name}"
         env, default = documented[setting.name]
         assert env == "POSENC_" + setting.name.upper()
-        assert default == (str(setting.default) if setting.default != "" else '""')
+        assert default == (str(setting.default) if setting.default != "" else "none")
     assert len(documented) == len(dataclasses.fields(ServerConfig))

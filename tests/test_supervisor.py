@@ -17,6 +17,9 @@ from reference import classic
 import posenc
 from posenc_server import engine
 
+# Every test here starts server processes and waits on them.
+pytestmark = pytest.mark.slow
+
 
 def worker_pids(supervisor_pid: int) -> set[int]:
     children = set()
