@@ -105,12 +105,14 @@ PYTHON_BASE = DebianImage(
     ("python3", "python3-venv", "ca-certificates", "passwd", "libstdc++6"),
 )
 # `server ... resolve` (deploy/nginx/nginx.conf) is in open-source nginx from 1.27.3 on:
-# Debian 12 has 1.22 and Debian 13 has 1.26, so the balancer's image comes from unstable.
-# Unstable's Release file is re-signed weekly and carries a Valid-Until date, which a
-# mirror serving a snapshot has passed: the date is not checked.
+# Debian 12 has 1.22 and Debian 13 has 1.26, so the balancer's image comes from Debian 14
+# (forky, 1.30 while it is testing): packages reach testing only after days in unstable
+# without release-critical bugs, so it breaks less often than unstable, which has 1.30 too.
+# Testing's Release file is re-signed weekly and carries a Valid-Until date, which a mirror
+# serving a snapshot has passed: the date is not checked.
 NGINX_BASE = DebianImage(
     "posenc-base-nginx",
-    "sid",
+    "forky",
     ("nginx",),
     changes=('CMD ["nginx", "-g", "daemon off;"]', "STOPSIGNAL SIGQUIT"),
     aptopts=('Acquire::Check-Valid-Until "false"',),

@@ -3,7 +3,7 @@
 The file's services run as podman commands (tests/containers.py, ComposeStack), each key
 translated to the podman flag with the same meaning. Three substitutions, and only these:
 images made from Debian packages (posenc:1.0.0 built from the Dockerfile; nginx 1.30 from
-Debian unstable for `server ... resolve`) instead of registry pulls; nginx's host port, a
+Debian 14, forky, for `server ... resolve`) instead of registry pulls; nginx's host port, a
 free one on 127.0.0.1; and nginx.conf's resolver address, 127.0.0.11 (Docker's DNS server),
 replaced by the address of podman's DNS server on the test's network. Every call goes from
 the host to nginx on 127.0.0.1, and each replica's calls are read from its own metrics.
@@ -35,7 +35,8 @@ import posenc
 NGINX_CONF = Path(__file__).resolve().parent.parent / "deploy" / "nginx" / "nginx.conf"
 METRICS_PORT = 9464
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+# A cold first run builds both images here (make test runs this file first): about 6 min.
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 
 @dataclass
