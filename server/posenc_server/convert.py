@@ -211,8 +211,7 @@ def _check_range(selection: PositionRange, limit: int, violations: list[FieldVio
         violations.append(
             FieldViolation(
                 "range.stop",
-                f"|position| must be at most {limit}, got {stop} (its last position is "
-                f"{stop - 1})",
+                f"|position| must be at most {limit}, got {stop} (its last position is {stop - 1})",
             )
         )
     elif start == stop and abs(stop) > limit:
