@@ -111,6 +111,7 @@ def _with_target(argv: list[str], target: str) -> list[str]:
     return [POSENC, *argv[1:-1], target]
 
 
+@pytest.mark.slow  # starts server processes
 def test_the_health_check_command_passes_on_a_live_server_and_fails_without_one(
     spawn_server: Callable[..., ServerProcess],
 ) -> None:
@@ -123,6 +124,7 @@ def test_the_health_check_command_passes_on_a_live_server_and_fails_without_one(
     assert dead.returncode != 0
 
 
+@pytest.mark.slow  # starts server processes
 def test_the_compose_command_serves_with_the_compose_environment() -> None:
     # `posenc serve` with the compose environment (except the ports, which must be free here).
     service = compose_service()
