@@ -6,6 +6,7 @@ traceback: they run in scripts, cron jobs and container health checks.
 
 from __future__ import annotations
 
+import _ssl
 import argparse
 import contextlib
 import itertools
@@ -137,6 +138,11 @@ def _add_client_arguments(parser: argparse.ArgumentParser, timeout: float | None
         "--tls-cert", metavar="PEM", help="client certificate, for mutual TLS (with --tls-key)"
     )
     security.add_argument("--tls-key", metavar="PEM", help="client private key, for mutual TLS")
+    security.add_argument(
+        "--tls-server-name",
+        metavar="NAME",
+        help="the name the server's certificate must carry (default: the target's host)",
+    )
 
 
 def _client(args: argparse.Namespace, targets: Sequence[str], **settings: Any) -> Client:
@@ -153,6 +159,8 @@ def _client(args: argparse.Namespace, targets: Sequence[str], **settings: Any) -
         credentials = grpc.ssl_channel_credentials(
             read(args.tls_ca), read(args.tls_key), read(args.tls_cert)
         )
+    if args.tls_server_name:
+        settings["options"] = [("grpc.ssl_target_name_override", args.tls_server_name)]
     return Client(targets, timeout=args.timeout, token=token, credentials=credentials, **settings)
 
 
@@ -358,7 +366,11 @@ def _build_parser() -> argparse.ArgumentParser:
         "health",
         help="check health: exit 0 when SERVING, 1 otherwise",
         description="Print the grpc.health.v1 status; exit 0 when SERVING, 1 otherwise "
-        "(NOT_SERVING, unreachable, timeout). With several --target, checks each one.",
+        "(NOT_SERVING, unreachable, timeout). With several --target, checks each one. "
+        f"Without TLS flags, when ${_SERVER_CERT_ENV} is set (the probe runs next to a TLS "
+        "server, with its environment), it connects with TLS trusting that certificate, "
+        f"under the name it carries, and presents it as its own when ${_SERVER_CLIENT_CA_ENV} "
+        "is set (mutual TLS).",
     )
     health.add_argument("--service", default="", help='service name (default "": the server)')
     _add_client_arguments(health, timeout=2.0)
@@ -608,7 +620,48 @@ def _info(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+# The server's TLS settings (posenc_server.config): `posenc health` runs where the server
+# runs (the image's HEALTHCHECK, compose's healthcheck, a Kubernetes exec probe), with the
+# server's environment, so a TLS server's probe speaks TLS without flags of its own.
+_SERVER_CERT_ENV = "POSENC_TLS_CERT_FILE"
+_SERVER_KEY_ENV = "POSENC_TLS_KEY_FILE"
+_SERVER_CLIENT_CA_ENV = "POSENC_TLS_CLIENT_CA_FILE"
+
+
+def _certificate_name(path: str) -> str | None:
+    """The first DNS name (else the common name) of the first certificate in ``path``."""
+    try:
+        # The standard library's own certificate decoder (what SSLSocket.getpeercert()
+        # returns), which it exposes under this name only; no X.509 dependency needed.
+        decoded = _ssl._test_decode_cert(path)  # type: ignore[attr-defined]
+    except (OSError, ValueError):
+        return None
+    for kind, value in decoded.get("subjectAltName", ()):
+        if kind == "DNS":
+            return str(value)
+    for rdn in decoded.get("subject", ()):
+        for key, value in rdn:
+            if key == "commonName":
+                return str(value)
+    return None
+
+
+def _probe_tls_from_server_environment(args: argparse.Namespace) -> None:
+    """Without TLS flags, next to a TLS server (``POSENC_TLS_CERT_FILE``): trust exactly the
+    certificate the server serves, under the name it carries, and under mutual TLS
+    (``POSENC_TLS_CLIENT_CA_FILE``) present that certificate and key as the client's."""
+    cert = os.environ.get(_SERVER_CERT_ENV)
+    if not cert or args.tls_ca or args.tls_cert:
+        return
+    args.tls_ca = cert
+    if os.environ.get(_SERVER_CLIENT_CA_ENV):
+        args.tls_cert, args.tls_key = cert, os.environ.get(_SERVER_KEY_ENV)
+    if not args.tls_server_name:
+        args.tls_server_name = _certificate_name(cert)
+
+
 def _health(args: argparse.Namespace) -> int:
+    _probe_tls_from_server_environment(args)
     targets = _targets(args)
     healthy = True
     for target in targets:
