@@ -16,8 +16,15 @@ from posenc_server.config import ServerConfig
 # Each picture: its file name and the `posenc plot` arguments that draw it.
 PICTURES: dict[str, list[str]] = {
     "drift-sinusoidal": ["drift", "--d-model", "512"],
-    "drift-rotary": ["drift", "--table", "rotary", "--param", "head_dim=128",
-                     "--param", "rope_theta=500000"],
+    "drift-rotary": [
+        "drift",
+        "--table",
+        "rotary",
+        "--param",
+        "head_dim=128",
+        "--param",
+        "rope_theta=500000",
+    ],
     "rope-scaling": ["rope-scaling"],
     "heatmap": ["heatmap"],
     "rotation": ["rotation"],

@@ -81,8 +81,11 @@ def test_drift_data_matches_the_exact_values(client: posenc.Client) -> None:
 def test_drift_refuses_tables_it_has_no_exact_values_for(client: posenc.Client) -> None:
     with pytest.raises(ValueError, match="without scaling"):
         plot.drift(client, posenc.Spec("rotary", head_dim=8, scaling="linear", factor=2.0))
-    with pytest.raises(ValueError, match="even d_model"):
-        plot.drift(client, posenc.Spec("sinusoidal", d_model=7))
+    for d_model in (7, 8192):
+        with pytest.raises(ValueError, match="even d_model from 2 to 4096"):
+            plot.drift(client, posenc.Spec("sinusoidal", d_model=d_model))
+    with pytest.raises(ValueError, match="even d_model from 2 to 4096"):
+        plot.heatmap(client, 65536)
 
 
 @pytest.mark.slow  # imports torch and transformers
@@ -169,7 +172,7 @@ def test_rope_scalings_match_the_scaling_formulas(client: posenc.Client) -> None
 # -- sinusoidal properties ------------------------------------------------------------------
 
 
-def test_heatmap_rows_and_nearest_distances_match_the_formulas(client: posenc.Client) -> None:
+def test_heatmap_rows_and_closest_distances_match_the_formulas(client: posenc.Client) -> None:
     d_model, base, span = 16, 100.0, 300
     data = plot.heatmap(client, d_model, base, rows=64, span=span)
     omega = inv_freq(base, d_model)
@@ -180,9 +183,7 @@ def test_heatmap_rows_and_nearest_distances_match_the_formulas(client: posenc.Cl
     # |PE(p) - PE(p + k)|^2 = sum_i 4 sin^2(k omega_i / 2): it depends on k alone.
     ks = np.arange(1, span)
     by_shift = np.sqrt((4 * np.sin(ks[:, None] * omega[None, :] / 2) ** 2).sum(axis=1))
-    # Row p's neighbours are q = p - k (k = 1..p) and q = p + k (k = 1..span - 1 - p).
-    nearest = [np.r_[by_shift[:p], by_shift[: span - 1 - p]].min() for p in range(span)]
-    np.testing.assert_allclose(data.nearest, nearest, atol=1e-6)
+    np.testing.assert_allclose(data.closest, by_shift, atol=1e-6)
     assert data.min_distance == pytest.approx(by_shift.min(), abs=1e-6)
     assert data.min_distance > 0.1  # distinct rows stay apart
 
@@ -222,6 +223,7 @@ def test_wavelengths_run_from_two_pi_to_two_pi_base(client: posenc.Client) -> No
 # -- rendering and the command --------------------------------------------------------------
 
 
+@pytest.mark.slow  # six figures drawn by matplotlib: about 3 s
 def test_every_figure_renders_a_png_of_the_expected_size(
     client: posenc.Client, tmp_path: Path
 ) -> None:
@@ -232,7 +234,9 @@ def test_every_figure_renders_a_png_of_the_expected_size(
         ),
         "rope-scaling": plot.draw_scalings(plot.rope_scalings(client, 16)),
         "heatmap": plot.draw_heatmap(plot.heatmap(client, 8, rows=16, span=64)),
-        "rotation": plot.draw_rotation(plot.rotation(client, 8, shifts=(1, 7), positions=small)),
+        "rotation": plot.draw_rotation(
+            plot.rotation(client, 8, shifts=(1, 7), positions=small // 4)
+        ),
         "similarity": plot.draw_similarity(plot.similarity(client, 8, shifts=np.arange(1, 50))),
         "wavelength": plot.draw_wavelengths(plot.wavelengths(client, 8)),
     }
@@ -261,13 +265,30 @@ def test_plot_command_reports_bad_usage(
         main(["plot", "heatmap", "-o", str(tmp_path / "x.npy"), *target])
     assert exit_info.value.code == 2
     assert "posenc plot: error" in capsys.readouterr().err
-    code = main(["plot", "heatmap", "--table", "whisper", "--d-model", "8", "-o", str(tmp_path / "x.png"), *target])  # fmt: skip
+    argv = ["plot", "heatmap", "--table", "whisper", "--d-model", "8"]
+    code = main([*argv, "-o", str(tmp_path / "x.png"), *target])
     assert code == 1
     assert "classic sinusoidal" in capsys.readouterr().err
     assert not (tmp_path / "x.png").exists()
 
 
+def test_plot_command_without_matplotlib_says_how_to_install_it(
+    server: RunningServer,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib: ImportError
+    output = tmp_path / "w.png"
+    assert main(["plot", "wavelength", "--target", server.target, "-o", str(output)]) == 2
+    err = capsys.readouterr().err
+    assert "needs the module matplotlib" in err and "[plot]" in err
+    assert not output.exists()
+
+
 def test_the_sdk_and_the_cli_never_import_matplotlib() -> None:
     code = "import sys, posenc, posenc.cli, posenc.plot; print('matplotlib' in sys.modules)"
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True
+    )
     assert result.stdout.strip() == "False"

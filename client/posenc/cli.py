@@ -111,6 +111,13 @@ def _positive_float(text: str) -> float:
     return value
 
 
+def _bases(text: str) -> list[float]:
+    values = [_positive_float(part) for part in text.split(",") if part.strip()]
+    if not values:
+        raise argparse.ArgumentTypeError("expected comma-separated bases, e.g. 100,1e4")
+    return values
+
+
 def _add_client_arguments(parser: argparse.ArgumentParser, timeout: float | None) -> None:
     parser.add_argument(
         "--target",
@@ -372,10 +379,12 @@ def _build_parser() -> argparse.ArgumentParser:
     _add_table_arguments(plot)
     plot.add_argument(
         "--bases",
-        type=lambda text: [_positive_float(part) for part in text.split(",") if part.strip()],
+        type=_bases,
         default=list(BASES),
         metavar="B1,B2,...",
-        help=f"the bases of similarity and wavelength (default: {','.join(f'{b:g}' for b in BASES)})",
+        help="the bases of similarity and wavelength (default: "
+        + ",".join(f"{base:g}" for base in BASES)
+        + ")",
     )
     plot.add_argument(
         "-o",

@@ -41,6 +41,7 @@ if TYPE_CHECKING:
 __all__ = [
     "DPI",
     "FIGURES",
+    "MAX_D_MODEL",
     "SIZE",
     "Drift",
     "Heatmap",
@@ -75,6 +76,9 @@ SIZE: Final = (9.0, 5.0)
 DPI: Final = 100
 MAX_POSITION: Final = 2**42
 """The largest position the accuracy contract covers (the server's default limit)."""
+MAX_D_MODEL: Final = 4096
+"""The widest table the figures take: wider ones cost minutes of exact values (drift) or
+gigabytes of rows (heatmap), and show nothing new."""
 BASES: Final = (100.0, 10000.0, 500000.0)
 """The bases the multi-base figures compare: short, the paper's, Llama 3's."""
 _DIGITS: Final = 40  # exact values: pos * inv_freq to 2**-80 relative at pos 2**42
@@ -95,8 +99,10 @@ def _rows(client: Client, positions: Sequence[int] | Ints, spec: Spec) -> Floats
 
 def _classic(d_model: int, base: float) -> Spec:
     """The classic interleaved table, whose pair i is columns (2i, 2i + 1) = (sin, cos)."""
-    if d_model < 2 or d_model % 2:
-        raise ValueError(f"the sinusoidal figures need an even d_model >= 2, got {d_model}")
+    if not 2 <= d_model <= MAX_D_MODEL or d_model % 2:
+        raise ValueError(
+            f"the sinusoidal figures need an even d_model from 2 to {MAX_D_MODEL}, got {d_model}"
+        )
     return Spec("sinusoidal", d_model=d_model, base=base, layout="interleaved")
 
 
@@ -117,6 +123,13 @@ def _log_positions(stop: int, per_octave: int) -> Ints:
 def drift_positions(per_octave: int = 2, stop: int = MAX_POSITION) -> Ints:
     """The positions of the drift figure: 1 to ``stop``, ``per_octave`` per doubling."""
     return _log_positions(stop, per_octave)
+
+
+def _power_of_two(value: int) -> str:
+    """``2^20`` for 1048576; other numbers as they are."""
+    if value > 1024 and value & (value - 1) == 0:
+        return f"2^{value.bit_length() - 1}"
+    return str(value)
 
 
 def _new_figure() -> Figure:
@@ -165,8 +178,10 @@ def _exact_table(spec: Spec) -> _Exact:
     with mpmath.workdps(_DIGITS):
         if spec.kind == "sinusoidal":
             d_model = int(parameters["d_model"])
-            if d_model % 2:
-                raise ValueError(f"the drift figure needs an even d_model, got {d_model}")
+            if not 2 <= d_model <= MAX_D_MODEL or d_model % 2:
+                raise ValueError(
+                    f"the drift figure needs an even d_model from 2 to {MAX_D_MODEL}, got {d_model}"
+                )
             base = mpmath.mpf(parameters.get("base", 10000.0))
             half = sines = d_model // 2
             if parameters.get("schedule", "paper") == "tensor2tensor":
@@ -177,13 +192,14 @@ def _exact_table(spec: Spec) -> _Exact:
             return _Exact(split, inv, slice(0, sines), slice(sines, None))
         if spec.kind == "rotary" and "scaling" not in parameters:
             dim = int(int(parameters["head_dim"]) * parameters.get("partial_rotary_factor", 1.0))
+            if dim > MAX_D_MODEL:
+                raise ValueError(f"the drift figure takes rotary_dim up to {MAX_D_MODEL}")
             theta = mpmath.mpf(parameters.get("rope_theta", 10000.0))
             inv = [theta ** (-mpmath.mpf(2 * i) / dim) for i in range(dim // 2)]
             vllm = Spec("rotary", **{**parameters, "layout": "vllm"})
             return _Exact(vllm, inv, slice(dim // 2, None), slice(0, dim // 2))
     raise ValueError(
-        f"the drift figure takes a sinusoidal table or a rotary table without scaling, "
-        f"got {spec!r}"
+        f"the drift figure takes a sinusoidal table or a rotary table without scaling, got {spec!r}"
     )
 
 
@@ -434,36 +450,36 @@ def draw_scalings(data: Scalings) -> Figure:
 
 @dataclass(frozen=True)
 class Heatmap:
-    """A slice of the table, and each row's distance to its nearest other row in a range."""
+    """A slice of the table, and how close two of its rows at distance k come, per k."""
 
     d_model: int
     base: float
     table: Floats
     """Rows [0, len(table)) of the table."""
-    nearest: Floats
-    """``nearest[p]``: the smallest ``|PE(p) - PE(q)|`` over ``q != p`` in the range."""
+    closest: Floats
+    """``closest[k - 1]``: the smallest ``|PE(p) - PE(p + k)|`` over the rows of the range
+    (positions 0 to ``len(closest)``)."""
 
     @property
     def min_distance(self) -> float:
         """The smallest distance between two distinct rows of the range."""
-        return float(self.nearest.min())
+        return float(self.closest.min())
 
 
 def heatmap(
     client: Client, d_model: int = 128, base: float = 10000.0, *, rows: int = 256, span: int = 2048
 ) -> Heatmap:
-    """Rows [0, rows) of the classic table, and nearest-row distances over [0, span)."""
+    """Rows [0, rows) of the classic table, and the closest pairs of rows in [0, span)."""
     spec = _classic(d_model, base)
     table = np.asarray(client.get_range(0, span, spec, dtype="float64"), dtype=np.float64)
     norms = (table**2).sum(axis=1)
-    squared = norms[:, None] + norms[None, :] - 2 * table @ table.T
-    np.fill_diagonal(squared, np.inf)
-    nearest = np.sqrt(np.maximum(squared.min(axis=1), 0.0))
-    return Heatmap(d_model, base, table[:rows], nearest)
+    squared = norms[:, None] + norms[None, :] - 2 * table @ table.T  # every pair of rows
+    closest = np.array([np.diagonal(squared, k).min() for k in range(1, span)])
+    return Heatmap(d_model, base, table[:rows], np.sqrt(np.maximum(closest, 0.0)))
 
 
 def draw_heatmap(data: Heatmap) -> Figure:
-    """The table slice (bounded in [-1, 1]) and how far each row is from every other."""
+    """The table slice (bounded in [-1, 1]) and how close rows k apart ever come."""
     fig = _new_figure()
     left, right = fig.subplots(1, 2, width_ratios=(3, 2))
     image = left.imshow(
@@ -473,15 +489,21 @@ def draw_heatmap(data: Heatmap) -> Figure:
     left.set_xlabel("column")
     left.set_ylabel("position")
     left.set_title(f"PE, d_model {data.d_model}, base {data.base:g}", fontsize=10)
-    right.plot(np.arange(len(data.nearest)), data.nearest, lw=1)
-    right.axhline(data.min_distance, color="grey", ls=":", lw=1)
+    shifts = np.arange(1, len(data.closest) + 1)
+    right.semilogx(shifts, data.closest, lw=1, label="min over p of |PE(p) - PE(p+k)|")
+    right.axhline(data.min_distance, color="grey", ls=":", lw=1, label="smallest")
+    right.axhline(
+        math.sqrt(data.d_model), color="grey", ls="--", lw=1, label="sqrt(d_model): unrelated"
+    )
     right.set_ylim(bottom=0)
-    right.set_xlabel("position p")
-    right.set_ylabel("min |PE(p) - PE(q)|, q != p")
+    right.set_xlabel("distance k")
+    right.set_ylabel("distance between rows")
     right.set_title(
-        f"rows [0, {len(data.nearest)}): smallest distance {data.min_distance:.3f}", fontsize=10
+        f"rows [0, {len(data.closest) + 1}): smallest distance {data.min_distance:.3f}",
+        fontsize=10,
     )
     right.grid(True, alpha=0.3)
+    right.legend(fontsize=7, loc="lower right")
     return fig
 
 
@@ -510,14 +532,11 @@ def _rotate(rows: Floats, by: Floats) -> Floats:
 
 
 def _naive_classic(positions: Ints, d_model: int, base: float) -> Floats:
-    """The usual float32 table (``position * div_term``), interleaved, as float64."""
-    div_term = np.exp(
-        np.arange(0, d_model, 2, dtype=np.float32) * np.float32(-math.log(base) / d_model)
-    )
-    angle = positions.astype(np.float32)[:, None] * div_term[None, :]
-    out = np.empty((len(positions), d_model), dtype=np.float32)
-    out[:, 0::2], out[:, 1::2] = np.sin(angle), np.cos(angle)
-    return out.astype(np.float64)
+    """The naive float32 table (as in the drift figure), interleaved, as float64."""
+    sin, cos = _naive_pairs(list(base ** (-np.arange(0, d_model, 2) / d_model)), positions)
+    out = np.empty((len(positions), d_model))
+    out[:, 0::2], out[:, 1::2] = sin, cos
+    return out
 
 
 def rotation(
@@ -549,15 +568,17 @@ def draw_rotation(data: Rotation) -> Figure:
     fig = _new_figure()
     ax = fig.add_subplot()
     for index, (k, values) in enumerate(data.residual.items()):
-        color = f"C{index}"
-        ax.loglog(data.positions, np.maximum(values, _FLOOR), "o-", ms=3, color=color, label=f"{k=}")
+        color, shift = f"C{index}", _power_of_two(k)
+        ax.loglog(
+            data.positions, np.maximum(values, _FLOOR), "o-", ms=3, color=color, label=f"k={shift}"
+        )
         ax.loglog(
             data.positions,
             np.maximum(data.naive[k], _FLOOR),
             "--",
             color=color,
             lw=1,
-            label=f"{k=}, naive float32",
+            label=f"k={shift}, naive float32",
         )
     ax.axhline(2.0**-50, color="grey", ls=":", lw=1, label="2^-50 (float64 contract)")
     ax.set_xscale("log", base=2)
@@ -642,12 +663,16 @@ def draw_wavelengths(data: Wavelengths) -> Figure:
     fig = _new_figure()
     ax = fig.add_subplot()
     for index, (base, values) in enumerate(data.wavelength.items()):
-        ax.semilogy(np.arange(len(values)), values, lw=1.5, color=f"C{index}", label=f"base {base:g}")
+        ax.semilogy(
+            np.arange(len(values)), values, lw=1.5, color=f"C{index}", label=f"base {base:g}"
+        )
         ax.axhline(2 * math.pi * base, color=f"C{index}", ls=":", lw=1)
     ax.axhline(2 * math.pi, color="grey", ls=":", lw=1, label="2 pi and 2 pi base (dotted)")
     ax.set_xlabel("pair i (columns 2i, 2i+1)")
     ax.set_ylabel("wavelength (positions)")
-    ax.set_title(f"The base trade-off: wavelength per dimension, d_model {data.d_model}", fontsize=10)
+    ax.set_title(
+        f"The base trade-off: wavelength per dimension, d_model {data.d_model}", fontsize=10
+    )
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=8)
     return fig
@@ -685,9 +710,7 @@ FIGURES: Final[Mapping[str, Callable[[Client, Spec, Sequence[float], str], Figur
         rope_scalings(client, *_rotary_of(spec))
     ),
     "heatmap": lambda client, spec, bases, dtype: draw_heatmap(heatmap(client, *_base_of(spec))),
-    "rotation": lambda client, spec, bases, dtype: draw_rotation(
-        rotation(client, *_base_of(spec))
-    ),
+    "rotation": lambda client, spec, bases, dtype: draw_rotation(rotation(client, *_base_of(spec))),
     "similarity": lambda client, spec, bases, dtype: draw_similarity(
         similarity(client, _base_of(spec)[0], bases)
     ),
