@@ -3,6 +3,7 @@ first principles (mpmath, numpy float64), from a real server; and each figure re
 
 from __future__ import annotations
 
+import importlib.util
 import math
 import struct
 import subprocess
@@ -13,6 +14,7 @@ from typing import Any
 import mpmath
 import numpy as np
 import pytest
+from conftest import ROOT
 from reference import exact
 from reference_tables import Rope, rope_frequencies
 
@@ -292,3 +294,17 @@ def test_the_sdk_and_the_cli_never_import_matplotlib() -> None:
         [sys.executable, "-c", code], capture_output=True, text=True, check=True
     )
     assert result.stdout.strip() == "False"
+
+
+def test_readme_shows_every_picture_make_plots_draws() -> None:
+    spec = importlib.util.spec_from_file_location("make_plots", ROOT / "scripts" / "make_plots.py")
+    assert spec is not None and spec.loader is not None
+    make_plots = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(make_plots)
+    readme = (ROOT / "README.md").read_text()
+    drawn = {arguments[0] for arguments in make_plots.PICTURES.values()}
+    assert drawn == set(plot.FIGURES), "make plots draws every kind of figure"
+    for name in make_plots.PICTURES:
+        picture = ROOT / "pictures" / f"{name}.png"
+        assert png_size(picture) == EXPECTED_PIXELS, "run make plots"
+        assert f"](pictures/{name}.png)" in readme, name
