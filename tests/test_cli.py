@@ -209,6 +209,33 @@ def test_info(server: RunningServer, capsys: pytest.CaptureFixture[str]) -> None
     assert set(info["cache"]) >= {"hits", "misses", "budget_bytes"}
 
 
+def test_info_names_kinds_as_fetch_takes_them(
+    server: RunningServer, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["info", "--target", server.target]) == 0
+    text = capsys.readouterr().out
+    kinds = text.split("table kinds:", 1)[1].split("(fetch", 1)[0].strip().split(", ")
+    assert "whisper" in kinds and "rotary" in kinds
+    selections = [["--table", kind] for kind in kinds]
+    scalings = [line for line in text.splitlines() if "--param scaling=NAME" in line]
+    assert len(scalings) == 1, text
+    names = scalings[0].split(":", 1)[1].split("(", 1)[0].strip().split(", ")
+    assert "yarn" in names
+    selections += [["--table", "rotary", "--param", f"scaling={name}"] for name in names]
+    out = str(tmp_path / "t.npy")
+    for selection in selections:
+        width = "head_dim=8" if "rotary" in selection else "d_model=8"
+        argv = ["fetch", "0", "1", *selection, "--param", width, "-o", out]
+        try:
+            code = main([*argv, "--target", server.target])
+        except SystemExit as exited:
+            code = exited.code
+        # Fetched, or refused by the server for parameters the kind needs (yarn's factor,
+        # ...): never a usage error (2) about the name info printed.
+        assert code in (0, 1), (selection, capsys.readouterr().err)
+        capsys.readouterr()
+
+
 def test_health_serving(server: RunningServer, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["health", "--target", server.target]) == 0
     assert capsys.readouterr().out == "SERVING\n"

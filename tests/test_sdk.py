@@ -527,7 +527,7 @@ def test_one_target_rule_for_one_target_and_for_lists() -> None:
     assert target_of(["[::1]:1", "[fe80::2]:2"]) == "ipv6:[::1]:1,[fe80::2]:2"
     mapped = ipaddress.IPv6Address("::ffff:10.0.0.1")  # spelled differently across Pythons
     assert target_of(["[::1]:1", "10.0.0.1:2"]) == f"ipv6:[::1]:1,[{mapped}]:2"
-    for bad in ([], ["a:1", "dns:///b:2"], ["a:x", "b:1"], "a:0", "a:99999", ":1"):
+    for bad in ([], ["a:1", "dns:///b:2"], ["a:x", "b:1"], "a:0", "a:", "a:99999", ":1"):
         with pytest.raises(ValueError):
             target_of(bad)
     # A URL is refused at once, saying what a target is, instead of failing to resolve.
@@ -577,7 +577,7 @@ def test_interceptors_see_every_call_with_its_token(server: RunningServer) -> No
 def test_context_manager_closes_the_channel(server: RunningServer) -> None:
     with posenc.Client(server.target) as client:
         client.get_range(0, 1, 4)
-    with pytest.raises(ValueError, match="closed"):
+    with pytest.raises(posenc.ClientClosedError, match="closed"):
         client.get_range(0, 1, 4)
 
 

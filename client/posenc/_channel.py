@@ -69,8 +69,8 @@ def with_port(target: str) -> str:
     elif target.count(":") > 1:  # a bare IPv6 address has no room for a port
         host, port = target, str(DEFAULT_PORT)
     else:
-        host, _, port = target.partition(":")
-        port = port or str(DEFAULT_PORT)
+        host, colon, port = target.partition(":")
+        port = port if colon else str(DEFAULT_PORT)
     if not host or not port.isdigit() or not 0 < int(port) < 65536:
         raise ValueError(f"target {target!r} is not host:port")
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"

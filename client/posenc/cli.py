@@ -677,7 +677,18 @@ def _info(args: argparse.Namespace) -> int:
     print(f"version:       {info.version}")
     print(f"server_id:     {info.server_id}")
     print(f"dtypes:        {', '.join(info.dtypes)}")
-    print(f"table kinds:   {', '.join(kind.name for kind in info.table_kinds)}")
+    # Named as fetch takes them: --table KIND, and a variant of a kind (rotary.yarn) with
+    # --param ONEOF=NAME (scaling=yarn).
+    names = [kind.name for kind in info.table_kinds]
+    print(f"table kinds:   {', '.join(n for n in names if '.' not in n)} (fetch --table KIND)")
+    for kind in dict.fromkeys(n.partition(".")[0] for n in names if "." in n):
+        variants = [n.partition(".")[2] for n in names if n.startswith(kind + ".")]
+        with contextlib.suppress(PosencError):
+            for oneof in choice_oneofs(kind_message(kind)):
+                print(
+                    f"  {kind} {oneof.name}: {', '.join(variants)} "
+                    f"(--table {kind} --param {oneof.name}=NAME)"
+                )
     print(f"rows_computed: {info.rows_computed:,}")
     for title, section in (("limits", info.limits), ("cache", info.cache)):
         print(f"{title}:")
