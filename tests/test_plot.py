@@ -250,6 +250,7 @@ def test_every_figure_renders_a_png_of_the_expected_size(
         assert path.stat().st_size > 10_000, name  # axes, lines and labels, not a blank
 
 
+@pytest.mark.slow  # imports matplotlib and draws two figures: 2 to 5 s
 def test_plot_command_writes_png_and_svg(server: RunningServer, tmp_path: Path) -> None:
     png, svg = tmp_path / "w.png", tmp_path / "w.svg"
     for output in (png, svg):
