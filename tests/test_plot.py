@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from conftest import ROOT
 from reference import exact
-from reference_tables import Rope, rope_frequencies
+from reference_tables import Rope, Sin, rope_frequencies, sinusoidal_exact
 
 import posenc
 from posenc import plot
@@ -78,6 +78,42 @@ def test_drift_data_matches_the_exact_values(client: posenc.Client) -> None:
     assert (data.posenc <= 2.0**-24).all()
     assert data.naive[DRIFT_POSITIONS >= 2**31].min() > 0.05
     assert data.naive[0] <= 2.0**-23
+
+
+@pytest.mark.parametrize(
+    "table",
+    [
+        Sin("whisper", 16, base=5000.0),
+        Sin("fairseq", 16, padding_idx=3),
+        Sin("tensor2tensor", 16, base=1e4, min_timescale=2.0, start_index=5),
+        Sin("sinusoidal", 16, base=500.0, layout="interleaved"),
+    ],
+    ids=lambda table: table.kind,
+)
+def test_drift_of_each_sinusoidal_kind_matches_the_reference(
+    client: posenc.Client, table: Sin
+) -> None:
+    spec = table.spec()
+    if table.kind == "sinusoidal":  # the tensor2tensor schedule of the classic table
+        spec = posenc.Spec("sinusoidal", **spec.parameters, schedule="tensor2tensor")
+    positions = np.array([1, 3, 1000, 2**24 + 1, 2**31, 2**42 - 5])
+    data = plot.drift(client, spec, positions=positions)
+    kept = positions[positions != 3] if table.kind == "fairseq" else positions
+    np.testing.assert_array_equal(data.positions, kept)  # fairseq's padding row is zero
+    rows = client.get_positions(kept, spec)
+    expected = []
+    for row, position in enumerate(kept.tolist()):
+        worst = 0.0
+        for column in range(table.d_model):
+            if table.kind == "sinusoidal":
+                truth = exact(table.base, 16, "interleaved", "tensor2tensor", position, column)
+            else:
+                truth = sinusoidal_exact(table, position, column)
+            worst = max(worst, float(abs(mpmath.mpf(float(rows[row, column])) - truth)))
+        expected.append(worst)
+    np.testing.assert_allclose(data.posenc, expected, rtol=1e-9, atol=1e-15)
+    assert (data.posenc <= 2.0**-24).all()
+    assert data.naive[0] <= 2.0**-22 and data.naive[kept >= 2**31].min() > 0.05
 
 
 def test_drift_refuses_tables_it_has_no_exact_values_for(client: posenc.Client) -> None:

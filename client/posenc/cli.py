@@ -634,7 +634,8 @@ Figures (posenc.plot has the functions that return each figure's data):
   drift         largest error per position, 1 to 2**42: posenc's --dtype table, the naive
                 float32 position * div_term table and, for rotary tables with transformers
                 installed, LlamaRotaryEmbedding's, against exact values (mpmath)
-                (default table: --d-model 512; also --table rotary without scaling)
+                (default: --d-model 512; also --table tensor2tensor, whisper, fairseq with
+                an even --d-model, and --table rotary without scaling)
   rope-scaling  inverse frequency per index of default, linear, dynamic, yarn, llama3 and
                 longrope scalings of a rotary table (default: head_dim 128, theta 500000)
   heatmap       rows [0, 256) of the table and each row's distance to its nearest other

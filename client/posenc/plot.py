@@ -161,45 +161,63 @@ class Drift:
 @dataclass(frozen=True)
 class _Exact:
     """A table as pairs: the spec (in a layout of [sin block | cos block] or [cos | sin]),
-    its exact inverse frequencies, and where its sin and cos columns are."""
+    its exact inverse frequencies, where its sin and cos columns are, and its position map."""
 
     spec: Spec
     inv_freq: list[Any]  # mpmath.mpf
     sin: slice
     cos: slice
+    offset: int = 0
+    """Added to a position before it is multiplied (tensor2tensor's start_index)."""
+    zero_row: int | None = None
+    """A position whose row is zero (fairseq's padding_idx): left out of the figure."""
+
+
+def _even_width(d_model: int) -> int:
+    if not 2 <= d_model <= MAX_D_MODEL or d_model % 2:
+        raise ValueError(
+            f"the drift figure needs an even d_model from 2 to {MAX_D_MODEL}, got {d_model}"
+        )
+    return d_model
 
 
 def _exact_table(spec: Spec) -> _Exact:
-    """The drift figure's view of ``spec``: the classic table (either schedule) or a rotary
-    table without scaling, with its inverse frequencies to 40 digits."""
+    """The drift figure's view of ``spec``, with its inverse frequencies to 40 digits: the
+    classic table (either schedule), tensor2tensor, whisper and fairseq tables ([sin | cos]
+    over log-spaced timescales), or a rotary table without scaling."""
     import mpmath  # optional: the [plot] extra
 
     parameters = spec.parameters
+    kind = spec.kind
     with mpmath.workdps(_DIGITS):
-        if spec.kind == "sinusoidal":
-            d_model = int(parameters["d_model"])
-            if not 2 <= d_model <= MAX_D_MODEL or d_model % 2:
-                raise ValueError(
-                    f"the drift figure needs an even d_model from 2 to {MAX_D_MODEL}, got {d_model}"
-                )
-            base = mpmath.mpf(parameters.get("base", 10000.0))
-            half = sines = d_model // 2
-            if parameters.get("schedule", "paper") == "tensor2tensor":
-                inv = [base ** (-mpmath.mpf(i) / max(half - 1, 1)) for i in range(sines)]
-            else:
-                inv = [base ** (-mpmath.mpf(2 * i) / d_model) for i in range(sines)]
-            split = Spec("sinusoidal", **{**parameters, "layout": "split"})
-            return _Exact(split, inv, slice(0, sines), slice(sines, None))
-        if spec.kind == "rotary" and "scaling" not in parameters:
+        if kind == "rotary" and "scaling" not in parameters:
             dim = int(int(parameters["head_dim"]) * parameters.get("partial_rotary_factor", 1.0))
-            if dim > MAX_D_MODEL:
-                raise ValueError(f"the drift figure takes rotary_dim up to {MAX_D_MODEL}")
+            _even_width(dim)
             theta = mpmath.mpf(parameters.get("rope_theta", 10000.0))
             inv = [theta ** (-mpmath.mpf(2 * i) / dim) for i in range(dim // 2)]
             vllm = Spec("rotary", **{**parameters, "layout": "vllm"})
             return _Exact(vllm, inv, slice(dim // 2, None), slice(0, dim // 2))
+        if kind in ("sinusoidal", "tensor2tensor", "whisper", "fairseq"):
+            half = _even_width(int(parameters["d_model"])) // 2
+            blocks = (slice(0, half), slice(half, None))
+            low = mpmath.mpf(parameters.get("min_timescale", 1.0))
+            high = mpmath.mpf(parameters.get("base", parameters.get("max_timescale", 10000.0)))
+            # log-spaced timescales from low to high, one per sin column
+            spaced = [
+                low * (high / low) ** (-mpmath.mpf(i) / max(half - 1, 1)) for i in range(half)
+            ]
+            if kind != "sinusoidal":
+                zero_row = parameters.get("padding_idx", 1) if kind == "fairseq" else None
+                offset = int(parameters.get("start_index", 0))
+                return _Exact(spec, spaced, *blocks, offset=offset, zero_row=zero_row)
+            split = Spec("sinusoidal", **{**parameters, "layout": "split"})
+            if parameters.get("schedule", "paper") == "tensor2tensor":
+                return _Exact(split, spaced, *blocks)
+            paper = [high ** (-mpmath.mpf(2 * i) / (2 * half)) for i in range(half)]
+            return _Exact(split, paper, *blocks)
     raise ValueError(
-        f"the drift figure takes a sinusoidal table or a rotary table without scaling, got {spec!r}"
+        "the drift figure takes a sinusoidal, tensor2tensor, whisper or fairseq table or a "
+        f"rotary table without scaling, got {spec!r}"
     )
 
 
@@ -278,22 +296,24 @@ def drift(
 
     Args:
         client: A client of the server whose table is measured.
-        spec: A sinusoidal table (either schedule, any layout) or a rotary table without
-            scaling.
-        positions: Non-negative positions; default :func:`drift_positions` (1 to 2**42).
+        spec: A sinusoidal table (either schedule, any layout), a tensor2tensor, whisper or
+            fairseq table (even d_model), or a rotary table without scaling.
+        positions: Positive positions; default :func:`drift_positions` (1 to 2**42). A
+            fairseq table's padding row (zero) is left out.
         dtype: posenc's table type.
     """
-    exact_table = _exact_table(spec)
+    table = _exact_table(spec)
     where = drift_positions() if positions is None else np.asarray(positions, dtype=np.int64)
-    exact = _exact_pairs(exact_table.inv_freq, where)
-    rows = client.get_positions(where, exact_table.spec, dtype=dtype).astype(np.float64)
-    ours = (rows[:, exact_table.sin], rows[:, exact_table.cos])
+    where = where[where != table.zero_row]
+    exact = _exact_pairs(table.inv_freq, where + table.offset)
+    rows = client.get_positions(where, table.spec, dtype=dtype).astype(np.float64)
+    ours = (rows[:, table.sin], rows[:, table.cos])
     family = _family_pairs(spec, where)
     return Drift(
         title=repr(spec),
         positions=where,
         posenc=_largest_error(ours, exact),
-        naive=_largest_error(_naive_pairs(exact_table.inv_freq, where), exact),
+        naive=_largest_error(_naive_pairs(table.inv_freq, where + table.offset), exact),
         family=None if family is None else _largest_error(family, exact),
         family_label="transformers LlamaRotaryEmbedding (float32)",
         dtype=dtype,
