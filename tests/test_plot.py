@@ -345,3 +345,58 @@ def test_readme_shows_every_picture_make_plots_draws() -> None:
         picture = ROOT / "pictures" / f"{name}.png"
         assert png_size(picture) == EXPECTED_PIXELS, "run make plots"
         assert f"](pictures/{name}.png)" in readme, name
+
+
+def _g(value: float, digits: int = 1) -> str:
+    """``value`` as the README writes it: 2.7e-05 -> 3e-5, 0.026 -> 0.03."""
+    return f"{value:.{digits}g}".replace("e-0", "e-")
+
+
+@pytest.mark.slow  # the README's figures at full size, transformers included: ~20 s
+def test_readme_pictures_section_quotes_the_figures_data(client: posenc.Client) -> None:
+    pytest.importorskip("transformers")
+    readme = (ROOT / "README.md").read_text()
+    section = readme[readme.index("## Pictures") : readme.index("## Protocol")]
+    section = " ".join(section.split())  # quoted numbers may be wrapped onto the next line
+
+    def at(data: Any, position: int) -> int:
+        return int(np.searchsorted(data.positions, position))
+
+    quoted: list[str] = []
+    classic = plot.drift(client, posenc.Spec("sinusoidal", d_model=512))
+    quoted.append(f"half an ulp ({_g(classic.posenc.max())})")
+    naive = [classic.naive[at(classic, 2**n)] for n in (10, 20, 24)]
+    quoted.append(f"{_g(naive[0])} at 2^10, {_g(naive[1])} at 2^20, {_g(naive[2], 2)} at 2^24")
+    rotary = plot.drift(client, posenc.Spec("rotary", head_dim=128, rope_theta=500000.0))
+    assert rotary.family is not None
+    family = [rotary.family[at(rotary, 2**n)] for n in (20, 24)]
+    quoted.append(f"{_g(family[0])} at 2^20, {_g(family[1], 2)} at 2^24")
+
+    scalings = plot.rope_scalings(client)
+    stretch = {label: scalings.inv_freq["default"] / v for label, v in scalings.inv_freq.items()}
+
+    def first(label: str, above: float) -> int:
+        return int(np.argmax(stretch[label] > above))
+
+    quoted.append(f"index below {first('llama3 x8', 1.01)} and {first('yarn x8', 1.01)}")
+    quoted.append(f"(index {first('llama3 x8', 7.99)} on")
+    quoted.append(f"to {stretch['dynamic, seq_len 32768'][-1]:.0f}x")
+    quoted.append(f"{stretch['dynamic, seq_len 131072'][-1]:.0f}x at the last index")
+    quoted.append(f"(to {stretch['longrope long'][-1]:.0f}x)")
+    quoted.append(f"(at most {stretch['longrope short'].max():.3g}x)")
+
+    quoted.append(f"closer than {plot.heatmap(client).min_distance:.3g}")
+    turned = plot.rotation(client)
+    largest = max(values.max() for values in turned.residual.values())
+    quoted.append(f"and {_g(largest, 2)}, under 2^-50")
+    quoted.append(f"off by {_g(turned.naive[1][at(turned, 2**20)])} at p = 2^20")
+    alike = plot.similarity(client)
+    drops = [int(alike.shifts[np.argmax(v < 0.2)]) for v in alike.similarity.values()]
+    quoted.append(
+        f"at k = {drops[0]} for base 100, {drops[1]} for 10,000 and "
+        f"{float(f'{drops[2]:.2g}'):,.0f} for 500,000"
+    )
+    longest = [v[-1] for v in plot.wavelengths(client).wavelength.values()]
+    quoted.append(f"{longest[0]:,.0f}, {longest[1]:,.0f} and {longest[2] / 1e6:.3g} million")
+    missing = [text for text in quoted if text not in section]
+    assert not missing, f"README Pictures is stale (make plots, then update): {missing}"
