@@ -308,8 +308,10 @@ def _table(args: argparse.Namespace) -> Spec:
         values[name] = text if parameter is None else _parse_value(parameter, text)
     if args.rope_config is not None:
         config = json.loads(args.rope_config.read_text())
-        layout = str(values.get("layout", "transformers"))
-        return Spec("rotary", **{**Spec.from_config(config, layout=layout).parameters, **values})
+        # No --param layout: the family's own (GPT-J's is "gptj"), as Spec.from_config reads it.
+        layout = values.get("layout")
+        spec = Spec.from_config(config, layout=None if layout is None else str(layout))
+        return Spec(spec.kind, **{**spec.parameters, **values})
     if kind == _CLASSIC_KIND and "d_model" not in values:
         raise _usage_error("--d-model is required (or another --table)", args.command)
     return Spec(kind, **values)
