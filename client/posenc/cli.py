@@ -1,4 +1,4 @@
-"""The ``posenc`` command: ``serve``, ``fetch``, ``info`` and ``health``.
+"""The ``posenc`` command: ``serve``, ``fetch``, ``plot``, ``info`` and ``health``.
 
 Client subcommands print SDK failures as one line on stderr and exit non-zero, never with a
 traceback: they run in scripts, cron jobs and container health checks.
@@ -30,6 +30,7 @@ from posenc._channel import DEFAULT_TARGET, is_uri
 from posenc._client import Client
 from posenc._query import DTYPE_NAMES, as_positions
 from posenc.errors import PosencError
+from posenc.plot import BASES, FIGURES, default_spec, figure, render
 from posenc.spec import (
     Spec,
     cases,
@@ -109,6 +110,13 @@ def _positive_float(text: str) -> float:
     if not value > 0:
         raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
     return value
+
+
+def _bases(text: str) -> list[float]:
+    values = [_positive_float(part) for part in text.split(",") if part.strip()]
+    if not values:
+        raise argparse.ArgumentTypeError("expected comma-separated bases, e.g. 100,1e4")
+    return values
 
 
 def _add_client_arguments(parser: argparse.ArgumentParser, timeout: float | None) -> None:
@@ -266,17 +274,28 @@ def _add_table_arguments(fetch: argparse.ArgumentParser) -> None:
     )
 
 
-def _usage_error(message: str) -> SystemExit:
+def _usage_error(message: str, command: str = "fetch") -> SystemExit:
     """A usage error, reported as argparse reports them."""
-    print(f"posenc fetch: error: {message}", file=sys.stderr)
+    print(f"posenc {command}: error: {message}", file=sys.stderr)
     return SystemExit(EXIT_USAGE)
 
 
+def _table_given(args: argparse.Namespace) -> bool:
+    """Whether any table flag was given (``plot`` has a default table per figure)."""
+    classic = parameter_fields(kind_message(_CLASSIC_KIND))
+    return (
+        args.table is not None
+        or args.rope_config is not None
+        or bool(args.param)
+        or any(getattr(args, f"classic_{field.name}") is not None for field in classic)
+    )
+
+
 def _table(args: argparse.Namespace) -> Spec:
-    """The table of a fetch: --table, the classic flags, --param and --rope-config."""
+    """The table of a fetch (or plot): --table, the classic flags, --param, --rope-config."""
     kind = args.table or ("rotary" if args.rope_config is not None else _CLASSIC_KIND)
     if args.rope_config is not None and kind != "rotary":
-        raise _usage_error("--rope-config goes with --table rotary")
+        raise _usage_error("--rope-config goes with --table rotary", args.command)
     known = _parameters_of(kind)
     values: dict[str, object] = {}
     for field in parameter_fields(kind_message(_CLASSIC_KIND)):
@@ -284,13 +303,14 @@ def _table(args: argparse.Namespace) -> Spec:
         if value is None:
             continue
         if field.name not in known:
-            raise _usage_error(f"{_flag(field)} does not apply to --table {kind}")
+            raise _usage_error(f"{_flag(field)} does not apply to --table {kind}", args.command)
         values[field.name] = value
     for item in args.param:
         name, sep, text = item.partition("=")
         if not sep or name not in known:
             raise _usage_error(
-                f"--param {item!r}: expected NAME=VALUE with NAME one of {', '.join(known)}"
+                f"--param {item!r}: expected NAME=VALUE with NAME one of {', '.join(known)}",
+                args.command,
             )
         parameter = known[name]
         values[name] = text if parameter is None else _parse_value(parameter, text)
@@ -301,7 +321,7 @@ def _table(args: argparse.Namespace) -> Spec:
         spec = Spec.from_config(config, layout=None if layout is None else str(layout))
         return Spec(spec.kind, **{**spec.parameters, **values})
     if kind == _CLASSIC_KIND and "d_model" not in values:
-        raise _usage_error("--d-model is required (or another --table)")
+        raise _usage_error("--d-model is required (or another --table)", args.command)
     return Spec(kind, **values)
 
 
@@ -358,6 +378,33 @@ def _build_parser() -> argparse.ArgumentParser:
     )
     _add_client_arguments(fetch, timeout=None)
 
+    plot = commands.add_parser(
+        "plot",
+        help="draw a figure of the tables into a .png or .svg (needs the [plot] extra)",
+        description="Draw figure KIND of a table, from a server's rows, into a .png or .svg.",
+        epilog=_PLOT_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    plot.add_argument("kind", choices=tuple(FIGURES), metavar="KIND", help=", ".join(FIGURES))
+    _add_table_arguments(plot)
+    plot.add_argument(
+        "--bases",
+        type=_bases,
+        default=list(BASES),
+        metavar="B1,B2,...",
+        help="the bases of similarity and wavelength (default: "
+        + ",".join(f"{base:g}" for base in BASES)
+        + ")",
+    )
+    plot.add_argument(
+        "-o",
+        "--output",
+        type=Path,
+        required=True,
+        help=f"the file to write; its suffix chooses the format: {', '.join(_PLOT_FORMATS)}",
+    )
+    _add_client_arguments(plot, timeout=120.0)
+
     info = commands.add_parser("info", help="describe the server: version, limits, cache")
     info.add_argument("--json", action="store_true", help="print JSON")
     _add_client_arguments(info, timeout=10.0)
@@ -384,7 +431,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         # The server parses its own flags: hand them over untouched.
         return _serve(args_list[1:])
     args = _build_parser().parse_args(args_list)
-    handler = {"fetch": _fetch, "info": _info, "health": _health}[args.command]
+    handler = {"fetch": _fetch, "plot": _plot, "info": _info, "health": _health}[args.command]
     try:
         return handler(args)
     except (PosencError, ValueError, OSError) as error:  # ValueError: a bad --target, for one
@@ -447,20 +494,24 @@ def _human_bytes(size: float) -> str:
     raise AssertionError("unreachable")
 
 
-def _check_output(output: Path) -> None:
+def _check_output(
+    output: Path, formats: Sequence[str] | None = None, command: str = "fetch"
+) -> None:
     """Refuse an output that cannot be written before anything is fetched."""
+    formats = tuple(_FORMATS) if formats is None else formats
     if output.is_dir():
-        raise _usage_error(f"-o {output} is a directory: give a file name in it")
-    if output.suffix not in _FORMATS:
+        raise _usage_error(f"-o {output} is a directory: give a file name in it", command)
+    if output.suffix not in formats:
         raise _usage_error(
             f"-o {output}: unknown format {output.suffix or '(no suffix)'!r}; "
-            f"the suffix chooses it: {', '.join(_FORMATS)}"
+            f"the suffix chooses it: {', '.join(formats)}",
+            command,
         )
     parent = output.parent
     if not parent.is_dir():
-        raise _usage_error(f"-o {output}: directory {parent} does not exist")
+        raise _usage_error(f"-o {output}: directory {parent} does not exist", command)
     if not os.access(parent, os.W_OK | os.X_OK):
-        raise _usage_error(f"-o {output}: directory {parent} is not writable")
+        raise _usage_error(f"-o {output}: directory {parent} is not writable", command)
 
 
 def _fetch(args: argparse.Namespace) -> int:
@@ -586,6 +637,47 @@ def _write(
         f"({shape[0] / elapsed:,.0f} rows/s, {_human_bytes(size / elapsed)}/s)",
         file=sys.stderr,
     )
+
+
+# -- plot -------------------------------------------------------------------------------
+
+_PLOT_FORMATS = (".png", ".svg")
+
+_PLOT_EPILOG = """\
+Figures (posenc.plot has the functions that return each figure's data):
+  drift         largest error per position, 1 to 2**42: posenc's --dtype table, the naive
+                float32 position * div_term table and, for rotary tables with transformers
+                installed, LlamaRotaryEmbedding's, against exact values (mpmath)
+                (default: --d-model 512; also --table tensor2tensor, whisper, fairseq with
+                an even --d-model, and --table rotary without scaling)
+  rope-scaling  inverse frequency per index of default, linear, dynamic, yarn, llama3 and
+                longrope scalings of a rotary table (default: head_dim 128, theta 500000)
+  heatmap       rows [0, 256) of the table and each row's distance to its nearest other
+  rotation      max |PE(p + k) - R(k) PE(p)| over p, R(k) from the row at position k
+  similarity    cosine similarity of PE(p) and PE(p + k) against k, for --bases
+  wavelength    2 pi / inv_freq per pair of columns, for --bases
+The sinusoidal figures take the classic table's --d-model (default 128) and --base.
+"""
+
+
+def _plot(args: argparse.Namespace) -> int:
+    spec = _table(args) if _table_given(args) else default_spec(args.kind)
+    _check_output(args.output, _PLOT_FORMATS, "plot")
+    try:  # the [plot] extra, checked before connecting
+        import matplotlib  # noqa: F401
+        import mpmath  # noqa: F401
+    except ImportError as error:
+        print(
+            f"posenc plot: needs the module {error.name}, which is not installed.\n"
+            f"Install it with: {_install_command('plot')}",
+            file=sys.stderr,
+        )
+        return EXIT_USAGE
+    with _client(args, _targets(args)) as client:
+        drawn = figure(args.kind, client, spec, bases=args.bases, dtype=args.dtype)
+    render(drawn, args.output)
+    print(f"posenc plot: wrote {args.kind} of {spec!r} to {args.output}", file=sys.stderr)
+    return EXIT_OK
 
 
 # -- info, health -----------------------------------------------------------------------
