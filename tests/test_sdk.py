@@ -275,7 +275,7 @@ ROTARY = posenc.Spec("rotary", head_dim=64)
         (lambda c: c.get_positions([1.0, 2.0], 8), "positions"),
         (lambda c: c.get_positions(np.arange(0, 1, 0.25), 8), "positions"),
         (lambda c: c.get_positions([True], 8), "positions"),
-        (lambda c: c.get_positions([[1, 2]], 8), "positions"),
+        (lambda c: c.get_positions([[1, 2], [3]], 8), "positions"),  # ragged
         (lambda c: c.get_positions("12", 8), "positions"),
         (lambda c: c.get_positions([1 << 64], 8), "positions"),
         (lambda c: c.get_range(0.5, 3, 8), "range.start"),
