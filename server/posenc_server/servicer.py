@@ -139,6 +139,8 @@ class PositionalEncodingServicer:
         reservation.reader = asyncio.current_task()
         try:
             async with asyncio.timeout(timeout):
+                if reservation.preempted:  # before it could start: cancelled nothing
+                    raise asyncio.CancelledError
                 message = await context.read()
         except TimeoutError:
             raise RequestTimeoutError(

@@ -64,6 +64,9 @@ def check_port_free(host: str, port: int, setting: str) -> None:
         return
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     with socket.socket(family, socket.SOCK_STREAM) as probe:
+        # SO_REUSEADDR, as the server's own sockets have: connections of a server that just
+        # stopped (TIME_WAIT) do not make the port busy, a listening socket still does.
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             probe.bind((host, port))
         except OSError as error:
