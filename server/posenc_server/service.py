@@ -153,6 +153,17 @@ class EncodingService:
                 if self._draining:  # only wait_idle waits, and only once draining
                     self._idle.notify_all()
 
+    def cached(self, request: Request) -> bool:
+        """Whether every block ``request`` reads is cached: answering it computes nothing."""
+        spec, selection = request.spec, request.selection
+        block_rows = self.block_rows(spec)
+        if isinstance(selection, PositionRange):
+            first, last = selection.start // block_rows, (selection.stop - 1) // block_rows
+            blocks: list[int] = list(range(first, last + 1)) if selection.rows > 0 else []
+        else:
+            blocks = np.unique(selection.positions // block_rows).tolist()
+        return all((spec.serial, block) in self.cache for block in blocks)
+
     # Limits ---------------------------------------------------------------------------------
 
     def chunk_rows(self, spec: Spec, requested_chunk_bytes: int) -> int:

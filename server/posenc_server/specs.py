@@ -97,6 +97,14 @@ class SpecTable:
         assert query.selection is not None  # _intern raised otherwise
         return Request(spec, query.selection, query.max_chunk_bytes)
 
+    def known(self, query: Query) -> Request | None:
+        """The request of ``query`` if its spec is remembered and the query is valid (a
+        lookup: nothing is validated or prepared); None otherwise."""
+        if query.violations or query.selection is None:
+            return None
+        spec = self._lookup(query.spec_key)
+        return None if spec is None else Request(spec, query.selection, query.max_chunk_bytes)
+
     def _lookup(self, key: bytes) -> Spec | None:
         with self._lock:
             spec = self._by_key.get(key)
