@@ -209,12 +209,29 @@ def labels() -> None:
     server.close()
 
 
+def decode() -> None:
+    """Not an attack: the latency of a decode step, to weigh what the defences cost."""
+    server = Server()
+    with posenc.Client(server.target, row_cache_bytes=0) as client:
+        positions = np.arange(64) * 1000
+        for step in range(200):
+            client.get_positions(positions + step, 128)
+        times = []
+        for step in range(2000):
+            started = time.perf_counter()
+            client.get_positions(positions + step, 128)
+            times.append(time.perf_counter() - started)
+    print(f"decode: 2,000 steps of 64 positions x 128, median {np.median(times) * 1e6:.0f} us")
+    server.close()
+
+
 ATTACKS = {
     "stalled": stalled,
     "unread": unread,
     "million": million,
     "raw_million": raw_million,
     "labels": labels,
+    "decode": decode,
 }
 
 if __name__ == "__main__":
