@@ -17,14 +17,15 @@ from posenc_server.config import ServerConfig
 from posenc_server.service import EncodingService
 from posenc_server.specs import SpecTable
 
-# 16 KiB rows: blocks of 64 rows (1 MiB).
+# 16 KiB rows: blocks of 16 rows (64 Ki elements, 256 KiB).
 SPEC = pb.EncodingSpec(sinusoidal=pb.SinusoidalTable(d_model=4096))
+BLOCK = 16
 
 
 def scattered(blocks: int, offset: int = 3, per_block: int = 1) -> list[int]:
     """``per_block`` positions in each of ``blocks`` consecutive blocks, in shuffled order."""
-    first = 5_000_000 * 64 + 64 * np.arange(blocks, dtype=np.int64) + offset
-    positions = (first[:, None] + 7 * np.arange(per_block)).reshape(-1)
+    first = 5_000_000 * BLOCK + BLOCK * np.arange(blocks, dtype=np.int64) + offset
+    positions = (first[:, None] + 4 * np.arange(per_block)).reshape(-1)
     return np.random.default_rng(blocks).permutation(positions).tolist()  # type: ignore[no-any-return]
 
 
@@ -72,14 +73,14 @@ def test_a_unary_list_computes_at_most_64_new_blocks_and_the_rest_row_by_row(
     rows, entries, _ = fresh.counters()
     assert entries == 64
     # 64 blocks, then the rows of the other 36 one by one.
-    assert rows == 64 * 64 + 36 * per_block
+    assert rows == 64 * BLOCK + 36 * per_block
 
 
 def test_a_unary_list_takes_every_cached_block_it_finds(fresh: Server) -> None:
     fresh.get(scattered(64))
     computed, _, hits = fresh.counters()
     # Other rows of the same 64 blocks: all from the cache, nothing computed.
-    positions = scattered(64, offset=40)
+    positions = scattered(64, offset=9)
     assert fresh.get(positions) == engine_positions(SPEC, positions).tobytes()
     rows, _, hits_after = fresh.counters()
     assert rows == computed
@@ -101,18 +102,39 @@ def test_a_streamed_list_reads_cached_blocks_but_computes_no_new_ones(fresh: Ser
 def test_evicting_enough_asks_for_a_heap_trim() -> None:
     # The service's signal to the housekeeping thread (which trims the heap): no call
     # reports it, so this test drives the service on its own.
-    config = ServerConfig(cache_bytes=8 << 20)
+    config = ServerConfig(cache_bytes=2 << 20)
     service, specs = EncodingService(config), SpecTable(config)
-    start = 64 * 1_000_000
+    start = BLOCK * 1_000_000
 
     def get(positions: list[int]) -> None:
         request = pb.GetEncodingRequest(spec=SPEC, positions=pb.PositionList(positions=positions))
         service.unary(specs.resolve(convert.encoding_query(request, config)))
 
-    # 1 MiB blocks: the first 8 fill the budget, the next 16 evict 16 MiB.
-    get([start + 64 * block for block in range(8)])
+    # 256 KiB blocks: the first 8 fill the budget, the next 64 evict 16 MiB.
+    get([start + BLOCK * block for block in range(8)])
     assert not service.trim_due.is_set()
-    get([start + 64 * block for block in range(8, 23)])
-    assert not service.trim_due.is_set()  # 15 MiB evicted
-    get([start + 64 * 23])
+    get([start + BLOCK * block for block in range(8, 71)])
+    assert not service.trim_due.is_set()  # 15.75 MiB evicted
+    get([start + BLOCK * 71])
     assert service.trim_due.is_set()
+
+
+@pytest.mark.parametrize("dtype", ["float16", "float64"])
+def test_scattered_positions_of_a_narrow_table_cost_about_their_rows(
+    server_factory: Callable[..., RunningServer], dtype: str
+) -> None:
+    # The trial's case (issue 10, item 9): 64 scattered positions at d_model 1 computed
+    # 64 blocks of a whole 1 MiB chunk each, 33,554,432 rows for 64 in float16.
+    server = Server(server_factory())
+    spec = pb.EncodingSpec(
+        dtype=pb.Dtype.Value(f"DTYPE_{dtype.upper()}"), sinusoidal=pb.SinusoidalTable(d_model=1)
+    )
+    positions = np.random.default_rng(9).integers(-(2**42), 2**42, 64).tolist()
+    request = pb.GetEncodingRequest(spec=spec, positions=pb.PositionList(positions=positions))
+    before, _, _ = server.counters()
+    tensor = server.stub.GetEncoding(request).tensor
+    assert tensor.rows == 64
+    rows, _, _ = server.counters()
+    # At most one new block (64 Ki elements) besides 16 rows per requested row.
+    assert rows - before <= (1 << 16) + 16 * 64, rows - before
+    server.channel.close()

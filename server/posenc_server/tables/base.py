@@ -9,6 +9,7 @@ it from a request generically and the kind is the whole cache key of its rows. K
 from __future__ import annotations
 
 import abc
+import dataclasses
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -93,6 +94,17 @@ class TableKind(Documented):
 
 
 IDENTITY = engine.PositionMap()
+
+
+def footprint(value: object) -> int:
+    """Approximately the bytes a table kind's parameters hold (a longrope spec's two lists
+    of 32,768 floats: 2 MiB), for the spec table's budget."""
+    if isinstance(value, tuple):
+        # The tuple's pointers, and a float object (24 bytes) per element.
+        return 56 + 32 * len(value)
+    if dataclasses.is_dataclass(value):
+        return 64 + sum(footprint(getattr(value, f.name)) for f in dataclasses.fields(value))
+    return 32
 
 
 def number(value: float) -> str:
