@@ -105,7 +105,9 @@ def _check_derived_factor(scaling: Yarn | LongRope, check: Checker, limits: Limi
         scaling, check, "original_max_position_embeddings", "max_position_embeddings"
     )
     if valid and scaling.factor is None:
-        derived = _factor(None, scaling.max_position_embeddings, _original(scaling))
+        derived = _factor(
+            None, scaling.max_position_embeddings, scaling.original_max_position_embeddings
+        )
         if derived < Decimal(min_factor(limits)):
             check.add(
                 "max_position_embeddings",
@@ -114,10 +116,6 @@ def _check_derived_factor(scaling: Yarn | LongRope, check: Checker, limits: Limi
             )
             valid = False
     return valid
-
-
-def _original(scaling: Yarn | LongRope) -> int:
-    return scaling.original_max_position_embeddings
 
 
 def _check_attention(
@@ -241,7 +239,9 @@ class Yarn(Scaling):
 
     def attention(self) -> Decimal:
         """The attention factor: given, the ratio of the mscales, or ``0.1 ln(factor) + 1``."""
-        factor = _factor(self.factor, self.max_position_embeddings, _original(self))
+        factor = _factor(
+            self.factor, self.max_position_embeddings, self.original_max_position_embeddings
+        )
         if self.attention_factor is not None:
             return Decimal(self.attention_factor)
         if self.mscale and self.mscale_all_dim:
@@ -349,7 +349,9 @@ class LongRope(Scaling):
             return
         with localcontext() as context:
             context.prec = engine.PRECISION
-            factor = _factor(self.factor, self.max_position_embeddings, _original(self))
+            factor = _factor(
+                self.factor, self.max_position_embeddings, self.original_max_position_embeddings
+            )
             if factor > 1 and self.original_max_position_embeddings == 1:
                 # ln(original) = 0: transformers divides by zero too.
                 check.add(
