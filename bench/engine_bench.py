@@ -15,29 +15,24 @@ from bench.common import MIB, Section, Sizes, Table, Target, median, ratio, rota
 Array = npt.NDArray[Any]
 
 
-def _clear_engine_caches() -> None:
-    """Empties every memoized table of the engine, so a run pays for all its work."""
+def _classic(d_model: int, dtype: str) -> Any:
+    """The classic sinusoidal table, prepared afresh: a run pays for its frequencies too."""
     from posenc_server import engine
+    from posenc_server.tables.sinusoidal import Sinusoidal
 
-    for name in dir(engine):
-        cache_clear = getattr(getattr(engine, name), "cache_clear", None)
-        if callable(cache_clear):
-            cache_clear()
+    return engine.Encoding.prepare(Sinusoidal(d_model), dtype)
 
 
 def engine_float32(start: int, rows: int, d_model: int) -> Array:
     from posenc_server import engine
 
-    _clear_engine_caches()
-    spec = engine.EncodingSpec(d_model=d_model, dtype="float32")
-    return engine.encode_range(spec, start, start + rows)
+    return engine.encode_range(_classic(d_model, "float32"), start, start + rows)
 
 
 def engine_float64(start: int, rows: int, d_model: int) -> Array:
     from posenc_server import engine
 
-    spec = engine.EncodingSpec(d_model=d_model, dtype="float64")
-    return engine.encode_range(spec, start, start + rows)
+    return engine.encode_range(_classic(d_model, "float64"), start, start + rows)
 
 
 def plain_numpy(start: int, rows: int, d_model: int, base: float = 10000.0) -> Array:

@@ -129,9 +129,9 @@ def serve(port: int, workers: int) -> int:
 def sdk_channel_options() -> list[tuple[str, Any]]:
     """The channel options of a default ``posenc.Client``."""
     try:
-        from posenc import _protocol
+        from posenc import _channel
 
-        return list(_protocol.channel_options(None, _protocol.user_agent()))
+        return list(_channel.channel_options(None, _channel.user_agent()))
     except (ImportError, AttributeError, TypeError):  # the SDK moved them: ask a client
         import posenc
 

@@ -14,9 +14,9 @@ TIMEOUT = 600.0
 
 def _unary_max_bytes() -> int:
     try:
-        from posenc import _protocol
+        from posenc import _channel
 
-        return int(_protocol.DEFAULT_UNARY_MAX_BYTES)
+        return int(_channel.DEFAULT_UNARY_MAX_BYTES)
     except (ImportError, AttributeError):
         return MIB
 

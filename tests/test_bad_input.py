@@ -137,9 +137,7 @@ def test_oversized_position_list_is_refused(
 ) -> None:
     positions = pb.PositionList(positions=range(1_048_577))
     with pytest.raises(grpc.RpcError) as raised:
-        stub.GetEncoding(
-            pb.GetEncodingRequest(spec=sinusoidal(1), positions=positions)
-        )
+        stub.GetEncoding(pb.GetEncodingRequest(spec=sinusoidal(1), positions=positions))
     assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "positions.positions" in field_violations(raised.value)
     assert "1048576" in raised.value.details()
@@ -151,9 +149,7 @@ def test_largest_position_list_is_received(
 ) -> None:
     # 2**20 negative positions take 10 bytes each on the wire: the receive limit must fit them.
     positions = pb.PositionList(positions=range(-(2**20), 0))
-    chunks = stub.StreamEncoding(
-        pb.StreamEncodingRequest(spec=sinusoidal(1), positions=positions)
-    )
+    chunks = stub.StreamEncoding(pb.StreamEncodingRequest(spec=sinusoidal(1), positions=positions))
     assert sum(chunk.chunk.rows for chunk in chunks) == 2**20
 
 

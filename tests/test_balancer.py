@@ -43,7 +43,7 @@ from posenc.v1 import posenc_pb2_grpc as pb_grpc
 from posenc_server.engine import encode_positions, encode_range
 
 # Each scenario's own loops take about 10 s; the margin covers installing nginx on first use.
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.timeout(120), pytest.mark.slow]
 
 NGINX_CONF = ROOT / "deploy" / "nginx" / "nginx.conf"
 Spawn = Callable[..., ServerProcess]

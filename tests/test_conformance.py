@@ -34,6 +34,9 @@ transformers = pytest.importorskip("transformers")
 
 import posenc  # noqa: E402
 
+# Building transformers' modules takes seconds: these run in make test, not make test-fast.
+pytestmark = pytest.mark.slow
+
 _spec = importlib.util.spec_from_file_location("drift", ROOT / "scripts" / "conformance_drift.py")
 assert _spec is not None and _spec.loader is not None
 drift = importlib.util.module_from_spec(_spec)

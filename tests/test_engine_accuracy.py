@@ -39,6 +39,7 @@ def sample_points(seed: int) -> list[tuple[float, int, str, str, list[int], list
     return cases
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", list(engine.DTYPES))
 def test_every_sampled_element_meets_the_contract(dtype: str) -> None:
     checked = 0

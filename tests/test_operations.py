@@ -42,6 +42,7 @@ def metrics_port(process: ServerProcess) -> int:
     return int(startup["metrics_port"])  # type: ignore[call-overload]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("processes", [1, 2])
 @pytest.mark.timeout(120)
 def test_metrics_move_with_traffic(

@@ -9,9 +9,11 @@ import shlex
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import ml_dtypes
 import numpy as np
+import numpy.typing as npt
 import pytest
 from conftest import ROOT
 
@@ -43,7 +45,7 @@ def test_python_examples_run(index: int, server: RunningServer) -> None:
 # What each CLI example of the README writes: (start, stop, table, dtype), as the SDK asks.
 CLI_OUTPUTS: dict[str, tuple[int, int, int | posenc.Spec, str]] = {
     "table.npy": (0, 1_000_000, 256, "float32"),
-    "t2t.npy": (0, 4096, posenc.Spec("tensor2tensor", d_model=1024), "bfloat16"),
+    "t2t.safetensors": (0, 4096, posenc.Spec("tensor2tensor", d_model=1024), "bfloat16"),
     "whisper.npy": (0, 1500, posenc.Spec("whisper", d_model=384), "float32"),
     "m2m100.npy": (0, 1026, posenc.Spec("fairseq", d_model=1024, padding_idx=1), "float32"),
     "rope.npy": (0, 8192, posenc.Spec("rotary", head_dim=128, rope_theta=1e6), "float32"),
@@ -62,6 +64,19 @@ CLI_OUTPUTS: dict[str, tuple[int, int, int | posenc.Spec, str]] = {
         "float32",
     ),
 }
+
+
+def load(path: Path, dtype: str) -> npt.NDArray[Any]:
+    """The table of a file ``posenc fetch`` wrote, as numpy ``dtype``."""
+    if path.suffix == ".safetensors":  # read by the safetensors library, not by us
+        safetensors_torch = pytest.importorskip("safetensors.torch")
+        torch = pytest.importorskip("torch")
+        tensor = safetensors_torch.load_file(path)["table"]
+        bits = {2: torch.int16, 4: torch.int32, 8: torch.int64}[tensor.element_size()]
+        return tensor.view(bits).numpy().view(np.dtype(dtype))
+    saved = np.load(path, mmap_mode="r")
+    # .npy has no bfloat16: the file holds 2-byte voids.
+    return saved.view(ml_dtypes.bfloat16) if dtype == "bfloat16" else saved
 
 
 @pytest.mark.slow
@@ -84,9 +99,7 @@ def test_cli_examples_write_their_tables(server: RunningServer, tmp_path: Path) 
     assert written == sorted(CLI_OUTPUTS), "a README example without a reference here"
     with posenc.Client(server.target, timeout=120) as client:
         for name, (start, stop, table, dtype) in CLI_OUTPUTS.items():
-            saved = np.load(tmp_path / name, mmap_mode="r")
-            if dtype == "bfloat16":  # .npy has no bfloat16: the file holds 2-byte voids
-                saved = saved.view(ml_dtypes.bfloat16)
+            saved = load(tmp_path / name, dtype)
             for first, rows in client.iter_range(start, stop, table, dtype=dtype):
                 got = saved[first - start : first - start + len(rows)]
                 assert np.array_equal(
@@ -101,5 +114,5 @@ def test_configuration_table_lists_every_setting_with_its_default() -> None:
         assert setting.name in documented, f"README lacks --{setting.name}"
         env, default = documented[setting.name]
         assert env == "POSENC_" + setting.name.upper()
-        assert default == (str(setting.default) if setting.default != "" else '""')
+        assert default == (str(setting.default) if setting.default != "" else "none")
     assert len(documented) == len(dataclasses.fields(ServerConfig))

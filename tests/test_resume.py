@@ -25,7 +25,7 @@ ROWS = 1 << 20
 D_MODEL = 256  # 1 GiB of float32
 CHUNK_BYTES = 64 << 10
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = [pytest.mark.timeout(180), pytest.mark.slow]
 
 Spawn = Callable[..., ServerProcess]
 

@@ -24,7 +24,7 @@ from google.rpc import error_details_pb2, status_pb2
 from prometheus_client import REGISTRY
 
 import posenc
-from posenc._channel import channel_options, channel_target
+from posenc._channel import channel_options
 from posenc._retry import map_rpc_error
 from posenc.errors import error_class_for_code
 from posenc.v1 import posenc_pb2 as pb
@@ -439,33 +439,51 @@ def test_health_of_nothing_raises_unavailable() -> None:
 # -- retries and balancing ---------------------------------------------------------------
 
 
-def test_retries_exhausted_raise_unavailable() -> None:
-    target = f"127.0.0.1:{free_port()}"
-    with (
-        posenc.Client(target, max_retries=2, retry_backoff=0.01) as client,
-        pytest.raises(posenc.UnavailableError) as caught,
-    ):
-        client.get_range(0, 10, 8)
+def test_retries_exhausted_raise_unavailable(spawn_server: Callable[..., ServerProcess]) -> None:
+    server = spawn_server()
+    with posenc.Client(server.target, max_retries=2, retry_backoff=0.01) as client:
+        client.get_range(0, 10, 8)  # it answered: a refusal now is worth retrying
+        server.kill()
+        server.process.wait(30)
+        with pytest.raises(posenc.UnavailableError) as caught:
+            client.get_range(0, 10, 8)
     assert isinstance(caught.value, ConnectionError)
     assert "after 3 attempts" in caught.value.details
 
 
 @pytest.mark.timeout(60)
-def test_retry_waits_for_a_server_that_is_starting(
+def test_no_server_at_the_target_is_said_at_once(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger="posenc")
+    port = free_port()
+    for target in (f"127.0.0.1:{port}", [f"127.0.0.1:{port}", f"localhost:{port}"]):
+        with posenc.Client(target) as client, pytest.raises(posenc.UnavailableError) as raised:
+            client.get_range(0, 10, 8)
+        message = str(raised.value)
+        assert f"no posenc server at {client.target}" in message
+        assert "(connection refused): is it running?" in message
+    # Said at once: no waiting through the retry budget (about 5 s) for a server that never
+    # answered.
+    assert not any("retrying" in record.message for record in caplog.records)
+
+
+def test_retry_waits_for_a_server_that_answered_before(
     spawn_server: Callable[..., ServerProcess], caplog: pytest.LogCaptureFixture
 ) -> None:
     caplog.set_level(logging.INFO, logger="posenc")
     port = free_port()
-    # The client is created and called before the server exists: the default retry
-    # budget (about 5 s) covers a server start.
-    client = posenc.Client(f"127.0.0.1:{port}")
-    starter = threading.Thread(target=spawn_server, args=(port,))
-    starter.start()
-    try:
-        table = client.get_range(0, 100, 16)
-    finally:
-        starter.join()
-        client.close()
+    first = spawn_server(port)
+    # A budget of about 20 s: a server start takes 1-3 s, more on a loaded machine.
+    with posenc.Client(f"127.0.0.1:{port}", max_retries=15) as client:
+        client.get_range(0, 10, 8)
+        first.process.terminate()
+        first.process.wait(30)
+        # The restart begins once the server is gone: the next call's first attempts fail.
+        restarter = threading.Thread(target=spawn_server, args=(port,))
+        restarter.start()
+        try:
+            table = client.get_range(0, 100, 16)
+        finally:
+            restarter.join()
     assert same_bits(table, on_the_wire(f"127.0.0.1:{port}", 16, 0, 100))
     assert any("retrying" in record.message for record in caplog.records)
 
@@ -493,18 +511,31 @@ def test_round_robin_over_two_servers(server_factory: Callable[..., RunningServe
 # -- targets and channels ---------------------------------------------------------------------
 
 
-def test_channel_targets() -> None:
-    assert channel_target("example.com:1") == "example.com:1"
-    assert channel_target("dns:///example.com:1") == "dns:///example.com:1"
-    assert channel_target(["10.0.0.1:1", "10.0.0.2:2"]) == "ipv4:10.0.0.1:1,10.0.0.2:2"
-    assert channel_target(["[::1]:1", "[fe80::2]:2"]) == "ipv6:[::1]:1,[fe80::2]:2"
+def target_of(target: str | list[str]) -> str:
+    """The gRPC target a client makes of ``target`` (creating a client does not connect)."""
+    with posenc.Client(target) as client:
+        return client.target
+
+
+def test_one_target_rule_for_one_target_and_for_lists() -> None:
+    assert target_of("example.com:1") == "example.com:1"
+    assert target_of("dns:///example.com:1") == "dns:///example.com:1"
+    # No port means the default port, 50051, alone or in a list.
+    assert target_of("127.0.0.1") == "127.0.0.1:50051"
+    assert target_of("::1") == target_of("[::1]") == "[::1]:50051"
+    assert target_of(["10.0.0.1", "10.0.0.2:2"]) == "ipv4:10.0.0.1:50051,10.0.0.2:2"
+    assert target_of(["[::1]:1", "[fe80::2]:2"]) == "ipv6:[::1]:1,[fe80::2]:2"
     mapped = ipaddress.IPv6Address("::ffff:10.0.0.1")  # spelled differently across Pythons
-    assert channel_target(["[::1]:1", "10.0.0.1:2"]) == f"ipv6:[::1]:1,[{mapped}]:2"
-    for bad in ([], ["a:1", "dns:///b:2"], ["nocolon", "a:1"], ["a:x", "b:1"]):
+    assert target_of(["[::1]:1", "10.0.0.1:2"]) == f"ipv6:[::1]:1,[{mapped}]:2"
+    for bad in ([], ["a:1", "dns:///b:2"], ["a:x", "b:1"], "a:0", "a:", "a:99999", ":1"):
         with pytest.raises(ValueError):
-            channel_target(bad)
+            target_of(bad)
+    # A URL is refused at once, saying what a target is, instead of failing to resolve.
+    for url in ("http://127.0.0.1:50051", ["https://a:1", "b:2"]):
+        with pytest.raises(ValueError, match="is a URL: give host:port"):
+            target_of(url)
     with pytest.raises(ValueError, match="cannot resolve"):
-        channel_target(["no-such-host.invalid:1", "127.0.0.1:2"])
+        target_of(["no-such-host.invalid:1", "127.0.0.1:2"])
 
 
 def test_user_options_override_the_sdk_defaults() -> None:
@@ -548,3 +579,18 @@ def test_context_manager_closes_the_channel(server: RunningServer) -> None:
         client.get_range(0, 1, 4)
     with pytest.raises(ValueError, match="closed"):
         client.get_range(0, 1, 4)
+
+
+def test_a_closed_client_raises_a_posenc_error(server: RunningServer) -> None:
+    client = posenc.Client(server.target)
+    client.get_range(0, 1, 4)
+    client.close()
+    for call in (
+        lambda: client.get_range(0, 1, 4),
+        lambda: client.get_positions([1], 4),
+        lambda: list(client.iter_range(0, 1, 4)),
+        client.server_info,
+        client.health,
+    ):
+        with pytest.raises(posenc.ClientClosedError, match="the client is closed"):
+            call()

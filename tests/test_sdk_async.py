@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import threading
 from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
@@ -11,7 +10,7 @@ import grpc
 import ml_dtypes
 import numpy as np
 import pytest
-from conftest import ServerProcess, free_port, same_bits
+from conftest import free_port, same_bits
 from prometheus_client import REGISTRY
 
 import posenc
@@ -135,20 +134,14 @@ def test_unavailable_after_retries() -> None:
 
 
 @pytest.mark.timeout(60)
-def test_retry_waits_for_a_server_that_is_starting(
-    spawn_server: Callable[..., ServerProcess],
-) -> None:
-    port = free_port()
-    starter = threading.Thread(target=spawn_server, args=(port,))
+def test_no_server_at_the_target_is_said_at_once() -> None:
+    target = f"127.0.0.1:{free_port()}"
 
     async def call(client: posenc.AsyncClient) -> np.ndarray[Any, Any]:
-        starter.start()  # only once the client exists: its first attempts fail
         return await client.get_range(0, 10, 8)
 
-    try:
-        assert run(call, f"127.0.0.1:{port}").shape == (10, 8)
-    finally:
-        starter.join()
+    with pytest.raises(posenc.UnavailableError, match=r"no posenc server at .* is it running"):
+        run(call, target, retry_backoff=5.0)  # a retry would outlast the test's timeout
 
 
 def test_round_robin_over_two_servers(server_factory: Callable[..., RunningServer]) -> None:
@@ -240,3 +233,16 @@ def test_client_created_outside_the_event_loop(server: RunningServer) -> None:
 
     with pytest.raises(ValueError, match="closed"):
         asyncio.run(after_close())
+
+
+def test_a_closed_client_raises_a_posenc_error(server: RunningServer) -> None:
+    async def main() -> None:
+        client = posenc.AsyncClient(server.target)
+        await client.get_range(0, 1, 4)
+        await client.close()
+        with pytest.raises(posenc.ClientClosedError, match="the client is closed"):
+            await client.get_positions([1], 4)
+        with pytest.raises(posenc.ClientClosedError):
+            await client.server_info()
+
+    asyncio.run(main())

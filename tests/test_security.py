@@ -105,6 +105,7 @@ def test_bearer_token_is_required_except_for_health(
             assert client.health() == "SERVING"
 
 
+@pytest.mark.slow
 def test_cli_sends_token_and_tls_settings(
     spawn_server: Callable[..., ServerProcess], authority: trustme.CA, tmp_path: Path
 ) -> None:

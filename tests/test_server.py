@@ -153,6 +153,7 @@ def test_health_and_reflection_are_served(server: RunningServer) -> None:
         assert {"posenc.v1.PositionalEncodingService", "grpc.health.v1.Health"} <= names
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_a_stream_larger_than_the_cache_budget_keeps_server_memory_bounded(
     spawn_server: Callable[..., ServerProcess],

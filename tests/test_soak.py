@@ -21,6 +21,9 @@ from reference import classic
 import posenc
 from posenc_server import engine
 
+# Every test here starts server processes and waits on them.
+pytestmark = pytest.mark.slow
+
 SOAK = os.environ.get("POSENC_SOAK") == "1"
 MIB = 1 << 20
 

@@ -7,6 +7,7 @@ import os
 import signal
 import socket
 import time
+import urllib.request
 from collections.abc import Callable
 
 import numpy as np
@@ -16,6 +17,9 @@ from reference import classic
 
 import posenc
 from posenc_server import engine
+
+# Every test here starts server processes and waits on them.
+pytestmark = pytest.mark.slow
 
 
 def worker_pids(supervisor_pid: int) -> set[int]:
@@ -159,7 +163,27 @@ def test_a_busy_metrics_port_fails_before_anything_listens(
     assert "listening" not in message  # no worker, no server started first
 
 
-@pytest.mark.slow
+@pytest.mark.parametrize("processes", ["1", "2"])
+def test_the_default_metrics_port_yields_when_busy(
+    spawn_server: Callable[..., ServerProcess], processes: str
+) -> None:
+    # A second server on a developer's machine, where `make run` holds 9464: it serves its
+    # metrics on a free port and says which. (If 9464 is already taken, so much the better.)
+    with contextlib.ExitStack() as stack:
+        holder = stack.enter_context(socket.socket())
+        with contextlib.suppress(OSError):
+            holder.bind(("127.0.0.1", 9464))
+            holder.listen()
+        process = spawn_server(0, "--processes", processes, "--metrics-port", "9464")
+        startup = next(e for e in process.logs() if e["message"] == "listening")
+        port = startup["metrics_port"]
+        assert port not in (9464, -1)
+        warning = next(e for e in process.logs() if e["message"].startswith("metrics port busy"))
+        assert warning["busy_port"] == 9464 and warning["metrics_port"] == port
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
+            assert b"# HELP posenc_" in response.read()
+
+
 @pytest.mark.timeout(120)
 def test_a_hung_worker_is_replaced(spawn_server: Callable[..., ServerProcess]) -> None:
     process = spawn_server(0, "--processes", "2")

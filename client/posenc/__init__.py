@@ -22,6 +22,7 @@ from posenc._client import Client
 from posenc._query import DTYPE_NAMES
 from posenc.errors import (
     CancelledError,
+    ClientClosedError,
     DeadlineExceededError,
     InternalError,
     InvalidArgumentError,
@@ -55,6 +56,7 @@ __all__ = [
     "CancelledError",
     "ClassicOptions",
     "Client",
+    "ClientClosedError",
     "DeadlineExceededError",
     "InternalError",
     "InvalidArgumentError",

@@ -98,6 +98,15 @@ class BaseClient(Generic[ArrayT, InfoT, StatusT, SlicesT]):
         self._setup()
 
     @property
+    def _closed(self) -> bool:
+        return self._core.closed
+
+    @_closed.setter
+    def _closed(self, closed: bool) -> None:
+        # The core refuses calls once closed: one check for every method of both clients.
+        self._core.closed = closed
+
+    @property
     def target(self) -> str:
         """The gRPC target the channel connects to."""
         return self._core.settings.target

@@ -49,6 +49,33 @@ def user_agent() -> str:
     return f"posenc-python/{__version__}"
 
 
+DEFAULT_PORT: Final = 50051
+# Schemes of gRPC's name resolvers; anything else with "://" is a URL, not a target.
+_GRPC_SCHEMES: Final = ("dns:", "ipv4:", "ipv6:", "unix:", "unix-abstract:", "vsock:", "xds:")
+
+
+def with_port(target: str) -> str:
+    """``target`` as ``host:port``: port 50051 when it names none, IPv6 in brackets.
+
+    The one rule for every target the SDK and the CLI take, alone or in a list.
+    """
+    if "://" in target:
+        raise ValueError(
+            f"target {target!r} is a URL: give host:port (or a gRPC URI, dns:///host:port)"
+        )
+    if target.startswith("["):
+        host, _, rest = target[1:].partition("]")
+        port = rest.removeprefix(":") if rest else str(DEFAULT_PORT)
+    elif target.count(":") > 1:  # a bare IPv6 address has no room for a port
+        host, port = target, str(DEFAULT_PORT)
+    else:
+        host, colon, port = target.partition(":")
+        port = port if colon else str(DEFAULT_PORT)
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"target {target!r} is not host:port")
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
 def _split_host_port(target: str) -> tuple[str, int]:
     if target.startswith("["):
         host, sep, port = target[1:].partition("]:")
@@ -76,27 +103,28 @@ def _resolve(host: str, port: int) -> list[ipaddress.IPv4Address | ipaddress.IPv
 
 def is_uri(target: str) -> bool:
     """Whether ``target`` is a gRPC URI (``dns:///h:p``, ``ipv4:a:p,b:q``, ...), not host:port."""
-    return "://" in target or target.startswith(("ipv4:", "ipv6:", "unix:", "dns:"))
+    return target.startswith(_GRPC_SCHEMES)
 
 
 def channel_target(target: str | Sequence[str]) -> str:
     """The gRPC target for one or several server addresses.
 
-    One target is used as given (``host:port`` or any gRPC URI such as ``dns:///host:port``),
-    and gRPC resolves it. Several ``host:port`` targets become one static address list,
-    ``ipv4:a:p,b:q`` (or ``ipv6:``), which the channel's round_robin policy spreads calls
-    over; hostnames are resolved here, once, because those URIs take IP literals only.
+    One target is used as given (``host:port``, port 50051 when it has none, or any gRPC
+    URI such as ``dns:///host:port``), and gRPC resolves it. Several ``host:port`` targets
+    become one static address list, ``ipv4:a:p,b:q`` (or ``ipv6:``), which the channel's
+    round_robin policy spreads calls over; hostnames are resolved here, once, because those
+    URIs take IP literals only.
     """
     targets = [target] if isinstance(target, str) else list(target)
     if not targets or not all(isinstance(t, str) and t for t in targets):
         raise ValueError(f"target must be a non-empty string or sequence of them, got {target!r}")
     if len(targets) == 1:
-        return targets[0]
+        return targets[0] if is_uri(targets[0]) else with_port(targets[0])
     addresses: list[tuple[ipaddress.IPv4Address | ipaddress.IPv6Address, int]] = []
     for t in targets:
         if is_uri(t):
             raise ValueError(f"several targets must each be host:port, got {t!r}")
-        host, port = _split_host_port(t)
+        host, port = _split_host_port(with_port(t))
         addresses.extend((address, port) for address in _resolve(host, port))
     if all(a.version == 4 for a, _ in addresses):
         return "ipv4:" + ",".join(f"{a}:{p}" for a, p in addresses)

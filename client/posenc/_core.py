@@ -31,6 +31,7 @@ from posenc._query import (
 )
 from posenc._retry import (
     CallBudget,
+    Contact,
     resolve_timeout,
 )
 from posenc._rows import (
@@ -39,7 +40,12 @@ from posenc._rows import (
     RowCache,
     RowPlan,
 )
-from posenc.errors import InvalidArgumentError, NotFoundError, ResourceExhaustedError
+from posenc.errors import (
+    ClientClosedError,
+    InvalidArgumentError,
+    NotFoundError,
+    ResourceExhaustedError,
+)
 from posenc.types import DEFAULT, DTypeArg, ServerInfo, Timeout, server_info_from_proto
 from posenc.v1 import posenc_pb2 as pb
 
@@ -184,13 +190,18 @@ class Core:
         self.rows = rows
         self.widths = Widths()
         self._new_token = new_token
+        self._contact = Contact(settings.target)
+        self.closed = False
 
     def budget(self, timeout: Timeout, *, retry: bool = True) -> CallBudget:
-        """The deadline and retry budget of one call."""
+        """The deadline and retry budget of one call (every call starts with it)."""
+        if self.closed:
+            raise ClientClosedError("the client is closed: create a new one")
         return CallBudget(
             resolve_timeout(timeout, self.settings.timeout),
             self.settings.max_retries if retry else 0,
             self.settings.retry_backoff,
+            self._contact,
         )
 
     # -- what the public methods run; arguments are checked, and deadlines start, when
@@ -262,9 +273,12 @@ class Core:
         """One unary call, retried on transient failures within the budget."""
         while True:
             try:
-                return (yield Unary(method, request, budget.attempt_timeout()))
+                response = yield Unary(method, request, budget.attempt_timeout())
             except grpc.RpcError as error:
                 delay = budget.on_error(error)
+            else:
+                budget.progress()
+                return response
             yield Sleep(delay)
 
     def _server_info(self, budget: CallBudget) -> Steps[ServerInfo]:

@@ -19,6 +19,7 @@ from posenc.errors import (
     DeadlineExceededError,
     InvalidArgumentError,
     PosencError,
+    UnavailableError,
     error_class_for_code,
 )
 from posenc.types import DEFAULT, Timeout
@@ -107,6 +108,19 @@ def is_transient(error: PosencError) -> bool:
     return error.code == grpc.StatusCode.INTERNAL and "RST_STREAM" in error.details
 
 
+class Contact:
+    """Whether a server of this client's target has ever answered it.
+
+    A refused connection to a server that answered before is a restart, worth the retry
+    budget; to a target that never answered, it is a server not running or a wrong address,
+    and the caller hears so at once.
+    """
+
+    def __init__(self, target: str) -> None:
+        self.target = target
+        self.answered = False
+
+
 class CallBudget:
     """Deadline and retries of one SDK call, shared by all its attempts.
 
@@ -116,8 +130,11 @@ class CallBudget:
     DEADLINE_EXCEEDED, too late).
     """
 
-    def __init__(self, timeout: float | None, max_retries: int, backoff: float) -> None:
+    def __init__(
+        self, timeout: float | None, max_retries: int, backoff: float, contact: Contact
+    ) -> None:
         self.timeout = timeout
+        self._contact = contact
         self._deadline = None if timeout is None else time.monotonic() + timeout
         self._max_retries = max_retries
         self._backoff = backoff
@@ -133,12 +150,23 @@ class CallBudget:
         return remaining
 
     def progress(self) -> None:
-        """Rows arrived: a stream that keeps moving gets its full retry budget again."""
+        """A server answered: a stream that keeps moving gets its full retry budget again."""
         self._failures = 0
+        self._contact.answered = True
 
     def on_error(self, error: grpc.RpcError) -> float:
         """Returns how long to sleep before retrying, or raises the mapped exception."""
         mapped = map_rpc_error(error)
+        if (
+            mapped.code == grpc.StatusCode.UNAVAILABLE
+            and not self._contact.answered
+            and "connection refused" in mapped.details.lower()
+        ):
+            raise UnavailableError(
+                f"no posenc server at {self._contact.target} (connection refused): "
+                f"is it running? ({mapped.details})",
+                code=mapped.code,
+            ) from error
         if not is_transient(mapped) or self._failures >= self._max_retries:
             if self._failures:
                 mapped.details += f" (after {self._failures + 1} attempts)"

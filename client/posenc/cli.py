@@ -7,12 +7,14 @@ traceback: they run in scripts, cron jobs and container health checks.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import itertools
 import json
 import os
 import sys
 import time
 from collections.abc import Iterator, Sequence
+from importlib import metadata
 from pathlib import Path
 from typing import Any
 
@@ -53,10 +55,12 @@ The table is written to a temporary file next to OUTPUT and renamed to OUTPUT wh
 complete, so OUTPUT is never a partial table. Memory stays at about one chunk, whatever
 the size of the table; an interrupted stream (server restart) resumes where it stopped.
 
-Read it back with numpy.load(OUTPUT) (mmap_mode="r" for large tables). bfloat16 tables
-hold ml_dtypes.bfloat16 values, but the .npy format has no bfloat16 type: the header
-says '<V2' (2-byte void) and numpy.load returns dtype |V2. View them as bfloat16 with
-numpy.load(OUTPUT).view(ml_dtypes.bfloat16).
+OUTPUT's suffix chooses the format. A .npy reads back with numpy.load(OUTPUT)
+(mmap_mode="r" for large tables); bfloat16 tables hold ml_dtypes.bfloat16 values, but
+.npy has no bfloat16 type: the header says '<V2' (2-byte void) and numpy.load returns
+dtype |V2, viewed as bfloat16 with numpy.load(OUTPUT).view(ml_dtypes.bfloat16). A
+.safetensors file holds one tensor, "table" (bfloat16 natively), and the spec in its
+metadata ("posenc.spec").
 
 Targets: --target may be repeated (calls are balanced round robin); the default is
 ${_TARGET_ENV} (comma-separated host:port list) or {DEFAULT_TARGET}.
@@ -73,6 +77,30 @@ def _targets(args: argparse.Namespace) -> list[str]:
         else:
             targets.extend(part.strip() for part in value.split(",") if part.strip())
     return targets
+
+
+def _position(text: str) -> int:
+    """A position as the user writes it: ``1000000``, ``1_000_000``, ``0x100``, ``2**20``,
+    ``-2**40`` or ``1e6`` (an exact integer)."""
+    cleaned = text.strip().replace("_", "")
+    try:
+        sign, body = (-1, cleaned[1:]) if cleaned.startswith("-") else (1, cleaned)
+        if "**" in body:
+            base, exponent = (int(part, 0) for part in body.split("**", 1))
+            if not 0 <= exponent <= 64:
+                raise ValueError
+            return sign * int(base**exponent)
+        try:
+            return sign * int(body, 0)
+        except ValueError:
+            number = float(body)
+            if not number.is_integer() or abs(number) >= 2**53:
+                raise ValueError from None
+            return sign * int(number)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected an integer position (e.g. 1000000, 1e6, 2**20, -2**40), got {text!r}"
+        ) from None
 
 
 def _positive_float(text: str) -> float:
@@ -285,13 +313,18 @@ def _build_parser() -> argparse.ArgumentParser:
 
     fetch = commands.add_parser(
         "fetch",
-        help="stream a table into a .npy file",
-        description="Stream the rows of positions [START, STOP) of a table into a .npy file.",
+        help="stream a table into a .npy or .safetensors file",
+        description="Stream the rows of positions [START, STOP) of a table into a .npy or "
+        ".safetensors file.",
         epilog=_FETCH_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    fetch.add_argument("start", type=int, nargs="?", metavar="START", help="first position")
-    fetch.add_argument("stop", type=int, nargs="?", metavar="STOP", help="end position (excl.)")
+    fetch.add_argument(
+        "start", type=_position, nargs="?", metavar="START", help="first position (1e6, 2**20)"
+    )
+    fetch.add_argument(
+        "stop", type=_position, nargs="?", metavar="STOP", help="end position, excluded"
+    )
     fetch.add_argument(
         "--positions-file",
         type=Path,
@@ -300,7 +333,13 @@ def _build_parser() -> argparse.ArgumentParser:
         "with one integer per line",
     )
     _add_table_arguments(fetch)
-    fetch.add_argument("-o", "--output", type=Path, required=True, help="the .npy file to write")
+    fetch.add_argument(
+        "-o",
+        "--output",
+        type=Path,
+        required=True,
+        help=f"the file to write; its suffix chooses the format: {', '.join(_FORMATS)}",
+    )
     fetch.add_argument(
         "--chunk-bytes", type=int, metavar="BYTES", help="stream chunk size (server default)"
     )
@@ -346,13 +385,33 @@ def _serve(argv: list[str]) -> int:
     try:
         from posenc_server.app import run
     except ImportError as error:
+        missing = error.name or str(error)
+        what = (
+            "the server is not installed"
+            if missing.partition(".")[0] == "posenc_server"
+            else f"the server needs the module {missing}, which is not installed"
+        )
         print(
-            f"posenc serve: the server is not installed ({error}).\n"
-            "Install it with: pip install 'posenc[server]'",
+            f"posenc serve: {what}.\nInstall it with: {_install_command('server')}",
             file=sys.stderr,
         )
         return EXIT_USAGE
     return run(argv)
+
+
+def _install_command(extra: str) -> str:
+    """The pip command that adds ``extra`` the way posenc itself was installed."""
+    try:
+        direct_url = metadata.distribution("posenc").read_text("direct_url.json")
+        origin = json.loads(direct_url or "{}")
+    except (metadata.PackageNotFoundError, ValueError):
+        origin = {}
+    url = str(origin.get("url", ""))
+    if url.startswith("file://") and "dir_info" in origin:  # from a checkout
+        path = url.removeprefix("file://")
+        editable = "-e " if origin["dir_info"].get("editable") else ""
+        return f"pip install {editable}'{path}[{extra}]'"
+    return f"pip install 'posenc[{extra}]'"
 
 
 # -- fetch ------------------------------------------------------------------------------
@@ -374,8 +433,25 @@ def _human_bytes(size: float) -> str:
     raise AssertionError("unreachable")
 
 
+def _check_output(output: Path) -> None:
+    """Refuse an output that cannot be written before anything is fetched."""
+    if output.is_dir():
+        raise _usage_error(f"-o {output} is a directory: give a file name in it")
+    if output.suffix not in _FORMATS:
+        raise _usage_error(
+            f"-o {output}: unknown format {output.suffix or '(no suffix)'!r}; "
+            f"the suffix chooses it: {', '.join(_FORMATS)}"
+        )
+    parent = output.parent
+    if not parent.is_dir():
+        raise _usage_error(f"-o {output}: directory {parent} does not exist")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise _usage_error(f"-o {output}: directory {parent} is not writable")
+
+
 def _fetch(args: argparse.Namespace) -> int:
     table = _table(args)
+    _check_output(args.output)
     options: dict[str, Any] = {"dtype": args.dtype, "chunk_bytes": args.chunk_bytes}
     with _client(args, _targets(args)) as client:
         # Slices arrive labelled by position (range) or by index (list): `origin` maps
@@ -383,13 +459,13 @@ def _fetch(args: argparse.Namespace) -> int:
         slices: Iterator[tuple[int, npt.NDArray[Any]]]
         if args.positions_file is not None:
             if args.start is not None:
-                raise ValueError("give either START STOP or --positions-file, not both")
+                raise _usage_error("give either START STOP or --positions-file, not both")
             positions = _load_positions(args.positions_file)
             rows, origin = len(positions), 0
             slices = client.iter_positions(positions, table, **options)
         else:
             if args.start is None or args.stop is None:
-                raise ValueError("START and STOP are required (or --positions-file)")
+                raise _usage_error("START and STOP are required (or --positions-file)")
             rows, origin = args.stop - args.start, args.start
             slices = client.iter_range(args.start, args.stop, table, **options)
         # The first slice carries the server's verdict on the request (limits, bad
@@ -401,23 +477,70 @@ def _fetch(args: argparse.Namespace) -> int:
             width = first[1].shape[1]
             slices = itertools.chain([first], slices)
         dtype = np.dtype(args.dtype)
-        _write_npy(args.output, slices, (rows, width), dtype, origin, args.no_progress)
+        _write(args.output, slices, (rows, width), dtype, table, origin, args.no_progress)
     return EXIT_OK
 
 
-def _write_npy(
+def _npy(
+    path: Path, shape: tuple[int, int], dtype: np.dtype[Any], spec: Spec
+) -> np.memmap[Any, Any]:
+    """A .npy file of ``shape``, mapped for writing."""
+    return open_memmap(path, mode="w+", dtype=dtype, shape=shape)
+
+
+# safetensors names of the dtypes (bfloat16 is native there, unlike in .npy).
+_SAFETENSORS_DTYPES = {"float32": "F32", "float16": "F16", "bfloat16": "BF16", "float64": "F64"}
+
+
+def _safetensors(
+    path: Path, shape: tuple[int, int], dtype: np.dtype[Any], spec: Spec
+) -> np.memmap[Any, Any]:
+    """A safetensors file holding one tensor ``table`` of ``shape``, mapped for writing.
+
+    The format is an 8-byte little-endian header length, a JSON header (padded with spaces
+    to 8-byte alignment) and the raw little-endian bytes: written here directly, so that a
+    table of any size streams into the file instead of being built in memory first.
+    """
+    nbytes = shape[0] * shape[1] * dtype.itemsize
+    header = {
+        "__metadata__": {"posenc.spec": json.dumps({"kind": spec.kind, **spec.parameters})},
+        "table": {
+            "dtype": _SAFETENSORS_DTYPES[dtype.name],
+            "shape": list(shape),
+            "data_offsets": [0, nbytes],
+        },
+    }
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-(8 + len(text)) % 8)
+    with path.open("wb") as file:
+        file.write(len(text).to_bytes(8, "little") + text)
+        file.truncate(8 + len(text) + nbytes)
+    return np.memmap(path, dtype=dtype, mode="r+", offset=8 + len(text), shape=shape)
+
+
+_FORMATS = {".npy": _npy, ".safetensors": _safetensors}
+"""Output formats by file suffix."""
+
+
+def _seconds(elapsed: float) -> str:
+    return f"{elapsed:.1f} s" if elapsed >= 1 else f"{elapsed * 1e3:.0f} ms"
+
+
+def _write(
     output: Path,
     slices: Iterator[tuple[int, npt.NDArray[Any]]],
     shape: tuple[int, int],
     dtype: np.dtype[Any],
+    spec: Spec,
     origin: int,
     no_progress: bool,
 ) -> None:
+    """Write the table into a hidden file beside ``output``, renamed to it when complete."""
     partial = output.with_name(f".{output.name}.{os.getpid()}.partial")
     started = time.monotonic()
     row_bytes = shape[1] * dtype.itemsize
     try:
-        table = open_memmap(partial, mode="w+", dtype=dtype, shape=shape)
+        table = _FORMATS[output.suffix](partial, shape, dtype, spec)
         with tqdm(
             total=shape[0],
             unit="row",
@@ -434,14 +557,18 @@ def _write_npy(
         table.flush()
         del table  # unmaps the file before it is renamed
         os.replace(partial, output)
-    except BaseException:
-        partial.unlink(missing_ok=True)
+    except BaseException as error:
+        with contextlib.suppress(OSError):
+            partial.unlink(missing_ok=True)
+        if isinstance(error, OSError):
+            # Name the user's file, not the hidden one beside it.
+            raise OSError(f"cannot write {output}: {error.strerror or error}") from None
         raise
     elapsed = max(time.monotonic() - started, 1e-9)
     size = shape[0] * row_bytes
     print(
         f"posenc fetch: wrote {shape[0]:,} x {shape[1]} {dtype.name} rows "
-        f"({_human_bytes(size)}) to {output} in {elapsed:.1f} s "
+        f"({_human_bytes(size)}) to {output} in {_seconds(elapsed)} "
         f"({shape[0] / elapsed:,.0f} rows/s, {_human_bytes(size / elapsed)}/s)",
         file=sys.stderr,
     )
@@ -459,7 +586,18 @@ def _info(args: argparse.Namespace) -> int:
     print(f"version:       {info.version}")
     print(f"server_id:     {info.server_id}")
     print(f"dtypes:        {', '.join(info.dtypes)}")
-    print(f"table kinds:   {', '.join(kind.name for kind in info.table_kinds)}")
+    # Named as fetch takes them: --table KIND, and a variant of a kind (rotary.yarn) with
+    # --param ONEOF=NAME (scaling=yarn).
+    names = [kind.name for kind in info.table_kinds]
+    print(f"table kinds:   {', '.join(n for n in names if '.' not in n)} (fetch --table KIND)")
+    for kind in dict.fromkeys(n.partition(".")[0] for n in names if "." in n):
+        variants = [n.partition(".")[2] for n in names if n.startswith(kind + ".")]
+        with contextlib.suppress(PosencError):
+            for oneof in choice_oneofs(kind_message(kind)):
+                print(
+                    f"  {kind} {oneof.name}: {', '.join(variants)} "
+                    f"(--table {kind} --param {oneof.name}=NAME)"
+                )
     print(f"rows_computed: {info.rows_computed:,}")
     for title, section in (("limits", info.limits), ("cache", info.cache)):
         print(f"{title}:")

@@ -69,6 +69,12 @@ class PosencError(Exception):
         return f"{self.code.name}: {self.details}"
 
 
+class ClientClosedError(PosencError, RuntimeError):
+    """A call on a client that was closed (CANCELLED, as gRPC says of calls it cut)."""
+
+    default_code = grpc.StatusCode.CANCELLED
+
+
 class InvalidArgumentError(PosencError, ValueError):
     """The request was malformed (INVALID_ARGUMENT).
 

@@ -160,7 +160,9 @@ def start_server(config: ServerConfig, *, reuse_port: bool = False) -> RunningSe
     otherwise a busy port is an error rather than silently shared.
     """
     service = EncodingService(config)
-    servicer = PositionalEncodingServicer(config, SpecTable(config, max_bytes=config.spec_bytes), service, version())
+    servicer = PositionalEncodingServicer(
+        config, SpecTable(config, max_bytes=config.spec_bytes), service, version()
+    )
     token = None
     if config.auth_token_file:
         token = auth.BearerToken(auth.read_token(config.auth_token_file))

@@ -14,9 +14,11 @@ import os
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Final
 
 MIB = 1 << 20
+DEFAULT_METRICS_PORT: Final = 9464
+"""Prometheus' customary exporter port; on a shared host another server may hold it."""
 GIB = 1 << 30
 # What a default gRPC client accepts in one message.
 DEFAULT_CLIENT_RECEIVE_LIMIT = 4 * MIB
@@ -92,8 +94,11 @@ class ServerConfig:
     )
     log_level: str = field(default="INFO", metadata={"help": "DEBUG, INFO, WARNING or ERROR"})
     metrics_port: int = field(
-        default=9464,
-        metadata={"help": "Prometheus metrics HTTP port on the same host (0: a free one; -1: off)"},
+        default=DEFAULT_METRICS_PORT,
+        metadata={
+            "help": "Prometheus metrics HTTP port on the same host (0: a free one; -1: off; "
+            f"{DEFAULT_METRICS_PORT}, when busy: a free one, logged)"
+        },
     )
     tls_cert_file: str = field(
         default="", metadata={"help": "PEM certificate chain: serve TLS (with tls_key_file)"}

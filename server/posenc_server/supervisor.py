@@ -29,7 +29,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from posenc_server import metrics
-from posenc_server.config import ServerConfig
+from posenc_server.config import DEFAULT_METRICS_PORT, ServerConfig
 
 log = logging.getLogger("posenc_server")
 
@@ -84,6 +84,15 @@ def serve_metrics(config: ServerConfig, multiprocess_dir: str | None = None) -> 
     try:
         return metrics.serve(config.host, config.metrics_port, multiprocess_dir)
     except OSError as error:
+        if config.metrics_port == DEFAULT_METRICS_PORT and error.errno == errno.EADDRINUSE:
+            # A second server on a developer's machine: the default port is a convention,
+            # not a promise, so it yields; a port chosen on purpose fails the start below.
+            port = metrics.serve(config.host, 0, multiprocess_dir)
+            log.warning(
+                "metrics port busy: serving metrics on a free port",
+                extra={"fields": {"busy_port": DEFAULT_METRICS_PORT, "metrics_port": port}},
+            )
+            return port
         raise OSError(
             f"cannot serve metrics on port {config.metrics_port}: {error} "
             "(choose another with --metrics-port (POSENC_METRICS_PORT), or -1 for none)"
