@@ -40,9 +40,9 @@ from posenc_server.specs import Request, Spec
 
 Table = npt.NDArray[np.generic]
 BlockKey = tuple[int, int]  # (spec serial, block index)
-# Elements of a cached block: a narrow table's block is many rows, a wide one's few, and
-# each costs well under a millisecond to compute (64 Ki elements).
-_BLOCK_ELEMENTS = 1 << 16
+# Elements of a cached block (256 Ki: a 1 MiB chunk of float32): a narrow table's block is
+# many rows, a wide one's few, and each costs a few milliseconds to compute.
+_BLOCK_ELEMENTS = 1 << 18
 # A unary position list computes new blocks (for the decode steps that follow) up to this
 # many times its own rows, at least one block and at most _MAX_NEW_BLOCKS_PER_LIST; the rows
 # of further uncached blocks are computed one by one.
