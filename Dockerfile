@@ -1,22 +1,46 @@
-# Slim, non-root image of the posenc server. Build: docker build -t posenc:1.0.0 .
-FROM python:3.11-slim AS build
+# Slim, non-root image of the posenc server.
+#
+#   docker build -t posenc:1.0.0 .
+#
+# PYTHON_IMAGE picks the base: any image with python3 (>= 3.11) and its venv module, such as
+# the default python:3.11-slim or a Debian rootfs with python3 and python3-venv. WHEELHOUSE
+# names a directory of wheels, made visible to the build (`podman build -v DIR:/wheelhouse`),
+# to install from instead of the package index: the build then needs no network.
+ARG PYTHON_IMAGE=python:3.11-slim
+
+FROM ${PYTHON_IMAGE} AS build
+ARG WHEELHOUSE=
+ENV PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    PIP_NO_CACHE_DIR=1
+# A virtualenv works on every base: Debian's own python3 refuses system-wide pip installs.
+RUN python3 -m venv /opt/posenc
 WORKDIR /src
 COPY pyproject.toml README.md ./
 COPY client ./client
 COPY server ./server
-RUN pip wheel --no-cache-dir --wheel-dir /wheels '.[server]'
+# The installer is not needed at run time: it leaves the image with the build stage.
+RUN /opt/posenc/bin/pip install ${WHEELHOUSE:+--no-index --find-links "$WHEELHOUSE"} '.[server]' \
+    && /opt/posenc/bin/pip uninstall --yes --quiet pip setuptools \
+    && /opt/posenc/bin/posenc serve --help >/dev/null
 
-FROM python:3.11-slim
-RUN useradd --system --uid 10001 --no-create-home --shell /usr/sbin/nologin posenc
-COPY --from=build /wheels /wheels
-RUN pip install --no-cache-dir --no-index --find-links /wheels 'posenc[server]' \
-    && rm -rf /wheels
-USER 10001
-ENV POSENC_HOST=0.0.0.0 \
+FROM ${PYTHON_IMAGE}
+# A fixed uid and gid, so that volumes, runAsUser and file ownership can name them.
+RUN groupadd --system --gid 10001 posenc \
+    && useradd --system --uid 10001 --gid 10001 --no-create-home --home-dir /nonexistent \
+       --shell /usr/sbin/nologin posenc
+COPY --from=build /opt/posenc /opt/posenc
+ENV PATH=/opt/posenc/bin:$PATH \
+    POSENC_HOST=0.0.0.0 \
     POSENC_PORT=50051 \
+    PYTHONDONTWRITEBYTECODE=1 \
     PYTHONUNBUFFERED=1
-EXPOSE 50051
+USER 10001:10001
+# gRPC, then Prometheus metrics (POSENC_METRICS_PORT).
+EXPOSE 50051 9464
+# `posenc health` reads the server's POSENC_TLS_* variables: it speaks TLS to a TLS server.
 HEALTHCHECK --interval=10s --timeout=3s --start-period=10s --retries=3 \
     CMD ["posenc", "health", "--target", "127.0.0.1:50051"]
+# SIGTERM drains: in-flight calls get POSENC_GRACE_SECONDS (30 s) to finish.
+STOPSIGNAL SIGTERM
 ENTRYPOINT ["posenc"]
 CMD ["serve"]

@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 SERVER_STAMP := $(VENV)/.installed-server
 STAMP := $(VENV)/.installed
 
-.PHONY: run test test-fast soak lint typecheck stubs clean
+.PHONY: run test test-fast soak lint typecheck stubs clean plots
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -47,6 +47,10 @@ typecheck: $(STAMP)
 
 stubs: $(STAMP)
 	$(BIN)/python scripts/generate_stubs.py
+
+# The README's pictures (pictures/*.png), drawn from a server started for the purpose.
+plots: $(STAMP)
+	$(BIN)/python scripts/make_plots.py pictures
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

@@ -137,7 +137,7 @@ def sdk_channel_options() -> list[tuple[str, Any]]:
 
         client = posenc.Client("127.0.0.1:1")
         try:
-            return list(client._settings.options)
+            return list(client._core.settings.options)
         finally:
             client.close()
 

@@ -21,7 +21,7 @@ if __package__ in (None, ""):  # run as a script: make `bench` importable
 from bench import procs
 from bench.common import REPO, Section, Sizes, load_average, machine
 
-SECTIONS = "abcdef"
+SECTIONS = "abcdefg"
 
 
 def _guarded(key: str, title: str, body: Callable[[], Section]) -> Section:
@@ -51,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     wanted = set(args.sections)
 
-    from bench import concurrency, e2e, engine_bench, growth, latency, memory, report
+    from bench import concurrency, e2e, engine_bench, growth, integrations, latency, memory, report
 
     procs.install_cleanup()
     sizes = Sizes.for_mode(args.quick)
@@ -105,6 +105,14 @@ def main(argv: list[str] | None = None) -> int:
                         floor_pids,
                         server_processes,
                     ),
+                )
+            )
+        if "g" in wanted:
+            sections.append(
+                _guarded(
+                    "g",
+                    "Inference integration",
+                    lambda: integrations.run(sizes, server.target, floor.target),
                 )
             )
         growth_section: Section | None = None

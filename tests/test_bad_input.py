@@ -242,3 +242,23 @@ def fuzz_target() -> Iterator[str]:
         health = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest())
         assert health.status == health_pb2.HealthCheckResponse.SERVING
     running.server.stop(0).wait()
+
+
+def test_every_position_rule_speaks_of_the_position_limit(
+    stub: posenc_pb2_grpc.PositionalEncodingServiceStub,
+) -> None:
+    # One message shape per rule: the user's value and the documented limit, not an
+    # internal bound such as the exclusive stop's limit + 1.
+    for message, field in [
+        (request(start=LIMIT, stop=LIMIT + 2), "range.stop"),
+        (request(start=-LIMIT - 1, stop=0), "range.start"),
+        (
+            pb.GetEncodingRequest(
+                spec=sinusoidal(8), positions=pb.PositionList(positions=[LIMIT + 1])
+            ),
+            "positions.positions[0]",
+        ),
+    ]:
+        with pytest.raises(grpc.RpcError) as raised:
+            stub.GetEncoding(message)
+        assert f"{field}: |position| must be at most {LIMIT}, got " in raised.value.details()

@@ -1,20 +1,42 @@
-"""Dockerfile and compose file: they run the same CLI the tests exercise, non-root, checked.
+"""The Dockerfile and compose file, checked statically, and the image built and run.
 
-No Docker engine runs here, so the files are checked statically and their commands are run
-for real against a server started by the test.
+The static checks run the files' commands against a server the test starts. The image is
+built with podman (runc runtime, a base made from Debian packages: tests/containers.py) and
+run hardened as compose runs it: from the host, through a port published on 127.0.0.1, the
+CLI, the SDK and the image's own health check are checked, a SIGTERM with a stream in
+flight lets the stream finish and the container exit 0, and the server runs as uid 10001
+on a read-only root. tests/test_compose.py runs the compose stack.
 """
 
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
+import threading
+import time
 import tomllib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
+import numpy as np
+import pytest
+import trustme
 import yaml
-from conftest import ROOT, ServerProcess
+from conftest import ROOT, ServerProcess, free_port
+from containers import (  # noqa: F401  (fixtures)
+    IMAGE,
+    PYTHON_BASE,
+    Podman,
+    expected,
+    network,
+    podman_fixture,
+    posenc_image_fixture,
+    wheelhouse,
+)
+
+import posenc
 
 POSENC = str(Path(sys.executable).parent / "posenc")
 
@@ -40,11 +62,15 @@ def compose_service() -> dict[str, object]:
 
 
 def test_image_is_slim_and_runs_as_non_root() -> None:
+    # Both stages start from the base chosen by build argument, python:3.11-slim by default.
     bases = instruction("FROM")
-    assert bases and all("slim" in base for base in bases)
-    user = instruction("USER")[-1]
-    assert user not in ("root", "0")
+    assert bases == ["${PYTHON_IMAGE} AS build", "${PYTHON_IMAGE}"]
+    assert "PYTHON_IMAGE=python:3.11-slim" in instruction("ARG")
+    assert instruction("USER")[-1] == "10001:10001"
     assert "[server]" in " ".join(instruction("RUN"))
+    # The final stage gets the virtualenv only: no build tools, no installer.
+    final = ROOT.joinpath("Dockerfile").read_text().rsplit("FROM ${PYTHON_IMAGE}\n", 1)[1]
+    assert "pip install" not in final and "COPY --from=build /opt/posenc /opt/posenc" in final
 
 
 def test_image_entrypoint_is_the_posenc_console_script() -> None:
@@ -61,6 +87,12 @@ def test_compose_runs_serve_with_a_health_check_on_the_served_port() -> None:
     service = compose_service()
     assert service["build"] == "."
     assert service["command"] == ["serve"]
+    # Hardened as the image intends: its user, a read-only root with /tmp (where the
+    # server's metrics files go) in memory, no capabilities.
+    assert service["user"] == instruction("USER")[-1]
+    assert service["read_only"] is True and service["tmpfs"] == ["/tmp"]
+    assert service["cap_drop"] == ["ALL"]
+    assert service["security_opt"] == ["no-new-privileges:true"]
     environment = service["environment"]
     assert isinstance(environment, dict)
     port = environment["POSENC_PORT"]
@@ -79,6 +111,7 @@ def _with_target(argv: list[str], target: str) -> list[str]:
     return [POSENC, *argv[1:-1], target]
 
 
+@pytest.mark.slow  # starts server processes
 def test_the_health_check_command_passes_on_a_live_server_and_fails_without_one(
     spawn_server: Callable[..., ServerProcess],
 ) -> None:
@@ -91,6 +124,7 @@ def test_the_health_check_command_passes_on_a_live_server_and_fails_without_one(
     assert dead.returncode != 0
 
 
+@pytest.mark.slow  # starts server processes
 def test_the_compose_command_serves_with_the_compose_environment() -> None:
     # `posenc serve` with the compose environment (except the ports, which must be free here).
     service = compose_service()
@@ -125,3 +159,212 @@ def test_the_compose_command_serves_with_the_compose_environment() -> None:
     finally:
         serve.terminate()
         assert serve.wait(30) == 0
+
+
+# -- the image, built and run with podman -----------------------------------------------------
+
+
+def posenc_cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([POSENC, *args], capture_output=True, text=True, timeout=60)
+
+
+def run_hardened(
+    podman: Podman, name: str, network_name: str, *env: str, volumes: Sequence[str] = ()
+) -> str:
+    """Runs the image as compose does: read-only root, /tmp in memory, no capabilities, the
+    gRPC port published on a free loopback port. Returns the host's target."""
+    podman.run(
+        "run", "--detach", f"--name={name}", f"--network={network_name}",
+        "--read-only", "--read-only-tmpfs=false", "--tmpfs=/tmp",
+        "--cap-drop=ALL", "--security-opt=no-new-privileges:true",
+        f"--publish=127.0.0.1:{free_port()}:50051",
+        "--env=POSENC_PROCESSES=2", *(f"--env={pair}" for pair in env),
+        *(f"--volume={volume}" for volume in volumes),
+        IMAGE,
+    )  # fmt: skip
+    podman.wait_healthy([name])
+    return f"127.0.0.1:{podman.host_port(name, 50051)}"
+
+
+@pytest.fixture(scope="module")
+def served(podman: Podman, posenc_image: str) -> Iterator[tuple[str, str]]:
+    """(container, host target) of one hardened posenc container."""
+    with network(podman) as net:
+        name = f"{net}-posenc"
+        try:
+            yield name, run_hardened(podman, name, net)
+        finally:
+            podman.run("rm", "--force", "--time=5", name, check=False)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)  # a cold first build: apt-get, mmdebstrap, wheels, image
+def test_the_image_serves_info_tables_and_health_on_a_loopback_port(
+    podman: Podman, served: tuple[str, str]
+) -> None:
+    name, target = served
+    info = posenc_cli("info", "--target", target)
+    assert info.returncode == 0, info.stderr
+    assert re.search(r"^version:\s+1\.0\.0$", info.stdout, re.MULTILINE)
+    health = posenc_cli("health", "--target", target)
+    assert (health.returncode, health.stdout.strip()) == (0, "SERVING"), health.stderr
+    with posenc.Client(target) as client:
+        assert client.health() == "SERVING"
+        assert client.server_info().version == "1.0.0"
+        # A unary result, negative positions, and a streamed one (20 MiB).
+        for start, stop, d_model in ((0, 1000, 512), (-4096, 4096, 64), (0, 20480, 256)):
+            table = client.get_range(start, stop, d_model, timeout=60)
+            assert table.shape == (stop - start, d_model) and table.dtype == "float32"
+            assert table.tobytes() == expected(start, stop, d_model)
+    # The image's own HEALTHCHECK, as the engine runs it.
+    image = json.loads(podman.out("image", "inspect", IMAGE))[0]
+    assert image["Healthcheck"]["Test"] == ["CMD", "posenc", "health", "--target",
+                                             "127.0.0.1:50051"]  # fmt: skip
+    assert podman.healthy(name)
+
+
+@pytest.mark.slow
+def test_the_container_runs_as_10001_on_a_read_only_root(
+    podman: Podman, served: tuple[str, str]
+) -> None:
+    name, _ = served
+    assert json.loads(podman.out("image", "inspect", IMAGE))[0]["Config"]["User"] == ("10001:10001")
+    status = dict(
+        line.split(":\t", 1)
+        for line in podman.out("exec", name, "cat", "/proc/1/status").splitlines()
+    )
+    assert status["Uid"].split() == ["10001"] * 4 and status["Gid"].split() == ["10001"] * 4
+    assert int(status["CapEff"], 16) == 0 and status["NoNewPrivs"] == "1"
+    assert podman.out("exec", name, "id", "-un") == "posenc"
+    # Even root cannot write the root filesystem; /tmp is memory, and holds the metrics.
+    denied = podman.run("exec", "--user=0", name, "touch", "/probe", check=False)
+    assert denied.returncode != 0 and "Read-only file system" in denied.stderr
+    mounts = podman.out("exec", name, "cat", "/proc/mounts").splitlines()
+    assert any(
+        line.split()[1:3] == ["/", "overlay"] and ",ro" in f",{line.split()[3]}" for line in mounts
+    )
+    assert any(line.split()[1:3] == ["/tmp", "tmpfs"] for line in mounts)
+    assert podman.out("exec", name, "ls", "/tmp").startswith("posenc-metrics-")
+
+
+@pytest.mark.slow
+def test_the_image_is_slim_without_a_compiler(podman: Podman, posenc_image: str) -> None:
+    size = int(podman.out("image", "inspect", "--format", "{{.Size}}", IMAGE))
+    base = int(podman.out("image", "inspect", "--format", "{{.Size}}", PYTHON_BASE.tag))
+    print(f"image {IMAGE}: {size / 1e6:.0f} MB, of which the base {base / 1e6:.0f} MB")
+    # The virtualenv (grpcio, numpy, protobuf, ...) adds about 100 MB to the base.
+    assert size - base < 150e6
+    tools = podman.run(
+        "run", "--rm", "--entrypoint=sh", IMAGE, "-c",
+        "for tool in gcc cc c++ clang make pip; do command -v $tool; done; true",
+    )  # fmt: skip
+    assert tools.stdout.strip() == ""
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_cached_rebuild_takes_under_two_minutes(podman: Podman, posenc_image: str) -> None:
+    before = podman.out("image", "inspect", "--format", "{{.Id}}", IMAGE)
+    started = time.monotonic()
+    after = podman.build_posenc(podman.debian_image(PYTHON_BASE), wheelhouse())
+    elapsed = time.monotonic() - started
+    print(f"cached rebuild: {elapsed:.1f} s")
+    assert after == before and elapsed < 120
+
+
+def streams_in_flight(podman: Podman, name: str) -> float:
+    text = podman.metrics(name, 9464)
+    match = re.search(r"^posenc_streams_in_flight (\S+)$", text, re.MULTILINE)
+    return float(match.group(1)) if match else 0.0
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_sigterm_lets_a_stream_in_flight_finish_and_the_container_exit_0(
+    podman: Podman, posenc_image: str
+) -> None:
+    # 200 MiB in 1 MiB chunks, read slowly: the stream lasts at least 4 s whatever the CPU,
+    # so it is in flight when the signal comes, and ends well within the grace.
+    start, stop, d_model = 0, 51200, 1024
+    chunk_bytes, pause = 1 << 20, 0.02
+    grace = 30
+    with network(podman) as net:
+        name = f"{net}-posenc"
+        try:
+            target = run_hardened(podman, name, net, f"POSENC_GRACE_SECONDS={grace}")
+            outcome: dict[str, object] = {}
+
+            def fetch() -> None:
+                parts = []
+                try:
+                    with posenc.Client(target) as client:
+                        for _, rows in client.iter_range(
+                            start, stop, d_model, chunk_bytes=chunk_bytes, timeout=120
+                        ):
+                            parts.append(np.array(rows))
+                            time.sleep(pause)
+                    outcome["table"] = np.concatenate(parts)
+                except Exception as error:  # reported below
+                    outcome["error"] = error
+                outcome["done"] = time.monotonic()
+
+            thread = threading.Thread(target=fetch)
+            thread.start()
+            deadline = time.monotonic() + 20
+            while streams_in_flight(podman, name) < 1:
+                assert time.monotonic() < deadline and thread.is_alive(), "no stream started"
+                time.sleep(0.05)
+            signalled = time.monotonic()
+            podman.run("kill", "--signal=TERM", name)
+            assert podman.out("wait", name, timeout=grace + 10) == "0"
+            exited = time.monotonic()
+            thread.join(60)
+            logs = podman.run("logs", name).stderr
+        finally:
+            podman.run("rm", "--force", "--time=5", name, check=False)
+    assert "error" not in outcome, outcome.get("error")
+    done = float(outcome["done"])  # type: ignore[arg-type]
+    print(
+        f"SIGTERM mid-stream: the stream ended {done - signalled:.1f} s and the container "
+        f"exited 0 {exited - signalled:.1f} s after the signal (grace {grace} s)"
+    )
+    # The stream was still running when the signal came, and finished within the grace.
+    assert signalled < done < signalled + grace
+    assert exited - signalled < grace
+    table = outcome["table"]
+    assert isinstance(table, np.ndarray)
+    assert table.tobytes() == expected(start, stop, d_model)
+    assert '"message": "draining"' in logs and '"drained": true' in logs
+
+
+@pytest.mark.slow
+def test_the_images_health_check_speaks_tls_with_the_servers_settings(
+    podman: Podman, posenc_image: str, tmp_path: Path
+) -> None:
+    # A TLS server configured by POSENC_TLS_* alone: the image's HEALTHCHECK (posenc health,
+    # no flags) reads the same variables, so it passes; the host reaches it with TLS only.
+    authority = trustme.CA()
+    issued = authority.issue_cert("posenc.internal")
+    certs = tmp_path / "certs"
+    certs.mkdir(mode=0o755)
+    issued.cert_chain_pems[0].write_to_path(str(certs / "server.pem"))
+    issued.private_key_pem.write_to_path(str(certs / "server.key"))
+    for path in certs.iterdir():
+        path.chmod(0o644)  # readable by uid 10001 inside the container
+    with network(podman) as net:
+        name = f"{net}-posenc-tls"
+        try:
+            target = run_hardened(
+                podman, name, net,
+                "POSENC_TLS_CERT_FILE=/certs/server.pem", "POSENC_TLS_KEY_FILE=/certs/server.key",
+                volumes=[f"{certs}:/certs:ro"],
+            )  # fmt: skip
+            assert podman.healthy(name)
+            plaintext = posenc_cli("health", "--target", target)
+            assert plaintext.returncode == 1
+            authority.cert_pem.write_to_path(str(tmp_path / "ca.pem"))
+            tls = ["--tls-ca", str(tmp_path / "ca.pem"), "--tls-server-name", "posenc.internal"]
+            secure = posenc_cli("health", "--target", target, *tls)
+            assert (secure.returncode, secure.stdout.strip()) == (0, "SERVING"), secure.stderr
+        finally:
+            podman.run("rm", "--force", "--time=5", name, check=False)

@@ -205,13 +205,14 @@ def test_termination_outlasts_the_drain() -> None:
 
 
 def test_pods_run_as_the_images_non_root_user_on_a_read_only_root() -> None:
-    dockerfile_user = re.search(r"^USER (\d+)$", (ROOT / "Dockerfile").read_text(), re.M)
+    # A user and a group of its own: `USER 10001` alone runs with group 0 (root).
+    dockerfile_user = re.search(r"^USER (\d+):(\d+)$", (ROOT / "Dockerfile").read_text(), re.M)
     assert dockerfile_user
-    uid = int(dockerfile_user.group(1))
-    assert uid == 10001
+    uid, gid = int(dockerfile_user.group(1)), int(dockerfile_user.group(2))
+    assert (uid, gid) == (10001, 10001)
     for context in (pod_spec()["securityContext"], container()["securityContext"]):
         assert context["runAsNonRoot"] is True
-        assert context["runAsUser"] == uid
+        assert (context["runAsUser"], context["runAsGroup"]) == (uid, gid)
     security = container()["securityContext"]
     assert security["readOnlyRootFilesystem"] is True
     assert security["allowPrivilegeEscalation"] is False
@@ -287,8 +288,9 @@ def test_compose_runs_three_healthy_replicas_behind_nginx() -> None:
     assert "ports" not in replica  # no host port: replicas are reached through nginx
     assert str(port) in replica["expose"]
     assert replica["healthcheck"]["test"][1:3] == ["posenc", "health"]
-    # nginx publishes the port and starts once the replicas are healthy.
-    assert balancer["ports"] == [f"{port}:{port}"]
+    # nginx publishes the port, on the host's loopback address only, and starts once the
+    # replicas are healthy.
+    assert balancer["ports"] == [f"127.0.0.1:{port}:{port}"]
     assert balancer["depends_on"] == {"posenc": {"condition": "service_healthy"}}
     assert "./deploy/nginx/nginx.conf:/etc/nginx/nginx.conf:ro" in balancer["volumes"]
     # `server ... resolve` needs nginx 1.27.3 or later.

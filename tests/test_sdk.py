@@ -274,7 +274,7 @@ ROTARY = posenc.Spec("rotary", head_dim=64)
         (lambda c: c.get_positions([1.0, 2.0], 8), "positions"),
         (lambda c: c.get_positions(np.arange(0, 1, 0.25), 8), "positions"),
         (lambda c: c.get_positions([True], 8), "positions"),
-        (lambda c: c.get_positions([[1, 2]], 8), "positions"),
+        (lambda c: c.get_positions([[1, 2], [3]], 8), "positions"),  # ragged
         (lambda c: c.get_positions("12", 8), "positions"),
         (lambda c: c.get_positions([1 << 64], 8), "positions"),
         (lambda c: c.get_range(0.5, 3, 8), "range.start"),
@@ -577,7 +577,7 @@ def test_interceptors_see_every_call_with_its_token(server: RunningServer) -> No
 def test_context_manager_closes_the_channel(server: RunningServer) -> None:
     with posenc.Client(server.target) as client:
         client.get_range(0, 1, 4)
-    with pytest.raises(ValueError, match="closed"):
+    with pytest.raises(posenc.ClientClosedError, match="closed"):
         client.get_range(0, 1, 4)
 
 

@@ -231,7 +231,7 @@ def test_client_created_outside_the_event_loop(server: RunningServer) -> None:
     async def after_close() -> None:
         await client.get_range(0, 3, 4)
 
-    with pytest.raises(ValueError, match="closed"):
+    with pytest.raises(posenc.ClientClosedError, match="closed"):
         asyncio.run(after_close())
 
 

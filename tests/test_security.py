@@ -14,6 +14,7 @@ import trustme
 from conftest import ServerProcess
 
 import posenc
+from posenc.cli import main
 from posenc_server.app import RunningServer
 
 POSENC = str(Path(sys.executable).parent / "posenc")
@@ -128,3 +129,46 @@ def test_cli_sends_token_and_tls_settings(
         [POSENC, "health", "--target", process.target, *tls], capture_output=True, timeout=30
     )
     assert health.returncode == 0, health.stderr
+
+
+@pytest.mark.parametrize("mutual", [False, True], ids=["tls", "mutual-tls"])
+def test_health_probe_speaks_tls_from_the_servers_environment(
+    server_factory: Callable[..., RunningServer],
+    authority: trustme.CA,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    mutual: bool,
+) -> None:
+    # The probe runs next to the server with its environment (the image's HEALTHCHECK):
+    # POSENC_TLS_* alone make it connect with TLS, to a certificate issued for another name
+    # than the probe's target.
+    issued = authority.issue_cert("posenc.internal")
+    cert, key = tmp_path / "server.pem", tmp_path / "server.key"
+    issued.cert_chain_pems[0].write_to_path(str(cert))
+    issued.private_key_pem.write_to_path(str(key))
+    environment = {"POSENC_TLS_CERT_FILE": str(cert), "POSENC_TLS_KEY_FILE": str(key)}
+    if mutual:
+        ca = tmp_path / "ca.pem"
+        authority.cert_pem.write_to_path(str(ca))
+        environment["POSENC_TLS_CLIENT_CA_FILE"] = str(ca)
+    server = server_factory(
+        tls_cert_file=str(cert),
+        tls_key_file=str(key),
+        tls_client_ca_file=environment.get("POSENC_TLS_CLIENT_CA_FILE", ""),
+    )
+    probe = ["health", "--target", server.target, "--timeout", "3"]
+    assert main(probe) == 1  # plaintext against TLS
+    capsys.readouterr()
+    for name, value in environment.items():
+        monkeypatch.setenv(name, value)
+    assert main(probe) == 0, capsys.readouterr().err
+    assert capsys.readouterr().out.strip() == "SERVING"
+    # Explicit flags win over the environment: a CA that did not issue the certificate fails.
+    stranger = tmp_path / "stranger.pem"
+    trustme.CA().cert_pem.write_to_path(str(stranger))
+    assert main([*probe, "--tls-ca", str(stranger)]) == 1
+    if mutual:
+        # Without the client CA setting the probe presents no certificate: refused.
+        monkeypatch.delenv("POSENC_TLS_CLIENT_CA_FILE")
+        assert main(probe) == 1

@@ -35,6 +35,7 @@ from posenc.errors import (
     UnimplementedError,
 )
 from posenc.spec import Spec
+from posenc.table import GrowingTable
 from posenc.types import (
     DEFAULT,
     CacheStats,
@@ -58,6 +59,7 @@ __all__ = [
     "Client",
     "ClientClosedError",
     "DeadlineExceededError",
+    "GrowingTable",
     "InternalError",
     "InvalidArgumentError",
     "Limits",

@@ -15,7 +15,7 @@ import numpy.typing as npt
 from posenc import _core as core
 from posenc._base import BaseClient
 from posenc._channel import Calls
-from posenc._core import Rows, Slice, Stepper, Steps
+from posenc._core import Result, Slice, Stepper, Steps
 from posenc._rows import AheadFetch
 from posenc.types import ServerInfo
 
@@ -29,7 +29,7 @@ READ_AHEAD_TASK = "posenc-read-ahead"
 
 
 class AsyncClient(
-    BaseClient[Awaitable[Rows], Awaitable[ServerInfo], Awaitable[str], AsyncIterator[Slice]]
+    BaseClient[Awaitable[Result], Awaitable[ServerInfo], Awaitable[str], AsyncIterator[Slice]]
 ):
     """asyncio client of a posenc server (or several, balanced round robin).
 

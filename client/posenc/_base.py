@@ -122,7 +122,10 @@ class BaseClient(Generic[ArrayT, InfoT, StatusT, SlicesT]):
         stop: int,
         table: Table,
         *,
-        dtype: DTypeArg = "float32",
+        dtype: DTypeArg | None = None,
+        out: Any = None,
+        device: Any = None,
+        cos_sin: bool = False,
         timeout: Timeout = DEFAULT,
         **classic: Unpack[ClassicOptions],
     ) -> ArrayT:
@@ -138,7 +141,18 @@ class BaseClient(Generic[ArrayT, InfoT, StatusT, SlicesT]):
                 ``"tensor2tensor"``) are keywords allowed only with an int. Any table is
                 a :class:`posenc.Spec`. The result's width is the server's.
             dtype: ``"float32"``, ``"float16"``, ``"bfloat16"`` (``ml_dtypes.bfloat16``
-                result) or ``"float64"``; numpy dtypes are accepted too.
+                result) or ``"float64"``; numpy and torch dtypes are accepted too. The
+                server computes the rows in it. Default: ``out``'s dtype, else float32.
+            out: A buffer to fill instead of returning a new array: a numpy array or a
+                ``torch.Tensor`` (any device; pinned host memory included) of shape
+                ``[rows, width]`` and the result's dtype. A contiguous host buffer is
+                where the response is decoded, so the call allocates no result.
+            device: Return a ``torch.Tensor`` on this device (``"cpu"``, ``"cuda:0"``).
+                A torch ``dtype`` (or a tensor ``out``) also makes the result a tensor;
+                bfloat16 rows reach torch bit for bit, never through float32. Needs the
+                ``[torch]`` extra.
+            cos_sin: For a rotary table: return ``(cos, sin)``, the two halves of the
+                rows in the spec's layout (views of one array or tensor).
             timeout: Deadline of the whole call in seconds (``None``: none); defaults to
                 the client's.
 
@@ -151,30 +165,40 @@ class BaseClient(Generic[ArrayT, InfoT, StatusT, SlicesT]):
             DeadlineExceededError: The timeout expired.
             UnavailableError: The server stayed unreachable through every retry.
         """
-        query = self._core.range_query(start, stop, table, dtype, classic)
-        return cast(ArrayT, self._run(self._core.fetch(query, timeout)))
+        query, output = self._core.range_query(
+            start, stop, table, dtype, classic, out=out, device=device, cos_sin=cos_sin
+        )
+        return cast(ArrayT, self._run(self._core.fetch(query, output, timeout)))
 
     def get_positions(
         self,
         positions: npt.ArrayLike,
         table: Table,
         *,
-        dtype: DTypeArg = "float32",
+        dtype: DTypeArg | None = None,
+        out: Any = None,
+        device: Any = None,
+        cos_sin: bool = False,
         timeout: Timeout = DEFAULT,
         **classic: Unpack[ClassicOptions],
     ) -> ArrayT:
         """Returns the rows of arbitrary ``positions``, one row per position.
 
-        ``positions`` is any sequence or 1-D numpy array of integers, in the order the rows
-        are wanted (repeats allowed). Other arguments as in :meth:`get_range`.
+        ``positions`` is an array of integers of any shape ``S`` (a list, a numpy array, or
+        a ``torch.Tensor`` on any device), in the order the rows are wanted (repeats
+        allowed); the result has shape ``S + [width]``: ``position_ids`` ``[batch, seq]``
+        give ``[batch, seq, width]``. Tensor positions give a tensor on their device.
+        ``out`` has shape ``S + [width]``; other arguments as in :meth:`get_range`.
 
         Made for decode loops: rows come from the client's row cache when it holds them,
         and a sequence moving forward has its next rows fetched ahead, in the call and in
         the background (see ``row_cache_bytes`` and ``readahead_bytes``). The result is
-        always a new array. ``AsyncClient``: awaitable.
+        always a new array (or ``out``). ``AsyncClient``: awaitable.
         """
-        query = self._core.positions_query(positions, table, dtype, classic)
-        return cast(ArrayT, self._run(self._core.fetch_positions(query, timeout)))
+        query, output = self._core.positions_query(
+            positions, table, dtype, classic, out=out, device=device, cos_sin=cos_sin
+        )
+        return cast(ArrayT, self._run(self._core.fetch_positions(query, output, timeout)))
 
     def iter_range(
         self,
@@ -182,7 +206,8 @@ class BaseClient(Generic[ArrayT, InfoT, StatusT, SlicesT]):
         stop: int,
         table: Table,
         *,
-        dtype: DTypeArg = "float32",
+        dtype: DTypeArg | None = None,
+        device: Any = None,
         chunk_bytes: int | None = None,
         timeout: Timeout = DEFAULT,
         **classic: Unpack[ClassicOptions],
@@ -193,30 +218,32 @@ class BaseClient(Generic[ArrayT, InfoT, StatusT, SlicesT]):
         server) however long the range: for tables too large to hold, e.g. written to
         disk as they arrive. An interrupted stream resumes where it stopped. ``timeout``
         bounds the whole iteration, including the time the caller spends between slices;
-        pass ``timeout=None`` for long jobs. Other arguments as in :meth:`get_range`;
-        they are checked when this is called, not at the first slice. ``AsyncClient``:
+        pass ``timeout=None`` for long jobs. ``device`` (or a torch ``dtype``) makes each
+        slice a ``torch.Tensor``. Other arguments as in :meth:`get_range`; they are
+        checked when this is called, not at the first slice. ``AsyncClient``:
         ``async for``.
         """
-        query = self._core.range_query(start, stop, table, dtype, classic)
-        return self._iterate(self._core.stream(query, chunk_bytes, timeout))
+        query, output = self._core.range_query(start, stop, table, dtype, classic, device=device)
+        return self._iterate(self._core.stream(query, output, chunk_bytes, timeout))
 
     def iter_positions(
         self,
         positions: npt.ArrayLike,
         table: Table,
         *,
-        dtype: DTypeArg = "float32",
+        dtype: DTypeArg | None = None,
+        device: Any = None,
         chunk_bytes: int | None = None,
         timeout: Timeout = DEFAULT,
         **classic: Unpack[ClassicOptions],
     ) -> SlicesT:
         """Streams the rows of ``positions`` as ``(index_of_first_row, rows)`` slices.
 
-        ``rows`` are the rows of ``positions[index : index + len(rows)]``. Otherwise as
-        :meth:`iter_range`.
+        ``rows`` are the rows of ``positions.reshape(-1)[index : index + len(rows)]``
+        (positions of any shape are read flat). Otherwise as :meth:`iter_range`.
         """
-        query = self._core.positions_query(positions, table, dtype, classic)
-        return self._iterate(self._core.stream(query, chunk_bytes, timeout))
+        query, output = self._core.positions_query(positions, table, dtype, classic, device=device)
+        return self._iterate(self._core.stream(query, output, chunk_bytes, timeout))
 
     # -- service --------------------------------------------------------------------------
 

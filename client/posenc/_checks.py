@@ -17,9 +17,7 @@ INT64_MAX: Final = (1 << 63) - 1
 
 def bad_argument(field: str, description: str) -> InvalidArgumentError:
     """The error for a bad value of request field ``field``."""
-    return InvalidArgumentError(
-        f"invalid {field}: {description}", field_violations=[(field, description)]
-    )
+    return InvalidArgumentError(f"{field}: {description}", field_violations=[(field, description)])
 
 
 def choice(value: object, choices: Mapping[str, Any], field: str) -> str:

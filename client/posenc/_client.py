@@ -16,7 +16,7 @@ import grpc
 from posenc import _core as core
 from posenc._base import BaseClient
 from posenc._channel import Calls
-from posenc._core import Rows, Slice, Stepper, Steps
+from posenc._core import Result, Slice, Stepper, Steps
 from posenc._rows import AheadFetch
 from posenc.types import ServerInfo
 
@@ -43,7 +43,7 @@ def _run_ahead(client_ref: weakref.ref[Client], work: queue.SimpleQueue[AheadFet
         del client
 
 
-class Client(BaseClient[Rows, ServerInfo, str, Iterator[Slice]]):
+class Client(BaseClient[Result, ServerInfo, str, Iterator[Slice]]):
     """Blocking client of a posenc server (or several, balanced round robin).
 
     Thread-safe: one client, and its single gRPC channel, can serve many threads.

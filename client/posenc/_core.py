@@ -11,16 +11,19 @@ driver of a few lines and the operations' I/O.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Awaitable, Callable, Generator, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, Generic, TypeAlias, TypeVar
 
 import grpc
+import numpy as np
 import numpy.typing as npt
 from grpc_health.v1 import health_pb2
 
 from posenc._channel import Settings
 from posenc._cursor import StreamCursor, decode_unary
+from posenc._output import Output, is_tensor, is_torch_dtype, positions_of, torch_dtype_name
 from posenc._query import (
     Query,
     Widths,
@@ -51,9 +54,12 @@ from posenc.v1 import posenc_pb2 as pb
 
 T = TypeVar("T")
 Rows: TypeAlias = npt.NDArray[Any]
+#: What a table method returns: a numpy array, a ``torch.Tensor``, or a ``(cos, sin)`` pair of
+#: either (see :mod:`posenc._output`).
+Result: TypeAlias = Any
 #: What iterators yield: the label of the first row (a position, or an index into the
-#: positions), and the rows.
-Slice: TypeAlias = tuple[int, Rows]
+#: positions), and the rows (a numpy array, or a tensor when the call asked for tensors).
+Slice: TypeAlias = tuple[int, Any]
 # The classic table's keyword options, as a table method received them.
 Classic: TypeAlias = Mapping[str, object]
 
@@ -178,6 +184,16 @@ class Stepper(Generic[T]):
 # -- the calls ---------------------------------------------------------------------------------
 
 
+def result_dtype(dtype: object, out: object) -> Any:
+    """A ``dtype=`` argument, None being ``out``'s dtype (else float32)."""
+    if dtype is not None:
+        return dtype
+    if out is None:
+        return "float32"
+    name = out.dtype  # type: ignore[attr-defined]
+    return torch_dtype_name(name) if is_tensor(out) else name
+
+
 class Core:
     """The steps of every SDK call, on a client's settings, row cache and known widths.
 
@@ -208,26 +224,67 @@ class Core:
     # these are called, not at the first step
 
     def range_query(
-        self, start: object, stop: object, table: object, dtype: DTypeArg, classic: Classic
-    ) -> Query:
-        return range_query(start, stop, table_spec(table, dtype, classic), self.widths)
+        self,
+        start: object,
+        stop: object,
+        table: object,
+        dtype: DTypeArg | None,
+        classic: Classic,
+        **output: Any,
+    ) -> tuple[Query, Output]:
+        """The query of a range and how its rows are handed back (``output``: ``out``,
+        ``device``, ``cos_sin``; see :class:`posenc._output.Output`)."""
+        spec = table_spec(table, result_dtype(dtype, output.get("out")), classic)
+        query = range_query(start, stop, spec, self.widths)
+        return self._with_output(query, (max(query.rows, 0),), dtype, None, output)
 
     def positions_query(
-        self, positions: npt.ArrayLike, table: object, dtype: DTypeArg, classic: Classic
-    ) -> Query:
-        return positions_query(positions, table_spec(table, dtype, classic), self.widths)
+        self,
+        positions: npt.ArrayLike,
+        table: object,
+        dtype: DTypeArg | None,
+        classic: Classic,
+        **output: Any,
+    ) -> tuple[Query, Output]:
+        """The query of positions of any shape (a tensor's on any device), and how its
+        rows are handed back."""
+        array, device = positions_of(positions)
+        spec = table_spec(table, result_dtype(dtype, output.get("out")), classic)
+        query = positions_query(array, spec, self.widths)
+        return self._with_output(query, np.shape(array), dtype, device, output)
 
-    def fetch(self, query: Query, timeout: Timeout) -> Steps[Rows]:
+    @staticmethod
+    def _with_output(
+        query: Query,
+        shape: tuple[int, ...],
+        dtype: object,
+        positions_device: Any,
+        output: Mapping[str, Any],
+    ) -> tuple[Query, Output]:
+        result = Output.create(
+            shape,
+            query.dtype,
+            positions_device=positions_device,
+            torch_dtype=is_torch_dtype(dtype),
+            rotary=query.spec.WhichOneof("table") == "rotary",
+            **output,
+        )
+        return dataclasses.replace(query, out=result.host), result
+
+    def fetch(self, query: Query, output: Output, timeout: Timeout) -> Steps[Result]:
         """A whole table (``get_range``)."""
-        return self._fetch(query, self.budget(timeout))
+        return self._finish(self._fetch(query, self.budget(timeout)), output)
 
-    def fetch_positions(self, query: Query, timeout: Timeout) -> Steps[Rows]:
+    def fetch_positions(self, query: Query, output: Output, timeout: Timeout) -> Steps[Result]:
         """The rows of a positions query, through the row cache (``get_positions``)."""
-        return self._through_rows(query, self.budget(timeout))
+        return self._finish(self._through_rows(query, self.budget(timeout)), output)
 
-    def stream(self, query: Query, chunk_bytes: object, timeout: Timeout) -> Steps[None]:
+    def stream(
+        self, query: Query, output: Output, chunk_bytes: object, timeout: Timeout
+    ) -> Steps[None]:
         """A table slice by slice (``iter_range``, ``iter_positions``)."""
-        return self._stream(self._cursor(query, chunk_bytes), self.budget(timeout))
+        cursor = self._cursor(query, chunk_bytes)
+        return self._stream(cursor, self.budget(timeout), output)
 
     def server_info(self, timeout: Timeout) -> Steps[ServerInfo]:
         return self._server_info(self.budget(timeout))
@@ -256,6 +313,11 @@ class Core:
         ahead.token.set_result(None)
 
     # -- the steps
+
+    @staticmethod
+    def _finish(steps: Steps[Rows], output: Output) -> Steps[Result]:
+        rows = yield from steps
+        return output.finish(rows)
 
     def _cursor(
         self, query: Query, chunk_bytes: object = None, *, collect: bool = False
@@ -324,7 +386,9 @@ class Core:
         yield from self._stream(cursor, budget)
         return cursor.result()
 
-    def _stream(self, cursor: StreamCursor, budget: CallBudget) -> Steps[None]:
+    def _stream(
+        self, cursor: StreamCursor, budget: CallBudget, output: Output | None = None
+    ) -> Steps[None]:
         """The cursor's chunks (delivered unless it collects them); an interrupted call
         resumes with the missing rows."""
         collect = cursor.collect
@@ -335,7 +399,8 @@ class Core:
                     label, rows = cursor.accept(chunk)
                     self.widths.learn(cursor.query.spec_key, rows.shape[1])
                     if not collect:
-                        yield Deliver((label, rows))
+                        assert output is not None, "an iterator's slices have an output"
+                        yield Deliver((label, output.slice(rows)))
                     budget.progress()
                 cursor.check_complete()
                 return

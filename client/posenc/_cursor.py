@@ -51,12 +51,15 @@ def _copy_tensor(
 
 
 def decode_unary(tensor: TensorView, query: Query) -> np.ndarray[Any, Any]:
-    """The result array of a GetEncoding response (writable, owns its memory)."""
+    """The result array of a GetEncoding response (writable: the caller's ``out=`` buffer,
+    or a new array)."""
     if tensor.row_offset != 0:
         raise InternalError(f"server sent row_offset {tensor.row_offset} in a unary response")
     if tensor.rows != query.rows:
         raise InternalError(f"server sent {tensor.rows} rows, expected {query.rows}")
-    return _copy_tensor(tensor, query, query.columns, None)
+    if query.columns not in (None, tensor.columns):
+        return _copy_tensor(tensor, query, query.columns, None)  # raises: a width changed
+    return _copy_tensor(tensor, query, query.columns, query.allocate(tensor.columns))
 
 
 class StreamCursor:
@@ -111,7 +114,7 @@ class StreamCursor:
                 # Allocated at the first chunk rather than before the call: a request the
                 # server refuses (over its limits, invalid) fails without first reserving
                 # memory for the whole result; and the chunk tells the width.
-                self._out = np.empty((self.query.rows, chunk.columns), dtype=self.query.dtype)
+                self._out = self.query.allocate(chunk.columns)
             target = self._out[first : first + chunk.rows]
         rows = _copy_tensor(chunk, self.query, self.columns, target)
         self.columns = chunk.columns
@@ -122,7 +125,7 @@ class StreamCursor:
         """The collected table, once every row arrived."""
         if self._out is not None:
             return self._out
-        return np.empty((max(self.query.rows, 0), self.columns or 0), dtype=self.query.dtype)
+        return self.query.allocate(self.columns or 0)
 
     def check_complete(self) -> None:
         """Called when a call ended without error: every row must have arrived."""

@@ -17,6 +17,7 @@ import numpy as np
 import numpy.typing as npt
 
 from posenc._checks import INT64_MAX, INT64_MIN, as_int, as_int64, bad_argument, choice
+from posenc._output import is_torch_dtype, torch_dtype_name
 from posenc.spec import Spec, enum_name, enum_names
 from posenc.types import DTypeArg
 from posenc.v1 import posenc_pb2 as pb
@@ -31,11 +32,14 @@ _WIDTHS_KEPT: Final = 256
 
 
 def dtype_name(dtype: DTypeArg) -> str:
-    """Normalizes a ``dtype=`` argument: a name, or a numpy dtype such as ``np.float16``."""
+    """Normalizes a ``dtype=`` argument: a name, a numpy dtype such as ``np.float16``, or a
+    torch dtype such as ``torch.bfloat16``."""
     if isinstance(dtype, str):
         return choice(dtype, _DTYPE_ENUMS, "spec.dtype")
+    if is_torch_dtype(dtype):
+        return choice(torch_dtype_name(dtype), _DTYPE_ENUMS, "spec.dtype")
     try:
-        name = np.dtype(dtype).name
+        name = np.dtype(dtype).name  # type: ignore[arg-type]  # a torch dtype was handled
     except TypeError:
         raise bad_argument("spec.dtype", f"{dtype!r} is not a dtype") from None
     return choice(name, _DTYPE_ENUMS, "spec.dtype")
@@ -67,7 +71,8 @@ def as_spec(table: object, classic: Mapping[str, object]) -> Spec:
 
 
 def as_positions(positions: npt.ArrayLike) -> npt.NDArray[np.int64]:
-    """Converts ``positions`` to a 1-D int64 array, refusing anything but integers.
+    """Converts ``positions`` (of any shape) to a flat int64 array, refusing anything but
+    integers; :func:`positions_shape` is the shape the rows take.
 
     Floats are refused even when integral: ``np.arange(0, 1, 0.1)`` passed by mistake
     should fail loudly rather than be truncated to zeros.
@@ -75,11 +80,9 @@ def as_positions(positions: npt.ArrayLike) -> npt.NDArray[np.int64]:
     if isinstance(positions, str | bytes):
         raise bad_argument("positions", "must be a sequence of integers, got a string")
     try:
-        array = np.asarray(positions)
+        array = np.asarray(positions).reshape(-1)
     except (TypeError, ValueError, OverflowError) as e:
-        raise bad_argument("positions", f"must be a sequence of integers ({e})") from None
-    if array.ndim != 1:
-        raise bad_argument("positions", f"must be 1-D, got shape {array.shape}")
+        raise bad_argument("positions", f"must be an array of integers ({e})") from None
     if array.size == 0:
         return np.zeros(0, dtype=np.int64)
     if array.dtype.kind == "O":
@@ -125,6 +128,9 @@ class Query:
     start: int = 0
     positions: npt.NDArray[np.int64] | None = None
     columns: int | None = None
+    #: The caller's ``out=`` buffer as a 2-D host array: the rows are decoded into it
+    #: when its shape is the result's (see :mod:`posenc._output`).
+    out: npt.NDArray[Any] | None = None
 
     @property
     def row_bytes(self) -> int | None:
@@ -158,10 +164,18 @@ class Query:
             spec=self.spec, max_chunk_bytes=max_chunk_bytes or 0, **self._selection(first_row)
         )
 
-    def empty(self, rows: int | None = None) -> np.ndarray[Any, np.dtype[Any]]:
-        """An uninitialized array of ``rows`` (default: all) rows of the known width."""
+    def allocate(self, columns: int) -> np.ndarray[Any, np.dtype[Any]]:
+        """Where the whole result goes: the caller's ``out=`` when it has the result's
+        shape, else a new uninitialized array."""
+        shape = (max(self.rows, 0), columns)
+        if self.out is not None and self.out.shape == shape:
+            return self.out
+        return np.empty(shape, dtype=self.dtype)
+
+    def empty(self) -> np.ndarray[Any, np.dtype[Any]]:
+        """:meth:`allocate` at the width a response told."""
         assert self.columns is not None, "the width is known from a response"
-        return np.empty((self.rows if rows is None else rows, self.columns), dtype=self.dtype)
+        return self.allocate(self.columns)
 
 
 class Widths:
@@ -204,7 +218,7 @@ def range_query(start: object, stop: object, spec: pb.EncodingSpec, widths: Widt
 
 
 def positions_query(positions: npt.ArrayLike, spec: pb.EncodingSpec, widths: Widths) -> Query:
-    """The query for an explicit list of positions."""
+    """The query for an explicit list of positions (any shape, flattened)."""
     array = as_positions(positions)
     return _query(spec, widths, rows=len(array), positions=array)
 

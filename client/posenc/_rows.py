@@ -248,7 +248,7 @@ class RowCache:
             in_flight = self._in_flight.setdefault(key, in_flight)
             for position in positions.tolist():
                 in_flight.setdefault(position, token)
-        fetch = dataclasses.replace(query, rows=positions.size, positions=positions)
+        fetch = dataclasses.replace(query, rows=positions.size, positions=positions, out=None)
         return AheadFetch(fetch, key, token)
 
     def finish_ahead(self, ahead: AheadFetch, rows: _Rows | None) -> None:
@@ -320,7 +320,9 @@ class RowPlan:
             )
             # Windows of nearby sequences overlap: each row once.
             positions = np.unique(windows)
-            self.fetch = dataclasses.replace(query, rows=positions.size, positions=positions)
+            self.fetch = dataclasses.replace(
+                query, rows=positions.size, positions=positions, out=None
+            )
             rows = np.searchsorted(positions, starts)
             self._row_of_start = dict(zip(starts.tolist(), rows.tolist(), strict=True))
 

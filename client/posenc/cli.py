@@ -1,4 +1,4 @@
-"""The ``posenc`` command: ``serve``, ``fetch``, ``info`` and ``health``.
+"""The ``posenc`` command: ``serve``, ``fetch``, ``plot``, ``info`` and ``health``.
 
 Client subcommands print SDK failures as one line on stderr and exit non-zero, never with a
 traceback: they run in scripts, cron jobs and container health checks.
@@ -6,6 +6,7 @@ traceback: they run in scripts, cron jobs and container health checks.
 
 from __future__ import annotations
 
+import _ssl
 import argparse
 import contextlib
 import itertools
@@ -29,6 +30,7 @@ from posenc._channel import DEFAULT_TARGET, is_uri
 from posenc._client import Client
 from posenc._query import DTYPE_NAMES, as_positions
 from posenc.errors import PosencError
+from posenc.plot import BASES, FIGURES, default_spec, figure, render
 from posenc.spec import (
     Spec,
     cases,
@@ -110,6 +112,13 @@ def _positive_float(text: str) -> float:
     return value
 
 
+def _bases(text: str) -> list[float]:
+    values = [_positive_float(part) for part in text.split(",") if part.strip()]
+    if not values:
+        raise argparse.ArgumentTypeError("expected comma-separated bases, e.g. 100,1e4")
+    return values
+
+
 def _add_client_arguments(parser: argparse.ArgumentParser, timeout: float | None) -> None:
     parser.add_argument(
         "--target",
@@ -137,6 +146,11 @@ def _add_client_arguments(parser: argparse.ArgumentParser, timeout: float | None
         "--tls-cert", metavar="PEM", help="client certificate, for mutual TLS (with --tls-key)"
     )
     security.add_argument("--tls-key", metavar="PEM", help="client private key, for mutual TLS")
+    security.add_argument(
+        "--tls-server-name",
+        metavar="NAME",
+        help="the name the server's certificate must carry (default: the target's host)",
+    )
 
 
 def _client(args: argparse.Namespace, targets: Sequence[str], **settings: Any) -> Client:
@@ -153,6 +167,8 @@ def _client(args: argparse.Namespace, targets: Sequence[str], **settings: Any) -
         credentials = grpc.ssl_channel_credentials(
             read(args.tls_ca), read(args.tls_key), read(args.tls_cert)
         )
+    if args.tls_server_name:
+        settings["options"] = [("grpc.ssl_target_name_override", args.tls_server_name)]
     return Client(targets, timeout=args.timeout, token=token, credentials=credentials, **settings)
 
 
@@ -258,17 +274,28 @@ def _add_table_arguments(fetch: argparse.ArgumentParser) -> None:
     )
 
 
-def _usage_error(message: str) -> SystemExit:
+def _usage_error(message: str, command: str = "fetch") -> SystemExit:
     """A usage error, reported as argparse reports them."""
-    print(f"posenc fetch: error: {message}", file=sys.stderr)
+    print(f"posenc {command}: error: {message}", file=sys.stderr)
     return SystemExit(EXIT_USAGE)
 
 
+def _table_given(args: argparse.Namespace) -> bool:
+    """Whether any table flag was given (``plot`` has a default table per figure)."""
+    classic = parameter_fields(kind_message(_CLASSIC_KIND))
+    return (
+        args.table is not None
+        or args.rope_config is not None
+        or bool(args.param)
+        or any(getattr(args, f"classic_{field.name}") is not None for field in classic)
+    )
+
+
 def _table(args: argparse.Namespace) -> Spec:
-    """The table of a fetch: --table, the classic flags, --param and --rope-config."""
+    """The table of a fetch (or plot): --table, the classic flags, --param, --rope-config."""
     kind = args.table or ("rotary" if args.rope_config is not None else _CLASSIC_KIND)
     if args.rope_config is not None and kind != "rotary":
-        raise _usage_error("--rope-config goes with --table rotary")
+        raise _usage_error("--rope-config goes with --table rotary", args.command)
     known = _parameters_of(kind)
     values: dict[str, object] = {}
     for field in parameter_fields(kind_message(_CLASSIC_KIND)):
@@ -276,22 +303,25 @@ def _table(args: argparse.Namespace) -> Spec:
         if value is None:
             continue
         if field.name not in known:
-            raise _usage_error(f"{_flag(field)} does not apply to --table {kind}")
+            raise _usage_error(f"{_flag(field)} does not apply to --table {kind}", args.command)
         values[field.name] = value
     for item in args.param:
         name, sep, text = item.partition("=")
         if not sep or name not in known:
             raise _usage_error(
-                f"--param {item!r}: expected NAME=VALUE with NAME one of {', '.join(known)}"
+                f"--param {item!r}: expected NAME=VALUE with NAME one of {', '.join(known)}",
+                args.command,
             )
         parameter = known[name]
         values[name] = text if parameter is None else _parse_value(parameter, text)
     if args.rope_config is not None:
         config = json.loads(args.rope_config.read_text())
-        layout = str(values.get("layout", "transformers"))
-        return Spec("rotary", **{**Spec.from_config(config, layout=layout).parameters, **values})
+        # No --param layout: the family's own (GPT-J's is "gptj"), as Spec.from_config reads it.
+        layout = values.get("layout")
+        spec = Spec.from_config(config, layout=None if layout is None else str(layout))
+        return Spec(spec.kind, **{**spec.parameters, **values})
     if kind == _CLASSIC_KIND and "d_model" not in values:
-        raise _usage_error("--d-model is required (or another --table)")
+        raise _usage_error("--d-model is required (or another --table)", args.command)
     return Spec(kind, **values)
 
 
@@ -348,6 +378,33 @@ def _build_parser() -> argparse.ArgumentParser:
     )
     _add_client_arguments(fetch, timeout=None)
 
+    plot = commands.add_parser(
+        "plot",
+        help="draw a figure of the tables into a .png or .svg (needs the [plot] extra)",
+        description="Draw figure KIND of a table, from a server's rows, into a .png or .svg.",
+        epilog=_PLOT_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    plot.add_argument("kind", choices=tuple(FIGURES), metavar="KIND", help=", ".join(FIGURES))
+    _add_table_arguments(plot)
+    plot.add_argument(
+        "--bases",
+        type=_bases,
+        default=list(BASES),
+        metavar="B1,B2,...",
+        help="the bases of similarity and wavelength (default: "
+        + ",".join(f"{base:g}" for base in BASES)
+        + ")",
+    )
+    plot.add_argument(
+        "-o",
+        "--output",
+        type=Path,
+        required=True,
+        help=f"the file to write; its suffix chooses the format: {', '.join(_PLOT_FORMATS)}",
+    )
+    _add_client_arguments(plot, timeout=120.0)
+
     info = commands.add_parser("info", help="describe the server: version, limits, cache")
     info.add_argument("--json", action="store_true", help="print JSON")
     _add_client_arguments(info, timeout=10.0)
@@ -356,7 +413,11 @@ def _build_parser() -> argparse.ArgumentParser:
         "health",
         help="check health: exit 0 when SERVING, 1 otherwise",
         description="Print the grpc.health.v1 status; exit 0 when SERVING, 1 otherwise "
-        "(NOT_SERVING, unreachable, timeout). With several --target, checks each one.",
+        "(NOT_SERVING, unreachable, timeout). With several --target, checks each one. "
+        f"Without TLS flags, when ${_SERVER_CERT_ENV} is set (the probe runs next to a TLS "
+        "server, with its environment), it connects with TLS trusting that certificate, "
+        f"under the name it carries, and presents it as its own when ${_SERVER_CLIENT_CA_ENV} "
+        "is set (mutual TLS).",
     )
     health.add_argument("--service", default="", help='service name (default "": the server)')
     _add_client_arguments(health, timeout=2.0)
@@ -370,7 +431,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         # The server parses its own flags: hand them over untouched.
         return _serve(args_list[1:])
     args = _build_parser().parse_args(args_list)
-    handler = {"fetch": _fetch, "info": _info, "health": _health}[args.command]
+    handler = {"fetch": _fetch, "plot": _plot, "info": _info, "health": _health}[args.command]
     try:
         return handler(args)
     except (PosencError, ValueError, OSError) as error:  # ValueError: a bad --target, for one
@@ -433,20 +494,24 @@ def _human_bytes(size: float) -> str:
     raise AssertionError("unreachable")
 
 
-def _check_output(output: Path) -> None:
+def _check_output(
+    output: Path, formats: Sequence[str] | None = None, command: str = "fetch"
+) -> None:
     """Refuse an output that cannot be written before anything is fetched."""
+    formats = tuple(_FORMATS) if formats is None else formats
     if output.is_dir():
-        raise _usage_error(f"-o {output} is a directory: give a file name in it")
-    if output.suffix not in _FORMATS:
+        raise _usage_error(f"-o {output} is a directory: give a file name in it", command)
+    if output.suffix not in formats:
         raise _usage_error(
             f"-o {output}: unknown format {output.suffix or '(no suffix)'!r}; "
-            f"the suffix chooses it: {', '.join(_FORMATS)}"
+            f"the suffix chooses it: {', '.join(formats)}",
+            command,
         )
     parent = output.parent
     if not parent.is_dir():
-        raise _usage_error(f"-o {output}: directory {parent} does not exist")
+        raise _usage_error(f"-o {output}: directory {parent} does not exist", command)
     if not os.access(parent, os.W_OK | os.X_OK):
-        raise _usage_error(f"-o {output}: directory {parent} is not writable")
+        raise _usage_error(f"-o {output}: directory {parent} is not writable", command)
 
 
 def _fetch(args: argparse.Namespace) -> int:
@@ -574,6 +639,47 @@ def _write(
     )
 
 
+# -- plot -------------------------------------------------------------------------------
+
+_PLOT_FORMATS = (".png", ".svg")
+
+_PLOT_EPILOG = """\
+Figures (posenc.plot has the functions that return each figure's data):
+  drift         largest error per position, 1 to 2**42: posenc's --dtype table, the naive
+                float32 position * div_term table and, for rotary tables with transformers
+                installed, LlamaRotaryEmbedding's, against exact values (mpmath)
+                (default: --d-model 512; also --table tensor2tensor, whisper, fairseq with
+                an even --d-model, and --table rotary without scaling)
+  rope-scaling  inverse frequency per index of default, linear, dynamic, yarn, llama3 and
+                longrope scalings of a rotary table (default: head_dim 128, theta 500000)
+  heatmap       rows [0, 256) of the table and each row's distance to its nearest other
+  rotation      max |PE(p + k) - R(k) PE(p)| over p, R(k) from the row at position k
+  similarity    cosine similarity of PE(p) and PE(p + k) against k, for --bases
+  wavelength    2 pi / inv_freq per pair of columns, for --bases
+The sinusoidal figures take the classic table's --d-model (default 128) and --base.
+"""
+
+
+def _plot(args: argparse.Namespace) -> int:
+    spec = _table(args) if _table_given(args) else default_spec(args.kind)
+    _check_output(args.output, _PLOT_FORMATS, "plot")
+    try:  # the [plot] extra, checked before connecting
+        import matplotlib  # noqa: F401
+        import mpmath  # noqa: F401
+    except ImportError as error:
+        print(
+            f"posenc plot: needs the module {error.name}, which is not installed.\n"
+            f"Install it with: {_install_command('plot')}",
+            file=sys.stderr,
+        )
+        return EXIT_USAGE
+    with _client(args, _targets(args)) as client:
+        drawn = figure(args.kind, client, spec, bases=args.bases, dtype=args.dtype)
+    render(drawn, args.output)
+    print(f"posenc plot: wrote {args.kind} of {spec!r} to {args.output}", file=sys.stderr)
+    return EXIT_OK
+
+
 # -- info, health -----------------------------------------------------------------------
 
 
@@ -606,7 +712,48 @@ def _info(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+# The server's TLS settings (posenc_server.config): `posenc health` runs where the server
+# runs (the image's HEALTHCHECK, compose's healthcheck, a Kubernetes exec probe), with the
+# server's environment, so a TLS server's probe speaks TLS without flags of its own.
+_SERVER_CERT_ENV = "POSENC_TLS_CERT_FILE"
+_SERVER_KEY_ENV = "POSENC_TLS_KEY_FILE"
+_SERVER_CLIENT_CA_ENV = "POSENC_TLS_CLIENT_CA_FILE"
+
+
+def _certificate_name(path: str) -> str | None:
+    """The first DNS name (else the common name) of the first certificate in ``path``."""
+    try:
+        # The standard library's own certificate decoder (what SSLSocket.getpeercert()
+        # returns), which it exposes under this name only; no X.509 dependency needed.
+        decoded = _ssl._test_decode_cert(path)  # type: ignore[attr-defined]
+    except (OSError, ValueError):
+        return None
+    for kind, value in decoded.get("subjectAltName", ()):
+        if kind == "DNS":
+            return str(value)
+    for rdn in decoded.get("subject", ()):
+        for key, value in rdn:
+            if key == "commonName":
+                return str(value)
+    return None
+
+
+def _probe_tls_from_server_environment(args: argparse.Namespace) -> None:
+    """Without TLS flags, next to a TLS server (``POSENC_TLS_CERT_FILE``): trust exactly the
+    certificate the server serves, under the name it carries, and under mutual TLS
+    (``POSENC_TLS_CLIENT_CA_FILE``) present that certificate and key as the client's."""
+    cert = os.environ.get(_SERVER_CERT_ENV)
+    if not cert or args.tls_ca or args.tls_cert:
+        return
+    args.tls_ca = cert
+    if os.environ.get(_SERVER_CLIENT_CA_ENV):
+        args.tls_cert, args.tls_key = cert, os.environ.get(_SERVER_KEY_ENV)
+    if not args.tls_server_name:
+        args.tls_server_name = _certificate_name(cert)
+
+
 def _health(args: argparse.Namespace) -> int:
+    _probe_tls_from_server_environment(args)
     targets = _targets(args)
     healthy = True
     for target in targets:

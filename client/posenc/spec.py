@@ -313,56 +313,45 @@ class Spec:
     @classmethod
     def from_config(
         cls,
-        config: Mapping[str, Any],
+        config: object,
         *,
-        layout: str = "transformers",
+        layout: str | None = None,
         seq_len: int | None = None,
+        layer_type: str | None = None,
     ) -> Spec:
-        """The rotary spec of a transformers model config (``config.json`` as a dict).
-
-        Reads ``head_dim`` (else ``hidden_size // num_attention_heads``), ``rope_theta``,
-        ``partial_rotary_factor`` and the rope parameters from ``rope_parameters``
-        (transformers 5) or ``rope_scaling`` (older configs): the rope type names the
-        ``scaling`` (``"default"`` is none), and the parameters are those of the scaling's
-        message, ``max_position_embeddings`` being the model's. Keys the scaling does not
-        take are dropped, as transformers ignores them.
+        """The spec of a model's positional table, from its config, read as transformers 5
+        reads it.
 
         Args:
-            config: The model config.
-            layout: The rotary layout (``"transformers"``, ``"vllm"``, ``"gptj"``).
-            seq_len: For scalings that depend on the sequence length (dynamic, longrope):
-                ``max(position_ids) + 1`` of the longest forward so far; ``None`` for the
-                model's initial table.
+            config: ``config.json`` as a mapping, or a transformers ``PretrainedConfig``.
+            layout: The rotary layout: ``"transformers"`` (``(cos, sin)`` as transformers'
+                rotary modules return them), ``"vllm"`` (vLLM's ``cos_sin_cache``) or
+                ``"gptj"``; ``None`` is the family's own (``"gptj"`` for GPT-J, else
+                ``"transformers"``). Ignored by sinusoidal families.
+            seq_len: For ``dynamic`` and ``longrope``: the sequence length transformers
+                computes the frequencies for (``max(position_ids) + 1`` of the longest
+                forward so far), normalised so that equal tables have equal specs (and share
+                one server cache entry): dynamic NTK at or below ``max_position_embeddings``
+                is the initial table (``seq_len`` unset); longrope has two tables, short
+                (unset) and long (``original_max_position_embeddings + 1``).
+            layer_type: For configs with rope parameters per layer type, which one.
+
+        Rotary families (Llama 2/3/3.1/3.2, Mistral, Mixtral, Qwen2/2.5, Phi-3/3.5,
+        Gemma/Gemma 2, GPT-NeoX/Pythia, GPT-J, DeepSeek-V2, and any config with
+        transformers' rope parameters) give a ``"rotary"`` spec; sinusoidal ones (Whisper,
+        M2M100/NLLB, Speech2Text, Marian/Pegasus, XLM) their own kind. Keys read:
+        ``head_dim`` (DeepSeek: ``qk_rope_head_dim``; else ``hidden_size //
+        num_attention_heads``, GPT-J's ``n_embd // n_head``); ``rope_theta`` (GPT-NeoX:
+        ``rotary_emb_base``); ``partial_rotary_factor`` (GPT-NeoX: ``rotary_pct``, default
+        0.25; GPT-J: ``rotary_dim``); ``rope_scaling`` or ``rope_parameters``
+        (``rope_type``, or the older ``type``), each scaling's own fields by their proto
+        names; a top-level ``original_max_position_embeddings`` before the rope
+        parameters' (Phi-3-128k), as transformers gives it priority.
+
+        Raises:
+            InvalidArgumentError: A config without the keys of a width, a rope type posenc
+                does not serve, or values the spec refuses.
         """
-        if not isinstance(config, Mapping):
-            raise bad_argument("config", "must be a model config (a JSON object)")
-        rope: dict[str, Any] = dict(
-            config.get("rope_parameters") or config.get("rope_scaling") or {}
-        )
-        try:
-            head_dim = (
-                config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
-            )
-        except (KeyError, TypeError, ZeroDivisionError):
-            raise bad_argument(
-                "config", "needs head_dim, or hidden_size and num_attention_heads"
-            ) from None
-        parameters: dict[str, Any] = {"head_dim": head_dim, "layout": layout}
-        for name in ("rope_theta", "partial_rotary_factor"):
-            value = rope.get(name, config.get(name))
-            if value is not None:
-                parameters[name] = value
-        rope_type = str(rope.get("rope_type") or rope.get("type") or "default")
-        if rope_type != "default":
-            (oneof,) = choice_oneofs(kind_message("rotary"))
-            parameters[oneof.name] = rope_type
-            case = cases(oneof).get(rope_type)
-            taken = _message_of(case).fields_by_name if case is not None else {}
-            parameters.update(
-                (name, value) for name, value in rope.items() if name in taken and value is not None
-            )
-            if "max_position_embeddings" in taken and config.get("max_position_embeddings"):
-                parameters["max_position_embeddings"] = config["max_position_embeddings"]
-            if "seq_len" in taken and seq_len is not None:
-                parameters["seq_len"] = seq_len
-        return cls("rotary", **parameters)
+        from posenc._configs import spec_from_config  # it builds Specs: imported late
+
+        return spec_from_config(config, layout=layout, seq_len=seq_len, layer_type=layer_type)

@@ -5,12 +5,18 @@ from __future__ import annotations
 import dataclasses
 import enum
 from dataclasses import dataclass
-from typing import Any, Final, Literal, TypeAlias, TypedDict
+from typing import TYPE_CHECKING, Any, Final, Literal, TypeAlias, TypedDict
 
 import numpy.typing as npt
 
 from posenc.spec import Spec, enum_name
 from posenc.v1 import posenc_pb2 as pb
+
+if TYPE_CHECKING:
+    # Only named in annotations: posenc never imports torch unless the caller passes it.
+    from torch import dtype as TorchDType
+else:
+    TorchDType = Any
 
 __all__ = [
     "DEFAULT",
@@ -37,8 +43,9 @@ class _Default(enum.Enum):
 DEFAULT: Final = _Default.DEFAULT
 #: A per-call ``timeout=``: seconds for the whole call, ``None`` for none, or ``DEFAULT``.
 Timeout: TypeAlias = float | Literal[_Default.DEFAULT] | None
-#: A ``dtype=``: ``"float32"``, ``"float16"``, ``"bfloat16"``, ``"float64"``, or a numpy dtype.
-DTypeArg: TypeAlias = str | npt.DTypeLike
+#: A ``dtype=``: ``"float32"``, ``"float16"``, ``"bfloat16"``, ``"float64"``, a numpy dtype, or
+#: a torch dtype (which makes the result a ``torch.Tensor``).
+DTypeArg: TypeAlias = str | npt.DTypeLike | TorchDType
 #: What a table method's ``table`` is: the ``d_model`` of the classic sinusoidal table, or a
 #: :class:`posenc.Spec`.
 Table: TypeAlias = int | Spec

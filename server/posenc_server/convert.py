@@ -206,10 +206,17 @@ def _check_range(selection: PositionRange, limit: int, violations: list[FieldVio
         violations.append(
             FieldViolation("range.start", f"|position| must be at most {limit}, got {start}")
         )
-    # stop is exclusive: the last row is stop - 1.
-    if stop - 1 > limit or stop < -limit:
+    # stop is exclusive: the last position of the range is stop - 1.
+    if start < stop and abs(stop - 1) > limit:
         violations.append(
-            FieldViolation("range.stop", f"must be between {-limit} and {limit + 1}, got {stop}")
+            FieldViolation(
+                "range.stop",
+                f"|position| must be at most {limit}, got {stop} (its last position is {stop - 1})",
+            )
+        )
+    elif start == stop and abs(stop) > limit:
+        violations.append(
+            FieldViolation("range.stop", f"|position| must be at most {limit}, got {stop}")
         )
 
 

@@ -1,0 +1,336 @@
+"""g. Inference integration: posenc inside a transformers model, a decode step, a prefill table.
+
+Needs torch and transformers (the conformance extra that ``make test`` installs); without
+them the section reports that and measures nothing. Every ratio is of two measurements made
+in the same run, interleaved (A, B, A, B, ...), so that load on the machine hits both alike;
+each is given with its spread over the repetitions.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import posenc
+from bench.common import Section, Sizes, Table, Target, median, percentile, ratio
+from bench.floor import FloorClient
+
+BATCH = 8
+NEW_TOKENS = 64
+HEAD_DIM = 128
+PREFILL = 131_072
+MODEL_SECONDS = 0.005
+
+
+def _llama3_config(transformers: Any, **overrides: Any) -> Any:
+    rope = {
+        "rope_type": "llama3",
+        "rope_theta": 500000.0,
+        "factor": 8.0,
+        "original_max_position_embeddings": 8192,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+    }
+    values = {
+        "vocab_size": 256,
+        "hidden_size": 256,
+        "intermediate_size": 512,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 2,  # head_dim 128
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 131072,
+        "rope_parameters": rope,
+        **overrides,
+    }
+    return transformers.LlamaConfig(**values)
+
+
+def _spread(values: list[float]) -> str:
+    return f"{min(values):.2f}-{max(values):.2f}"
+
+
+def _interleaved(
+    first: Callable[[], float], second: Callable[[], float], repeats: int
+) -> tuple[list[float], list[float]]:
+    """``repeats`` timings of each, alternating which goes first."""
+    a: list[float] = []
+    b: list[float] = []
+    for i in range(repeats):
+        if i % 2:
+            b.append(second())
+            a.append(first())
+        else:
+            a.append(first())
+            b.append(second())
+    return a, b
+
+
+def run(sizes: Sizes, posenc_target: str, floor_target: str) -> Section:
+    section = Section("g", "Inference integration (torch, transformers)")
+    try:
+        import torch
+        import transformers
+        from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+    except ImportError as error:
+        section.error = f"needs the conformance extra (torch, transformers): {error}"
+        return section
+    from posenc.integrations.transformers import patch
+
+    torch.set_num_threads(1)  # the server has the other core
+    transformers.logging.set_verbosity_error()
+    repeats = 3 if sizes.quick else 11
+    rounds = 200 if sizes.quick else 1000
+    section.method = (
+        f"One client process (torch CPU, 1 thread) and the posenc server of the run. "
+        f"(1) A tiny Llama 3.1-shaped model (head_dim {HEAD_DIM}, 2 layers, random weights) "
+        f"generates {NEW_TOKENS} greedy tokens for a batch of {BATCH}, natively and patched "
+        f"(`posenc.integrations.transformers.patch`), interleaved, {repeats} times each; a "
+        f"step is the generate time / {NEW_TOKENS}; the target compares each side's fastest "
+        "run (load from other processes only adds time), the pairs' ratios give the spread. "
+        f"(2) A decode step of {BATCH} sequences: "
+        f"`(cos, sin)` of their next positions from the patched rotary module (posenc rows "
+        f"from the client's read-ahead) against the native module's forward, with "
+        f"{MODEL_SECONDS * 1e3:.0f} ms of model time between steps, and an empty unary gRPC "
+        f"call to a trivial server (b'' -> b''), {rounds} steps each. (3) Prefill: (cos, sin) "
+        f"of positions 0..{PREFILL - 1} (head_dim {HEAD_DIM}, float32): a warm "
+        "`GrowingTable` (rows in memory), a cold one (a new spec each time: the server "
+        "computes, the table fetches), and the native module computing them in float32. "
+        f"(4) A dynamic-NTK model past max_position_embeddings: every step grows seq_len, so "
+        f"every step is a new table; the patched module's step against the empty call."
+    )
+    floor = FloorClient(floor_target)
+    floor.wait_ready()
+    client = posenc.Client(posenc_target)
+    targets: list[Target] = []
+    rows: list[list[Any]] = []
+    try:
+        # (1) generate
+        torch.manual_seed(0)
+        model = transformers.LlamaForCausalLM(_llama3_config(transformers)).eval()
+        prompt = torch.randint(0, 256, (BATCH, 16), generator=torch.Generator().manual_seed(1))
+
+        def generate() -> float:
+            start = time.perf_counter()
+            with torch.no_grad():
+                model.generate(
+                    prompt, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False
+                )
+            return (time.perf_counter() - start) / NEW_TOKENS
+
+        generate()  # warm-up (allocator, kernels)
+        patched = patch(model, client)
+        generate()  # the growing table's first fetch
+        patched.undo()
+        native_steps: list[float] = []
+        posenc_steps: list[float] = []
+        for i in range(repeats):
+            order = [False, True] if i % 2 == 0 else [True, False]
+            for use_posenc in order:
+                if use_posenc:
+                    with patch(model, client):
+                        posenc_steps.append(generate())
+                else:
+                    native_steps.append(generate())
+        ratios = [p / n for p, n in zip(posenc_steps, native_steps, strict=True)]
+        # Other work on the machine only ever adds time: the fastest of the interleaved
+        # runs is each side's own cost; the pairs' ratios show the spread.
+        best = min(posenc_steps) / min(native_steps)
+        rows.append(
+            [
+                f"generate, batch {BATCH}, {NEW_TOKENS} tokens: step (fastest run)",
+                f"{min(posenc_steps) * 1e3:.2f} ms (median {median(posenc_steps) * 1e3:.2f})",
+                f"{min(native_steps) * 1e3:.2f} ms (median {median(native_steps) * 1e3:.2f})",
+                f"{best:.3f}x (pairs: median {median(ratios):.3f}x, {_spread(ratios)})",
+            ]
+        )
+        targets.append(
+            Target("generate step, posenc-fed / native (fastest runs)", best, "<=", 1.05)
+        )
+        targets.append(
+            Target("generate step, posenc-fed / native (median of pairs)", median(ratios), "", 0.0)
+        )
+
+        # (2) decode step
+        config = _llama3_config(transformers)
+        native_module = LlamaRotaryEmbedding(config)
+        patched_model = transformers.LlamaForCausalLM(
+            _llama3_config(transformers, num_hidden_layers=1)
+        ).eval()
+        handle = patch(patched_model, client)
+        ours_module = patched_model.model.rotary_emb
+        x = torch.zeros(1, dtype=torch.float32)
+        lengths = torch.tensor([1_000_003 + 9_973 * i for i in range(BATCH)])[:, None]
+
+        def steps(module: Any, offset: int) -> list[float]:
+            times = []
+            for step in range(rounds):
+                ids = lengths + offset + step
+                start = time.perf_counter()
+                with torch.no_grad():
+                    module(x, ids)
+                times.append(time.perf_counter() - start)
+                time.sleep(MODEL_SECONDS)
+            return times
+
+        def empties() -> list[float]:
+            times = []
+            for _ in range(rounds):
+                start = time.perf_counter()
+                floor.empty()
+                times.append(time.perf_counter() - start)
+                time.sleep(MODEL_SECONDS)
+            return times
+
+        steps(ours_module, 0)  # warm-up: the read-ahead starts
+        ours = steps(ours_module, rounds)
+        native = steps(native_module, 0)
+        empty = empties()
+        ours_again = steps(ours_module, 2 * rounds)
+        ours += ours_again
+        for name, values in (
+            ("posenc (patched module)", ours),
+            ("native rotary module", native),
+            ("empty unary call", empty),
+        ):
+            rows.append(
+                [
+                    f"decode step, {BATCH} sequences, head_dim {HEAD_DIM}: {name}",
+                    f"p50 {median(values) * 1e6:.0f} us",
+                    f"p99 {percentile(values, 99) * 1e6:.0f} us",
+                    "",
+                ]
+            )
+        targets += [
+            Target(
+                "decode step p50, posenc / native rotary",
+                ratio(median(ours), median(native)),
+                "",
+                0.0,
+            ),
+            Target(
+                "decode step p50, posenc / empty unary call",
+                ratio(median(ours), median(empty)),
+                "",
+                0.0,
+            ),
+            Target(
+                "decode step p99, posenc / empty unary call",
+                ratio(percentile(ours, 99), percentile(empty, 99)),
+                "",
+                0.0,
+            ),
+        ]
+        handle.undo()
+
+        # (3) prefill
+        positions = torch.arange(PREFILL)[None]
+        spec = posenc.Spec.from_config(config)
+        warm_table = posenc.GrowingTable(client, spec)
+        warm_table.get(positions)
+        cold_specs = iter(range(10_000))
+
+        def warm() -> float:
+            start = time.perf_counter()
+            warm_table.get(positions, cos_sin=True)
+            return time.perf_counter() - start
+
+        def cold() -> float:
+            theta = 500000.0 + next(cold_specs)  # a table no server cache holds
+            fresh = posenc.Spec.from_config(
+                _llama3_config(
+                    transformers,
+                    rope_parameters={
+                        **config.rope_parameters,
+                        "rope_theta": theta,
+                    },
+                )
+            )
+            start = time.perf_counter()
+            posenc.GrowingTable(client, fresh).get(positions, cos_sin=True)
+            return time.perf_counter() - start
+
+        def computed() -> float:
+            start = time.perf_counter()
+            with torch.no_grad():
+                native_module(x, positions)
+            return time.perf_counter() - start
+
+        native_times, warm_times = _interleaved(computed, warm, repeats)
+        native_times2, cold_times = _interleaved(computed, cold, repeats)
+        warm_ratios = [n / w for n, w in zip(native_times, warm_times, strict=True)]
+        cold_ratios = [n / c for n, c in zip(native_times2, cold_times, strict=True)]
+        rows.append(
+            [
+                f"prefill table, {PREFILL} positions, head_dim {HEAD_DIM}: warm GrowingTable",
+                f"{median(warm_times) * 1e3:.1f} ms",
+                f"{median(native_times) * 1e3:.1f} ms (native float32)",
+                f"{median(warm_ratios):.1f}x faster ({_spread(warm_ratios)})",
+            ]
+        )
+        rows.append(
+            [
+                "the same, cold (server computes, table fetches)",
+                f"{median(cold_times) * 1e3:.1f} ms",
+                f"{median(native_times2) * 1e3:.1f} ms (native float32)",
+                f"{median(cold_ratios):.2f}x faster ({_spread(cold_ratios)})",
+            ]
+        )
+        targets += [
+            Target("prefill warm: native time / posenc time", median(warm_ratios), ">=", 10.0),
+            Target("prefill cold: native time / posenc time", median(cold_ratios), ">=", 1.0),
+        ]
+
+        # (4) dynamic NTK, seq_len growing every step
+        dynamic = transformers.LlamaForCausalLM(
+            _llama3_config(
+                transformers,
+                num_hidden_layers=1,
+                max_position_embeddings=4096,
+                rope_parameters={"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 4.0},
+            )
+        ).eval()
+        handle = patch(dynamic, client)
+        module = dynamic.model.rotary_emb
+        start_length = 5000
+
+        def dynamic_steps(offset: int) -> list[float]:
+            times = []
+            for step in range(rounds):
+                ids = torch.full((BATCH, 1), start_length + offset + step)
+                begin = time.perf_counter()
+                with torch.no_grad():
+                    module(x, ids)
+                times.append(time.perf_counter() - begin)
+                time.sleep(MODEL_SECONDS)
+            return times
+
+        dynamic_steps(0)
+        dyn = dynamic_steps(rounds)
+        empty2 = empties()
+        dyn += dynamic_steps(2 * rounds)
+        handle.undo()
+        rows.append(
+            [
+                f"dynamic NTK decode, seq_len growing every step, batch {BATCH}",
+                f"p50 {median(dyn) * 1e6:.0f} us",
+                f"p99 {percentile(dyn, 99) * 1e6:.0f} us",
+                f"{ratio(median(dyn), median(empty2)):.2f}x the empty call (p50)",
+            ]
+        )
+        targets.append(
+            Target(
+                "dynamic NTK step p50 / empty unary call p50",
+                ratio(median(dyn), median(empty2)),
+                "<=",
+                2.0,
+            )
+        )
+    finally:
+        client.close()
+        floor.close()
+    section.tables.append(
+        Table("Measured side by side", ["what", "posenc", "baseline", "ratio"], rows)
+    )
+    section.targets += targets
+    return section

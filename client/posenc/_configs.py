@@ -1,0 +1,239 @@
+"""A model's ``config.json`` (or transformers config object) as the :class:`Spec` of its
+positional table, read as transformers 5 reads it: the body of :meth:`Spec.from_config`.
+
+Rotary families (Llama 2/3/3.1/3.2, Mistral, Mixtral, Qwen2/2.5, Phi-3/3.5, Gemma/Gemma 2,
+GPT-NeoX/Pythia, GPT-J, DeepSeek-V2, and any config with transformers' rope parameters) give a
+``"rotary"`` spec; sinusoidal families (Whisper's encoder, M2M100/NLLB, Speech2Text,
+Marian/Pegasus, XLM) give their sinusoidal kind::
+
+    spec = Spec.from_config(json.load(open("config.json")))
+    spec = Spec.from_config(model.config, seq_len=9000)   # dynamic / longrope
+
+The rope parameters are mapped onto the fields of the ``RotaryTable.scaling`` message the rope
+type names, read from the protocol's descriptors: a field the proto adds is read from configs
+as it is, and keys a scaling does not take are ignored, as transformers ignores them.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any, Final
+
+from google.protobuf.descriptor import FieldDescriptor
+
+from posenc._checks import bad_argument
+from posenc.spec import Spec
+from posenc.v1 import posenc_pb2 as pb
+
+__all__ = ["SINUSOIDAL_FAMILIES", "config_dict", "spec_from_config"]
+
+_SCALING: Final = pb.RotaryTable.DESCRIPTOR.oneofs_by_name["scaling"]
+_INTEGER_TYPES: Final = frozenset(
+    {
+        FieldDescriptor.CPPTYPE_INT32,
+        FieldDescriptor.CPPTYPE_INT64,
+        FieldDescriptor.CPPTYPE_UINT32,
+        FieldDescriptor.CPPTYPE_UINT64,
+    }
+)
+# transformers' aliases of the width keys (PretrainedConfig.attribute_map of GPT-J, XLM, ...).
+_HIDDEN: Final = ("hidden_size", "n_embd", "d_model", "emb_dim")
+_HEADS: Final = ("num_attention_heads", "n_head", "n_heads", "num_heads")
+_MAX_POSITIONS: Final = ("max_position_embeddings", "n_positions")
+# Rope types whose pretraining length transformers takes from the top level of the config
+# before the rope parameters (RotaryEmbeddingConfigMixin.standardize_rope_params): Phi-3's
+# published config keeps original_max_position_embeddings there.
+_TOP_LEVEL_ORIGINAL: Final = frozenset({"llama3", "yarn", "longrope"})
+# Phi3Config.convert_rope_params_to_dict: the Phi-3 names of longrope.
+_PHI3_LONGROPE: Final = frozenset({"su", "yarn"})
+# GPTNeoXConfig.convert_rope_params_to_dict: the default rotary_pct.
+_GPT_NEOX_ROTARY_PCT: Final = 0.25
+
+#: The sinusoidal families, by ``model_type``, and the table kind each uses.
+SINUSOIDAL_FAMILIES: Final[Mapping[str, str]] = {
+    "whisper": "whisper",
+    "m2m_100": "fairseq",  # NLLB checkpoints are m2m_100 models
+    "speech_to_text": "fairseq",
+    "marian": "sinusoidal (split)",
+    "pegasus": "sinusoidal (split)",
+    "xlm": "sinusoidal",
+}
+
+
+def config_dict(config: object) -> dict[str, Any]:
+    """The config's keys: a mapping as it is, a transformers config through ``to_dict``
+    (its text config for multimodal models)."""
+    if isinstance(config, Mapping):
+        return dict(config)
+    get_text_config = getattr(config, "get_text_config", None)
+    if callable(get_text_config):
+        config = get_text_config()
+    to_dict = getattr(config, "to_dict", None)
+    if not callable(to_dict):
+        raise bad_argument("config", f"must be a mapping or a model config, got {type(config)}")
+    values = to_dict()
+    assert isinstance(values, dict)
+    return values
+
+
+def _first(config: Mapping[str, Any], names: tuple[str, ...]) -> Any:
+    for name in names:
+        if config.get(name) is not None:
+            return config[name]
+    return None
+
+
+def _head_dim(config: Mapping[str, Any]) -> int:
+    # DeepSeek-V2/V3 (multi-head latent attention) rotate only qk_rope_head_dim columns of a
+    # head; their config classes set head_dim to it.
+    if config.get("qk_rope_head_dim"):
+        return int(config["qk_rope_head_dim"])
+    if config.get("head_dim"):
+        return int(config["head_dim"])
+    hidden, heads = _first(config, _HIDDEN), _first(config, _HEADS)
+    if not hidden or not heads:
+        raise bad_argument(
+            "config", "needs head_dim, or hidden_size (n_embd) and num_attention_heads (n_head)"
+        )
+    return int(hidden) // int(heads)
+
+
+def _partial_factor(rotary_dim: int, head_dim: int) -> float:
+    """A partial_rotary_factor f with int(head_dim * f) == rotary_dim, as the server computes
+    it: rotary_dim / head_dim, nudged up when it rounds below (e.g. 32 / 96)."""
+    factor = rotary_dim / head_dim
+    while int(head_dim * factor) < rotary_dim:
+        factor = math.nextafter(factor, math.inf)
+    return factor
+
+
+def _rope_parameters(config: Mapping[str, Any], layer_type: str | None) -> dict[str, Any]:
+    # transformers 5 prefers rope_scaling (older configs) when both are given.
+    rope = config.get("rope_scaling") or config.get("rope_parameters") or {}
+    if not isinstance(rope, Mapping):
+        raise bad_argument("config.rope_parameters", "must be a JSON object")
+    nested = [key for key, value in rope.items() if isinstance(value, Mapping)]
+    if nested:  # per layer type (Gemma 3 style): {"full_attention": {...}, ...}
+        if layer_type not in nested:
+            raise bad_argument(
+                "layer_type", f"the config has rope parameters per layer type: pass one of {nested}"
+            )
+        return dict(rope[layer_type])
+    return dict(rope)
+
+
+def spec_from_config(
+    config: object,
+    *,
+    layout: str | None = None,
+    seq_len: int | None = None,
+    layer_type: str | None = None,
+) -> Spec:
+    """:meth:`posenc.Spec.from_config` (its docstring says what is read, and how)."""
+    values = config_dict(config)
+    model_type = str(values.get("model_type") or "")
+    if model_type in SINUSOIDAL_FAMILIES:
+        return _sinusoidal(model_type, values)
+    head_dim = _head_dim(values)
+    rope = _rope_parameters(values, layer_type)
+    if layout is None:
+        layout = "gptj" if model_type in ("gptj", "codegen") else "transformers"
+    parameters: dict[str, Any] = {"head_dim": head_dim, "layout": layout}
+
+    theta = _first(rope, ("rope_theta",)) or _first(values, ("rope_theta", "rotary_emb_base"))
+    if theta is not None:
+        parameters["rope_theta"] = float(theta)
+    factor = _first(rope, ("partial_rotary_factor",))
+    if factor is None:
+        factor = _first(values, ("partial_rotary_factor", "rotary_pct"))
+    if factor is None and values.get("rotary_dim"):
+        factor = _partial_factor(int(values["rotary_dim"]), head_dim)
+    if factor is None and model_type == "gpt_neox":
+        factor = _GPT_NEOX_ROTARY_PCT
+    if factor is not None and float(factor) != 1.0:
+        parameters["partial_rotary_factor"] = float(factor)
+
+    rope_type = str(rope.get("rope_type") or rope.get("type") or "default")
+    if model_type == "phi3" and rope_type in _PHI3_LONGROPE:
+        rope_type = "longrope"
+    if rope_type != "default":
+        parameters.update(_scaling(values, rope, rope_type, seq_len))
+    return Spec("rotary", **parameters)
+
+
+def _scaling(
+    config: Mapping[str, Any], rope: Mapping[str, Any], rope_type: str, seq_len: int | None
+) -> dict[str, Any]:
+    """The ``scaling`` choice and its message's fields, from the rope parameters."""
+    cases = {field.name: field for field in _SCALING.fields}
+    if rope_type not in cases:
+        raise bad_argument(
+            f"spec.rotary.{_SCALING.name}",
+            f"rope type {rope_type!r} is not served; posenc serves default, {', '.join(cases)}",
+        )
+    message = cases[rope_type].message_type
+    assert message is not None
+    max_positions = _first(config, _MAX_POSITIONS)
+    out: dict[str, Any] = {_SCALING.name: rope_type}
+    for field in message.fields:
+        name = field.name
+        value = rope.get(name)
+        if name == "original_max_position_embeddings":
+            top = config.get(name) if rope_type in _TOP_LEVEL_ORIGINAL else None
+            value = top if top is not None else value
+            if value is None:
+                value = max_positions
+        elif name == "max_position_embeddings":
+            value = max_positions
+        elif name == "seq_len":
+            value = None  # normalised below, once the other fields are known
+        if value is not None:
+            out[name] = _as_field(field, value)
+    if seq_len is not None and "seq_len" in message.fields_by_name:
+        normalised = _normalise_seq_len(rope_type, out, seq_len)
+        if normalised is not None:
+            out["seq_len"] = normalised
+    return out
+
+
+def _as_field(field: FieldDescriptor, value: Any) -> Any:
+    """A config value as the field takes it: JSON writes some integers as floats (4096.0)."""
+    if isinstance(value, list | tuple):
+        return list(value)
+    if field.cpp_type in _INTEGER_TYPES and isinstance(value, float) and value.is_integer():
+        return int(value)
+    return value
+
+
+def _normalise_seq_len(rope_type: str, fields: Mapping[str, Any], seq_len: int) -> int | None:
+    """The ``seq_len`` of the table transformers uses at ``seq_len``; ``None`` when it is
+    the model's initial table."""
+    if rope_type == "dynamic":
+        limit = fields.get("max_position_embeddings")
+        return None if limit is not None and seq_len <= limit else seq_len
+    if rope_type == "longrope":
+        original = int(fields["original_max_position_embeddings"])
+        return original + 1 if seq_len > original else None
+    return seq_len
+
+
+def _sinusoidal(model_type: str, config: Mapping[str, Any]) -> Spec:
+    d_model = _first(config, _HIDDEN)
+    if not d_model:
+        raise bad_argument("config", f"a {model_type} config needs d_model")
+    if model_type == "whisper":
+        return Spec("whisper", d_model=int(d_model))
+    if model_type in ("m2m_100", "speech_to_text"):
+        padding_idx = config.get("pad_token_id")
+        return Spec(
+            "fairseq", d_model=int(d_model), padding_idx=1 if padding_idx is None else padding_idx
+        )
+    if model_type in ("marian", "pegasus"):
+        return Spec("sinusoidal", d_model=int(d_model), layout="split")
+    # XLM: create_sinusoidal_embeddings, interleaved; only when the model uses it.
+    if not config.get("sinusoidal_embeddings"):
+        raise bad_argument(
+            "config.sinusoidal_embeddings", "this XLM config learns its position embeddings"
+        )
+    return Spec("sinusoidal", d_model=int(d_model))

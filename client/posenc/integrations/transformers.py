@@ -1,0 +1,545 @@
+"""One call that makes a transformers model use posenc's exact positional tables.
+
+::
+
+    from posenc.integrations.transformers import patch
+
+    with posenc.Client(target) as client, patch(model, client):
+        model.generate(...)          # every forward takes its tables from posenc
+
+:func:`patch` reads the model's config, builds the spec of each positional table the model
+holds, checks it against the model's own table at small positions, and replaces that table:
+
+- rotary families (Llama, Mistral, Mixtral, Qwen2, Phi-3, Gemma, GPT-NeoX, DeepSeek-V2 and
+  any model built on transformers' standard rotary module; GPT-J's attention): ``(cos, sin)``
+  for the ``position_ids`` of each forward come from a :class:`posenc.GrowingTable`, in
+  the dtype of the hidden states. ``dynamic`` and ``longrope`` follow transformers' own
+  ``seq_len`` rule (longrope's two tables are held once each; a dynamic table recomputed
+  for a new ``seq_len`` is fetched for those positions);
+- sinusoidal families (Whisper's encoder, M2M100/NLLB, Speech2Text, Marian, Pegasus, XLM):
+  the model's table is replaced by posenc's rows, and grows from posenc when an input
+  outgrows it (never from the model's own float32 formula).
+
+The returned :class:`Patch` undoes every change (``undo()``, or leaving its ``with`` block).
+Importing this module imports torch, not transformers: models are recognised by the
+modules they hold.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from types import TracebackType
+from typing import Any, Final
+
+import torch
+from torch import nn
+
+import posenc
+from posenc._configs import config_dict
+from posenc._output import as_tensor
+from posenc.table import DEFAULT_MAX_BYTES, DEFAULT_MIN_ROWS, GrowingTable
+
+__all__ = ["Patch", "patch"]
+
+_SERVED: Final = frozenset({torch.float32, torch.float16, torch.bfloat16, torch.float64})
+# Rows compared with the model's own table when patching: positions where float32 is exact
+# to a few ulps, so a difference means a misread config, not rounding.
+_VERIFY_ROWS: Final = 64
+_VERIFY_TOLERANCE: Final = 2e-4
+# Distinct dynamic-NTK specs remembered per module (one per seq_len a forward reached).
+_SPECS_KEPT: Final = 8
+
+
+def _served(dtype: torch.dtype) -> torch.dtype:
+    """The dtype tables are fetched in for hidden states of ``dtype`` (others: float32)."""
+    return dtype if dtype in _SERVED else torch.float32
+
+
+class Patch:
+    """What :func:`patch` changed in a model: undone by :meth:`undo` or on leaving a ``with``.
+
+    Attributes:
+        specs: The spec of each replaced table, by module name (``""`` is the model).
+    """
+
+    def __init__(self, client: posenc.Client, *, min_rows: int, max_table_bytes: int) -> None:
+        self.client = client
+        self.specs: dict[str, posenc.Spec] = {}
+        self._min_rows = min_rows
+        self._max_table_bytes = max_table_bytes
+        self._tables: dict[tuple[posenc.Spec, torch.dtype], GrowingTable] = {}
+        self._undo: list[Callable[[], None]] = []
+
+    def table(self, spec: posenc.Spec, dtype: torch.dtype) -> GrowingTable:
+        """The growing table of ``spec`` in ``dtype``, one per pair, shared by every module
+        that uses it (e.g. an encoder and a decoder)."""
+        key = (spec, dtype)
+        table = self._tables.get(key)
+        if table is None:
+            table = GrowingTable(
+                self.client,
+                spec,
+                dtype=dtype,
+                min_rows=self._min_rows,
+                max_bytes=self._max_table_bytes,
+            )
+            self._tables[key] = table
+        return table
+
+    @property
+    def tables(self) -> list[GrowingTable]:
+        """The growing tables the patched modules read from."""
+        return list(self._tables.values())
+
+    def undo(self) -> None:
+        """Restores every patched module as it was (its own tables and methods)."""
+        while self._undo:
+            self._undo.pop()()
+        self._tables.clear()
+
+    def __enter__(self) -> Patch:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        self.undo()
+
+    def __repr__(self) -> str:
+        return f"Patch({', '.join(self.specs) or 'nothing'})"
+
+    # -- replacing attributes, undoably -------------------------------------------------------
+
+    def _override(self, module: nn.Module, name: str, value: Any) -> None:
+        """Sets an instance attribute (e.g. ``forward``) that shadows the class's."""
+        object.__setattr__(module, name, value)
+        self._undo.append(lambda: module.__dict__.pop(name, None))
+
+    def _replace(self, module: nn.Module, name: str, value: Any) -> None:
+        """Replaces a buffer or parameter, restoring the original on undo."""
+        original = getattr(module, name)
+        setattr(module, name, value)
+        self._undo.append(lambda: setattr(module, name, original))
+
+
+def patch(
+    model: nn.Module,
+    client: posenc.Client,
+    *,
+    verify: bool = True,
+    min_rows: int = DEFAULT_MIN_ROWS,
+    max_table_bytes: int = DEFAULT_MAX_BYTES,
+) -> Patch:
+    """Makes every forward (and ``generate``) of ``model`` use posenc's exact tables.
+
+    Args:
+        model: A transformers ``PreTrainedModel`` (loaded, or built from a config).
+        client: The :class:`posenc.Client` tables are fetched with; it must stay open while
+            the model runs patched.
+        verify: Compare each table with the model's own at positions below 64 before
+            replacing it, refusing (``ValueError``) a difference beyond float32 rounding:
+            the sign of a config read differently from the model.
+        min_rows: First size of each growing table (rows from position 0).
+        max_table_bytes: Memory cap of each growing table; rows past it are fetched per
+            forward.
+
+    Returns:
+        The :class:`Patch`: ``undo()`` (or use it as a context manager) restores the model.
+
+    Raises:
+        ValueError: The model holds no table posenc serves, or (``verify``) a table differs.
+        posenc.InvalidArgumentError: The config names a rope type posenc does not serve.
+    """
+    handle = Patch(client, min_rows=min_rows, max_table_bytes=max_table_bytes)
+    config = getattr(model, "config", None)
+    model_type = str(getattr(config, "model_type", "") or "")
+    try:
+        for name, module in model.named_modules():
+            if _is_rotary(module):
+                _Rotary(handle, name, module).install(verify)
+            elif _is_gptj_attention(module):
+                _GPTJAttention(handle, name, module).install(verify)
+            elif _is_fairseq(module):
+                _patch_fairseq(handle, name, module, verify)
+            elif _is_split_embedding(module):
+                _patch_split(handle, name, module, verify)
+            elif model_type == "whisper" and type(module).__name__.endswith("WhisperEncoder"):
+                _patch_whisper(handle, name, module, verify)
+            elif _is_xlm(module):
+                _patch_xlm(handle, name, module, verify)
+    except BaseException:
+        handle.undo()
+        raise
+    if not handle.specs:
+        raise ValueError(f"{type(model).__name__} holds no positional table posenc serves")
+    return handle
+
+
+# -- recognising modules --------------------------------------------------------------------------
+
+
+def _is_rotary(module: nn.Module) -> bool:
+    # transformers' standard rotary module: inv_freq, rope_type and config, forward(x, ids).
+    return (
+        isinstance(getattr(module, "inv_freq", None), torch.Tensor)
+        and hasattr(module, "rope_type")
+        and hasattr(module, "config")
+    )
+
+
+def _is_gptj_attention(module: nn.Module) -> bool:
+    return (
+        isinstance(getattr(module, "embed_positions", None), torch.Tensor)
+        and hasattr(module, "rotary_dim")
+        and callable(getattr(module, "_get_embed_positions", None))
+    )
+
+
+def _is_fairseq(module: nn.Module) -> bool:
+    # fairseq's SinusoidalPositionalEmbedding ports (M2M100, NLLB, Speech2Text): a weights
+    # buffer that forward rebuilds with make_weights when an input outgrows it.
+    return (
+        isinstance(getattr(module, "weights", None), torch.Tensor)
+        and callable(getattr(module, "make_weights", None))
+        and hasattr(module, "padding_idx")
+        and hasattr(module, "embedding_dim")
+    )
+
+
+def _is_split_embedding(module: nn.Module) -> bool:
+    # Marian's and Pegasus' SinusoidalPositionalEmbedding: an nn.Embedding of [sin | cos].
+    return isinstance(module, nn.Embedding) and callable(getattr(module, "create_weight", None))
+
+
+def _is_xlm(module: nn.Module) -> bool:
+    config = getattr(module, "config", None)
+    return (
+        isinstance(getattr(module, "position_embeddings", None), nn.Embedding)
+        and isinstance(getattr(module, "position_ids", None), torch.Tensor)
+        and bool(getattr(config, "sinusoidal_embeddings", False))
+    )
+
+
+def _check(name: str, spec: posenc.Spec, ours: torch.Tensor, theirs: torch.Tensor) -> None:
+    """Refuses a table that differs from the model's own at small positions."""
+    if tuple(ours.shape) != tuple(theirs.shape):
+        raise ValueError(
+            f"{name or 'model'}: posenc's table for {spec} has shape {tuple(ours.shape)}, "
+            f"the model's {tuple(theirs.shape)}"
+        )
+    difference = float((ours.double() - theirs.double()).abs().max()) if ours.numel() else 0.0
+    if difference > _VERIFY_TOLERANCE:
+        raise ValueError(
+            f"{name or 'model'}: posenc's table for {spec} differs from the model's own by "
+            f"{difference:.3g} at positions below {len(ours)}: the config is read differently "
+            "from the model's code"
+        )
+
+
+# -- rotary ---------------------------------------------------------------------------------------
+
+
+class _Rotary:
+    """The forward of a transformers rotary module, from posenc: ``(cos, sin)`` of
+    ``position_ids`` ``[batch, seq]`` (DeepSeek-V2: complex ``cos + i sin``)."""
+
+    def __init__(self, handle: Patch, name: str, module: Any) -> None:
+        self.handle = handle
+        self.name = name
+        self.module = module
+        self.config = module.config
+        # The config's keys, read once: a dynamic-NTK decode loop makes a spec every step.
+        self.values = config_dict(module.config)
+        self.native = type(module).forward
+        # A module returning complex frequencies (DeepSeek-V2's freqs_cis) gets vLLM-layout
+        # rows, [cos | sin] without duplicated halves.
+        self.complex = False
+        self.layout = "transformers"
+        # transformers' dynamic-NTK state (dynamic_rope_update), per layer type.
+        self.cached: dict[str | None, int] = {}
+        self.original = int(getattr(module, "original_max_seq_len", 0) or 0)
+        self.specs: dict[tuple[str | None, int | None], posenc.Spec] = {}
+        self.tables: dict[tuple[posenc.Spec, torch.dtype], GrowingTable] = {}
+
+    def rope_type(self, layer_type: str | None) -> str:
+        rope_type = self.module.rope_type
+        return str(rope_type[layer_type] if isinstance(rope_type, dict) else rope_type)
+
+    def install(self, verify: bool) -> None:
+        layer_types: list[str | None] = (
+            list(self.module.rope_type) if isinstance(self.module.rope_type, dict) else [None]
+        )
+        probe = torch.zeros(1, device=self.module.inv_freq.device)
+        positions = torch.arange(_VERIFY_ROWS, device=probe.device)[None]
+        try:
+            # A fresh module: float32 frequencies (a model cast to bfloat16 rounded its
+            # inv_freq buffer too), initial dynamic state, and the model's own untouched.
+            reference = type(self.module)(self.config).to(probe.device)
+        except TypeError:
+            reference = self.module
+        natives = {}
+        for layer_type in layer_types:
+            kwargs = {} if layer_type is None else {"layer_type": layer_type}
+            native = self.native(reference, probe, positions, **kwargs)
+            natives[layer_type] = native
+            self.complex = isinstance(native, torch.Tensor) and native.is_complex()
+        self.layout = "vllm" if self.complex else "transformers"
+        for layer_type in layer_types:
+            self.cached[layer_type] = int(getattr(self.module, "max_seq_len_cached", 0) or 0)
+            spec = self.spec(layer_type, None)
+            self.handle.specs[self.name if layer_type is None else f"{self.name}:{layer_type}"] = (
+                spec
+            )
+            if verify:
+                # One direct fetch: no table is held for the probe's dtype.
+                cos, sin = self.handle.client.get_positions(
+                    positions, spec, dtype=torch.float32, cos_sin=True
+                )
+                native = natives[layer_type]
+                if self.complex:
+                    ours = torch.view_as_real(torch.complex(cos, sin))
+                    _check(self.name, spec, ours, torch.view_as_real(native))
+                else:
+                    _check(self.name, spec, torch.cat([cos, sin], -1), torch.cat(native, -1))
+        self.handle._override(self.module, "forward", self)
+
+    def spec(self, layer_type: str | None, seq_len: int | None) -> posenc.Spec:
+        key = (layer_type, seq_len)
+        spec = self.specs.get(key)
+        if spec is None:
+            if len(self.specs) >= _SPECS_KEPT + 2:
+                self.specs.clear()
+            spec = posenc.Spec.from_config(
+                self.values, layout=self.layout, seq_len=seq_len, layer_type=layer_type
+            )
+            self.specs[key] = spec
+        return spec
+
+    def seq_len(self, position_ids: torch.Tensor, layer_type: str | None) -> int | None:
+        """transformers' seq_len for this forward (dynamic_rope_update), or None."""
+        rope_type = self.rope_type(layer_type)
+        if "dynamic" in rope_type:
+            seq_len = int(position_ids.max()) + 1
+            cached = self.cached[layer_type]
+            if seq_len > cached:  # growth
+                cached = seq_len
+            if seq_len < self.original < cached:  # reset to the initial table
+                cached = self.original
+            self.cached[layer_type] = cached
+            return cached if cached > self.original else None
+        if rope_type == "longrope":
+            original = int(
+                self.spec(layer_type, None).parameters["original_max_position_embeddings"]
+            )
+            # Two tables: the normalised seq_len of the long one, or the short one.
+            return original + 1 if int(position_ids.max()) + 1 > original else None
+        return None
+
+    def __call__(
+        self, x: torch.Tensor, position_ids: torch.Tensor, layer_type: str | None = None
+    ) -> Any:
+        seq_len = self.seq_len(position_ids, layer_type)
+        spec = self.spec(layer_type, seq_len)
+        dtype = torch.float32 if self.complex else _served(x.dtype)
+        if seq_len is not None and "dynamic" in self.rope_type(layer_type):
+            # A table for this seq_len only (it changes as the sequence grows): the rows of
+            # this forward, not a table from position 0.
+            cos, sin = self.handle.client.get_positions(
+                position_ids, spec, dtype=dtype, device=x.device, cos_sin=True
+            )
+        else:
+            key = (spec, dtype)
+            table = self.tables.get(key)
+            if table is None:
+                table = self.tables[key] = self.handle.table(spec, dtype)
+            cos, sin = table.get(position_ids, device=x.device, cos_sin=True)
+        if self.complex:
+            return torch.complex(cos, sin)
+        if dtype != x.dtype:
+            return cos.to(x.dtype), sin.to(x.dtype)
+        return cos, sin
+
+
+class _GPTJAttention:
+    """GPT-J's attention with its ``embed_positions`` rows from posenc.
+
+    GPT-J gathers ``[sin | cos]`` rows of a ``max_position_embeddings``-row buffer at
+    ``position_ids``; the patched forward hands it exactly the rows of this forward's
+    positions (gathered at ``0 .. seq-1``), so any position works, not only those below
+    the buffer's length.
+    """
+
+    def __init__(self, handle: Patch, name: str, module: Any) -> None:
+        self.handle = handle
+        self.name = name
+        self.module = module
+        self.native = type(module).forward
+        self.signature = inspect.signature(self.native)
+        self.spec = posenc.Spec.from_config(module.config, layout="vllm")
+
+    def install(self, verify: bool) -> None:
+        self.handle.specs[self.name] = self.spec
+        if verify:
+            positions = torch.arange(_VERIFY_ROWS)
+            cos, sin = self.handle.client.get_positions(
+                positions, self.spec, dtype=torch.float32, cos_sin=True
+            )
+            native = self.module.embed_positions[:_VERIFY_ROWS].cpu()
+            _check(self.name, self.spec, torch.cat([sin, cos], -1), native)
+        self.handle._override(self.module, "forward", self)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        bound = self.signature.bind(self.module, *args, **kwargs)
+        position_ids = bound.arguments["position_ids"]
+        hidden = bound.arguments["hidden_states"]
+        table = self.handle.table(self.spec, _served(hidden.dtype))
+        cos, sin = table.get(position_ids, device=hidden.device, cos_sin=True)
+        sincos = torch.cat([sin, cos], dim=-1)
+        batch, length = position_ids.shape
+        bound.arguments["position_ids"] = torch.arange(length, device=position_ids.device).expand(
+            batch, length
+        )
+        with _instance_method(self.module, "_get_embed_positions", lambda _ids: sincos):
+            return self.native(*bound.args, **bound.kwargs)
+
+
+@contextmanager
+def _instance_method(module: nn.Module, name: str, value: Callable[..., Any]) -> Iterator[None]:
+    object.__setattr__(module, name, value)
+    try:
+        yield
+    finally:
+        module.__dict__.pop(name, None)
+
+
+# -- sinusoidal -----------------------------------------------------------------------------------
+
+
+def _whole(table: GrowingTable, like: torch.Tensor | None = None) -> torch.Tensor:
+    """Every row the table holds, as a tensor on ``like``'s device in its dtype."""
+    tensor: torch.Tensor = as_tensor(table.rows())
+    return tensor if like is None else tensor.to(device=like.device, dtype=like.dtype)
+
+
+def _verify_rows(
+    name: str, spec: posenc.Spec, table: GrowingTable, theirs: torch.Tensor, verify: bool
+) -> None:
+    if verify:
+        rows = min(_VERIFY_ROWS * 4, len(theirs))
+        table.reserve(rows)
+        _check(name, spec, _whole(table).float()[:rows], theirs[:rows].detach().cpu().float())
+
+
+def _patch_fairseq(handle: Patch, name: str, module: Any, verify: bool) -> None:
+    spec = posenc.Spec("fairseq", d_model=module.embedding_dim, padding_idx=module.padding_idx)
+    handle.specs[name] = spec
+    weights: torch.Tensor = module.weights
+    table = handle.table(spec, _served(weights.dtype))
+    _verify_rows(name, spec, table, weights, verify)
+    table.reserve(len(weights))
+
+    def make_weights(num_embeddings: int, embedding_dim: int, padding_idx: Any = None) -> None:
+        # The module's forward calls this when an input outgrows the table: grow from posenc.
+        current: torch.Tensor = module.weights
+        grown = handle.table(spec, _served(current.dtype))
+        grown.reserve(num_embeddings)
+        module.weights = _whole(grown, current)
+
+    handle._replace(module, "weights", _whole(table, weights))
+    handle._override(module, "make_weights", make_weights)
+
+
+def _frozen(tensor: torch.Tensor) -> nn.Parameter:
+    return nn.Parameter(tensor, requires_grad=False)
+
+
+def _patch_split(handle: Patch, name: str, module: Any, verify: bool) -> None:
+    """Marian/Pegasus: the weight of an ``nn.Embedding`` ``[sin | cos]``, grown on demand."""
+    weight: torch.Tensor = module.weight
+    spec = posenc.Spec("sinusoidal", d_model=weight.shape[1], layout="split")
+    handle.specs[name] = spec
+    table = handle.table(spec, _served(weight.dtype))
+    _verify_rows(name, spec, table, weight, verify)
+    table.reserve(len(weight))
+    handle._replace(module, "weight", _frozen(_whole(table, weight)))
+    handle._replace(module, "num_embeddings", len(table))
+
+    def forward(
+        input_ids_shape: torch.Size,
+        past_key_values_length: int = 0,
+        position_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        current: torch.Tensor = module.weight
+        if position_ids is None:
+            seq_len = input_ids_shape[1]
+            position_ids = torch.arange(
+                past_key_values_length,
+                past_key_values_length + seq_len,
+                dtype=torch.long,
+                device=current.device,
+            )
+        top = int(position_ids.max()) + 1 if position_ids.numel() else 0
+        if top > len(current):
+            grown = handle.table(spec, _served(current.dtype))
+            grown.reserve(top)
+            module.weight = _frozen(_whole(grown, current))
+            module.num_embeddings = len(grown)
+        with torch.no_grad():
+            return nn.functional.embedding(position_ids, module.weight)
+
+    handle._override(module, "forward", forward)
+
+
+def _patch_whisper(handle: Patch, name: str, module: Any, verify: bool) -> None:
+    """Whisper's encoder adds all of its ``max_source_positions`` rows to every input (its
+    input length is fixed), so its table is replaced and never needs to grow."""
+    embedding = module.embed_positions
+    weight = embedding.weight
+    spec = posenc.Spec("whisper", d_model=weight.shape[1])
+    path = f"{name}.embed_positions" if name else "embed_positions"
+    handle.specs[path] = spec
+    table = handle.table(spec, _served(weight.dtype))
+    _verify_rows(path, spec, table, weight, verify)
+    rows = table.rows(len(weight))
+    exact = as_tensor(rows, weight.device).to(weight.dtype)
+    handle._replace(embedding, "weight", _frozen(exact))
+
+
+def _patch_xlm(handle: Patch, name: str, module: Any, verify: bool) -> None:
+    """XLM's sinusoidal position embeddings (interleaved), grown with its ``position_ids``
+    buffer before a forward whose input outgrows them."""
+    embedding = module.position_embeddings
+    weight = embedding.weight
+    spec = posenc.Spec("sinusoidal", d_model=weight.shape[1])
+    path = f"{name}.position_embeddings" if name else "position_embeddings"
+    handle.specs[path] = spec
+    table = handle.table(spec, _served(weight.dtype))
+    _verify_rows(path, spec, table, weight, verify)
+    table.reserve(len(weight))
+    handle._replace(embedding, "weight", _frozen(_whole(table, weight)))
+    handle._replace(embedding, "num_embeddings", len(table))
+    handle._replace(module, "position_ids", torch.arange(len(table), device=weight.device)[None])
+
+    def grow(_module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        tokens = kwargs.get("input_ids", args[0] if args else None)
+        if tokens is None:
+            tokens = kwargs.get("inputs_embeds")
+        positions = kwargs.get("position_ids")
+        top = 0 if tokens is None else int(tokens.shape[1])
+        if positions is not None and positions.numel():
+            top = max(top, int(positions.max()) + 1)
+        current: torch.Tensor = embedding.weight
+        if top > len(current):
+            grown = handle.table(spec, _served(current.dtype))
+            grown.reserve(top)
+            embedding.weight = _frozen(_whole(grown, current))
+            embedding.num_embeddings = len(grown)
+            module.position_ids = torch.arange(len(grown), device=current.device)[None]
+
+    hook = module.register_forward_pre_hook(grow, with_kwargs=True)
+    handle._undo.append(hook.remove)
