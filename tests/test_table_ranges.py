@@ -319,3 +319,30 @@ def test_specs_at_the_edges_of_the_ranges_are_served_within_contract(
             for column in range(table.shape[1]):
                 expected = rope_exact(rope, position, column, cache)
                 assert within_contract(table[row, column], expected), (rope, position, column)
+
+
+@pytest.mark.slow
+def test_the_largest_attention_factor_keeps_float64_within_2_to_the_minus_50(
+    client: posenc.Client,
+) -> None:
+    # Values scaled by the attention factor carry its multiple of the rows' error: at the
+    # largest accepted factor, 2, every float64 element stays within the contract.
+    rope = Rope(
+        64,
+        "yarn",
+        rope_theta=500000.0,
+        factor=4.0,
+        original_max_position_embeddings=4096,
+        attention_factor=2.0,
+        layout="vllm",
+    )
+    positions = np.random.default_rng(21).integers(-LIMIT, LIMIT, 200).tolist()
+    table = client.get_positions(positions, rope.spec(), dtype="float64")
+    cache: dict[Rope, Any] = {}
+    worst = max(
+        abs(mpmath.mpf(float(table[row, column])) - rope_exact(rope, position, column, cache))
+        for row, position in enumerate(positions)
+        for column in range(64)
+    )
+    print(f"attention factor 2: worst float64 error {float(worst * 2**50):.2f} x 2**-50")
+    assert worst <= mpmath.mpf(2) ** -50
