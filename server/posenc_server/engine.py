@@ -170,13 +170,14 @@ class Waves:
         rotations = self.bases(np.arange(self.block, dtype=np.int64))
         sin, cos = rotations.real, rotations.imag
         pairs = (self.block, self.count, 2)
-        self.rotate_cos = np.empty(pairs, dtype=np.float64)
-        self.rotate_cos[..., 0] = cos
-        self.rotate_cos[..., 1] = cos
-        self.rotate_sin = np.empty(pairs, dtype=np.float64)
-        self.rotate_sin[..., 0] = sin
-        self.rotate_sin[..., 1] = -sin
-        self.rotate_cos.shape = self.rotate_sin.shape = (self.block, 2 * self.count)
+        rotate_cos = np.empty(pairs, dtype=np.float64)
+        rotate_cos[..., 0] = cos
+        rotate_cos[..., 1] = cos
+        rotate_sin = np.empty(pairs, dtype=np.float64)
+        rotate_sin[..., 0] = sin
+        rotate_sin[..., 1] = -sin
+        self.rotate_cos = rotate_cos.reshape(self.block, 2 * self.count)
+        self.rotate_sin = rotate_sin.reshape(self.block, 2 * self.count)
         for array in (self.hi, self.lo, self.rotate_cos, self.rotate_sin):
             array.flags.writeable = False
 
