@@ -36,7 +36,7 @@ test-fast: $(STAMP)
 
 # The proof under pressure in full: 120 s of load, 5,000 cache keys (tests/test_soak.py).
 soak: $(STAMP)
-	POSENC_SOAK=1 $(BIN)/python -m pytest tests/test_soak.py tests/test_bad_input.py tests/test_attacks.py -s
+	POSENC_SOAK=1 $(BIN)/python -m pytest tests/test_soak.py tests/test_bad_input.py tests/test_table_ranges.py tests/test_spec_memory.py tests/test_attacks.py -s
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

@@ -196,7 +196,8 @@ def rope_frequencies(rope: Rope) -> tuple[list[mpmath.mpf], mpmath.mpf]:
         low, high = correction_dim(beta_fast), correction_dim(beta_slow)
         if rope.truncate:
             low, high = mpmath.floor(low), mpmath.ceil(high)
-        low, high = max(low, 0), min(high, dim - 1)
+        # mpf bounds: with int ones, (i - low) / (high - low) would be a float division.
+        low, high = max(low, mpmath.mpf(0)), min(high, mpmath.mpf(dim - 1))
         if low == high:
             high += mpmath.mpf("0.001")
         out = []
@@ -231,9 +232,9 @@ def rope_frequencies(rope: Rope) -> tuple[list[mpmath.mpf], mpmath.mpf]:
         elif wavelen > low_wavelen:
             out.append(f / rope.factor)
         else:
-            smooth = (old / wavelen - rope.low_freq_factor) / (
-                rope.high_freq_factor - rope.low_freq_factor
-            )
+            # mpf difference: the float one is rounded.
+            low_factor = mpmath.mpf(rope.low_freq_factor)
+            smooth = (old / wavelen - low_factor) / (rope.high_freq_factor - low_factor)
             out.append((1 - smooth) * f / rope.factor + smooth * f)
     return out, attention
 

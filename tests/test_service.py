@@ -17,13 +17,14 @@ from posenc_server.config import ServerConfig
 from posenc_server.service import EncodingService
 from posenc_server.specs import SpecTable
 
-# 16 KiB rows: blocks of 64 rows (1 MiB).
+# 16 KiB rows: blocks of 64 rows (256 Ki elements, 1 MiB).
 SPEC = pb.EncodingSpec(sinusoidal=pb.SinusoidalTable(d_model=4096))
+BLOCK = 64
 
 
 def scattered(blocks: int, offset: int = 3, per_block: int = 1) -> list[int]:
     """``per_block`` positions in each of ``blocks`` consecutive blocks, in shuffled order."""
-    first = 5_000_000 * 64 + 64 * np.arange(blocks, dtype=np.int64) + offset
+    first = 5_000_000 * BLOCK + BLOCK * np.arange(blocks, dtype=np.int64) + offset
     positions = (first[:, None] + 7 * np.arange(per_block)).reshape(-1)
     return np.random.default_rng(blocks).permutation(positions).tolist()  # type: ignore[no-any-return]
 
@@ -64,21 +65,26 @@ def fresh(server_factory: Callable[..., RunningServer]) -> Iterator[Server]:
 
 # 100 rows are gathered row by row, 300 block by block.
 @pytest.mark.parametrize("per_block", [1, 3])
-def test_a_unary_list_computes_at_most_64_new_blocks_and_the_rest_row_by_row(
+def test_a_unary_list_computes_new_blocks_up_to_16_rows_per_row_and_the_rest_row_by_row(
     fresh: Server, per_block: int
 ) -> None:
     positions = scattered(100, per_block=per_block)
     assert fresh.get(positions) == engine_positions(SPEC, positions).tobytes()
     rows, entries, _ = fresh.counters()
-    assert entries == 64
-    # 64 blocks, then the rows of the other 36 one by one.
-    assert rows == 64 * 64 + 36 * per_block
+    # 16 rows per requested row in new blocks (at most 64 blocks), the rest one by one.
+    new_blocks = min(64, 16 * len(positions) // BLOCK)
+    assert entries == new_blocks
+    assert rows == new_blocks * BLOCK + (100 - new_blocks) * per_block
 
 
 def test_a_unary_list_takes_every_cached_block_it_finds(fresh: Server) -> None:
-    fresh.get(scattered(64))
+    start = scattered(1, offset=0)[0]
+    request = pb.StreamEncodingRequest(
+        spec=SPEC, range=pb.PositionRange(start=start, stop=start + 64 * BLOCK)
+    )
+    assert len(list(fresh.stub.StreamEncoding(request))) == 64  # 64 blocks cached
     computed, _, hits = fresh.counters()
-    # Other rows of the same 64 blocks: all from the cache, nothing computed.
+    # Rows of the same 64 blocks: all from the cache, nothing computed.
     positions = scattered(64, offset=40)
     assert fresh.get(positions) == engine_positions(SPEC, positions).tobytes()
     rows, _, hits_after = fresh.counters()
@@ -87,7 +93,8 @@ def test_a_unary_list_takes_every_cached_block_it_finds(fresh: Server) -> None:
 
 
 def test_a_streamed_list_reads_cached_blocks_but_computes_no_new_ones(fresh: Server) -> None:
-    fresh.get(scattered(10))  # blocks 0 .. 9 of the list's 20 are cached
+    for position in scattered(10):
+        fresh.get([position])  # a block each: blocks 0 .. 9 of the list's 20 are cached
     computed, entries, _ = fresh.counters()
     positions = scattered(20, offset=11)
     chunks = fresh.stream(positions, chunk_rows=8)
@@ -103,16 +110,40 @@ def test_evicting_enough_asks_for_a_heap_trim() -> None:
     # reports it, so this test drives the service on its own.
     config = ServerConfig(cache_bytes=8 << 20)
     service, specs = EncodingService(config), SpecTable(config)
-    start = 64 * 1_000_000
+    start = BLOCK * 1_000_000
 
     def get(positions: list[int]) -> None:
         request = pb.GetEncodingRequest(spec=SPEC, positions=pb.PositionList(positions=positions))
         service.unary(specs.resolve(convert.encoding_query(request, config)))
 
-    # 1 MiB blocks: the first 8 fill the budget, the next 16 evict 16 MiB.
-    get([start + 64 * block for block in range(8)])
+    # 1 MiB blocks, one per single-position request: the first 8 fill the budget, the next
+    # 16 evict 16 MiB.
+    for block in range(8):
+        get([start + BLOCK * block])
     assert not service.trim_due.is_set()
-    get([start + 64 * block for block in range(8, 23)])
+    for block in range(8, 23):
+        get([start + BLOCK * block])
     assert not service.trim_due.is_set()  # 15 MiB evicted
-    get([start + 64 * 23])
+    get([start + BLOCK * 23])
     assert service.trim_due.is_set()
+
+
+@pytest.mark.parametrize("dtype", ["float16", "float64"])
+def test_scattered_positions_of_a_narrow_table_cost_about_their_rows(
+    server_factory: Callable[..., RunningServer], dtype: str
+) -> None:
+    # The trial's case (issue 10, item 9): 64 scattered positions at d_model 1 computed
+    # 64 blocks of a whole 1 MiB chunk each, 33,554,432 rows for 64 in float16.
+    server = Server(server_factory())
+    spec = pb.EncodingSpec(
+        dtype=pb.Dtype.Value(f"DTYPE_{dtype.upper()}"), sinusoidal=pb.SinusoidalTable(d_model=1)
+    )
+    positions = np.random.default_rng(9).integers(-(2**42), 2**42, 64).tolist()
+    request = pb.GetEncodingRequest(spec=spec, positions=pb.PositionList(positions=positions))
+    before, _, _ = server.counters()
+    tensor = server.stub.GetEncoding(request).tensor
+    assert tensor.rows == 64
+    rows, _, _ = server.counters()
+    # At most one new block (256 Ki elements) besides 16 rows per requested row.
+    assert rows - before <= (1 << 18) + 16 * 64, rows - before
+    server.channel.close()

@@ -9,8 +9,15 @@ float64 ulp of the angle is about 1e-3 radians. So the angle is carried in turns
    split into ``hi + lo`` float64 pairs (~106 bits): a ``Waves``.
 2. ``p * hi`` is an exact two-product (Dekker); its integer part is dropped exactly, leaving
    the fractional turn with an absolute error near 2**-64.
-3. The fraction times 2pi (again double-double) is the angle reduced to [-pi, pi], and
-   ``sin(a + da) = sin(a) + cos(a) * da`` folds in the low part.
+3. The fraction, less its nearest quarter turn (exact), times 2pi (again double-double) is
+   an angle in [-pi/4, pi/4]; its sin and cos are Taylor polynomials (``_sin_cos_small``),
+   ``sin(a + da) = sin(a) + cos(a) * da`` folds in the low part, and the quarter turn swaps
+   and negates them.
+
+The engine does only IEEE additions, multiplications and ``rint`` in float64, one numpy
+operation each, never numpy's sin, cos or complex multiplication: those dispatch to
+CPU-specific SIMD kernels (SVML, FMA) whose last bits differ between machines, while these
+give the same bytes on every CPU and numpy build (``NPY_DISABLE_CPU_FEATURES`` included).
 
 Only the first position of each aligned block of rows takes this path; the others are one
 complex multiplication away (``wave_rows``, ``wave_blocks``). The float64 result is within
@@ -25,6 +32,7 @@ module imports no gRPC and no protobuf: it is the domain core.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from decimal import Decimal, localcontext
@@ -60,6 +68,18 @@ _TWO_PI_LO: Final = float(TWO_PI - Decimal(_TWO_PI_HI))
 _SPLITTER: Final = 134217729.0
 # Elements per numpy pass: keeps the float64 temporaries of one pass inside the L2 cache.
 _ELEMENTS_PER_PASS: Final = 1 << 15
+# Rows per block: 64 amortize a block's extended-precision angle (about 20 numpy passes)
+# over the 3 passes of each row's rotation. Narrow tables take longer blocks, so that a block
+# (one Python iteration) holds at least _BLOCK_ENTRIES entries; wide ones shorter, so that
+# the rotation table (2 float64 pairs per entry: 32 bytes) stays within _ROTATION_ENTRIES
+# (4 MiB).
+_BLOCK_ROWS: Final = 64
+_BLOCK_ENTRIES: Final = 1 << 12
+_ROTATION_ENTRIES: Final = 1 << 17
+# Taylor coefficients of sin (x**3 .. x**17) and cos (x**4 .. x**18): on [-pi/4, pi/4] the
+# first term left out is below 2**-63.
+_SIN_TAYLOR: Final = tuple((-1) ** k / math.factorial(2 * k + 1) for k in range(1, 9))
+_COS_TAYLOR: Final = tuple((-1) ** k / math.factorial(2 * k) for k in range(2, 10))
 
 
 @dataclass(frozen=True)
@@ -118,10 +138,12 @@ class Waves:
 
     ``hi + lo`` is ``inv_freq / 2pi`` in double-double. Rows are ``v(p) = sin(p w) +
     i cos(p w)``: as complex128 in memory, [sin, cos] pairs, the interleaved layout as it
-    is. ``rotations`` holds ``conj(u(j)) = cos(j w) - i sin(j w)`` for the ``j < block``
-    rows of one block, each within about 2**-53 of exact, so that
-    ``v(b + j) = v(b) * conj(u(j))``. Every table kind builds its rows from one of these
-    (``wave_rows``, ``wave_blocks``), then scales them by ``amplitude``.
+    is. ``v(b + j) = v(b) * conj(u(j))`` with ``conj(u(j)) = cos(j w) - i sin(j w)`` for the
+    ``j < block`` rows of one block, each within about 2**-53 of exact; the product is
+    written out in real operations (``_rotate``) over the float64 pairs of the rows and of
+    ``rotate_cos = [cos, cos]`` and ``rotate_sin = [sin, -sin]``. Every table kind builds its
+    rows from one of these (``wave_rows``, ``wave_blocks``), then scales them by
+    ``amplitude``.
     """
 
     def __init__(self, frequencies: Sequence[Decimal], amplitude: float = 1.0) -> None:
@@ -133,30 +155,55 @@ class Waves:
         self.lo = np.empty(self.count, dtype=np.float64)
         with localcontext() as context:
             context.prec = PRECISION
+            per_turn = 1 / TWO_PI
             for i, frequency in enumerate(frequencies):
-                turns = frequency / TWO_PI
-                self.hi[i] = float(turns)
-                self.lo[i] = float(turns - Decimal(self.hi[i]))
+                # Through exact integer ratios: int / int is correctly rounded, and twice as
+                # fast as float(Decimal), which formats and parses the digits.
+                numerator, denominator = (frequency * per_turn).as_integer_ratio()
+                high = numerator / denominator
+                high_numerator, high_denominator = high.as_integer_ratio()
+                self.hi[i] = high
+                self.lo[i] = (numerator * high_denominator - high_numerator * denominator) / (
+                    denominator * high_denominator
+                )
         self.block = _block_rows(self.count)
-        sin, cos = _sin_cos_rows(np.arange(self.block, dtype=np.float64), self.hi, self.lo)
-        self.rotations = np.empty(sin.shape, dtype=np.complex128)
-        self.rotations.real = cos
-        self.rotations.imag = -sin
-        for array in (self.hi, self.lo, self.rotations):
+        rotations = self.bases(np.arange(self.block, dtype=np.int64))
+        sin, cos = rotations.real, rotations.imag
+        pairs = (self.block, self.count, 2)
+        rotate_cos = np.empty(pairs, dtype=np.float64)
+        rotate_cos[..., 0] = cos
+        rotate_cos[..., 1] = cos
+        rotate_sin = np.empty(pairs, dtype=np.float64)
+        rotate_sin[..., 0] = sin
+        rotate_sin[..., 1] = -sin
+        self.rotate_cos = rotate_cos.reshape(self.block, 2 * self.count)
+        self.rotate_sin = rotate_sin.reshape(self.block, 2 * self.count)
+        for array in (self.hi, self.lo, self.rotate_cos, self.rotate_sin):
             array.flags.writeable = False
 
     def bases(self, positions: Int64Array) -> npt.NDArray[np.complex128]:
         """``v(p)`` for each position, through the extended-precision angle."""
-        sin, cos = _sin_cos_rows(positions.astype(np.float64), self.hi, self.lo)
-        out = np.empty(sin.shape, dtype=np.complex128)
-        out.real = sin
-        out.imag = cos
+        out = np.empty((positions.size, self.count), dtype=np.complex128)
+        as_float = positions.astype(np.float64)
+        # A few rows per pass (or a slice of one wide row), so that the pass's two dozen
+        # temporaries stay in the CPU cache.
+        columns = min(self.count, _ELEMENTS_PER_PASS) or 1
+        rows = max(1, _ELEMENTS_PER_PASS // columns)
+        for first in range(0, positions.size, rows):
+            for column in range(0, self.count, columns):
+                last = column + columns
+                sin, cos = _sin_cos_rows(
+                    as_float[first : first + rows], self.hi[column:last], self.lo[column:last]
+                )
+                part = out[first : first + rows, column:last]
+                part.real = sin
+                part.imag = cos
         return out
 
     @property
     def nbytes(self) -> int:
         """Bytes held by the frequencies and the rotation table."""
-        return self.hi.nbytes + self.lo.nbytes + self.rotations.nbytes
+        return sum(a.nbytes for a in (self.hi, self.lo, self.rotate_cos, self.rotate_sin))
 
 
 @dataclass(frozen=True, eq=False)
@@ -223,7 +270,12 @@ def _sin_cos_rows(
     virtual = turns_hi - turns
     turns_lo = (turns - (turns_hi - virtual)) + (correction - virtual)
 
-    # angle = (turns_hi + turns_lo) * 2pi as double-double.
+    # Less the nearest quarter turn (exact: both are multiples of turns_hi's ulp), within
+    # [-1/8, 1/8] turn.
+    quarter = np.rint(turns_hi * 4.0)
+    turns_hi -= quarter * 0.25
+
+    # angle = (turns_hi + turns_lo) * 2pi as double-double, in [-pi/4, pi/4].
     angle = turns_hi * _TWO_PI_HI
     high, low = _split(turns_hi)
     angle_lo = high * _TWO_PI_SPLIT[0] - angle
@@ -232,12 +284,77 @@ def _sin_cos_rows(
     angle_lo += low * _TWO_PI_SPLIT[1]
     angle_lo += turns_hi * _TWO_PI_LO + turns_lo * _TWO_PI_HI
 
-    sin = np.sin(angle)
-    cos = np.cos(angle)
+    sin, cos = _sin_cos_small(angle)
     # First-order correction for the low part of the angle (|angle_lo| < 2**-50).
     sin_exact = sin + cos * angle_lo
     cos_exact = cos - sin * angle_lo
-    return sin_exact, cos_exact
+    # Quarter turn q: (sin, cos) becomes (cos, -sin), (-sin, -cos), (-cos, sin) for q = 1..3.
+    q = quarter.astype(np.int64) & 3
+    swap = (q & 1).astype(bool)
+    sin = np.where(swap, cos_exact, sin_exact)
+    cos = np.where(swap, sin_exact, cos_exact)
+    sin *= 1 - 2 * (q >> 1)
+    cos *= 1 - 2 * ((q ^ (q >> 1)) & 1)
+    return sin, cos
+
+
+def _sin_cos_small(x: Float64Array) -> tuple[Float64Array, Float64Array]:
+    """sin and cos of ``x`` in [-pi/4, pi/4], each within about 0.7 ulp.
+
+    Taylor polynomials in ``z = x * x``; cos adds ``1 - z / 2`` with its rounding errors
+    (and that of ``z``) carried separately, so that its largest term costs no accuracy.
+    """
+    z = x * x
+    x_high, x_low = _split(x)
+    z_error = (x_high * x_high - z) + 2.0 * x_high * x_low + x_low * x_low
+    sin_tail = _horner(z, _SIN_TAYLOR)
+    sin_tail *= z
+    sin_tail *= x
+    sin = x + sin_tail
+    half = 0.5 * z
+    head = 1.0 - half
+    cos_tail = _horner(z, _COS_TAYLOR)
+    cos_tail *= z
+    cos_tail *= z
+    cos_tail += ((1.0 - head) - half) - 0.5 * z_error
+    cos = head + cos_tail
+    return sin, cos
+
+
+def _horner(z: Float64Array, coefficients: Sequence[float]) -> Float64Array:
+    """``c0 + c1 z + c2 z**2 + ...``, Horner's way."""
+    acc = np.full_like(z, coefficients[-1])
+    for coefficient in reversed(coefficients[:-1]):
+        acc *= z
+        acc += coefficient
+    return acc
+
+
+def _rotate(
+    bases: Float64Array,
+    swapped: Float64Array,
+    rotate_cos: Float64Array,
+    rotate_sin: Float64Array,
+    out: Float64Array,
+    scratch: Float64Array,
+) -> None:
+    """``out = v(b) * conj(u(j))`` on float64 pairs: ``[s, c] * [C, C] + [c, s] * [S, -S]``.
+
+    ``bases`` are rows of ``[sin, cos]`` pairs, ``swapped`` the same rows as ``[cos, sin]``;
+    the four products and two sums of a complex product, rounded one by one as on any CPU.
+    """
+    np.multiply(bases, rotate_cos, out=out)
+    np.multiply(swapped, rotate_sin, out=scratch)
+    out += scratch
+
+
+def _pairs(rows: ComplexRows) -> tuple[Float64Array, Float64Array]:
+    """Complex rows as float64 ``[sin, cos]`` pairs, and the same rows as ``[cos, sin]``."""
+    flat = rows.view(np.float64)
+    swapped = np.empty_like(flat)
+    swapped[:, 0::2] = flat[:, 1::2]
+    swapped[:, 1::2] = flat[:, 0::2]
+    return flat, swapped
 
 
 def encode_range(encoding: Encoding, start: int, stop: int) -> Rows:
@@ -308,14 +425,19 @@ def wave_rows(waves: Waves, positions: Int64Array) -> ComplexRows:
     if waves.count == 0 or positions.size == 0:
         return out
     rows_per_pass = max(1, _ELEMENTS_PER_PASS // waves.count)
+    scratch = np.empty((min(rows_per_pass, positions.size), 2 * waves.count))
     for first in range(0, positions.size, rows_per_pass):
         chunk = positions[first : first + rows_per_pass]
         offset = chunk % waves.block
         bases, base_of_row = np.unique(chunk - offset, return_inverse=True)
-        np.multiply(
-            waves.bases(bases)[base_of_row],
-            waves.rotations[offset],
-            out=out[first : first + chunk.size],
+        flat, swapped = _pairs(waves.bases(bases))
+        _rotate(
+            flat[base_of_row],
+            swapped[base_of_row],
+            waves.rotate_cos[offset],
+            waves.rotate_sin[offset],
+            out[first : first + chunk.size].view(np.float64),
+            scratch[: chunk.size],
         )
     return out
 
@@ -332,19 +454,24 @@ def wave_blocks(waves: Waves, start: int, stop: int) -> Iterator[tuple[int, Comp
     block = waves.block
     aligned = start - start % block
     block_starts = aligned + block * np.arange(-(-(stop - aligned) // block), dtype=np.int64)
-    bases = waves.bases(block_starts)
+    flat, swapped = _pairs(waves.bases(block_starts))
     scratch = np.empty((block, waves.count), dtype=np.complex128)
+    products = np.empty((block, 2 * waves.count), dtype=np.float64)
     for index, block_start in enumerate(block_starts.tolist()):
         first, last = max(start, block_start), min(stop, block_start + block)
         rows = scratch[: last - first]
-        np.multiply(
-            bases[index : index + 1],
-            waves.rotations[first - block_start : last - block_start],
-            out=rows,
+        _rotate(
+            flat[index : index + 1],
+            swapped[index : index + 1],
+            waves.rotate_cos[first - block_start : last - block_start],
+            waves.rotate_sin[first - block_start : last - block_start],
+            rows.view(np.float64),
+            products[: last - first],
         )
         yield first - start, rows
 
 
 def _block_rows(count: int) -> int:
-    """Rows per block: up to 64, keeping the rotation table at 2**18 entries (4 MiB) at most."""
-    return max(1, min(64, (1 << 18) // max(count, 1)))
+    """Rows per block for ``count`` frequencies (see ``_BLOCK_ROWS``)."""
+    count = max(count, 1)
+    return max(1, min(max(_BLOCK_ROWS, _BLOCK_ENTRIES // count), _ROTATION_ENTRIES // count))

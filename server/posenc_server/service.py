@@ -2,8 +2,9 @@
 
 Rows are computed in fixed blocks of ``block_rows`` consecutive positions, aligned to
 multiples of ``block_rows``, so that any range request reuses the blocks of earlier ones. A
-block is at most ``max_chunk_bytes``, so a cached block never has to be re-split to respect
-the chunk limit unless the client asks for smaller chunks.
+block holds at most ``_BLOCK_ELEMENTS`` elements and ``max_chunk_bytes`` bytes: computing one
+costs about the same whatever the row width, so a request's work is its rows plus at most a
+few blocks. A stream chunk is one block's rows when it fits in one, else copied from several.
 
 Every encoding call is admitted first: refused while the server drains, and streams beyond
 ``max_concurrent_streams`` are refused with a hint to retry. Results leave as serialized
@@ -39,8 +40,13 @@ from posenc_server.specs import Request, Spec
 
 Table = npt.NDArray[np.generic]
 BlockKey = tuple[int, int]  # (spec serial, block index)
-# A unary position list computes at most this many new blocks (of max_chunk_bytes each);
-# the rows of further uncached blocks are computed one by one.
+# Elements of a cached block (256 Ki: a 1 MiB chunk of float32): a narrow table's block is
+# many rows, a wide one's few, and each costs a few milliseconds to compute.
+_BLOCK_ELEMENTS = 1 << 18
+# A unary position list computes new blocks (for the decode steps that follow) up to this
+# many times its own rows, at least one block and at most _MAX_NEW_BLOCKS_PER_LIST; the rows
+# of further uncached blocks are computed one by one.
+_NEW_BLOCK_ROWS_PER_ROW = 16
 _MAX_NEW_BLOCKS_PER_LIST = 64
 # Evicting this much frees enough heap to trim it at once rather than at the next tick.
 _TRIM_AFTER_EVICTED_BYTES = 16 << 20
@@ -185,8 +191,10 @@ class EncodingService:
     # Tables ---------------------------------------------------------------------------------
 
     def block_rows(self, spec: Spec) -> int:
-        """Rows per cached block: as many as fit in one maximal chunk."""
-        return max(1, self.config.max_chunk_bytes // spec.row_bytes)
+        """Rows per cached block: ``_BLOCK_ELEMENTS`` elements, within one maximal chunk."""
+        return max(
+            1, min(self.config.max_chunk_bytes // spec.row_bytes, _BLOCK_ELEMENTS // spec.width)
+        )
 
     def table(self, spec: Spec, selection: Selection) -> Table:
         """The whole table of a small (unary) selection, in one array (read-only when it is
@@ -196,10 +204,10 @@ class EncodingService:
         next steps ask for again.
         """
         if isinstance(selection, PositionList):
-            return self._rows_for_positions(
-                spec, selection.positions, new_blocks=_MAX_NEW_BLOCKS_PER_LIST
-            )
-        chunks = list(self._range_chunks(spec, selection, self.block_rows(spec)))
+            new_rows = _NEW_BLOCK_ROWS_PER_ROW * selection.rows
+            new_blocks = min(_MAX_NEW_BLOCKS_PER_LIST, max(1, new_rows // self.block_rows(spec)))
+            return self._rows_for_positions(spec, selection.positions, new_blocks=new_blocks)
+        chunks = list(self._block_pieces(spec, selection.start, selection.stop))
         if len(chunks) == 1:
             return chunks[0].rows  # within one block: no copy before the message's
         out = np.empty((selection.rows, spec.width), dtype=spec.encoding.dtype)
@@ -226,21 +234,30 @@ class EncodingService:
     def _range_chunks(
         self, spec: Spec, selection: PositionRange, chunk_rows: int
     ) -> Iterator[Chunk]:
+        """Chunks of ``chunk_rows`` rows: a block's rows as they are when one block holds
+        the chunk, else copied from the blocks it spans."""
+        for first in range(selection.start, selection.stop, chunk_rows):
+            last = min(first + chunk_rows, selection.stop)
+            pieces = list(self._block_pieces(spec, first, last))
+            if len(pieces) == 1:
+                yield Chunk(first - selection.start, pieces[0].rows)
+                continue
+            rows = np.empty((last - first, spec.width), dtype=spec.encoding.dtype)
+            for piece in pieces:
+                rows[piece.row_offset : piece.row_offset + len(piece.rows)] = piece.rows
+            yield Chunk(first - selection.start, rows)
+
+    def _block_pieces(self, spec: Spec, start: int, stop: int) -> Iterator[Chunk]:
+        """Rows ``start .. stop - 1`` as views of the cached blocks that hold them."""
         block_rows = self.block_rows(spec)
-        spec_id = spec.serial
-        position = selection.start
-        while position < selection.stop:
+        position = start
+        while position < stop:
             index = position // block_rows
-            block = self._block(spec, spec_id, index, block_rows)
+            block = self._block(spec, spec.serial, index, block_rows)
             block_start = index * block_rows
-            block_stop = min(block_start + block_rows, selection.stop)
-            while position < block_stop:
-                end = min(position + chunk_rows, block_stop)
-                yield Chunk(
-                    position - selection.start,
-                    block[position - block_start : end - block_start],
-                )
-                position = end
+            end = min(block_start + block_rows, stop)
+            yield Chunk(position - start, block[position - block_start : end - block_start])
+            position = end
 
     def _block(self, spec: Spec, spec_id: int, index: int, block_rows: int) -> Table:
         """Block ``index`` of ``spec`` (whose serial is ``spec_id``), from the cache."""

@@ -24,6 +24,7 @@ from posenc_server import engine
 from posenc_server.errors import InvalidRequestError
 from posenc_server.requests import Query, Selection
 from posenc_server.tables import Limits, TableKind
+from posenc_server.tables.base import footprint
 
 DEFAULT_MAX_ENTRIES = 1024
 DEFAULT_MAX_BYTES = 16 << 20
@@ -55,8 +56,8 @@ class Spec:
 
     @property
     def nbytes(self) -> int:
-        """Approximately the memory it holds."""
-        return self.encoding.nbytes
+        """Approximately the memory it holds: the waves and the table kind's parameters."""
+        return self.encoding.nbytes + footprint(self.encoding.table)
 
 
 @dataclass(frozen=True)

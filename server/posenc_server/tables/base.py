@@ -9,6 +9,7 @@ it from a request generically and the kind is the whole cache key of its rows. K
 from __future__ import annotations
 
 import abc
+import dataclasses
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -19,6 +20,15 @@ from posenc_server.errors import FieldViolation
 
 # Positions after a kind's offset stay where float64 holds them exactly.
 MAX_MAPPED_POSITION = 1 << 52
+# The largest angle (radians) a frequency may reach at an accepted position: the engine's
+# double-double turns keep 2**-106 of it, so the angle stays within 2**-53 of exact.
+MAX_ANGLE = float(1 << 52)
+
+
+def max_frequency(limits: Limits, offset: int = 0) -> float:
+    """The largest angular frequency whose angle at every accepted position (shifted by up to
+    ``offset``) stays within ``MAX_ANGLE``: 1024 with the default 2**42 position limit."""
+    return MAX_ANGLE / max(limits.max_abs_position + abs(offset), 1)
 
 
 class Limits(Protocol):
@@ -86,6 +96,23 @@ class TableKind(Documented):
 IDENTITY = engine.PositionMap()
 
 
+def footprint(value: object) -> int:
+    """Approximately the bytes a table kind's parameters hold (a longrope spec's two lists
+    of 32,768 floats: 2 MiB), for the spec table's budget."""
+    if isinstance(value, tuple):
+        # The tuple's pointers, and a float object (24 bytes) per element.
+        return 56 + 32 * len(value)
+    if dataclasses.is_dataclass(value):
+        return 64 + sum(footprint(getattr(value, f.name)) for f in dataclasses.fields(value))
+    return 32
+
+
+def number(value: float) -> str:
+    """``value`` short (``%g``) when that is exact, else in full."""
+    short = f"{value:g}"
+    return short if float(short) == value else repr(value)
+
+
 @dataclass
 class Checker:
     """Collects the violations of one message's fields (``path`` names the message)."""
@@ -101,15 +128,28 @@ class Checker:
         """A checker of the sub-message ``name`` that adds to the same violations."""
         return Checker(f"{self.path}.{name}", self.violations)
 
-    def real(self, name: str, value: float | None, low: float, *, strict: bool = True) -> bool:
-        """Check that ``value`` (None: unset, valid) is finite and > ``low`` (>= unless
-        ``strict``); returns whether it is valid."""
+    def real(
+        self,
+        name: str,
+        value: float | None,
+        low: float,
+        *,
+        strict: bool = True,
+        high: float = math.inf,
+    ) -> bool:
+        """Check that ``value`` (None: unset, valid) is finite, > ``low`` (>= unless
+        ``strict``) and <= ``high``; returns whether it is valid."""
         if value is None:
             return True
-        if math.isfinite(value) and (value > low or (not strict and value == low)):
+        if (
+            math.isfinite(value)
+            and (value > low or (not strict and value == low))
+            and value <= high
+        ):
             return True
         relation = ">" if strict else ">="
-        self.add(name, f"must be finite and {relation} {low:g}, got {value!r}")
+        upper = "" if high == math.inf else f" and <= {number(high)}"
+        self.add(name, f"must be finite, {relation} {number(low)}{upper}, got {value!r}")
         return False
 
     def between(

@@ -18,11 +18,35 @@ from typing import ClassVar
 
 from posenc_server import engine
 from posenc_server.errors import FieldViolation
-from posenc_server.tables.base import Checker, Doc, Documented, Limits, TableKind
+from posenc_server.tables.base import (
+    Checker,
+    Doc,
+    Documented,
+    Limits,
+    TableKind,
+    max_frequency,
+    number,
+)
 
 _MAX_COUNT = 1 << 62
+MAX_FACTOR = 2.0**64
+"""Largest scaling factor: dynamic NTK's ``factor * length / original - (factor - 1)`` then
+keeps 30 of its 50 digits, and no quotient leaves float64's range."""
+MAX_ATTENTION = 2.0
+"""Largest attention factor (the scale of cos and sin): float64 rows stay within the
+contract's 2**-50: the worst error measured at 2.0 is 0.68 * 2**-50 over 102,400 sampled
+elements (tests/test_table_ranges.py checks 12,800 of them)."""
+
+
+def min_factor(limits: Limits) -> float:
+    """Smallest factor a frequency may be divided by: the scaled frequencies stay within
+    ``max_frequency`` (the unscaled ones are at most 1): 2**-10 with the default limits."""
+    return 1.0 / max_frequency(limits)
+
+
 _ORIGINAL = Doc("the pre-training context length, >= 1")
-_DERIVED_FACTOR = Doc("scaling factor, > 0", "max_position_embeddings / original")
+_FACTOR = Doc("scaling factor, in [2**-10, 2**64] with the default position limit (README)")
+_DERIVED_FACTOR = Doc(_FACTOR.description, "max_position_embeddings / original")
 _CONFIG_LENGTH = Doc("the config's context length, only used to derive factor", "none")
 
 
@@ -49,10 +73,10 @@ class Scaling(Documented):
         """The scaled frequencies of the default ``inv_freq`` (in a 50-digit context)."""
 
     @abc.abstractmethod
-    def check(self, check: Checker) -> None:
-        """Check the fields on their own."""
+    def check(self, check: Checker, limits: Limits) -> None:
+        """Check the fields on their own, and what they derive (the attention factor)."""
 
-    def check_rotary_dim(self, check: Checker, rotary_dim: int) -> None:
+    def check_rotary_dim(self, check: Checker, rotary_dim: int, limits: Limits) -> None:
         """Check the fields that depend on ``rotary_dim`` (once the others are valid)."""
 
 
@@ -64,17 +88,61 @@ def _factor(factor: float | None, max_length: int | None, original: int) -> Deci
     return Decimal(max_length) / Decimal(original)
 
 
-def _check_derived_factor(scaling: Yarn | LongRope, check: Checker) -> None:
+def _check_factor(
+    check: Checker, limits: Limits, value: float | None, name: str = "factor"
+) -> bool:
+    """A scaling factor (None: unset, valid) within [min_factor, MAX_FACTOR]."""
+    return check.real(name, value, min_factor(limits), strict=False, high=MAX_FACTOR)
+
+
+def _check_derived_factor(scaling: Yarn | LongRope, check: Checker, limits: Limits) -> bool:
+    """factor, or the lengths it derives from; returns whether the factor is valid."""
+    valid = True
     if scaling.factor is None and scaling.max_position_embeddings is None:
         check.add("factor", f"rope type {scaling.NAME} needs factor or max_position_embeddings")
-    check.real("factor", scaling.factor, 0.0)
-    _check_lengths(scaling, check, "original_max_position_embeddings", "max_position_embeddings")
+        valid = False
+    valid &= _check_factor(check, limits, scaling.factor)
+    valid &= _check_lengths(
+        scaling, check, "original_max_position_embeddings", "max_position_embeddings"
+    )
+    if valid and scaling.factor is None:
+        derived = _factor(
+            None, scaling.max_position_embeddings, scaling.original_max_position_embeddings
+        )
+        if derived < Decimal(min_factor(limits)):
+            check.add(
+                "max_position_embeddings",
+                f"makes factor = max_position_embeddings / original_max_position_embeddings "
+                f"= {float(derived):g}, under the smallest factor {number(min_factor(limits))}",
+            )
+            valid = False
+    return valid
 
 
-def _check_lengths(scaling: Scaling, check: Checker, *names: str) -> None:
+def _check_attention(
+    check: Checker, scaling: Yarn | LongRope, attention: Decimal, cause: str
+) -> None:
+    """The attention factor (given or derived from ``cause``) within (0, MAX_ATTENTION]."""
+    if scaling.attention_factor is not None or attention <= Decimal(MAX_ATTENTION):
+        return  # a given attention_factor has its own range check
+    check.add(
+        cause,
+        f"gives an attention factor of {float(attention):.6g}, over the largest the server "
+        f"serves within its accuracy contract, {MAX_ATTENTION:g} (or set attention_factor)",
+    )
+
+
+def _cause_of_factor(scaling: Yarn | LongRope) -> str:
+    """The field a derived quantity of the factor comes from."""
+    return "factor" if scaling.factor is not None else "max_position_embeddings"
+
+
+def _check_lengths(scaling: Scaling, check: Checker, *names: str) -> bool:
     """Each of the fields ``names`` (a length, or unset) is between 1 and 2**62."""
+    valid = True
     for name in names:
-        check.between(name, getattr(scaling, name), 1, _MAX_COUNT, "2**62")
+        valid &= check.between(name, getattr(scaling, name), 1, _MAX_COUNT, "2**62")
+    return valid
 
 
 @dataclass(frozen=True)
@@ -83,7 +151,7 @@ class Linear(Scaling):
 
     NAME: ClassVar[str] = "linear"
     DESCRIPTION: ClassVar[str] = "default / factor (position interpolation)"
-    PARAMETERS: ClassVar = {"factor": Doc("scaling factor, > 0")}
+    PARAMETERS: ClassVar = {"factor": _FACTOR}
 
     factor: float = 0.0
 
@@ -91,9 +159,9 @@ class Linear(Scaling):
         """``inv_freq / factor``."""
         return Frequencies([f / Decimal(self.factor) for f in inv_freq])
 
-    def check(self, check: Checker) -> None:
-        """factor > 0."""
-        check.real("factor", self.factor, 0.0)
+    def check(self, check: Checker, limits: Limits) -> None:
+        """factor in [min_factor, MAX_FACTOR]."""
+        _check_factor(check, limits, self.factor)
 
 
 @dataclass(frozen=True)
@@ -105,7 +173,7 @@ class Dynamic(Scaling):
         "NTK-aware: rope_theta scaled for seq_len beyond max_position_embeddings"
     )
     PARAMETERS: ClassVar = {
-        "factor": Doc("scaling factor, > 0"),
+        "factor": _FACTOR,
         "max_position_embeddings": Doc("the config's context length, >= 1"),
         "seq_len": Doc("the sequence length the frequencies are for", "max_position_embeddings"),
     }
@@ -128,9 +196,9 @@ class Dynamic(Scaling):
         """The default frequencies of the scaled theta."""
         return Frequencies(inv_freq)
 
-    def check(self, check: Checker) -> None:
-        """factor > 0, lengths >= 1."""
-        check.real("factor", self.factor, 0.0)
+    def check(self, check: Checker, limits: Limits) -> None:
+        """factor in [min_factor, MAX_FACTOR], lengths >= 1."""
+        _check_factor(check, limits, self.factor)
         _check_lengths(self, check, "max_position_embeddings", "seq_len")
 
 
@@ -156,7 +224,7 @@ class Yarn(Scaling):
         "mscale_all_dim": Doc("YaRN mscale_all_dim, >= 0", "none"),
         "truncate": Doc("floor and ceil the correction range", "true"),
         "attention_factor": Doc(
-            "the scale of cos and sin, > 0", "0.1 ln(factor) + 1, or the mscale ratio"
+            "the scale of cos and sin, in (0, 2]", "0.1 ln(factor) + 1, or the mscale ratio"
         ),
     }
 
@@ -170,18 +238,24 @@ class Yarn(Scaling):
     truncate: bool = True
     attention_factor: float | None = None
 
+    def attention(self) -> Decimal:
+        """The attention factor: given, the ratio of the mscales, or ``0.1 ln(factor) + 1``."""
+        factor = _factor(
+            self.factor, self.max_position_embeddings, self.original_max_position_embeddings
+        )
+        if self.attention_factor is not None:
+            return Decimal(self.attention_factor)
+        if self.mscale and self.mscale_all_dim:
+            return _mscale(factor, Decimal(self.mscale)) / _mscale(
+                factor, Decimal(self.mscale_all_dim)
+            )
+        return _mscale(factor)
+
     def scale(self, inv_freq: list[Decimal], log_theta: Decimal, rotary_dim: int) -> Frequencies:
         """Interpolated below the correction range, extrapolated above, a ramp between."""
         original_length = self.original_max_position_embeddings
         factor = _factor(self.factor, self.max_position_embeddings, original_length)
-        if self.attention_factor is not None:
-            attention = Decimal(self.attention_factor)
-        elif self.mscale and self.mscale_all_dim:
-            attention = _mscale(factor, Decimal(self.mscale)) / _mscale(
-                factor, Decimal(self.mscale_all_dim)
-            )
-        else:
-            attention = _mscale(factor)
+        attention = self.attention()
         # `or`: transformers treats 0 like unset.
         beta_fast = Decimal(self.beta_fast or 32)
         beta_slow = Decimal(self.beta_slow or 1)
@@ -204,13 +278,20 @@ class Yarn(Scaling):
             frequencies.append(extrapolation / factor * ramp + extrapolation * (1 - ramp))
         return Frequencies(frequencies, attention)
 
-    def check(self, check: Checker) -> None:
+    def check(self, check: Checker, limits: Limits) -> None:
         """factor (or max_position_embeddings), lengths, betas, mscales, attention."""
-        _check_derived_factor(self, check)
-        for name in ("beta_fast", "beta_slow", "attention_factor"):
-            check.real(name, getattr(self, name), 0.0)
+        valid = _check_derived_factor(self, check, limits)
+        for name in ("beta_fast", "beta_slow"):
+            valid &= check.real(name, getattr(self, name), 0.0)
+        valid &= check.real("attention_factor", self.attention_factor, 0.0, high=MAX_ATTENTION)
         for name in ("mscale", "mscale_all_dim"):
-            check.real(name, getattr(self, name), 0.0, strict=False)
+            valid &= check.real(name, getattr(self, name), 0.0, strict=False)
+        if valid:
+            with localcontext() as context:
+                context.prec = engine.PRECISION
+                both = self.mscale and self.mscale_all_dim
+                cause = "mscale" if both else _cause_of_factor(self)
+                _check_attention(check, self, self.attention(), cause)
 
 
 @dataclass(frozen=True)
@@ -225,10 +306,10 @@ class LongRope(Scaling):
         "factor": _DERIVED_FACTOR,
         "original_max_position_embeddings": _ORIGINAL,
         "max_position_embeddings": _CONFIG_LENGTH,
-        "short_factor": Doc("rotary_dim / 2 factors, each finite and > 0"),
-        "long_factor": Doc("rotary_dim / 2 factors, each finite and > 0"),
+        "short_factor": Doc("rotary_dim / 2 factors, each in [2**-10, 2**64] (see README)"),
+        "long_factor": Doc("rotary_dim / 2 factors, each in [2**-10, 2**64] (see README)"),
         "attention_factor": Doc(
-            "the scale of cos and sin, > 0", "sqrt(1 + ln(factor) / ln(original))"
+            "the scale of cos and sin, in (0, 2]", "sqrt(1 + ln(factor) / ln(original))"
         ),
         "seq_len": Doc("long_factor when above original_max_position_embeddings", "short_factor"),
     }
@@ -241,38 +322,71 @@ class LongRope(Scaling):
     attention_factor: float | None = None
     seq_len: int | None = None
 
-    def scale(self, inv_freq: list[Decimal], log_theta: Decimal, rotary_dim: int) -> Frequencies:
-        """Each frequency divided by its short or long factor."""
+    def attention(self) -> Decimal:
+        """The attention factor: given, else ``sqrt(1 + ln(factor) / ln(original))`` (1 for
+        a factor <= 1)."""
         original = self.original_max_position_embeddings
         factor = _factor(self.factor, self.max_position_embeddings, original)
         if self.attention_factor is not None:
-            attention = Decimal(self.attention_factor)
-        elif factor <= 1:
-            attention = Decimal(1)
-        else:
-            attention = (1 + factor.ln() / Decimal(original).ln()).sqrt()
-        long = self.seq_len is not None and self.seq_len > original
+            return Decimal(self.attention_factor)
+        if factor <= 1:
+            return Decimal(1)
+        return (1 + factor.ln() / Decimal(original).ln()).sqrt()
+
+    def scale(self, inv_freq: list[Decimal], log_theta: Decimal, rotary_dim: int) -> Frequencies:
+        """Each frequency divided by its short or long factor."""
+        long = self.seq_len is not None and self.seq_len > self.original_max_position_embeddings
         factors = self.long_factor if long else self.short_factor
         return Frequencies(
-            [f / Decimal(s) for f, s in zip(inv_freq, factors, strict=True)], attention
+            [f / Decimal(s) for f, s in zip(inv_freq, factors, strict=True)], self.attention()
         )
 
-    def check(self, check: Checker) -> None:
+    def check(self, check: Checker, limits: Limits) -> None:
         """factor (or max_position_embeddings), lengths, attention."""
-        _check_derived_factor(self, check)
-        check.real("attention_factor", self.attention_factor, 0.0)
+        valid = _check_derived_factor(self, check, limits)
+        valid &= check.real("attention_factor", self.attention_factor, 0.0, high=MAX_ATTENTION)
         _check_lengths(self, check, "seq_len")
+        if not valid or self.attention_factor is not None:
+            return
+        with localcontext() as context:
+            context.prec = engine.PRECISION
+            factor = _factor(
+                self.factor, self.max_position_embeddings, self.original_max_position_embeddings
+            )
+            if factor > 1 and self.original_max_position_embeddings == 1:
+                # ln(original) = 0: transformers divides by zero too.
+                check.add(
+                    "original_max_position_embeddings",
+                    "must be at least 2 to derive the attention factor of a factor > 1 "
+                    "(or set attention_factor)",
+                )
+                return
+            _check_attention(check, self, self.attention(), _cause_of_factor(self))
 
-    def check_rotary_dim(self, check: Checker, rotary_dim: int) -> None:
-        """rotary_dim / 2 positive factors each."""
+    def check_rotary_dim(self, check: Checker, rotary_dim: int, limits: Limits) -> None:
+        """rotary_dim / 2 factors each, each within [min_factor, MAX_FACTOR]."""
+        low = min_factor(limits)
         for name in ("short_factor", "long_factor"):
             values: Sequence[float] = getattr(self, name)
             if len(values) != rotary_dim // 2:
                 check.add(
                     name, f"must hold rotary_dim / 2 = {rotary_dim // 2} values, got {len(values)}"
                 )
-            elif not all(math.isfinite(v) and v > 0 for v in values):
-                check.add(name, "every factor must be finite and > 0")
+                continue
+            bad = next(
+                (
+                    i
+                    for i, v in enumerate(values)
+                    if not (math.isfinite(v) and low <= v <= MAX_FACTOR)
+                ),
+                None,
+            )
+            if bad is not None:
+                check.add(
+                    name,
+                    f"every factor must be finite and within [{number(low)}, "
+                    f"{number(MAX_FACTOR)}], got {values[bad]!r} at index {bad}",
+                )
 
 
 @dataclass(frozen=True)
@@ -282,7 +396,7 @@ class Llama3(Scaling):
     NAME: ClassVar[str] = "llama3"
     DESCRIPTION: ClassVar[str] = "Llama 3.1: low frequencies / factor, smooth band between"
     PARAMETERS: ClassVar = {
-        "factor": Doc("scaling factor, > 0"),
+        "factor": _FACTOR,
         "original_max_position_embeddings": _ORIGINAL,
         "low_freq_factor": Doc("Llama 3 low_freq_factor, > 0"),
         "high_freq_factor": Doc("Llama 3 high_freq_factor, > low_freq_factor"),
@@ -312,9 +426,9 @@ class Llama3(Scaling):
                 frequencies.append((1 - smooth) * frequency / factor + smooth * frequency)
         return Frequencies(frequencies)
 
-    def check(self, check: Checker) -> None:
-        """Positive factors, high_freq_factor > low_freq_factor."""
-        check.real("factor", self.factor, 0.0)
+    def check(self, check: Checker, limits: Limits) -> None:
+        """factor in [min_factor, MAX_FACTOR], positive band factors, high > low."""
+        _check_factor(check, limits, self.factor)
         _check_lengths(self, check, "original_max_position_embeddings")
         low, high = self.low_freq_factor, self.high_freq_factor
         low_valid = check.real("low_freq_factor", low, 0.0)
@@ -403,7 +517,12 @@ class Rotary(TableKind):
             log_theta = Decimal(self.rope_theta).ln()
             if self.scaling is not None:
                 log_theta = self.scaling.log_theta(log_theta, dim)
-            inv_freq = [(-Decimal(2 * i) / Decimal(dim) * log_theta).exp() for i in range(dim // 2)]
+            # inv_freq[i] = ratio ** i: one product per frequency instead of one exp (a
+            # 16384-frequency table took 0.7 s of exps); 16384 products lose under 1e-45.
+            ratio = (-Decimal(2) / Decimal(dim) * log_theta).exp()
+            inv_freq = [Decimal(1)]
+            for _ in range(dim // 2 - 1):
+                inv_freq.append(inv_freq[-1] * ratio)
             scaled = Frequencies(inv_freq)
             if self.scaling is not None:
                 scaled = self.scaling.scale(inv_freq, log_theta, dim)
@@ -428,7 +547,7 @@ class Rotary(TableKind):
         check.one_of("layout", self.layout, LAYOUTS)
         scaling = None if self.scaling is None else check.nested(self.scaling.NAME)
         if self.scaling is not None and scaling is not None:
-            self.scaling.check(scaling)
+            self.scaling.check(scaling, limits)
         if check.violations:
             return check.violations
         dim = self.rotary_dim
@@ -441,7 +560,7 @@ class Rotary(TableKind):
             )
             return check.violations
         if self.scaling is not None and scaling is not None:
-            self.scaling.check_rotary_dim(scaling, dim)
+            self.scaling.check_rotary_dim(scaling, dim, limits)
         if self.width > limits.max_d_model:
             check.add(
                 "head_dim",

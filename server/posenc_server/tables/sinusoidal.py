@@ -17,7 +17,15 @@ import numpy as np
 
 from posenc_server import engine
 from posenc_server.errors import FieldViolation
-from posenc_server.tables.base import MAX_MAPPED_POSITION, Checker, Doc, Limits, TableKind
+from posenc_server.tables.base import (
+    MAX_MAPPED_POSITION,
+    Checker,
+    Doc,
+    Limits,
+    TableKind,
+    max_frequency,
+    number,
+)
 
 DEFAULT_BASE = 10000.0
 
@@ -146,7 +154,7 @@ class Tensor2Tensor(_Sinusoid):
     PARAMETERS: ClassVar = {
         "d_model": _WIDTH,
         "max_timescale": Doc("largest timescale, finite and > min_timescale", "10000"),
-        "min_timescale": Doc("smallest timescale, > 0 and < max_timescale", "1"),
+        "min_timescale": Doc("smallest timescale, > 0, < max_timescale and <= 1024 (README)", "1"),
         "start_index": Doc("added to every position", "0"),
     }
 
@@ -189,7 +197,15 @@ class Tensor2Tensor(_Sinusoid):
                 "min_timescale", f"must be > 0 and below max_timescale ({high!r}), got {low!r}"
             )
         offset_limit = _offset_limit(limits)
-        check.between("start_index", self.start_index, -offset_limit, offset_limit)
+        if check.between("start_index", self.start_index, -offset_limit, offset_limit):
+            # Its frequencies go up to min_timescale (the others' up to 1).
+            highest = max_frequency(limits, self.start_index)
+            if math.isfinite(low) and low > highest:
+                check.add(
+                    "min_timescale",
+                    f"must be at most {number(highest)} (2**52 / the largest shifted position), "
+                    f"got {low!r}",
+                )
         return check.violations
 
 
