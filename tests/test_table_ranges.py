@@ -90,7 +90,7 @@ def client() -> Iterator[posenc.Client]:
         with posenc.Client(running.target, max_retries=0, timeout=60) as sdk:
             yield sdk
     finally:
-        running.server.stop(0).wait()
+        running.stop(0)
 
 
 def _served_or_refused(client: posenc.Client, spec_of: Any, dtype: str) -> np.ndarray | None:
