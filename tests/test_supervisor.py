@@ -9,6 +9,7 @@ import socket
 import time
 import urllib.request
 from collections.abc import Callable
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -106,6 +107,21 @@ def test_workers_die_with_a_killed_supervisor_and_free_the_port(
             except OSError:
                 assert time.monotonic() < deadline + 5, "the port stayed taken"
                 time.sleep(0.1)
+
+
+def test_a_killed_supervisors_metrics_directory_is_removed_at_the_next_start(
+    spawn_server: Callable[..., ServerProcess], tmp_path: Path
+) -> None:
+    env = {"TMPDIR": str(tmp_path)}
+    first = spawn_server(0, "--processes", "2", env=env)
+    (orphan,) = tmp_path.glob("posenc-metrics-*")
+    first.kill()
+    first.process.wait(30)
+    assert orphan.exists()  # SIGKILL: nobody cleaned up
+    second = spawn_server(0, "--processes", "2", env=env)
+    assert not orphan.exists()
+    (current,) = tmp_path.glob("posenc-metrics-*")
+    assert current.name.startswith(f"posenc-metrics-{second.process.pid}-")
 
 
 @pytest.mark.timeout(120)

@@ -15,6 +15,7 @@ import ctypes
 import errno
 import logging
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -24,6 +25,7 @@ import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -100,6 +102,30 @@ def serve_metrics(config: ServerConfig, multiprocess_dir: str | None = None) -> 
             f"cannot serve metrics on port {config.metrics_port}: {error} "
             "(choose another with --metrics-port (POSENC_METRICS_PORT), or -1 for none)"
         ) from None
+
+
+_METRICS_DIR_PREFIX = "posenc-metrics-"
+
+
+def _remove_orphaned_metrics_dirs() -> None:
+    """Remove the metrics directories of supervisors that died without cleaning up (SIGKILL,
+    OOM kill): each is named after its supervisor's pid, and a dead pid's is an orphan."""
+    for path in Path(tempfile.gettempdir()).glob(f"{_METRICS_DIR_PREFIX}*-*"):
+        pid = path.name.removeprefix(_METRICS_DIR_PREFIX).partition("-")[0]
+        if not pid.isdigit() or _alive(int(pid)):
+            continue
+        shutil.rmtree(path, ignore_errors=True)
+        log.info("removed an orphaned metrics directory", extra={"fields": {"path": str(path)}})
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # another user's process
+    return True
 
 
 def worker_index() -> int | None:
@@ -181,7 +207,8 @@ def supervise(
     port = int(port_holder.getsockname()[1])
     # Workers write their metrics here; the supervisor serves the sum. Their health sockets
     # live here too.
-    metrics_dir = tempfile.TemporaryDirectory(prefix="posenc-metrics-")
+    _remove_orphaned_metrics_dirs()
+    metrics_dir = tempfile.TemporaryDirectory(prefix=f"{_METRICS_DIR_PREFIX}{os.getpid()}-")
     # Metrics listen before any worker does: a busy metrics port fails the start while
     # nothing serves yet.
     try:
