@@ -25,7 +25,7 @@ MODEL_SECONDS = 0.005
 def _settle(client: posenc.Client) -> None:
     """Until the client's background read-ahead has landed (untimed): no transfer of it
     may overlap another measured call."""
-    while client._rows.in_flight:
+    while client._core.rows.in_flight:
         time.sleep(0.0005)
 
 
