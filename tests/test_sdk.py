@@ -314,6 +314,22 @@ def test_resource_exhausted(server_factory: Callable[..., RunningServer]) -> Non
         client.get_range(0, 4096, 512)
 
 
+def test_iterators_split_what_is_over_the_stream_limit(
+    server_factory: Callable[..., RunningServer], client: posenc.Client
+) -> None:
+    # 8 MiB through a server whose streams stop at 1 MiB: the iterator asks for the rest in
+    # smaller streams, and every row arrives once, in order, exact.
+    limited = server_factory(max_stream_bytes=1 << 20)
+    expected = client.get_range(-100, 4000, 512)
+    with posenc.Client(limited.target) as small:
+        slices = list(small.iter_range(-100, 4000, 512))
+        positions = np.arange(-100, 4000)[::-1]
+        by_list = list(small.iter_positions(positions, 512))
+    assert [first for first, _ in slices] == sorted({first for first, _ in slices})
+    assert same_bits(np.concatenate([rows for _, rows in slices]), expected)
+    assert same_bits(np.concatenate([rows for _, rows in by_list]), expected[::-1])
+
+
 def test_over_the_stream_limit_fails_before_allocating(client: posenc.Client) -> None:
     # 16 PiB: refused by the server, not a MemoryError from preallocating the result.
     with pytest.raises(posenc.ResourceExhaustedError, match="stream limit"):

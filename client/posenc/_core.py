@@ -35,6 +35,7 @@ from posenc._query import (
 from posenc._retry import (
     CallBudget,
     Contact,
+    map_rpc_error,
     resolve_timeout,
 )
 from posenc._rows import (
@@ -179,6 +180,13 @@ class Stepper(Generic[T]):
 
     def __exit__(self, *exc_info: object) -> None:
         self._steps.close()
+
+
+def _over_a_limit(error: grpc.RpcError) -> bool:
+    """RESOURCE_EXHAUSTED without a retry delay: the request is over a size limit (with one,
+    the server is busy, and the retry budget handles it)."""
+    mapped = map_rpc_error(error)
+    return mapped.code == grpc.StatusCode.RESOURCE_EXHAUSTED and mapped.retry_after is None
 
 
 # -- the calls ---------------------------------------------------------------------------------
@@ -415,6 +423,8 @@ class Core:
             except grpc.RpcError as error:
                 if cursor.done:
                     return  # the failure came after the last row: nothing is missing
+                if _over_a_limit(error) and cursor.split():
+                    continue  # the server's stream limit: ask for the rest in smaller calls
                 delay = budget.on_error(error)
             finally:
                 # A no-op when the call finished; frees the server's stream when the

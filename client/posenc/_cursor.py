@@ -77,6 +77,7 @@ class StreamCursor:
         self.columns = query.columns  # the width, once known: every chunk must have it
         self._base = 0  # first row of the current call's selection
         self._stop = 0  # the row after the current call's selection
+        self._max_rows: int | None = None  # rows per call, once a call was over the limit
         self.collect = collect
         self._out: np.ndarray[Any, Any] | None = None
 
@@ -92,7 +93,22 @@ class StreamCursor:
         """The request for the rows not yet received."""
         self._base = self.received
         self._stop = self.query.request_stop(self.received)
-        return self.query.stream_request(self.received, self.max_chunk_bytes)
+        if self._max_rows is not None:
+            self._stop = min(self._stop, self.received + self._max_rows)
+        return self.query.stream_request(self.received, self.max_chunk_bytes, self._stop)
+
+    def split(self) -> bool:
+        """After the server refused the current call as over its stream limit: whether
+        smaller calls can carry the rest (then half as many rows per call from now on).
+
+        Only for iterators, which hold a chunk at a time; a whole table (``get_range``)
+        over the limit would not fit in memory either, and stays refused.
+        """
+        rows = self._stop - self._base
+        if self.collect or rows <= 1:
+            return False
+        self._max_rows = (rows + 1) // 2
+        return True
 
     @property
     def more(self) -> bool:

@@ -153,12 +153,13 @@ class Query:
         list's index into the positions."""
         return self.start + row if self.positions is None else row
 
-    def _selection(self, first_row: int) -> dict[str, Any]:
-        # Rows before first_row were already received: ask only for the rest.
+    def _selection(self, first_row: int, stop_row: int | None = None) -> dict[str, Any]:
+        # Rows before first_row were already received: ask only for the rest (up to
+        # stop_row, when a long selection travels in parts).
+        stop = self.request_stop(first_row) if stop_row is None else stop_row
         if self.positions is None:
-            stop = self.start + self.rows
-            return {"range": pb.PositionRange(start=self.start + first_row, stop=stop)}
-        stop = first_row + MAX_POSITIONS_PER_REQUEST
+            range_ = pb.PositionRange(start=self.start + first_row, stop=self.start + stop)
+            return {"range": range_}
         return {"positions": pb.PositionList(positions=self.positions[first_row:stop].tolist())}
 
     def request_stop(self, first_row: int) -> int:
@@ -183,10 +184,14 @@ class Query:
         return pb.GetEncodingRequest(spec=self.spec, **self._selection(0))
 
     def stream_request(
-        self, first_row: int, max_chunk_bytes: int | None
+        self, first_row: int, max_chunk_bytes: int | None, stop_row: int | None = None
     ) -> pb.StreamEncodingRequest:
+        """The request for rows ``[first_row, stop_row)`` (default: as many as one
+        request carries)."""
         return pb.StreamEncodingRequest(
-            spec=self.spec, max_chunk_bytes=max_chunk_bytes or 0, **self._selection(first_row)
+            spec=self.spec,
+            max_chunk_bytes=max_chunk_bytes or 0,
+            **self._selection(first_row, stop_row),
         )
 
     def allocate(self, columns: int) -> np.ndarray[Any, np.dtype[Any]]:

@@ -12,6 +12,7 @@ import contextlib
 import itertools
 import json
 import os
+import shutil
 import sys
 import time
 from collections.abc import Iterator, Sequence
@@ -550,6 +551,14 @@ def _fetch(args: argparse.Namespace) -> int:
             width = first[1].shape[1]
             slices = itertools.chain([first], slices)
         dtype = np.dtype(args.dtype)
+        # A table past the server's stream limit travels in several streams, so only the
+        # disk bounds what fetch can write: check it before the file is made.
+        needed, free = rows * width * dtype.itemsize, shutil.disk_usage(args.output.parent).free
+        if needed > free:
+            raise OSError(
+                f"cannot write {args.output}: the table takes {_human_bytes(needed)}, "
+                f"and {args.output.parent} has {_human_bytes(free)} free"
+            )
         _write(args.output, slices, (rows, width), dtype, table, origin, args.no_progress)
     return EXIT_OK
 
