@@ -199,3 +199,30 @@ def test_metrics_publishing_tolerates_snapshots_out_of_order() -> None:
     publisher.publish(newer, rows_computed=5)
     publisher.publish(older, rows_computed=4)  # a slower thread's earlier snapshot
     assert metrics.CACHE_HITS._value.get() - before == 11
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_server_info_counts_every_worker(spawn_server: Callable[..., ServerProcess]) -> None:
+    process = spawn_server(0, "--processes", "2")
+    server_ids: set[str] = set()
+    calls = 0
+    # New connections until both workers served (the kernel picks); each call computes one
+    # block of its own (the ranges are 10**6 apart).
+    while len(server_ids) < 2:
+        with posenc.Client(process.target) as client:
+            server_ids.add(client.server_info().server_id)
+            client.get_range(10**6 * calls, 10**6 * calls + 10, 8)
+        calls += 1
+        assert calls < 100, "the kernel never picked the second worker"
+    # Workers publish their counters five times a second: the sum catches up at once, and it
+    # is the whole server's, as /metrics says, not the answering worker's share.
+    deadline = time.monotonic() + 5
+    with posenc.Client(process.target) as client:
+        while True:
+            info = client.server_info()
+            misses = metric(scrape(metrics_port(process)), "posenc_cache_misses_total")
+            if info.cache.misses == misses == calls:
+                break
+            assert time.monotonic() < deadline, (info.cache, misses, calls)
+            time.sleep(0.1)

@@ -61,6 +61,9 @@ CACHE_MISSES = Counter("posenc_cache_misses_total", "Cache lookups that computed
 CACHE_EVICTIONS = Counter("posenc_cache_evictions_total", "Blocks evicted to fit the budget.")
 CACHE_BYTES = Gauge("posenc_cache_bytes", "Bytes held by the cache.", multiprocess_mode="livesum")
 CACHE_BUDGET = Gauge("posenc_cache_budget_bytes", "Cache budget.", multiprocess_mode="livesum")
+CACHE_ENTRIES = Gauge(
+    "posenc_cache_entries", "Blocks held by the cache.", multiprocess_mode="livesum"
+)
 
 
 class MethodMetrics:
@@ -108,6 +111,38 @@ class ServicePublisher:
             self._rows = _advance(ROWS_COMPUTED, self._rows, rows_computed)
             CACHE_BYTES.set(stats.bytes)
             CACHE_BUDGET.set(stats.budget_bytes)
+            CACHE_ENTRIES.set(stats.entries)
+
+
+def server_totals(stats: CacheStats, rows_computed: int) -> tuple[CacheStats, int]:
+    """The cache statistics and rows computed of the whole server.
+
+    In a supervisor's worker, the sums over every worker's metric files (the workers publish
+    their counters there five times a second, and this one's are ``stats`` as of now);
+    in a single process, ``stats`` and ``rows_computed`` themselves.
+    """
+    directory = os.environ.get(MULTIPROCESS_DIR_ENV)
+    if not directory or not os.environ.get(_WORKER_INDEX_ENV):
+        return stats, rows_computed
+    registry = CollectorRegistry()
+    multiprocess.MultiProcessCollector(registry, directory)  # type: ignore[no-untyped-call]
+    totals: dict[str, float] = {}
+    for metric in registry.collect():
+        for sample in metric.samples:
+            totals[sample.name] = totals.get(sample.name, 0.0) + sample.value
+
+    def total(name: str) -> int:
+        return int(totals.get(name, 0.0))
+
+    summed = CacheStats(
+        hits=total("posenc_cache_hits_total"),
+        misses=total("posenc_cache_misses_total"),
+        evictions=total("posenc_cache_evictions_total"),
+        bytes=total("posenc_cache_bytes"),
+        entries=total("posenc_cache_entries"),
+        budget_bytes=total("posenc_cache_budget_bytes"),
+    )
+    return summed, total("posenc_rows_computed_total")
 
 
 def _advance(counter: Counter, published: int, current: int) -> int:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import functools
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
@@ -29,7 +30,7 @@ import grpc
 import grpc.aio
 
 from posenc.v1 import posenc_pb2 as pb
-from posenc_server import admission, convert
+from posenc_server import admission, convert, metrics
 from posenc_server.admission import ByteBudget, Reservation
 from posenc_server.config import ServerConfig
 from posenc_server.errors import (
@@ -38,7 +39,7 @@ from posenc_server.errors import (
     OverloadedError,
     RequestTimeoutError,
 )
-from posenc_server.service import EncodingService
+from posenc_server.service import EncodingService, ServerInfo
 from posenc_server.specs import Request, SpecTable
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["PositionalEncodingService"].full_name
@@ -111,11 +112,17 @@ class PositionalEncodingServicer:
     async def GetServerInfo(
         self, requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext[bytes, bytes]
     ) -> AsyncIterator[bytes]:
-        """Describe this server."""
+        """Describe this server: the process that answers (``server_id``), and the cache
+        and computation counters of the whole server, all its processes summed."""
         async with self._admitted(context, 0) as (_, raw):
             convert.parsed(_SERVER_INFO(raw))
-            info = convert.server_info_response(self._service.info(self._version))
-        yield info.SerializeToString()
+            info = await self._run(self._server_info)
+        yield convert.server_info_response(info).SerializeToString()
+
+    def _server_info(self) -> ServerInfo:
+        info = self._service.info(self._version)
+        cache, rows_computed = metrics.server_totals(info.cache, info.rows_computed)
+        return dataclasses.replace(info, cache=cache, rows_computed=rows_computed)
 
     # Plumbing -------------------------------------------------------------------------------
 
