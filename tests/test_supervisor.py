@@ -201,6 +201,17 @@ def test_the_default_metrics_port_yields_when_busy(
             assert b"# HELP posenc_" in response.read()
 
 
+def test_healthy_workers_pass_the_supervisors_health_checks(
+    spawn_server: Callable[..., ServerProcess],
+) -> None:
+    # Three failed checks, one a second, replace a worker: a check that cannot reach healthy
+    # workers would replace them every few seconds.
+    process = spawn_server(0, "--processes", "2")
+    workers = worker_pids(process.process.pid)
+    time.sleep(5)
+    assert worker_pids(process.process.pid) == workers
+
+
 @pytest.mark.timeout(120)
 def test_a_hung_worker_is_replaced(spawn_server: Callable[..., ServerProcess]) -> None:
     process = spawn_server(0, "--processes", "2")

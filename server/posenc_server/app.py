@@ -268,10 +268,10 @@ async def _start(
     )
     credentials = server_credentials(config)
     try:
-        if path := os.environ.get(supervisor.HEALTH_SOCKET_ENV):
+        if address := os.environ.get(supervisor.HEALTH_SOCKET_ENV):
             # The supervisor's private line for health checks: it reaches this worker, not
             # whichever worker the kernel hands a TCP connection on the shared port.
-            server.add_insecure_port(f"unix:{path}")
+            server.add_insecure_port(address)
         if credentials is None:
             port = server.add_insecure_port(config.address)
         else:

@@ -76,6 +76,9 @@ class ServerInfo:
     rows_computed: int
 
 
+SHUTTING_DOWN = "the server is shutting down: retry on another replica"
+
+
 class EncodingService:
     """Validates requests against the limits and produces their tables, through the cache."""
 
@@ -130,6 +133,11 @@ class EncodingService:
         with self._idle:
             self._draining = True
 
+    @property
+    def draining(self) -> bool:
+        """Whether new encoding calls are refused (a drain began)."""
+        return self._draining
+
     def wait_idle(self, timeout: float) -> bool:
         """Wait until no encoding call is in flight; False if ``timeout`` passed first."""
         with self._idle:
@@ -141,7 +149,7 @@ class EncodingService:
         limit = self.config.max_concurrent_streams
         with self._idle:
             if self._draining:
-                raise ShuttingDownError("the server is shutting down: retry on another replica")
+                raise ShuttingDownError(SHUTTING_DOWN)
             if stream and self._streams >= limit:
                 raise OverloadedError(
                     f"this server process already serves {limit} streams, its limit: "

@@ -38,8 +38,9 @@ from posenc_server.errors import (
     InvalidRequestError,
     OverloadedError,
     RequestTimeoutError,
+    ShuttingDownError,
 )
-from posenc_server.service import EncodingService, ServerInfo
+from posenc_server.service import SHUTTING_DOWN, EncodingService, ServerInfo
 from posenc_server.specs import Request, SpecTable
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["PositionalEncodingService"].full_name
@@ -137,6 +138,9 @@ class PositionalEncodingServicer:
         size, once the handler asks for it; until then a call holds at most the 64 KiB
         flow-control window.
         """
+        # A draining server says so (UNAVAILABLE: try another replica), whatever its memory.
+        if self._service.draining:
+            raise ShuttingDownError(SHUTTING_DOWN)
         largest = admission.READ_COPIES * self._config.max_receive_message_bytes
         async with self._budget.admitted(largest, reading=True) as reservation:
             raw = await self._read(context, reservation)

@@ -10,11 +10,11 @@ budget holds for the whole server.
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import errno
 import logging
 import os
+import secrets
 import shutil
 import signal
 import socket
@@ -157,7 +157,7 @@ class _Worker:
 
     def check_health(self) -> None:
         """Ask this worker (not the kernel's pick) for its health; count the failures."""
-        with grpc.insecure_channel(f"unix:{self.health_socket}") as channel:
+        with grpc.insecure_channel(self.health_socket) as channel:
             try:
                 response = health_pb2_grpc.HealthStub(channel).Check(
                     health_pb2.HealthCheckRequest(), timeout=_HEALTH_TIMEOUT
@@ -225,10 +225,12 @@ def supervise(
         *("--cache-bytes", str(config.cache_bytes // count)),
     ]
 
+    run_token = secrets.token_hex(4)
+
     def start(index: int) -> _Worker:
-        health_socket = os.path.join(metrics_dir.name, f"worker-{index}.sock")
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(health_socket)  # a replaced worker's
+        # An abstract socket: no file to clean up, and no path-length limit (a long TMPDIR).
+        # Unique to this supervisor; a replacement worker takes over its predecessor's name.
+        health_socket = f"unix-abstract:posenc-{os.getpid()}-{run_token}-worker-{index}"
         process = subprocess.Popen(
             [sys.executable, "-m", "posenc_server", *worker_argv],
             env={
