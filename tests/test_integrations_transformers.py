@@ -463,66 +463,38 @@ def test_bfloat16_model_gets_bfloat16_tables(client: posenc.Client) -> None:
 # -- sinusoidal families --------------------------------------------------------------------------
 
 
+# One tiny encoder-decoder shape for every sinusoidal family (random weights, wide init so
+# attention depends on position); each family adds only what its config calls otherwise.
+_TINY_SEQ2SEQ: dict[str, Any] = {
+    "vocab_size": 96,
+    "d_model": 32,
+    "encoder_layers": 1,
+    "decoder_layers": 1,
+    "encoder_attention_heads": 2,
+    "decoder_attention_heads": 2,
+    "encoder_ffn_dim": 64,
+    "decoder_ffn_dim": 64,
+    "init_std": 0.3,
+}
+
+
 def _m2m100() -> Any:
-    return transformers.M2M100Config(
-        vocab_size=96,
-        d_model=32,
-        encoder_layers=1,
-        decoder_layers=1,
-        encoder_attention_heads=2,
-        decoder_attention_heads=2,
-        encoder_ffn_dim=64,
-        decoder_ffn_dim=64,
-        max_position_embeddings=64,
-        init_std=0.3,
-    )
+    return transformers.M2M100Config(**_TINY_SEQ2SEQ, max_position_embeddings=64)
 
 
 def _marian() -> Any:
     return transformers.MarianConfig(
-        vocab_size=96,
-        d_model=32,
-        encoder_layers=1,
-        decoder_layers=1,
-        encoder_attention_heads=2,
-        decoder_attention_heads=2,
-        encoder_ffn_dim=64,
-        decoder_ffn_dim=64,
-        max_position_embeddings=64,
-        init_std=0.3,
-        decoder_start_token_id=0,
-        pad_token_id=0,
+        **_TINY_SEQ2SEQ, max_position_embeddings=64, decoder_start_token_id=0, pad_token_id=0
     )
 
 
 def _pegasus() -> Any:
-    return transformers.PegasusConfig(
-        vocab_size=96,
-        d_model=32,
-        encoder_layers=1,
-        decoder_layers=1,
-        encoder_attention_heads=2,
-        decoder_attention_heads=2,
-        encoder_ffn_dim=64,
-        decoder_ffn_dim=64,
-        max_position_embeddings=64,
-        init_std=0.3,
-    )
+    return transformers.PegasusConfig(**_TINY_SEQ2SEQ, max_position_embeddings=64)
 
 
 def _speech2text() -> Any:
     return transformers.Speech2TextConfig(
-        vocab_size=96,
-        d_model=32,
-        encoder_layers=1,
-        decoder_layers=1,
-        encoder_attention_heads=2,
-        decoder_attention_heads=2,
-        encoder_ffn_dim=64,
-        decoder_ffn_dim=64,
-        max_source_positions=64,
-        max_target_positions=64,
-        init_std=0.3,
+        **_TINY_SEQ2SEQ, max_source_positions=64, max_target_positions=64
     )
 
 

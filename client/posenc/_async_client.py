@@ -57,7 +57,7 @@ class AsyncClient(
         A grpc.aio channel belongs to the event loop it is created in, and clients are often
         built before ``asyncio.run``: creating it in the first call puts it in the right loop.
         """
-        if self._closed:
+        if self._core.closed:
             raise ValueError("the client is closed")
         if self._calls is None:
             target, options = self._core.settings.target, self._core.settings.options
@@ -84,7 +84,7 @@ class AsyncClient(
 
     async def close(self) -> None:
         """Closes the channel; calls in flight (background read-ahead too) are cancelled."""
-        self._closed = True
+        self._core.closed = True
         for task in list(self._ahead_tasks):
             task.cancel()
         if self._channel is not None:
@@ -133,7 +133,7 @@ class AsyncClient(
 
     def _read_ahead(self, ahead: AheadFetch) -> None:
         """Start a task fetching ``ahead``."""
-        if self._closed:
+        if self._core.closed:
             self._core.finish_ahead(ahead, None)
             return
         task = asyncio.create_task(self._run(self._core.fetch_ahead(ahead)), name=READ_AHEAD_TASK)

@@ -102,17 +102,7 @@ class BaseClient(Generic[ArrayT, InfoT, StatusT, SlicesT]):
         self._core = Core(settings, rows, self._new_token)
         self._credentials = channel_credentials(credentials, token)
         self._interceptors = tuple(interceptors)
-        self._closed = False
         self._setup()
-
-    @property
-    def _closed(self) -> bool:
-        return self._core.closed
-
-    @_closed.setter
-    def _closed(self, closed: bool) -> None:
-        # The core refuses calls once closed: one check for every method of both clients.
-        self._core.closed = closed
 
     @property
     def target(self) -> str:

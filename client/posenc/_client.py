@@ -85,7 +85,7 @@ class Client(BaseClient[Result, ServerInfo, str, Iterator[Slice]]):
     def close(self) -> None:
         """Closes the channel; calls in flight (background read-ahead too) are cancelled."""
         with self._ahead_lock:
-            self._closed = True
+            self._core.closed = True
             self._ahead_queue.put(None)  # the end mark: the read-ahead thread ends there
         self._channel.close()
 
@@ -132,7 +132,7 @@ class Client(BaseClient[Result, ServerInfo, str, Iterator[Slice]]):
     def _read_ahead(self, ahead: AheadFetch) -> None:
         """Queue ``ahead`` for the read-ahead thread, started at the first one."""
         with self._ahead_lock:  # close() takes it too: nothing is queued after its end mark
-            if self._closed:
+            if self._core.closed:
                 self._core.finish_ahead(ahead, None)
                 return
             if self._ahead_thread is None:

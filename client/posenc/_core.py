@@ -215,6 +215,7 @@ class Core:
         self.widths = Widths()
         self._new_token = new_token
         self._contact = Contact(settings.target)
+        # Set by the clients' close(); every call starts at budget(), so one check refuses all.
         self.closed = False
 
     def budget(self, timeout: Timeout, *, retry: bool = True) -> CallBudget:
