@@ -33,6 +33,7 @@ module imports no gRPC and no protobuf: it is the domain core.
 from __future__ import annotations
 
 import math
+import threading
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from decimal import Decimal, localcontext
@@ -443,32 +444,54 @@ def wave_rows(waves: Waves, positions: Int64Array) -> ComplexRows:
 
 
 def wave_blocks(waves: Waves, start: int, stop: int) -> Iterator[tuple[int, ComplexRows]]:
-    """``wave_rows`` of positions ``start .. stop - 1``, one aligned block at a time.
+    """``wave_rows`` of positions ``start .. stop - 1``, a few rows of one aligned block at
+    a time.
 
-    Yields ``(row offset, rows)``; ``rows`` is a scratch buffer reused for the next block,
-    so callers copy it out before asking for more (a fresh multi-MiB array per block would
-    cost more in page faults than the multiplication).
+    Yields ``(row offset, rows)``; ``rows`` is this thread's scratch buffer, reused for the
+    next rows and by the thread's next call, so callers copy it out before asking for more
+    and never interleave two of these iterations. Passes of at most ``_ELEMENTS_PER_PASS``
+    float64 values keep the rotation's operands in the CPU cache, and the buffer outlives
+    the call: a fresh multi-MiB array per call costs more in page faults than the
+    multiplication (five times more for a 1 MiB block).
     """
     if waves.count == 0 or stop <= start:
         return
     block = waves.block
+    pair_columns = 2 * waves.count
+    rows_per_pass = max(1, _ELEMENTS_PER_PASS // pair_columns)
     aligned = start - start % block
     block_starts = aligned + block * np.arange(-(-(stop - aligned) // block), dtype=np.int64)
     flat, swapped = _pairs(waves.bases(block_starts))
-    scratch = np.empty((block, waves.count), dtype=np.complex128)
-    products = np.empty((block, 2 * waves.count), dtype=np.float64)
+    buffer, products = _scratch(min(rows_per_pass, block) * pair_columns)
     for index, block_start in enumerate(block_starts.tolist()):
         first, last = max(start, block_start), min(stop, block_start + block)
-        rows = scratch[: last - first]
-        _rotate(
-            flat[index : index + 1],
-            swapped[index : index + 1],
-            waves.rotate_cos[first - block_start : last - block_start],
-            waves.rotate_sin[first - block_start : last - block_start],
-            rows.view(np.float64),
-            products[: last - first],
-        )
-        yield first - start, rows
+        for low in range(first, last, rows_per_pass):
+            high = min(low + rows_per_pass, last)
+            shape = (high - low, pair_columns)
+            rows = buffer[: shape[0] * pair_columns].reshape(shape)
+            _rotate(
+                flat[index : index + 1],
+                swapped[index : index + 1],
+                waves.rotate_cos[low - block_start : high - block_start],
+                waves.rotate_sin[low - block_start : high - block_start],
+                rows,
+                products[: shape[0] * pair_columns].reshape(shape),
+            )
+            yield low - start, rows.view(np.complex128)
+
+
+_thread_scratch = threading.local()
+
+
+def _scratch(elements: int) -> tuple[Float64Array, Float64Array]:
+    """This thread's two float64 scratch buffers of at least ``elements`` values each (at
+    most two passes' worth, or one row of the widest table: well under a MiB)."""
+    buffers: tuple[Float64Array, Float64Array] | None = getattr(_thread_scratch, "buffers", None)
+    if buffers is None or buffers[0].size < elements:
+        size = max(elements, _ELEMENTS_PER_PASS)
+        buffers = (np.empty(size, dtype=np.float64), np.empty(size, dtype=np.float64))
+        _thread_scratch.buffers = buffers
+    return buffers
 
 
 def _block_rows(count: int) -> int:
