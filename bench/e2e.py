@@ -81,7 +81,7 @@ def run(
         try:
             floor.wait_ready()
             client.get_range(0, 1, d_model)  # connect
-            floor.get(MIB)
+            floor.get(f32_bytes)  # allocates and touches the floor's target array
 
             def floor_unit(repeat: int) -> None:
                 measured("floor", floor_pids, lambda: floor.get(f32_bytes, TIMEOUT))

@@ -147,6 +147,7 @@ class FloorClient:
 
     def __init__(self, target: str) -> None:
         self.channel = grpc.insecure_channel(target, options=sdk_channel_options())
+        self._targets: dict[int, npt.NDArray[np.uint8]] = {}
         self._stream = self.channel.unary_stream(
             STREAM, request_serializer=None, response_deserializer=None
         )
@@ -162,8 +163,12 @@ class FloorClient:
         self.empty(timeout=timeout)
 
     def get(self, nbytes: int, timeout: float = 600.0) -> npt.NDArray[np.uint8]:
-        """``nbytes`` streamed into one array allocated for the result (like get_range)."""
-        out = np.empty(nbytes, dtype=np.uint8)
+        """``nbytes`` streamed into one array, every byte copied once: the least any client
+        must do. The array is allocated and touched once per size and reused, so the
+        floor pays no page faults (a fresh array would add them to the floor's time)."""
+        out = self._targets.get(nbytes)
+        if out is None:
+            out = self._targets[nbytes] = np.ones(nbytes, dtype=np.uint8)
         offset = 0
         for message in self._stream(str(nbytes).encode(), timeout=timeout):
             size = len(message)

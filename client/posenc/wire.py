@@ -11,6 +11,9 @@ fields skipped.
 
 from __future__ import annotations
 
+import ctypes
+import platform
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from google.protobuf.message import DecodeError
@@ -61,14 +64,65 @@ def encode_tensor_response(
     for a C-contiguous numpy array): it is copied once, into the returned message.
     """
     payload = memoryview(data)
+    header = tensor_response_header(dtype, row_offset, rows, columns, payload.nbytes)
+    return b"".join((header, payload))
+
+
+def tensor_response_header(
+    dtype: int, row_offset: int, rows: int, columns: int, nbytes: int
+) -> bytes:
+    """The bytes of a response (as ``encode_tensor_response``) that precede a payload of
+    ``nbytes`` bytes: the message is this header, then the payload."""
     header = bytearray()
     for field, value in ((1, dtype), (2, row_offset), (3, rows), (4, columns)):
         if value:  # proto3 omits zero scalars
             header += _varint(field << 3 | _VARINT) + _varint(value)
-    if payload.nbytes:
-        header += _varint(_DATA_FIELD << 3 | _LEN) + _varint(payload.nbytes)
-    prefix = _varint(_TENSOR_FIELD << 3 | _LEN) + _varint(len(header) + payload.nbytes)
-    return b"".join((prefix, header, payload))
+    if nbytes:
+        header += _varint(_DATA_FIELD << 3 | _LEN) + _varint(nbytes)
+    prefix = _varint(_TENSOR_FIELD << 3 | _LEN) + _varint(len(header) + nbytes)
+    return prefix + header
+
+
+# CPython's bytes keep their contents inline, after a fixed header (ob_sval).
+_NEW_BYTES = None
+if platform.python_implementation() == "CPython":
+    _NEW_BYTES = ctypes.pythonapi.PyBytes_FromStringAndSize
+    _NEW_BYTES.restype = ctypes.py_object
+    _NEW_BYTES.argtypes = (ctypes.c_void_p, ctypes.c_ssize_t)
+_BYTES_DATA_OFFSET = bytes.__basicsize__ - 1
+
+
+def build_tensor_response(
+    dtype: int,
+    row_offset: int,
+    rows: int,
+    columns: int,
+    nbytes: int,
+    fill: Callable[[memoryview], None],
+) -> bytes:
+    """A serialized response whose ``nbytes``-byte payload ``fill`` writes, in place.
+
+    The rows are written once, straight into the message, instead of into an array first
+    and copied into the message after. ``fill`` gets a writable view of the payload and
+    must not keep it. On CPython the message is a new ``bytes`` object that nothing else
+    has seen yet (C code builds bytes this way); elsewhere a ``bytearray`` is filled, then
+    copied.
+    """
+    header = tensor_response_header(dtype, row_offset, rows, columns, nbytes)
+    size = len(header) + nbytes
+    if _NEW_BYTES is None:
+        scratch = bytearray(size)
+        scratch[: len(header)] = header
+        fill(memoryview(scratch)[len(header) :])
+        return bytes(scratch)
+    message: bytes = _NEW_BYTES(None, size)
+    contents = (ctypes.c_char * size).from_address(id(message) + _BYTES_DATA_OFFSET)
+    view = memoryview(contents).cast("B")
+    view[: len(header)] = header
+    with view[len(header) :] as payload:
+        fill(payload)
+    view.release()
+    return message
 
 
 def _read_varint(buffer: memoryview, position: int, end: int) -> tuple[int, int]:

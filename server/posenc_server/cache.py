@@ -6,13 +6,20 @@ import threading
 from collections import OrderedDict
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass
-from typing import Generic, TypeVar
+from typing import Generic, Protocol, TypeVar
 
-import numpy as np
-import numpy.typing as npt
+
+class Sized(Protocol):
+    """What the cache needs of a block: its size."""
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes it holds."""
+        ...
+
 
 Key = TypeVar("Key", bound=Hashable)
-Block = npt.NDArray[np.generic]
+Block = TypeVar("Block", bound=Sized)
 
 
 @dataclass(frozen=True)
@@ -27,7 +34,7 @@ class CacheStats:
     budget_bytes: int
 
 
-class _Pending:
+class _Pending(Generic[Block]):
     """A computation in progress that other threads asking for the same key wait on."""
 
     def __init__(self) -> None:
@@ -36,8 +43,8 @@ class _Pending:
         self.error: BaseException | None = None
 
 
-class BlockCache(Generic[Key]):
-    """LRU cache of read-only numpy blocks whose total ``nbytes`` never exceeds a budget.
+class BlockCache(Generic[Key, Block]):
+    """LRU cache of immutable blocks whose total ``nbytes`` never exceeds a budget.
 
     ``get_or_compute`` runs the computation outside the lock, and only once when several
     threads miss the same key at the same time: the others wait for that result instead of
@@ -52,7 +59,7 @@ class BlockCache(Generic[Key]):
         self._budget = budget_bytes
         self._on_evict = on_evict
         self._blocks: OrderedDict[Key, Block] = OrderedDict()
-        self._pending: dict[Key, _Pending] = {}
+        self._pending: dict[Key, _Pending[Block]] = {}
         self._lock = threading.Lock()
         self._bytes = 0
         self._hits = 0
@@ -87,7 +94,7 @@ class BlockCache(Generic[Key]):
             pending = self._pending.get(key)
             owner = pending is None
             if pending is None:
-                pending = self._pending[key] = _Pending()
+                pending = self._pending[key] = _Pending[Block]()
         if not owner:
             pending.done.wait()
             if pending.error is not None:
@@ -96,7 +103,6 @@ class BlockCache(Generic[Key]):
             return pending.value
         try:
             block = compute()
-            block.flags.writeable = False
             pending.value = block
         except BaseException as error:
             pending.error = error

@@ -358,8 +358,9 @@ def _pairs(rows: ComplexRows) -> tuple[Float64Array, Float64Array]:
     return flat, swapped
 
 
-def encode_range(encoding: Encoding, start: int, stop: int) -> Rows:
-    """The rows of positions ``start, start + 1, ..., stop - 1``, C-contiguous.
+def encode_range(encoding: Encoding, start: int, stop: int, out: Rows | None = None) -> Rows:
+    """The rows of positions ``start, start + 1, ..., stop - 1``, C-contiguous: ``out``
+    when given (C-contiguous, of the encoding's dtype and shape), written in place.
 
     Callers validate the table and the positions; this function trusts them. Each row is a
     function of (table, position) alone: the same bytes as ``encode_positions`` gives.
@@ -367,9 +368,13 @@ def encode_range(encoding: Encoding, start: int, stop: int) -> Rows:
     position_map = encoding.table.position_map
     if position_map.keeps_ranges:
         offset = position_map.offset
-        out = _range_rows(encoding, start + offset, stop + offset)
+        out = _range_rows(encoding, start + offset, stop + offset, out)
     else:
-        out = _rows_at(encoding, position_map.apply(np.arange(start, stop, dtype=np.int64)))
+        rows = _rows_at(encoding, position_map.apply(np.arange(start, stop, dtype=np.int64)))
+        if out is None:
+            out = rows
+        else:
+            out[...] = rows
     zero_row = position_map.zero_row
     if zero_row is not None and start <= zero_row < stop:
         out[zero_row - start] = 0
@@ -386,9 +391,13 @@ def encode_positions(encoding: Encoding, positions: npt.ArrayLike) -> Rows:
     return out
 
 
-def _range_rows(encoding: Encoding, first: int, last: int) -> Rows:
-    """Wave-table rows ``first .. last - 1`` in the table's columns, block by block."""
-    out = np.zeros((max(last - first, 0), encoding.width), dtype=encoding.dtype)
+def _range_rows(encoding: Encoding, first: int, last: int, out: Rows | None = None) -> Rows:
+    """Wave-table rows ``first .. last - 1`` in the table's columns, block by block (into
+    ``out`` when given)."""
+    if out is None:
+        out = np.zeros((max(last - first, 0), encoding.width), dtype=encoding.dtype)
+    else:
+        out[...] = 0  # columns a kind leaves unwritten are zeros
     amplitude = encoding.waves.amplitude
     for offset, rows in wave_blocks(encoding.waves, first, last):
         if amplitude != 1.0:

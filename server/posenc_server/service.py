@@ -6,6 +6,11 @@ block holds at most ``_BLOCK_ELEMENTS`` elements and ``max_chunk_bytes`` bytes: 
 costs about the same whatever the row width, so a request's work is its rows plus at most a
 few blocks. A stream chunk is one block's rows when it fits in one, else copied from several.
 
+Blocks are cached in their wire form: a serialized response holding the block's rows (at
+the row offset of the request that computed it), with a read-only numpy view of its payload.
+A stream chunk that is exactly a cached block at that offset (a range streamed again, by
+any client) is sent as the cached message itself: no copy of its rows in this process.
+
 Every encoding call is admitted first: refused while the server drains, and streams beyond
 ``max_concurrent_streams`` are refused with a hint to retry. Results leave as serialized
 responses (``posenc.wire``), so the rows are copied once, into the message.
@@ -24,7 +29,7 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
-from posenc.wire import encode_tensor_response
+from posenc.wire import build_tensor_response, encode_tensor_response
 from posenc_server import admission, engine
 from posenc_server.cache import BlockCache, CacheStats
 from posenc_server.config import ServerConfig
@@ -40,6 +45,23 @@ from posenc_server.specs import Request, Spec
 
 Table = npt.NDArray[np.generic]
 BlockKey = tuple[int, int]  # (spec serial, block index)
+
+
+@dataclass(frozen=True, eq=False)
+class Block:
+    """A cached block: ``message``, a serialized response whose Tensor holds all the block's
+    rows at ``row_offset``, and ``rows``, a read-only view of that message's payload."""
+
+    message: bytes
+    row_offset: int
+    rows: Table
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of its rows (the message's dozen header bytes aside, as the objects' own)."""
+        return self.rows.nbytes
+
+
 # Elements of a cached block (256 Ki: a 1 MiB chunk of float32): a narrow table's block is
 # many rows, a wide one's few, and each costs a few milliseconds to compute.
 _BLOCK_ELEMENTS = 1 << 18
@@ -88,7 +110,9 @@ class EncodingService:
         # housekeeping thread trims; see app.housekeeping).
         self.trim_due = threading.Event()
         self._evicted_since_trim = 0
-        self.cache: BlockCache[BlockKey] = BlockCache(config.cache_bytes, self._count_evicted)
+        self.cache: BlockCache[BlockKey, Block] = BlockCache(
+            config.cache_bytes, self._count_evicted
+        )
         # Host and pid for operators; the random part tells apart servers of one process.
         self.server_id = f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(3)}"
         self._rows_computed = 0
@@ -123,6 +147,9 @@ class EncodingService:
             limit = self.config.max_stream_bytes
             _check_size(spec, selection, "stream", limit, "split the request into smaller ranges")
             chunk_rows = self.chunk_rows(spec, request.max_chunk_bytes)
+            if isinstance(selection, PositionRange):
+                yield from self._range_messages(spec, selection, chunk_rows)
+                return
             for chunk in self.chunks(spec, selection, chunk_rows):
                 yield _response(spec, chunk)
 
@@ -215,7 +242,7 @@ class EncodingService:
             new_rows = _NEW_BLOCK_ROWS_PER_ROW * selection.rows
             new_blocks = min(_MAX_NEW_BLOCKS_PER_LIST, max(1, new_rows // self.block_rows(spec)))
             return self._rows_for_positions(spec, selection.positions, new_blocks=new_blocks)
-        chunks = list(self._block_pieces(spec, selection.start, selection.stop))
+        chunks = list(self._block_pieces(spec, selection.start, selection.stop, 0))
         if len(chunks) == 1:
             return chunks[0].rows  # within one block: no copy before the message's
         out = np.empty((selection.rows, spec.width), dtype=spec.encoding.dtype)
@@ -246,34 +273,73 @@ class EncodingService:
         the chunk, else copied from the blocks it spans."""
         for first in range(selection.start, selection.stop, chunk_rows):
             last = min(first + chunk_rows, selection.stop)
-            pieces = list(self._block_pieces(spec, first, last))
-            if len(pieces) == 1:
-                yield Chunk(first - selection.start, pieces[0].rows)
-                continue
-            rows = np.empty((last - first, spec.width), dtype=spec.encoding.dtype)
-            for piece in pieces:
-                rows[piece.row_offset : piece.row_offset + len(piece.rows)] = piece.rows
-            yield Chunk(first - selection.start, rows)
+            yield self._range_chunk(spec, first, last, selection.start)
 
-    def _block_pieces(self, spec: Spec, start: int, stop: int) -> Iterator[Chunk]:
-        """Rows ``start .. stop - 1`` as views of the cached blocks that hold them."""
+    def _range_chunk(self, spec: Spec, first: int, last: int, origin: int) -> Chunk:
+        """Rows ``first .. last - 1`` of a range starting at ``origin``: a cached block's
+        rows as they are when one block holds them, else copied from the blocks."""
+        pieces = list(self._block_pieces(spec, first, last, origin))
+        if len(pieces) == 1:
+            return Chunk(first - origin, pieces[0].rows)
+        rows = np.empty((last - first, spec.width), dtype=spec.encoding.dtype)
+        for piece in pieces:
+            rows[piece.row_offset : piece.row_offset + len(piece.rows)] = piece.rows
+        return Chunk(first - origin, rows)
+
+    def _range_messages(
+        self, spec: Spec, selection: PositionRange, chunk_rows: int
+    ) -> Iterator[bytes]:
+        """The serialized chunks of a range: a chunk that is exactly a cached block at the
+        same row offset is that block's message, sent as it is; others are built."""
+        block_rows = self.block_rows(spec)
+        origin = selection.start
+        for first in range(origin, selection.stop, chunk_rows):
+            last = min(first + chunk_rows, selection.stop)
+            if first % block_rows == 0 and last - first == block_rows:
+                block = self._block(spec, spec.serial, first // block_rows, block_rows, origin)
+                if block.row_offset == first - origin:
+                    yield block.message
+                    continue
+            yield _response(spec, self._range_chunk(spec, first, last, origin))
+
+    def _block_pieces(self, spec: Spec, start: int, stop: int, origin: int) -> Iterator[Chunk]:
+        """Rows ``start .. stop - 1`` as views of the cached blocks that hold them (blocks
+        computed here carry row offsets from ``origin``, the start of the range asked for)."""
         block_rows = self.block_rows(spec)
         position = start
         while position < stop:
             index = position // block_rows
-            block = self._block(spec, spec.serial, index, block_rows)
+            rows = self._block(spec, spec.serial, index, block_rows, origin).rows
             block_start = index * block_rows
             end = min(block_start + block_rows, stop)
-            yield Chunk(position - start, block[position - block_start : end - block_start])
+            yield Chunk(position - start, rows[position - block_start : end - block_start])
             position = end
 
-    def _block(self, spec: Spec, spec_id: int, index: int, block_rows: int) -> Table:
-        """Block ``index`` of ``spec`` (whose serial is ``spec_id``), from the cache."""
+    def _block(
+        self, spec: Spec, spec_id: int, index: int, block_rows: int, origin: int = 0
+    ) -> Block:
+        """Block ``index`` of ``spec`` (whose serial is ``spec_id``), from the cache. A block
+        computed here is serialized at its row offset in a range starting at ``origin``
+        (0 when before it): the offset a stream of that range sends it at."""
 
-        def compute() -> Table:
+        def compute() -> Block:
             self._count_rows(block_rows)
             start = index * block_rows
-            return engine.encode_range(spec.encoding, start, start + block_rows)
+            row_offset = max(0, start - origin)
+            shape = (block_rows, spec.width)
+            dtype = spec.encoding.dtype
+            nbytes = block_rows * spec.row_bytes
+
+            def fill(payload: memoryview) -> None:
+                rows = np.frombuffer(payload, dtype=dtype).reshape(shape)
+                engine.encode_range(spec.encoding, start, start + block_rows, out=rows)
+
+            # The engine writes the rows straight into the message: one write, no copy.
+            message = build_tensor_response(
+                spec.dtype_code, row_offset, block_rows, spec.width, nbytes, fill
+            )
+            view = np.frombuffer(message, dtype=dtype, offset=len(message) - nbytes)
+            return Block(message, row_offset, view.reshape(shape))
 
         return self.cache.get_or_compute((spec_id, index), compute)
 
@@ -297,7 +363,7 @@ class EncodingService:
         if (block_ids == first_block).all() and (
             new_blocks > 0 or (spec_id, first_block) in self.cache
         ):
-            rows: Table = self._block(spec, spec_id, first_block, block_rows)[offsets]
+            rows: Table = self._block(spec, spec_id, first_block, block_rows).rows[offsets]
             return rows  # one block, as for one sequence's step: no grouping
         out = np.empty((positions.size, spec.width), dtype=spec.encoding.dtype)
 
@@ -308,7 +374,7 @@ class EncodingService:
                 if new_blocks <= 0:
                     return None
                 new_blocks -= 1
-            return self._block(spec, spec_id, block_id, block_rows)
+            return self._block(spec, spec_id, block_id, block_rows).rows
 
         uncached: list[int] | npt.NDArray[np.intp]
         if positions.size <= _ROW_BY_ROW_GATHER:

@@ -102,8 +102,13 @@ class PositionalEncodingServicer:
             chunk_bytes = request.max_chunk_bytes or self._config.max_chunk_bytes
             await reservation.grow(_response_cost(request, chunk_bytes))
             chunks = self._service.stream(request)
+            loop = asyncio.get_running_loop()
             try:
-                while (message := await self._run(next, chunks, None)) is not None:
+                # Chunk k + 1 is computed on the pool while chunk k is being sent (numpy
+                # releases the GIL): a cold stream costs its slower half, not the sum.
+                ahead = loop.run_in_executor(self._pool, next, chunks, None)
+                while (message := await ahead) is not None:
+                    ahead = loop.run_in_executor(self._pool, next, chunks, None)
                     yield message
             finally:
                 # Runs the generator's cleanup (the stream count) on the pool: it may still
