@@ -35,7 +35,8 @@ class Sizes:
     # b. end to end
     e2e_rows: int = 16384
     e2e_d_model: int = 4096
-    e2e_repeats: int = 11
+    e2e_runs: int = 3
+    e2e_repeats: int = 12  # in all, e2e_runs runs of equal size
     # c. latency
     latency_rounds: int = 1000
     latency_warmup: int = 100
@@ -100,6 +101,16 @@ def timed(function: Callable[[], object]) -> float:
     return time.perf_counter() - start
 
 
+def runs_target(
+    name: str, values: Sequence[float], op: str, threshold: float, unit: str = "x"
+) -> Target:
+    """A target measured in several runs: the median run, with the min and max."""
+    finite = [value for value in values if value == value]
+    if not finite:
+        return Target(name, float("nan"), op, threshold, unit)
+    return Target(name, median(finite), op, threshold, unit, (min(finite), max(finite)))
+
+
 def rotated(items: Sequence[Any], shift: int) -> list[Any]:
     """``items`` rotated left by ``shift``: interleaved runs change who goes first."""
     if not items:
@@ -120,6 +131,8 @@ class Target:
     op: str  # ">=", "<=", "<", ">" or "" (reported, not judged)
     threshold: float
     unit: str = "x"
+    spread: tuple[float, float] | None = None
+    """(min, max) over the runs whose median ``value`` is, when measured in several runs."""
 
     @property
     def passed(self) -> bool | None:
@@ -140,6 +153,7 @@ class Target:
             "op": self.op,
             "threshold": self.threshold,
             "unit": self.unit,
+            "spread": list(self.spread) if self.spread else None,
             "verdict": self.verdict(),
         }
 

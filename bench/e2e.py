@@ -6,6 +6,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
+
 import posenc
 from bench.common import (
     GIB,
@@ -13,16 +15,19 @@ from bench.common import (
     Section,
     Sizes,
     Table,
-    Target,
     cpu_seconds,
     median,
     mib_per_s,
     ratio,
     rotated,
+    runs_target,
 )
+from bench.engine_bench import plain_numpy
 from bench.floor import FloorClient
 
 TIMEOUT = 600.0
+# The local computation runs in slices of this many rows (its float64 temporaries stay small).
+_LOCAL_SLICE_ROWS = 1024
 
 
 def run(
@@ -34,37 +39,43 @@ def run(
 ) -> Section:
     rows, d_model = sizes.e2e_rows, sizes.e2e_d_model
     f32_bytes = rows * d_model * 4
+    runs = sizes.e2e_runs
+    per_run = max(1, sizes.e2e_repeats // runs)
     section = Section(
         "b",
         "End to end through the SDK",
         method=(
             f"`Client.get_range` of {rows} x {d_model} ({f32_bytes // MIB} MiB float32, "
             f"{f32_bytes // 2 // MIB} MiB bfloat16) from a posenc server process, in the harness "
-            "process. cold = a range no earlier call asked for (a new start each repetition, "
-            "so the server computes it); warm = the same range again right after (served from "
-            "the server's cache). floor = the trivial server of this harness streaming "
+            "process, into a new array. cold = a range no earlier call asked for (a new start "
+            "each repetition, so the server computes it); warm = the same range again right "
+            "after (served from the server's cache); new spec = cold, and the first table of "
+            "a spec the server has never seen (a new base each repetition); out= = warm into "
+            "an already-touched array. floor = the trivial server of this harness streaming "
             f"{f32_bytes // MIB} pre-built 1 MiB `bytes` messages (identity serializers), "
-            "received with the SDK's channel options and copied into one numpy array "
-            "allocated per call, as get_range does. Units run interleaved (order rotated), "
-            f"{sizes.e2e_repeats} repetitions; medians (best: the fastest repetition). CPU: "
-            "user + system seconds of the server's processes (/proc/PID/stat) and of the "
-            "harness process (all its threads) during each call, per GiB of output."
+            "received with the SDK's channel options and each copied once into one "
+            "already-touched numpy array: the least a client must do. local numpy = the same "
+            "table computed in the harness with plain accurate numpy (float64 angles, np.sin, "
+            f"np.cos; slices of {_LOCAL_SLICE_ROWS} rows into one array). Units run "
+            f"interleaved (order rotated) in {runs} runs of {per_run} repetitions; the table "
+            "gives medians over all repetitions (best: the fastest), the targets the median "
+            "run (min - max of the runs), each run's ratio a ratio of its medians. CPU: user + "
+            "system seconds of the server's processes (/proc/PID/stat) and of the harness "
+            "process (all its threads) during each call, per GiB of output."
         ),
     )
-    samples: dict[str, list[float]] = {
-        "floor": [],
-        "float32 cold": [],
-        "float32 warm": [],
-        "bfloat16 cold": [],
-        "bfloat16 warm": [],
-    }
-    nbytes = {
-        "floor": f32_bytes,
-        "float32 cold": f32_bytes,
-        "float32 warm": f32_bytes,
-        "bfloat16 cold": f32_bytes // 2,
-        "bfloat16 warm": f32_bytes // 2,
-    }
+    names = [
+        "floor",
+        "float32 cold",
+        "float32 warm",
+        "float32 warm, out=",
+        "float32 cold, new spec",
+        "bfloat16 cold",
+        "bfloat16 warm",
+        "local numpy float32",
+    ]
+    samples: dict[str, list[float]] = {name: [] for name in names}
+    nbytes = {name: f32_bytes // 2 if "bfloat16" in name else f32_bytes for name in names}
     server_cpu: dict[str, list[float]] = {name: [] for name in samples}
     client_cpu: dict[str, list[float]] = {name: [] for name in samples}
 
@@ -75,6 +86,14 @@ def run(
         samples[name].append(time.perf_counter() - t0)
         client_cpu[name].append(time.process_time() - client_before)
         server_cpu[name].append(cpu_seconds(pids()) - server_before)
+
+    local_out = np.ones((rows, d_model), dtype=np.float32)
+    touched = np.ones((rows, d_model), dtype=np.float32)
+
+    def local(start: int) -> None:
+        for first in range(0, rows, _LOCAL_SLICE_ROWS):
+            last = min(first + _LOCAL_SLICE_ROWS, rows)
+            local_out[first:last] = plain_numpy(start + first, last - first, d_model)
 
     with posenc.Client(posenc_target, timeout=TIMEOUT) as client:
         floor = FloorClient(floor_target)
@@ -95,13 +114,34 @@ def run(
                         posenc_pids,
                         lambda: client.get_range(start, start + rows, d_model, dtype=dtype),
                     )
+                if dtype == "float32":
+                    measured(
+                        "float32 warm, out=",
+                        posenc_pids,
+                        lambda: client.get_range(start, start + rows, d_model, out=touched),
+                    )
+
+            def new_spec_unit(repeat: int) -> None:
+                start = 6 * 10**9 + repeat * 2**22
+                base = 10000.0 + 0.25 * (repeat + 1)  # a spec no call asked for before
+                measured(
+                    "float32 cold, new spec",
+                    posenc_pids,
+                    lambda: client.get_range(start, start + rows, d_model, base=base),
+                )
+
+            def local_unit(repeat: int) -> None:
+                start = 5 * 10**9 + repeat * 2 * 2**22
+                measured("local numpy float32", list, lambda: local(start))
 
             units: list[Callable[[int], None]] = [
                 floor_unit,
                 lambda r: posenc_unit("float32", r),
+                new_spec_unit,
                 lambda r: posenc_unit("bfloat16", r),
+                local_unit,
             ]
-            for repeat in range(sizes.e2e_repeats):
+            for repeat in range(runs * per_run):
                 for unit in rotated(units, repeat):
                     unit(repeat)
         finally:
@@ -139,27 +179,59 @@ def run(
             table_rows,
         )
     )
+
+    def per_run_ratio(name: str, reference: str) -> list[float]:
+        """Each run's speed of ``name`` over that of ``reference``, from the run's medians."""
+        out = []
+        for index in range(runs):
+            part = slice(index * per_run, (index + 1) * per_run)
+            speed = mib_per_s(nbytes[name], median(samples[name][part]))
+            out.append(ratio(speed, mib_per_s(nbytes[reference], median(samples[reference][part]))))
+        return out
+
     section.targets += [
-        Target(
-            "warm float32 get_range / floor", ratio(speeds["float32 warm"], floor_speed), ">=", 0.8
+        runs_target(
+            "warm float32 get_range / floor", per_run_ratio("float32 warm", "floor"), ">=", 0.95
         ),
-        Target(
-            "cold float32 get_range / floor", ratio(speeds["float32 cold"], floor_speed), ">=", 0.35
+        runs_target(
+            "cold float32 get_range / floor (spec known)",
+            per_run_ratio("float32 cold", "floor"),
+            ">=",
+            0.7,
         ),
-        Target(
-            "warm bfloat16 get_range / floor (MiB/s)",
-            ratio(speeds["bfloat16 warm"], floor_speed),
+        runs_target(
+            "cold float32 get_range, first table of a new spec / floor",
+            per_run_ratio("float32 cold, new spec", "floor"),
+            ">=",
+            0.6,
+        ),
+        runs_target(
+            "end to end: local plain numpy time / cold float32 get_range time",
+            per_run_ratio("float32 cold", "local numpy float32"),
+            ">=",
+            4.0,
+        ),
+        runs_target(
+            "warm float32 get_range into out= / floor",
+            per_run_ratio("float32 warm, out=", "floor"),
             "",
             0.0,
         ),
-        Target(
+        runs_target(
+            "warm bfloat16 get_range / floor (MiB/s)",
+            per_run_ratio("bfloat16 warm", "floor"),
+            "",
+            0.0,
+        ),
+        runs_target(
             "cold bfloat16 get_range / floor (MiB/s)",
-            ratio(speeds["bfloat16 cold"], floor_speed),
+            per_run_ratio("bfloat16 cold", "floor"),
             "",
             0.0,
         ),
     ]
     section.data = {
+        "runs": runs,
         "seconds": samples,
         "bytes": nbytes,
         "mib_per_s": speeds,

@@ -8,7 +8,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from bench.common import MIB, Section, Sizes
+from bench.common import MIB, Section, Sizes, Target
 
 
 def write(
@@ -52,6 +52,15 @@ def _fmt(value: float, unit: str) -> str:
     return f"{value:.1f}{unit}"
 
 
+def _measured(target: Target) -> str:
+    """The value, and the min-max of its runs when it has several."""
+    text = _fmt(target.value, target.unit)
+    if target.spread is not None:
+        low, high = target.spread
+        text += f" ({_fmt(low, target.unit)} - {_fmt(high, target.unit)})"
+    return text
+
+
 def markdown(about: dict[str, Any], sections: list[Section], png: str) -> str:
     lines = [
         "# posenc benchmarks",
@@ -73,7 +82,8 @@ def markdown(about: dict[str, Any], sections: list[Section], png: str) -> str:
         "process(es) |",
         "",
         "Every target is the ratio of two figures of this one run, measured interleaved on the "
-        "same machine; medians of repeated measurements.",
+        "same machine; medians of repeated measurements. Targets measured in several runs "
+        "show the median run and (min - max) of the runs.",
         "",
         "## Targets",
         "",
@@ -86,7 +96,7 @@ def markdown(about: dict[str, Any], sections: list[Section], png: str) -> str:
         for target in section.targets:
             wanted = f"{target.op} {_fmt(target.threshold, target.unit)}" if target.op else ""
             lines.append(
-                f"| {section.key} | {target.name} | {_fmt(target.value, target.unit)} | "
+                f"| {section.key} | {target.name} | {_measured(target)} | "
                 f"{wanted} | {target.verdict()} |"
             )
     lines += ["", f"![plot]({png})", ""]

@@ -77,6 +77,9 @@ _ELEMENTS_PER_PASS: Final = 1 << 15
 _BLOCK_ROWS: Final = 64
 _BLOCK_ENTRIES: Final = 1 << 12
 _ROTATION_ENTRIES: Final = 1 << 17
+# Up to this many rows of a block are rotated by rotations made for them alone, while the
+# block's rotation table is not made yet.
+_FEW_ROTATIONS: Final = 8
 # Taylor coefficients of sin (x**3 .. x**17) and cos (x**4 .. x**18): on [-pi/4, pi/4] the
 # first term left out is below 2**-63.
 _SIN_TAYLOR: Final = tuple((-1) ** k / math.factorial(2 * k + 1) for k in range(1, 9))
@@ -168,19 +171,50 @@ class Waves:
                     denominator * high_denominator
                 )
         self.block = _block_rows(self.count)
-        rotations = self.bases(np.arange(self.block, dtype=np.int64))
+        for array in (self.hi, self.lo):
+            array.flags.writeable = False
+        # The block's rotation table, made when a range first needs it: a new spec's first
+        # rows (a decode step's few) need only their own rotations, not the whole table.
+        self._rotation: tuple[Float64Array, Float64Array] | None = None
+        self._rotation_lock = threading.Lock()
+
+    def rotation(self, first: int, last: int) -> tuple[Float64Array, Float64Array]:
+        """``rotate_cos`` and ``rotate_sin`` (see the class) of rows ``first .. last - 1``
+        of a block: from the table, which a span of more than a few rows makes first."""
+        table = self._rotation
+        if table is None and last - first <= _FEW_ROTATIONS:
+            return self._rotations(np.arange(first, last, dtype=np.int64))
+        if table is None:
+            with self._rotation_lock:
+                if self._rotation is None:
+                    whole = self._rotations(np.arange(self.block, dtype=np.int64))
+                    for array in whole:
+                        array.flags.writeable = False
+                    self._rotation = whole
+                table = self._rotation
+        return table[0][first:last], table[1][first:last]
+
+    def rotation_rows(self, offsets: Int64Array) -> tuple[Float64Array, Float64Array]:
+        """``rotate_cos`` and ``rotate_sin`` of the block rows ``offsets`` (any order)."""
+        if self._rotation is None and offsets.size <= _FEW_ROTATIONS:
+            return self._rotations(offsets)
+        cos, sin = self.rotation(0, self.block)
+        return cos[offsets], sin[offsets]
+
+    def _rotations(self, offsets: Int64Array) -> tuple[Float64Array, Float64Array]:
+        """The rotation rows of ``offsets``: each a function of its offset alone, the same
+        bytes whether made for the table or on their own."""
+        rotations = self.bases(offsets)
         sin, cos = rotations.real, rotations.imag
-        pairs = (self.block, self.count, 2)
+        pairs = (offsets.size, self.count, 2)
         rotate_cos = np.empty(pairs, dtype=np.float64)
         rotate_cos[..., 0] = cos
         rotate_cos[..., 1] = cos
         rotate_sin = np.empty(pairs, dtype=np.float64)
         rotate_sin[..., 0] = sin
         rotate_sin[..., 1] = -sin
-        self.rotate_cos = rotate_cos.reshape(self.block, 2 * self.count)
-        self.rotate_sin = rotate_sin.reshape(self.block, 2 * self.count)
-        for array in (self.hi, self.lo, self.rotate_cos, self.rotate_sin):
-            array.flags.writeable = False
+        shape = (offsets.size, 2 * self.count)
+        return rotate_cos.reshape(shape), rotate_sin.reshape(shape)
 
     def bases(self, positions: Int64Array) -> npt.NDArray[np.complex128]:
         """``v(p)`` for each position, through the extended-precision angle."""
@@ -203,8 +237,9 @@ class Waves:
 
     @property
     def nbytes(self) -> int:
-        """Bytes held by the frequencies and the rotation table."""
-        return sum(a.nbytes for a in (self.hi, self.lo, self.rotate_cos, self.rotate_sin))
+        """Bytes held by the frequencies and the rotation table (counted whether made yet
+        or not: what a spec may come to hold)."""
+        return self.hi.nbytes + self.lo.nbytes + 2 * self.block * 2 * self.count * 8
 
 
 @dataclass(frozen=True, eq=False)
@@ -441,11 +476,12 @@ def wave_rows(waves: Waves, positions: Int64Array) -> ComplexRows:
         offset = chunk % waves.block
         bases, base_of_row = np.unique(chunk - offset, return_inverse=True)
         flat, swapped = _pairs(waves.bases(bases))
+        rotate_cos, rotate_sin = waves.rotation_rows(offset)
         _rotate(
             flat[base_of_row],
             swapped[base_of_row],
-            waves.rotate_cos[offset],
-            waves.rotate_sin[offset],
+            rotate_cos,
+            rotate_sin,
             out[first : first + chunk.size].view(np.float64),
             scratch[: chunk.size],
         )
@@ -474,6 +510,7 @@ def wave_blocks(waves: Waves, start: int, stop: int) -> Iterator[tuple[int, Comp
     buffer, products = _scratch(min(rows_per_pass, block) * pair_columns)
     for index, block_start in enumerate(block_starts.tolist()):
         first, last = max(start, block_start), min(stop, block_start + block)
+        rotate_cos, rotate_sin = waves.rotation(first - block_start, last - block_start)
         for low in range(first, last, rows_per_pass):
             high = min(low + rows_per_pass, last)
             shape = (high - low, pair_columns)
@@ -481,8 +518,8 @@ def wave_blocks(waves: Waves, start: int, stop: int) -> Iterator[tuple[int, Comp
             _rotate(
                 flat[index : index + 1],
                 swapped[index : index + 1],
-                waves.rotate_cos[low - block_start : high - block_start],
-                waves.rotate_sin[low - block_start : high - block_start],
+                rotate_cos[low - first : high - first],
+                rotate_sin[low - first : high - first],
                 rows,
                 products[: shape[0] * pair_columns].reshape(shape),
             )

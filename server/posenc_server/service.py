@@ -137,7 +137,8 @@ class EncodingService:
             spec, selection = request.spec, request.selection
             limit = self.config.max_unary_bytes
             _check_size(spec, selection, "unary", limit, "use StreamEncoding for large results")
-            return _response(spec, Chunk(0, self.table(spec, selection)))
+            table = self.table(spec, selection, new_spec=request.prepared)
+            return _response(spec, Chunk(0, table))
 
     def stream(self, request: Request) -> Iterator[bytes]:
         """The serialized StreamEncodingResponses of a table of any size, lazily: each chunk
@@ -231,16 +232,21 @@ class EncodingService:
             1, min(self.config.max_chunk_bytes // spec.row_bytes, _BLOCK_ELEMENTS // spec.width)
         )
 
-    def table(self, spec: Spec, selection: Selection) -> Table:
+    def table(self, spec: Spec, selection: Selection, *, new_spec: bool = False) -> Table:
         """The whole table of a small (unary) selection, in one array (read-only when it is
         a cached block's rows as they are).
 
         Position lists go through the cache here: they are decode steps, whose blocks the
-        next steps ask for again.
+        next steps ask for again. The first request of a spec (``new_spec``) computes only
+        its rows: a spec asked for once (a dynamic-NTK decode step's, whose rope base
+        changes every step) would pay a block of thousands of rows for a few; blocks start
+        with its second request.
         """
         if isinstance(selection, PositionList):
             new_rows = _NEW_BLOCK_ROWS_PER_ROW * selection.rows
             new_blocks = min(_MAX_NEW_BLOCKS_PER_LIST, max(1, new_rows // self.block_rows(spec)))
+            if new_spec:
+                new_blocks = 0
             return self._rows_for_positions(spec, selection.positions, new_blocks=new_blocks)
         chunks = list(self._block_pieces(spec, selection.start, selection.stop, 0))
         if len(chunks) == 1:
