@@ -80,6 +80,8 @@ _ROTATION_ENTRIES: Final = 1 << 17
 # Up to this many rows of a block are rotated by rotations made for them alone, while the
 # block's rotation table is not made yet.
 _FEW_ROTATIONS: Final = 8
+# At most this many block bases are made ahead of a long range's next blocks.
+_MAX_BASES_AHEAD: Final = 16
 # Taylor coefficients of sin (x**3 .. x**17) and cos (x**4 .. x**18): on [-pi/4, pi/4] the
 # first term left out is below 2**-63.
 _SIN_TAYLOR: Final = tuple((-1) ** k / math.factorial(2 * k + 1) for k in range(1, 9))
@@ -177,6 +179,10 @@ class Waves:
         # rows (a decode step's few) need only their own rotations, not the whole table.
         self._rotation: tuple[Float64Array, Float64Array] | None = None
         self._rotation_lock = threading.Lock()
+        # The bases of the next few blocks of a long range, made in one pass (a block's
+        # base alone costs as much in numpy calls as a dozen together): (first start, rows).
+        self._ahead_blocks = max(1, min(_MAX_BASES_AHEAD, _ELEMENTS_PER_PASS // max(self.count, 1)))
+        self._ahead: tuple[int, ComplexRows] | None = None
 
     def rotation(self, first: int, last: int) -> tuple[Float64Array, Float64Array]:
         """``rotate_cos`` and ``rotate_sin`` (see the class) of rows ``first .. last - 1``
@@ -235,11 +241,28 @@ class Waves:
                 part.imag = cos
         return out
 
+    def block_base(self, block_start: int, ahead: int) -> ComplexRows:
+        """``bases`` of one block start, as a row; ``ahead``: how many rows after this
+        block the caller will ask for next, whose block bases are made now with it and
+        kept for those calls (a few blocks' worth at most)."""
+        kept = self._ahead
+        if kept is not None:
+            index, misaligned = divmod(block_start - kept[0], self.block)
+            if not misaligned and 0 <= index < len(kept[1]):
+                return kept[1][index : index + 1]
+        count = 1 + min(self._ahead_blocks - 1, max(ahead, 0) // self.block)
+        if count == 1:
+            return self.bases(np.array([block_start], dtype=np.int64))
+        rows = self.bases(block_start + self.block * np.arange(count, dtype=np.int64))
+        self._ahead = (block_start, rows)  # one assignment: readers see old or new
+        return rows[:1]
+
     @property
     def nbytes(self) -> int:
-        """Bytes held by the frequencies and the rotation table (counted whether made yet
-        or not: what a spec may come to hold)."""
-        return self.hi.nbytes + self.lo.nbytes + 2 * self.block * 2 * self.count * 8
+        """Bytes held by the frequencies, the rotation table and the bases kept ahead
+        (counted whether made yet or not: what a spec may come to hold)."""
+        rotation = 2 * self.block * 2 * self.count * 8
+        return self.hi.nbytes + self.lo.nbytes + rotation + self._ahead_blocks * self.count * 16
 
 
 @dataclass(frozen=True, eq=False)
@@ -393,9 +416,13 @@ def _pairs(rows: ComplexRows) -> tuple[Float64Array, Float64Array]:
     return flat, swapped
 
 
-def encode_range(encoding: Encoding, start: int, stop: int, out: Rows | None = None) -> Rows:
+def encode_range(
+    encoding: Encoding, start: int, stop: int, out: Rows | None = None, ahead: int = 0
+) -> Rows:
     """The rows of positions ``start, start + 1, ..., stop - 1``, C-contiguous: ``out``
     when given (C-contiguous, of the encoding's dtype and shape), written in place.
+    ``ahead``: rows after ``stop`` the caller will ask for next (a long range block by
+    block), for which work may be done now, cheaper in one pass than in several.
 
     Callers validate the table and the positions; this function trusts them. Each row is a
     function of (table, position) alone: the same bytes as ``encode_positions`` gives.
@@ -403,7 +430,7 @@ def encode_range(encoding: Encoding, start: int, stop: int, out: Rows | None = N
     position_map = encoding.table.position_map
     if position_map.keeps_ranges:
         offset = position_map.offset
-        out = _range_rows(encoding, start + offset, stop + offset, out)
+        out = _range_rows(encoding, start + offset, stop + offset, out, ahead)
     else:
         rows = _rows_at(encoding, position_map.apply(np.arange(start, stop, dtype=np.int64)))
         if out is None:
@@ -426,7 +453,9 @@ def encode_positions(encoding: Encoding, positions: npt.ArrayLike) -> Rows:
     return out
 
 
-def _range_rows(encoding: Encoding, first: int, last: int, out: Rows | None = None) -> Rows:
+def _range_rows(
+    encoding: Encoding, first: int, last: int, out: Rows | None = None, ahead: int = 0
+) -> Rows:
     """Wave-table rows ``first .. last - 1`` in the table's columns, block by block (into
     ``out`` when given)."""
     if out is None:
@@ -434,7 +463,7 @@ def _range_rows(encoding: Encoding, first: int, last: int, out: Rows | None = No
     else:
         out[...] = 0  # columns a kind leaves unwritten are zeros
     amplitude = encoding.waves.amplitude
-    for offset, rows in wave_blocks(encoding.waves, first, last):
+    for offset, rows in wave_blocks(encoding.waves, first, last, ahead):
         if amplitude != 1.0:
             rows *= amplitude
         encoding.table.write_columns(out[offset : offset + len(rows)], rows)
@@ -488,7 +517,9 @@ def wave_rows(waves: Waves, positions: Int64Array) -> ComplexRows:
     return out
 
 
-def wave_blocks(waves: Waves, start: int, stop: int) -> Iterator[tuple[int, ComplexRows]]:
+def wave_blocks(
+    waves: Waves, start: int, stop: int, ahead: int = 0
+) -> Iterator[tuple[int, ComplexRows]]:
     """``wave_rows`` of positions ``start .. stop - 1``, a few rows of one aligned block at
     a time.
 
@@ -506,7 +537,10 @@ def wave_blocks(waves: Waves, start: int, stop: int) -> Iterator[tuple[int, Comp
     rows_per_pass = max(1, _ELEMENTS_PER_PASS // pair_columns)
     aligned = start - start % block
     block_starts = aligned + block * np.arange(-(-(stop - aligned) // block), dtype=np.int64)
-    flat, swapped = _pairs(waves.bases(block_starts))
+    if block_starts.size == 1:  # one block of a long range, whose next blocks come next
+        flat, swapped = _pairs(waves.block_base(aligned, ahead + stop - aligned - block))
+    else:
+        flat, swapped = _pairs(waves.bases(block_starts))
     buffer, products = _scratch(min(rows_per_pass, block) * pair_columns)
     for index, block_start in enumerate(block_starts.tolist()):
         first, last = max(start, block_start), min(stop, block_start + block)

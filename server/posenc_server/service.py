@@ -279,12 +279,12 @@ class EncodingService:
         the chunk, else copied from the blocks it spans."""
         for first in range(selection.start, selection.stop, chunk_rows):
             last = min(first + chunk_rows, selection.stop)
-            yield self._range_chunk(spec, first, last, selection.start)
+            yield self._range_chunk(spec, first, last, selection.start, selection.stop)
 
-    def _range_chunk(self, spec: Spec, first: int, last: int, origin: int) -> Chunk:
-        """Rows ``first .. last - 1`` of a range starting at ``origin``: a cached block's
+    def _range_chunk(self, spec: Spec, first: int, last: int, origin: int, end: int) -> Chunk:
+        """Rows ``first .. last - 1`` of the range ``origin .. end - 1``: a cached block's
         rows as they are when one block holds them, else copied from the blocks."""
-        pieces = list(self._block_pieces(spec, first, last, origin))
+        pieces = list(self._block_pieces(spec, first, last, origin, end))
         if len(pieces) == 1:
             return Chunk(first - origin, pieces[0].rows)
         rows = np.empty((last - first, spec.width), dtype=spec.encoding.dtype)
@@ -302,31 +302,43 @@ class EncodingService:
         for first in range(origin, selection.stop, chunk_rows):
             last = min(first + chunk_rows, selection.stop)
             if first % block_rows == 0 and last - first == block_rows:
-                block = self._block(spec, spec.serial, first // block_rows, block_rows, origin)
+                block = self._block(
+                    spec, spec.serial, first // block_rows, block_rows, origin, selection.stop
+                )
                 if block.row_offset == first - origin:
                     yield block.message
                     continue
-            yield _response(spec, self._range_chunk(spec, first, last, origin))
+            yield _response(spec, self._range_chunk(spec, first, last, origin, selection.stop))
 
-    def _block_pieces(self, spec: Spec, start: int, stop: int, origin: int) -> Iterator[Chunk]:
+    def _block_pieces(
+        self, spec: Spec, start: int, stop: int, origin: int, end: int = 0
+    ) -> Iterator[Chunk]:
         """Rows ``start .. stop - 1`` as views of the cached blocks that hold them (blocks
-        computed here carry row offsets from ``origin``, the start of the range asked for)."""
+        computed here carry row offsets from ``origin``, the start of the range asked for,
+        which ends at ``end``)."""
         block_rows = self.block_rows(spec)
         position = start
         while position < stop:
             index = position // block_rows
-            rows = self._block(spec, spec.serial, index, block_rows, origin).rows
+            rows = self._block(spec, spec.serial, index, block_rows, origin, end).rows
             block_start = index * block_rows
             end = min(block_start + block_rows, stop)
             yield Chunk(position - start, rows[position - block_start : end - block_start])
             position = end
 
     def _block(
-        self, spec: Spec, spec_id: int, index: int, block_rows: int, origin: int = 0
+        self,
+        spec: Spec,
+        spec_id: int,
+        index: int,
+        block_rows: int,
+        origin: int = 0,
+        stop: int = 0,
     ) -> Block:
         """Block ``index`` of ``spec`` (whose serial is ``spec_id``), from the cache. A block
         computed here is serialized at its row offset in a range starting at ``origin``
-        (0 when before it): the offset a stream of that range sends it at."""
+        (0 when before it): the offset a stream of that range sends it at; the range ends
+        at ``stop`` (the engine prepares the next blocks' work with this one's)."""
 
         def compute() -> Block:
             self._count_rows(block_rows)
@@ -338,7 +350,8 @@ class EncodingService:
 
             def fill(payload: memoryview) -> None:
                 rows = np.frombuffer(payload, dtype=dtype).reshape(shape)
-                engine.encode_range(spec.encoding, start, start + block_rows, out=rows)
+                end = start + block_rows
+                engine.encode_range(spec.encoding, start, end, out=rows, ahead=stop - end)
 
             # The engine writes the rows straight into the message: one write, no copy.
             message = build_tensor_response(
