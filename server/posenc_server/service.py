@@ -74,6 +74,9 @@ _MAX_NEW_BLOCKS_PER_LIST = 64
 _TRIM_AFTER_EVICTED_BYTES = 16 << 20
 # Position lists up to this long are gathered row by row, longer ones block by block.
 _ROW_BY_ROW_GATHER = 256
+# A stream step gives at most this many cached messages: their memory is the cache's, but
+# one evicted meanwhile stays alive until sent.
+_CACHED_MESSAGES_PER_STEP = 4
 # How long a client turned away at the stream cap is told to wait before trying again.
 _STREAM_RETRY_AFTER = 0.2
 
@@ -140,9 +143,11 @@ class EncodingService:
             table = self.table(spec, selection, new_spec=request.prepared)
             return _response(spec, Chunk(0, table))
 
-    def stream(self, request: Request) -> Iterator[bytes]:
+    def stream(self, request: Request) -> Iterator[list[bytes]]:
         """The serialized StreamEncodingResponses of a table of any size, lazily: each chunk
-        is computed when the consumer asks for it, so a cancelled stream stops computing."""
+        is computed when the consumer asks for it, so a cancelled stream stops computing.
+        A step gives one message, or up to ``_CACHED_MESSAGES_PER_STEP`` of cached blocks
+        sent as they are (a step is a trip to the pool: worth more than taking one)."""
         with self._admitted(stream=True):
             spec, selection = request.spec, request.selection
             limit = self.config.max_stream_bytes
@@ -152,7 +157,7 @@ class EncodingService:
                 yield from self._range_messages(spec, selection, chunk_rows)
                 return
             for chunk in self.chunks(spec, selection, chunk_rows):
-                yield _response(spec, chunk)
+                yield [_response(spec, chunk)]
 
     # Admission and drain --------------------------------------------------------------------
 
@@ -294,21 +299,36 @@ class EncodingService:
 
     def _range_messages(
         self, spec: Spec, selection: PositionRange, chunk_rows: int
-    ) -> Iterator[bytes]:
+    ) -> Iterator[list[bytes]]:
         """The serialized chunks of a range: a chunk that is exactly a cached block at the
-        same row offset is that block's message, sent as it is; others are built."""
+        same row offset is that block's message, sent as it is; others are built. Chunks
+        computed here come one per step, cached ones several."""
         block_rows = self.block_rows(spec)
         origin = selection.start
+        ready: list[bytes] = []
         for first in range(origin, selection.stop, chunk_rows):
             last = min(first + chunk_rows, selection.stop)
-            if first % block_rows == 0 and last - first == block_rows:
+            whole = first % block_rows == 0 and last - first == block_rows
+            cached = whole and (spec.serial, first // block_rows) in self.cache
+            if ready and not cached:
+                yield ready
+                ready = []
+            message: bytes | None = None
+            if whole:
                 block = self._block(
                     spec, spec.serial, first // block_rows, block_rows, origin, selection.stop
                 )
                 if block.row_offset == first - origin:
-                    yield block.message
-                    continue
-            yield _response(spec, self._range_chunk(spec, first, last, origin, selection.stop))
+                    message = block.message
+            if message is None:
+                chunk = self._range_chunk(spec, first, last, origin, selection.stop)
+                message = _response(spec, chunk)
+            ready.append(message)
+            if not cached or len(ready) >= _CACHED_MESSAGES_PER_STEP:
+                yield ready
+                ready = []
+        if ready:
+            yield ready
 
     def _block_pieces(
         self, spec: Spec, start: int, stop: int, origin: int, end: int = 0

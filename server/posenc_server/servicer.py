@@ -107,9 +107,10 @@ class PositionalEncodingServicer:
                 # Chunk k + 1 is computed on the pool while chunk k is being sent (numpy
                 # releases the GIL): a cold stream costs its slower half, not the sum.
                 ahead = loop.run_in_executor(self._pool, next, chunks, None)
-                while (message := await ahead) is not None:
+                while (messages := await ahead) is not None:
                     ahead = loop.run_in_executor(self._pool, next, chunks, None)
-                    yield message
+                    for message in messages:
+                        yield message
             finally:
                 # Runs the generator's cleanup (the stream count) on the pool: it may still
                 # be computing a chunk for a call cancelled meanwhile.
@@ -222,7 +223,7 @@ def _response_cost(request: Request, chunk_bytes: int | None) -> int:
     return admission.response_cost(request.selection.rows, spec.width, spec.row_bytes, chunk_bytes)
 
 
-def _close_when_idle(chunks: Iterator[bytes]) -> None:
+def _close_when_idle(chunks: Iterator[list[bytes]]) -> None:
     # A call cancelled while its next chunk was being computed leaves that step running on
     # another thread: close the generator (running its cleanup) once the step is over.
     close: Callable[[], None] | None = getattr(chunks, "close", None)
