@@ -207,20 +207,15 @@ class Waves:
         cos, sin = self.rotation(0, self.block)
         return cos[offsets], sin[offsets]
 
+    @property
+    def has_rotation_table(self) -> bool:
+        """Whether the block's rotation table is made."""
+        return self._rotation is not None
+
     def _rotations(self, offsets: Int64Array) -> tuple[Float64Array, Float64Array]:
         """The rotation rows of ``offsets``: each a function of its offset alone, the same
         bytes whether made for the table or on their own."""
-        rotations = self.bases(offsets)
-        sin, cos = rotations.real, rotations.imag
-        pairs = (offsets.size, self.count, 2)
-        rotate_cos = np.empty(pairs, dtype=np.float64)
-        rotate_cos[..., 0] = cos
-        rotate_cos[..., 1] = cos
-        rotate_sin = np.empty(pairs, dtype=np.float64)
-        rotate_sin[..., 0] = sin
-        rotate_sin[..., 1] = -sin
-        shape = (offsets.size, 2 * self.count)
-        return rotate_cos.reshape(shape), rotate_sin.reshape(shape)
+        return rotation_pairs(self.bases(offsets))
 
     def bases(self, positions: Int64Array) -> npt.NDArray[np.complex128]:
         """``v(p)`` for each position, through the extended-precision angle."""
@@ -292,6 +287,20 @@ class Encoding:
     def nbytes(self) -> int:
         """Approximately the memory it holds."""
         return self.waves.nbytes + 512
+
+
+def rotation_pairs(rotations: ComplexRows) -> tuple[Float64Array, Float64Array]:
+    """``rotate_cos`` and ``rotate_sin`` (see ``Waves``) of rows ``v(j)`` of offsets ``j``."""
+    sin, cos = rotations.real, rotations.imag
+    pairs = (rotations.shape[0], rotations.shape[1], 2)
+    rotate_cos = np.empty(pairs, dtype=np.float64)
+    rotate_cos[..., 0] = cos
+    rotate_cos[..., 1] = cos
+    rotate_sin = np.empty(pairs, dtype=np.float64)
+    rotate_sin[..., 0] = sin
+    rotate_sin[..., 1] = -sin
+    shape = (rotations.shape[0], 2 * rotations.shape[1])
+    return rotate_cos.reshape(shape), rotate_sin.reshape(shape)
 
 
 def _split(values: Float64Array) -> tuple[Float64Array, Float64Array]:
@@ -537,14 +546,21 @@ def wave_blocks(
     rows_per_pass = max(1, _ELEMENTS_PER_PASS // pair_columns)
     aligned = start - start % block
     block_starts = aligned + block * np.arange(-(-(stop - aligned) // block), dtype=np.int64)
-    if block_starts.size == 1:  # one block of a long range, whose next blocks come next
+    few: tuple[Float64Array, Float64Array] | None = None
+    if block_starts.size == 1 and stop - start <= _FEW_ROTATIONS and not waves.has_rotation_table:
+        # A new spec's first few rows: their base and their rotations in one pass.
+        offsets = np.arange(start - aligned, stop - aligned, dtype=np.int64)
+        base_and_rotations = waves.bases(np.concatenate((block_starts, offsets)))
+        flat, swapped = _pairs(base_and_rotations[:1])
+        few = rotation_pairs(base_and_rotations[1:])
+    elif block_starts.size == 1:  # one block of a long range, whose next blocks come next
         flat, swapped = _pairs(waves.block_base(aligned, ahead + stop - aligned - block))
     else:
         flat, swapped = _pairs(waves.bases(block_starts))
     buffer, products = _scratch(min(rows_per_pass, block) * pair_columns)
     for index, block_start in enumerate(block_starts.tolist()):
         first, last = max(start, block_start), min(stop, block_start + block)
-        rotate_cos, rotate_sin = waves.rotation(first - block_start, last - block_start)
+        rotate_cos, rotate_sin = few or waves.rotation(first - block_start, last - block_start)
         for low in range(first, last, rows_per_pass):
             high = min(low + rows_per_pass, last)
             shape = (high - low, pair_columns)

@@ -40,6 +40,7 @@ from posenc_server.errors import (
     RequestTimeoutError,
     ShuttingDownError,
 )
+from posenc_server.requests import Query
 from posenc_server.service import SHUTTING_DOWN, EncodingService, ServerInfo
 from posenc_server.specs import Request, SpecTable
 
@@ -87,9 +88,10 @@ class PositionalEncodingServicer:
         # bytes stay held until gRPC has handed them to the connection.
         largest = admission.unary_cost(self._config.max_unary_bytes)
         async with self._admitted(context, largest) as (reservation, raw):
-            message = self._unary_from_cache(raw)
-            if message is None:
-                message = await self._run(self._unary, raw)
+            query = self._small_query(raw)
+            message = None if query is None else self._unary_from_cache(query)
+            if message is None:  # parsed once: a new spec's step pays the parse once
+                message = await self._run(self._unary, raw, query)
             await reservation.settle(len(message))
             yield message
 
@@ -186,7 +188,13 @@ class PositionalEncodingServicer:
         assert isinstance(message, bytes)
         return message
 
-    def _unary_from_cache(self, raw: bytes) -> bytes | None:
+    def _small_query(self, raw: bytes) -> Query | None:
+        """The query of a small request, parsed on the event loop; None for a large one."""
+        if len(raw) > _INLINE_REQUEST_BYTES:
+            return None
+        return convert.encoding_query(_GET_ENCODING(raw), self._config)
+
+    def _unary_from_cache(self, query: Query) -> bytes | None:
         """A decode step's answer on the event loop, or None for the pool to answer.
 
         A small request for a known spec whose rows are all cached costs tens of
@@ -194,9 +202,7 @@ class PositionalEncodingServicer:
         decode step's latency); anything that may compute (a new spec, a missing block) or
         copy much goes to the pool, so the loop stays free for health checks and I/O.
         """
-        if len(raw) > _INLINE_REQUEST_BYTES:
-            return None
-        request = self._specs.known(convert.encoding_query(_GET_ENCODING(raw), self._config))
+        request = self._specs.known(query)
         if (
             request is None
             or request.selection.rows * request.spec.row_bytes > _INLINE_RESULT_BYTES
@@ -206,8 +212,10 @@ class PositionalEncodingServicer:
             return None
         return self._service.unary(request)
 
-    def _unary(self, raw: bytes) -> bytes:
-        return self._service.unary(self._request(_GET_ENCODING, raw))
+    def _unary(self, raw: bytes, query: Query | None) -> bytes:
+        if query is None:
+            return self._service.unary(self._request(_GET_ENCODING, raw))
+        return self._service.unary(self._specs.resolve(query))
 
     def _request(self, parse: Callable[[bytes], Any], raw: bytes) -> Request:
         return self._specs.resolve(convert.encoding_query(parse(raw), self._config))
