@@ -67,8 +67,6 @@ class Request:
     spec: Spec
     selection: Selection
     max_chunk_bytes: int
-    prepared: bool = False
-    """Whether the spec was prepared for this request (never seen, or forgotten since)."""
 
 
 class SpecTable:
@@ -95,11 +93,10 @@ class SpecTable:
     def resolve(self, query: Query) -> Request:
         """The valid request of ``query``, or InvalidRequestError naming every problem."""
         spec = self._lookup(query.spec_key)
-        prepared = False
         if spec is None or query.violations:
-            spec, prepared = self._intern(query)
+            spec = self._intern(query)
         assert query.selection is not None  # _intern raised otherwise
-        return Request(spec, query.selection, query.max_chunk_bytes, prepared)
+        return Request(spec, query.selection, query.max_chunk_bytes)
 
     def known(self, query: Query) -> Request | None:
         """The request of ``query`` if its spec is remembered and the query is valid (a
@@ -116,9 +113,8 @@ class SpecTable:
                 self._by_key.move_to_end(key)
             return spec
 
-    def _intern(self, query: Query) -> tuple[Spec, bool]:
-        """Validate the query's spec and remember it (when the whole query is valid);
-        whether it was prepared here."""
+    def _intern(self, query: Query) -> Spec:
+        """Validate the query's spec and remember it (when the whole query is valid)."""
         violations = list(query.violations)
         table = query.table
         name = "" if table is None else table.NAME
@@ -130,7 +126,6 @@ class SpecTable:
         value = (table, query.dtype)
         with self._lock:
             spec = self._by_value.get(value)
-        prepared = spec is None
         if spec is None:
             # Outside the lock: the waves of a wide table take a while. Two threads may
             # both compute them; the first to store wins.
@@ -141,7 +136,7 @@ class SpecTable:
                     spec = Spec(name, encoding, query.dtype_code, next(self._serials))
                     self._by_value[value] = spec
         self._remember(query.spec_key, spec)
-        return spec, prepared
+        return spec
 
     def _remember(self, key: bytes, spec: Spec) -> None:
         with self._lock:
