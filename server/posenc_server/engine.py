@@ -32,6 +32,7 @@ module imports no gRPC and no protobuf: it is the domain core.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import threading
 from collections.abc import Iterator, Sequence
@@ -532,12 +533,11 @@ def wave_blocks(
     """``wave_rows`` of positions ``start .. stop - 1``, a few rows of one aligned block at
     a time.
 
-    Yields ``(row offset, rows)``; ``rows`` is this thread's scratch buffer, reused for the
-    next rows and by the thread's next call, so callers copy it out before asking for more
-    and never interleave two of these iterations. Passes of at most ``_ELEMENTS_PER_PASS``
-    float64 values keep the rotation's operands in the CPU cache, and the buffer outlives
-    the call: a fresh multi-MiB array per call costs more in page faults than the
-    multiplication (five times more for a 1 MiB block).
+    Yields ``(row offset, rows)``; ``rows`` is a scratch buffer reused for the next rows,
+    so callers copy it out before asking for more. Passes of at most ``_ELEMENTS_PER_PASS``
+    float64 values keep the rotation's operands in the CPU cache, and the buffers outlive
+    the call (``_SCRATCH``): a fresh multi-MiB array per call costs more in page faults than
+    the multiplication (five times more for a 1 MiB block).
     """
     if waves.count == 0 or stop <= start:
         return
@@ -557,7 +557,26 @@ def wave_blocks(
         flat, swapped = _pairs(waves.block_base(aligned, ahead + stop - aligned - block))
     else:
         flat, swapped = _pairs(waves.bases(block_starts))
-    buffer, products = _scratch(min(rows_per_pass, block) * pair_columns)
+    with _SCRATCH.buffers(min(rows_per_pass, block) * pair_columns) as (buffer, products):
+        yield from _rotated_blocks(
+            waves, start, stop, block_starts, flat, swapped, few, buffer, products
+        )
+
+
+def _rotated_blocks(
+    waves: Waves,
+    start: int,
+    stop: int,
+    block_starts: Int64Array,
+    flat: Float64Array,
+    swapped: Float64Array,
+    few: tuple[Float64Array, Float64Array] | None,
+    buffer: Float64Array,
+    products: Float64Array,
+) -> Iterator[tuple[int, ComplexRows]]:
+    """``wave_blocks``' rows, from its block bases (``few``: the rotations of its rows)."""
+    block, pair_columns = waves.block, 2 * waves.count
+    rows_per_pass = max(1, _ELEMENTS_PER_PASS // pair_columns)
     for index, block_start in enumerate(block_starts.tolist()):
         first, last = max(start, block_start), min(stop, block_start + block)
         rotate_cos, rotate_sin = few or waves.rotation(first - block_start, last - block_start)
@@ -576,18 +595,34 @@ def wave_blocks(
             yield low - start, rows.view(np.complex128)
 
 
-_thread_scratch = threading.local()
+class _ScratchPool:
+    """Pairs of float64 scratch buffers (a pass's worth, or one row of the widest table:
+    at most 1 MiB a pair) lent to one computation at a time; at most ``keep`` pairs are
+    kept between computations, so idle threads hold none."""
+
+    def __init__(self, keep: int) -> None:
+        self._keep = keep
+        self._free: list[tuple[Float64Array, Float64Array]] = []
+        self._lock = threading.Lock()
+
+    @contextlib.contextmanager
+    def buffers(self, elements: int) -> Iterator[tuple[Float64Array, Float64Array]]:
+        """Two buffers of at least ``elements`` values each, until the block ends."""
+        with self._lock:
+            pair = self._free.pop() if self._free else None
+        if pair is None or pair[0].size < elements:
+            size = max(elements, _ELEMENTS_PER_PASS)
+            pair = (np.empty(size, dtype=np.float64), np.empty(size, dtype=np.float64))
+        try:
+            yield pair
+        finally:
+            with self._lock:
+                if len(self._free) < self._keep:
+                    self._free.append(pair)
 
 
-def _scratch(elements: int) -> tuple[Float64Array, Float64Array]:
-    """This thread's two float64 scratch buffers of at least ``elements`` values each (at
-    most two passes' worth, or one row of the widest table: well under a MiB)."""
-    buffers: tuple[Float64Array, Float64Array] | None = getattr(_thread_scratch, "buffers", None)
-    if buffers is None or buffers[0].size < elements:
-        size = max(elements, _ELEMENTS_PER_PASS)
-        buffers = (np.empty(size, dtype=np.float64), np.empty(size, dtype=np.float64))
-        _thread_scratch.buffers = buffers
-    return buffers
+# Enough for the computations that run at once on a few cores.
+_SCRATCH: Final = _ScratchPool(keep=8)
 
 
 def _block_rows(count: int) -> int:
