@@ -13,7 +13,9 @@ any client) is sent as the cached message itself: no copy of its rows in this pr
 
 Every encoding call is admitted first: refused while the server drains, and streams beyond
 ``max_concurrent_streams`` are refused with a hint to retry. Results leave as serialized
-responses (``posenc.wire``), so the rows are copied once, into the message.
+responses (``posenc.wire``): a new block's rows are computed straight into its message, a
+cached block's message is sent as it is when it is a whole chunk, and other results are
+copied once, into their message.
 """
 
 from __future__ import annotations

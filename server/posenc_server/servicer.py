@@ -105,6 +105,7 @@ class PositionalEncodingServicer:
             await reservation.grow(_response_cost(request, chunk_bytes))
             chunks = self._service.stream(request)
             loop = asyncio.get_running_loop()
+            ahead: asyncio.Future[list[bytes] | None] | None = None
             try:
                 # Chunk k + 1 is computed on the pool while chunk k is being sent (numpy
                 # releases the GIL): a cold stream costs its slower half, not the sum.
@@ -114,6 +115,8 @@ class PositionalEncodingServicer:
                     for message in messages:
                         yield message
             finally:
+                if ahead is not None:
+                    ahead.cancel()  # a step still running is not awaited: its outcome is moot
                 # Runs the generator's cleanup (the stream count) on the pool: it may still
                 # be computing a chunk for a call cancelled meanwhile.
                 self._pool.submit(_close_when_idle, chunks)
