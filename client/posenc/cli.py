@@ -743,7 +743,7 @@ def _certificate_name(path: str) -> str | None:
         # The standard library's own certificate decoder (what SSLSocket.getpeercert()
         # returns), which it exposes under this name only; no X.509 dependency needed.
         decoded = _ssl._test_decode_cert(path)  # type: ignore[attr-defined]
-    except (OSError, ValueError):
+    except (OSError, ValueError, AttributeError):  # AttributeError: a Python without it
         return None
     for kind, value in decoded.get("subjectAltName", ()):
         if kind == "DNS":
