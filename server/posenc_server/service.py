@@ -289,6 +289,19 @@ class EncodingService:
     def _rows_for_positions(
         self, spec: Spec, positions: npt.NDArray[np.int64], *, new_blocks: int
     ) -> Table:
+        """Rows for arbitrary positions (see ``_gather``), gathered ``GATHER_POSITIONS`` at a
+        time: grouping positions by block takes several times their own size in working
+        memory, which a list of a million positions would otherwise take all at once."""
+        if positions.size <= admission.GATHER_POSITIONS:
+            return self._gather(spec, positions, _Allowance(new_blocks))
+        out = np.empty((positions.size, spec.width), dtype=spec.encoding.dtype)
+        allowance = _Allowance(new_blocks)
+        for first in range(0, positions.size, admission.GATHER_POSITIONS):
+            part = positions[first : first + admission.GATHER_POSITIONS]
+            out[first : first + part.size] = self._gather(spec, part, allowance)
+        return out
+
+    def _gather(self, spec: Spec, positions: npt.NDArray[np.int64], allowance: _Allowance) -> Table:
         """Rows for arbitrary positions, from cached blocks where possible.
 
         A decode loop asks for the next position of each sequence at every step, so a block
@@ -296,28 +309,26 @@ class EncodingService:
         one extended-precision angle, then multiplications). Blocks already cached serve
         their rows; up to ``new_blocks`` missing blocks are computed and cached; the rows of
         any further blocks are computed one by one, so scattered positions cost a row each
-        and do not flush the cache.
+        and do not flush the cache. ``allowance`` counts the new blocks left.
         """
         block_rows = self.block_rows(spec)
         block_ids = positions // block_rows
         spec_id = spec.serial
         offsets = positions - block_ids * block_rows
         first_block = int(block_ids[0])
-        if (block_ids == first_block).all() and (
-            new_blocks > 0 or (spec_id, first_block) in self.cache
-        ):
-            rows: Table = self._block(spec, spec_id, first_block, block_rows)[offsets]
-            return rows  # one block, as for one sequence's step: no grouping
-        out = np.empty((positions.size, spec.width), dtype=spec.encoding.dtype)
 
         def cached_block(block_id: int) -> Table | None:
             """The block from the cache, computed while new ones are allowed; else None."""
-            nonlocal new_blocks
             if (spec_id, block_id) not in self.cache:
-                if new_blocks <= 0:
+                if allowance.blocks <= 0:
                     return None
-                new_blocks -= 1
+                allowance.blocks -= 1
             return self._block(spec, spec_id, block_id, block_rows)
+
+        if (block_ids == first_block).all() and (block := cached_block(first_block)) is not None:
+            rows: Table = block[offsets]
+            return rows  # one block, as for one sequence's step: no grouping
+        out = np.empty((positions.size, spec.width), dtype=spec.encoding.dtype)
 
         uncached: list[int] | npt.NDArray[np.intp]
         if positions.size <= _ROW_BY_ROW_GATHER:
@@ -409,3 +420,10 @@ def _response(spec: Spec, chunk: Chunk) -> bytes:
         # Bytes, whatever the dtype: memoryview cannot export bfloat16.
         rows.reshape(-1).view(np.uint8).data,
     )
+
+
+@dataclass
+class _Allowance:
+    """New blocks a position list may still add to the cache."""
+
+    blocks: int
