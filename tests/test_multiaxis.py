@@ -322,3 +322,17 @@ def test_the_axis_counts_agree_with_the_proto() -> None:
 
     for name, kind in KINDS.items():
         assert posenc.Spec(name).axes == kind.AXES, name
+
+
+def test_fetch_writes_a_grid_with_its_shape(server: RunningServer, tmp_path: Any) -> None:
+    from posenc.cli import main
+
+    params = ["--param", "embed_dim=16", "--param", "grid_height=3", "--param", "grid_width=5"]
+    out = tmp_path / "grid.npy"
+    argv = ["fetch", "--table", "sincos_grid_2d", *params, "-o", str(out)]
+    assert main([*argv, "--target", server.target, "--no-progress"]) == 0
+    written = np.load(out)
+    assert written.shape == (3, 5, 16)
+    with posenc.Client(server.target) as c:
+        spec = posenc.Spec("sincos_grid_2d", embed_dim=16, grid_height=3, grid_width=5)
+        assert same_bits(written, c.get_grid(spec))
