@@ -255,3 +255,22 @@ def test_grid_3d_matches_diffusers(
     assert grid.shape == (frames, height, width, 64)
     cells = np.indices((frames, height, width)).reshape(3, frames, -1)
     assert_close(grid.reshape(frames, -1, 64), theirs, cells.max(axis=0) + 1)
+
+
+@pytest.mark.parametrize("family", ["qwen2_vl", "qwen3_vl"])
+def test_the_transformers_drop_in_serves_mrope(server: RunningServer, family: str) -> None:
+    from posenc.integrations.transformers import patch
+
+    torch.manual_seed(0)
+    model = {"qwen2_vl": _qwen2_vl, "qwen3_vl": _qwen3_vl}[family]()
+    language = model.language_model.eval()
+    for layout in ("video", "text"):
+        position_ids = _position_ids(model, layout)
+        embeds = torch.randn(1, position_ids.shape[-1], 256)
+        with torch.no_grad():
+            native = language(inputs_embeds=embeds, position_ids=position_ids)
+            with posenc.Client(server.target) as client, patch(language, client) as patched:
+                assert next(iter(patched.specs.values())).kind == "mrope"
+                ours = language(inputs_embeds=embeds, position_ids=position_ids)
+        difference = (ours.last_hidden_state - native.last_hidden_state).abs().max()
+        assert float(difference) < 1e-4, (layout, float(difference))
