@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
 import numpy as np
+import numpy.typing as npt
 from google.protobuf.descriptor import Descriptor, EnumDescriptor
 from google.protobuf.message import DecodeError, Message
 
@@ -242,17 +243,24 @@ def _coordinates(
                 f"must hold 1 to {limits.max_positions} rows of {axes} coordinates, got {count}",
             )
         )
-    elif (bad := np.flatnonzero((flat > limit) | (flat < -limit))).size:
-        index = int(bad[0])
+    elif (bad := _out_of_range(flat, limit)) is not None:
+        index, bad_count = bad
         violations.append(
             FieldViolation(
                 f"coordinates.coordinates[{index}]",
                 f"|coordinate| must be at most {limit}, got {int(flat[index])} (row "
                 f"{index // axes}, axis {index % axes})"
-                + (f"; {bad.size} coordinates out of range" if bad.size > 1 else ""),
+                + (f"; {bad_count} coordinates out of range" if bad_count > 1 else ""),
             )
         )
     return CoordinateList(flat.reshape(count, axes))
+
+
+def _out_of_range(values: npt.NDArray[np.int64], limit: int) -> tuple[int, int] | None:
+    """The index of the first value with |value| > limit, and how many there are."""
+    # Not np.abs: it overflows (stays negative) for -2**63.
+    bad = np.flatnonzero((values > limit) | (values < -limit))
+    return (int(bad[0]), int(bad.size)) if bad.size else None
 
 
 def _check_range(selection: PositionRange, limit: int, violations: list[FieldViolation]) -> None:
@@ -290,14 +298,13 @@ def _check_positions(
                 f"must hold 1 to {limits.max_positions} positions, got {count}",
             )
         )
-    # Not np.abs: it overflows (stays negative) for -2**63.
-    elif (bad := np.flatnonzero((positions > limit) | (positions < -limit))).size:
-        index = int(bad[0])
+    elif (bad := _out_of_range(positions, limit)) is not None:
+        index, bad_count = bad
         violations.append(
             FieldViolation(
                 f"positions.positions[{index}]",
                 f"|position| must be at most {limit}, got {int(positions[index])}"
-                + (f" ({bad.size} positions out of range)" if bad.size > 1 else ""),
+                + (f" ({bad_count} positions out of range)" if bad_count > 1 else ""),
             )
         )
 
