@@ -13,6 +13,7 @@ responses (``posenc.wire``), so the rows are copied once, into the message.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import os
 import secrets
@@ -48,6 +49,11 @@ _BLOCK_ELEMENTS = 1 << 18
 # of further uncached blocks are computed one by one.
 _NEW_BLOCK_ROWS_PER_ROW = 16
 _MAX_NEW_BLOCKS_PER_LIST = 64
+# A position list caches a block the second time it asks for rows of it (the first time
+# computes just the rows): a decode loop comes back to its blocks at the next step, while a
+# table asked for once (a dynamic-NTK step, whose spec changes every step) would pay for a
+# whole block to use a row of it. The blocks seen once are remembered up to this many.
+_SEEN_BLOCKS = 4096
 # Evicting this much frees enough heap to trim it at once rather than at the next tick.
 _TRIM_AFTER_EVICTED_BYTES = 16 << 20
 # Position lists up to this long are gathered row by row, longer ones block by block.
@@ -93,6 +99,7 @@ class EncodingService:
         self.server_id = f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(3)}"
         self._rows_computed = 0
         self._counter_lock = threading.Lock()
+        self._seen: collections.OrderedDict[BlockKey, None] = collections.OrderedDict()
         self._draining = False
         self._in_flight = 0
         self._streams = 0
@@ -317,13 +324,19 @@ class EncodingService:
         offsets = positions - block_ids * block_rows
         first_block = int(block_ids[0])
 
+        blocks: dict[int, Table | None] = {}
+
         def cached_block(block_id: int) -> Table | None:
-            """The block from the cache, computed while new ones are allowed; else None."""
-            if (spec_id, block_id) not in self.cache:
-                if allowance.blocks <= 0:
-                    return None
-                allowance.blocks -= 1
-            return self._block(spec, spec_id, block_id, block_rows)
+            """The block from the cache, computed while new ones are allowed; else None
+            (decided once per block for this gather)."""
+            if block_id not in blocks:
+                key = (spec_id, block_id)
+                if key not in self.cache and (allowance.blocks <= 0 or not self._seen_before(key)):
+                    blocks[block_id] = None
+                else:
+                    allowance.blocks -= key not in self.cache
+                    blocks[block_id] = self._block(spec, spec_id, block_id, block_rows)
+            return blocks[block_id]
 
         if (block_ids == first_block).all() and (block := cached_block(first_block)) is not None:
             rows: Table = block[offsets]
@@ -334,14 +347,11 @@ class EncodingService:
         if positions.size <= _ROW_BY_ROW_GATHER:
             # A decode step of many sequences: about one row per block, where copying row
             # by row costs a fifth of a fancy-indexed gather per block.
-            blocks: dict[int, Table | None] = {}
             uncached = []
             for row, (block_id, offset) in enumerate(
                 zip(block_ids.tolist(), offsets.tolist(), strict=True)
             ):
-                if block_id not in blocks:
-                    blocks[block_id] = cached_block(block_id)
-                block = blocks[block_id]
+                block = cached_block(block_id)
                 if block is None:
                     uncached.append(row)
                 else:
@@ -370,6 +380,18 @@ class EncodingService:
                 part = uncached[first : first + step]
                 out[part] = engine.encode_positions(spec.encoding, positions[part])
         return out
+
+    def _seen_before(self, key: BlockKey) -> bool:
+        """Whether a position list asked for rows of block ``key`` before (and remember
+        that it has now)."""
+        with self._counter_lock:
+            if key in self._seen:
+                del self._seen[key]
+                return True
+            self._seen[key] = None
+            if len(self._seen) > _SEEN_BLOCKS:
+                self._seen.popitem(last=False)
+            return False
 
     def _count_rows(self, rows: int) -> None:
         with self._counter_lock:
