@@ -150,6 +150,14 @@ def test_coordinates_keep_their_shape_and_the_cos_sin_split(client: posenc.Clien
     assert rows.shape == (2, 7, 256)
     cos, sin = client.get_positions(coordinates, QWEN2_VL, cos_sin=True)
     assert same_bits(np.concatenate([cos, sin], axis=-1), rows)
+    # transformers' own layout, by naming the coordinates' axis.
+    assert same_bits(client.get_positions(position_ids, QWEN2_VL, coordinate_axis=0), rows)
+    assert "coordinate_axis" in _violations(
+        lambda: client.get_positions(position_ids, QWEN2_VL, coordinate_axis=5)
+    )
+    assert "coordinate_axis" in _violations(
+        lambda: client.get_positions([1, 2], posenc.Spec("rotary", head_dim=8), coordinate_axis=0)
+    )
     # Each row depends on its coordinates alone.
     assert same_bits(client.get_positions(coordinates[1, 3], QWEN2_VL), rows[1, 3])
 

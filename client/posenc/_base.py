@@ -177,6 +177,7 @@ class BaseClient(Generic[ArrayT, InfoT, StatusT, SlicesT]):
         out: Any = None,
         device: Any = None,
         cos_sin: bool = False,
+        coordinate_axis: int = -1,
         timeout: Timeout = DEFAULT,
         **classic: Unpack[ClassicOptions],
     ) -> ArrayT:
@@ -190,9 +191,10 @@ class BaseClient(Generic[ArrayT, InfoT, StatusT, SlicesT]):
 
         A table with several position axes (``spec.axes``: ``mrope``'s ``(t, h, w)``, the
         grids' ``(h, w)`` or ``(t, h, w)``) takes coordinates of shape ``S + [axes]``
-        (transformers' M-RoPE ``position_ids`` ``[3, batch, seq]``:
-        ``np.moveaxis(position_ids, 0, -1)``), giving ``S + [width]``; they bypass the row
-        cache.
+        giving ``S + [width]``; ``coordinate_axis`` names the axis of ``positions`` that
+        holds the coordinates when it is not the last (transformers' M-RoPE
+        ``position_ids`` ``[3, batch, seq]``: ``coordinate_axis=0``). Coordinates bypass
+        the row cache.
 
         Made for decode loops: rows come from the client's row cache when it holds them,
         and a sequence moving forward has its next rows fetched ahead, in the call and in
@@ -200,7 +202,14 @@ class BaseClient(Generic[ArrayT, InfoT, StatusT, SlicesT]):
         always a new array (or ``out``). ``AsyncClient``: awaitable.
         """
         query, output = self._core.positions_query(
-            positions, table, dtype, classic, out=out, device=device, cos_sin=cos_sin
+            positions,
+            table,
+            dtype,
+            classic,
+            coordinate_axis,
+            out=out,
+            device=device,
+            cos_sin=cos_sin,
         )
         return cast(ArrayT, self._run(self._core.fetch_positions(query, output, timeout)))
 

@@ -257,13 +257,24 @@ class Core:
         table: object,
         dtype: DTypeArg | None,
         classic: Classic,
+        coordinate_axis: int = -1,
         **output: Any,
     ) -> tuple[Query, Output]:
         """The query of positions of any shape (a tensor's on any device), and how its
-        rows are handed back."""
+        rows are handed back; a several-axis table's coordinates lie along
+        ``coordinate_axis``."""
         array, device = positions_of(positions)
         spec = table_spec(table, result_dtype(dtype, output.get("out")), classic)
         axes = position_axes(str(spec.WhichOneof("table")))
+        if coordinate_axis != -1:
+            if axes == 1:
+                raise bad_argument(
+                    "coordinate_axis", f"spec.{spec.WhichOneof('table')} has one position axis"
+                )
+            try:
+                array = np.moveaxis(np.asarray(array), coordinate_axis, -1)
+            except (np.exceptions.AxisError, TypeError) as error:
+                raise bad_argument("coordinate_axis", str(error)) from None
         query = positions_query(array, spec, self.widths, axes)
         shape = np.shape(array)[: -1 if axes > 1 else None]
         return self._with_output(query, shape, dtype, device, output)
