@@ -281,7 +281,8 @@ class _Rotary:
         )
         probe = torch.zeros(1, device=self.module.inv_freq.device)
         positions = torch.arange(_VERIFY_ROWS, device=probe.device)[None]
-        if layer_types == [None] and self.spec(None, None).kind == "mrope":
+        # Not self.spec: its memo would keep the layout before the probe below decides it.
+        if layer_types == [None] and posenc.Spec.from_config(self.values).kind == "mrope":
             # (t, h, w) position ids [3, 1, seq]: a 4 x 4 x 4 video's, every axis its own.
             self.mrope = True
             cells = torch.arange(_VERIFY_ROWS, device=probe.device)
