@@ -27,7 +27,7 @@ import asyncio
 import threading
 from collections.abc import Callable, Generator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Final, TypeVar
+from typing import TYPE_CHECKING, Any, Final, Generic, TypedDict, TypeVar, Unpack
 
 import numpy as np
 import numpy.typing as npt
@@ -237,18 +237,35 @@ class _Plan:
         return result
 
 
-class _TableBase:
-    """What both tables share: construction and the read-only accessors."""
+ClientT = TypeVar("ClientT", "Client", "AsyncClient")
+
+
+class TableOptions(TypedDict, total=False):
+    """The keyword arguments of both tables (see :class:`GrowingTable`)."""
+
+    dtype: DTypeArg
+    min_rows: int
+    max_bytes: int
+    max_step_bytes: int
+    timeout: Timeout
+
+
+class _TableBase(Generic[ClientT]):
+    """What both tables share: construction and the read-only accessors (arguments as
+    described in :class:`GrowingTable`)."""
 
     def __init__(
         self,
+        client: ClientT,
         table: Table,
-        dtype: DTypeArg,
-        min_rows: int,
-        max_bytes: int,
-        max_step_bytes: int,
-        timeout: Timeout,
+        *,
+        dtype: DTypeArg = "float32",
+        min_rows: int = DEFAULT_MIN_ROWS,
+        max_bytes: int = DEFAULT_MAX_BYTES,
+        max_step_bytes: int = DEFAULT_MAX_STEP_BYTES,
+        timeout: Timeout = DEFAULT,
     ) -> None:
+        self._client: ClientT = client
         self._plan = _Plan(table, dtype, min_rows, max_bytes, max_step_bytes)
         self._timeout = timeout
 
@@ -294,7 +311,7 @@ def _finish(steps: _Steps[T], fetch: Callable[[_Fetch], Any]) -> T:
         return done.value  # type: ignore[no-any-return]
 
 
-class GrowingTable(_TableBase):
+class GrowingTable(_TableBase["Client"]):
     """The rows ``[0, len(self))`` of one table, held in memory and extended on demand.
 
     Args:
@@ -311,19 +328,8 @@ class GrowingTable(_TableBase):
     and rows already returned are never modified (a grown table is a new buffer).
     """
 
-    def __init__(
-        self,
-        client: Client,
-        table: Table,
-        *,
-        dtype: DTypeArg = "float32",
-        min_rows: int = DEFAULT_MIN_ROWS,
-        max_bytes: int = DEFAULT_MAX_BYTES,
-        max_step_bytes: int = DEFAULT_MAX_STEP_BYTES,
-        timeout: Timeout = DEFAULT,
-    ) -> None:
-        super().__init__(table, dtype, min_rows, max_bytes, max_step_bytes, timeout)
-        self._client = client
+    def __init__(self, client: Client, table: Table, **options: Unpack[TableOptions]) -> None:
+        super().__init__(client, table, **options)
         self._lock = threading.Lock()
 
     def rows(self, stop: int | None = None) -> npt.NDArray[Any]:
@@ -382,7 +388,7 @@ class GrowingTable(_TableBase):
         return self._client.get_positions(*arguments, dtype=self.dtype, timeout=self._timeout)
 
 
-class AsyncGrowingTable(_TableBase):
+class AsyncGrowingTable(_TableBase["AsyncClient"]):
     """:class:`GrowingTable` over a :class:`posenc.AsyncClient`: ``get``, ``reserve`` and
     ``rows`` are coroutines, and growth is serialised by an ``asyncio.Lock``. Arguments and
     results as there::
@@ -391,19 +397,8 @@ class AsyncGrowingTable(_TableBase):
         cos, sin = await table.get(position_ids, cos_sin=True)
     """
 
-    def __init__(
-        self,
-        client: AsyncClient,
-        table: Table,
-        *,
-        dtype: DTypeArg = "float32",
-        min_rows: int = DEFAULT_MIN_ROWS,
-        max_bytes: int = DEFAULT_MAX_BYTES,
-        max_step_bytes: int = DEFAULT_MAX_STEP_BYTES,
-        timeout: Timeout = DEFAULT,
-    ) -> None:
-        super().__init__(table, dtype, min_rows, max_bytes, max_step_bytes, timeout)
-        self._client = client
+    def __init__(self, client: AsyncClient, table: Table, **options: Unpack[TableOptions]) -> None:
+        super().__init__(client, table, **options)
         self._lock = asyncio.Lock()
 
     async def rows(self, stop: int | None = None) -> npt.NDArray[Any]:
