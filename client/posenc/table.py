@@ -73,7 +73,12 @@ class _Positions:
     positions: npt.NDArray[np.int64]
 
 
-_Fetch = _Range | _Positions
+class _Grow:
+    """The table grows from here: the caller must hold the table's lock (answer: None)."""
+
+
+_GROW: Final = _Grow()
+_Fetch = _Grow | _Range | _Positions
 # A step of the plan: what to fetch next; the answer is sent back in.
 _Steps = Generator[_Fetch, Any, T]
 
@@ -81,9 +86,11 @@ _Steps = Generator[_Fetch, Any, T]
 class _Plan:
     """The growing table without its calls: its rows, its growth policy and its reads.
 
-    Methods that may need rows from the server are generators: they yield a ``_Range``
-    (growth: the caller holds the table's lock) or a ``_Positions`` (rows for one call) and
-    take the rows back, so that the blocking and the asyncio table share every decision.
+    Methods that may need rows from the server are generators: they yield ``_GROW`` before
+    growing (the caller takes the table's lock, then runs the plan again: another caller may
+    have grown the table meanwhile), then a ``_Range``, or a ``_Positions`` (rows for one
+    call), and take the rows back, so that the blocking and the asyncio table share every
+    decision.
     """
 
     def __init__(
@@ -133,6 +140,7 @@ class _Plan:
         held, width = self.held, self.width
         if stop <= held:
             return
+        yield _GROW
         if width is None:
             stop = max(stop, self.min_rows)
             rows = yield _Range(0, stop)
@@ -295,7 +303,7 @@ class _TableBase(Generic[ClientT]):
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.table!r}, dtype={self.dtype.name}, rows={len(self)})"
 
-    def _fetch_arguments(self, fetch: _Fetch) -> tuple[Any, ...]:
+    def _fetch_arguments(self, fetch: _Range | _Positions) -> tuple[Any, ...]:
         if isinstance(fetch, _Range):
             return (fetch.start, fetch.stop, self.table)
         return (fetch.positions, self.table)
@@ -380,6 +388,8 @@ class GrowingTable(_TableBase["Client"]):
             return _finish(plan(), self._fetch)
 
     def _fetch(self, fetch: _Fetch) -> Any:
+        if isinstance(fetch, _Grow):
+            return None
         arguments = self._fetch_arguments(fetch)
         if isinstance(fetch, _Range):
             return self._client.get_range(
@@ -443,6 +453,8 @@ class AsyncGrowingTable(_TableBase["AsyncClient"]):
                 return finished.value  # type: ignore[no-any-return]
 
     async def _fetch(self, fetch: _Fetch) -> Any:
+        if isinstance(fetch, _Grow):
+            return None
         arguments = self._fetch_arguments(fetch)
         if isinstance(fetch, _Range):
             return await self._client.get_range(
