@@ -455,8 +455,7 @@ class Core:
             yield Wait(plan.tokens, budget.attempt_timeout())
             plan = self.rows.plan(query, wait=False)
         rows = yield from self._rows_of(query, plan, budget)
-        ahead = self.rows.claim_ahead(query, self._new_token)
-        if ahead is not None:
+        for ahead in self.rows.claim_ahead(query, self._new_token):
             yield ReadAhead(ahead)
         return rows
 
