@@ -11,6 +11,7 @@ import numpy as np
 import posenc
 from bench.common import Section, Sizes, Table, Target, cpu_seconds, median, percentile, ratio
 from bench.floor import FloorClient
+from posenc._rows import LEAD_STEPS
 
 D_MODEL = 4096
 BATCH = 64
@@ -50,7 +51,8 @@ def run(
             "Three clients, each on positions of its own. The SDK's default client reads "
             "ahead: in the call, up to 64 rows per sequence moving forward and 1 MiB per call; "
             "after the call, in the background, the next window of each sequence whose rows "
-            f"run short (for the 1 MiB steps of {BATCH} sequences, the next step). In a "
+            f"run short, {LEAD_STEPS} steps ahead at least (for the 1 MiB steps of {BATCH} "
+            "sequences, a step a call). In a "
             f"decode loop the model runs between steps: {MODEL_SECONDS * 1e3:.0f} ms here, "
             "then (untimed) until the client's background fetch has landed, so that it "
             "overlaps no other measured call. The same default client back to back, with "

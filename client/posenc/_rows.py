@@ -10,9 +10,10 @@ the step alone is that large, read-ahead would only move the same bytes in fewer
 calls, and calls go to the server as they are. Scattered positions are fetched as asked.
 
 After each call, the clients also fetch in the background the next rows of every sequence
-moving forward whose cached rows run short (the next window, or for large steps the next
-step): a loop that does anything between steps (a model's forward pass) then finds its
-rows cached. A call that needs rows still in flight waits for them (``Pending``).
+moving forward whose cached rows run short (the next windows, at least ``LEAD_STEPS``
+steps ahead; for large steps a step a fetch): a loop that does anything between steps (a
+model's forward pass) then finds its rows cached. A call that needs rows still in flight
+waits for them (``Pending``).
 
 This module only plans and assembles; :mod:`posenc._core` makes the calls (see ``RowPlan``
 and ``AheadFetch``). Rows are counted in bytes, so a table is cached once its width is
