@@ -1,5 +1,6 @@
 """torch results of the SDK's table methods (dtype, device, out=, any-shape positions,
-(cos, sin) pairs) for Client, AsyncClient and GrowingTable, and the growing table itself.
+(cos, sin) pairs) for Client, AsyncClient and GrowingTable, and the growing tables themselves
+(GrowingTable and AsyncGrowingTable).
 
 Every tensor is checked bit for bit against the numpy rows of the same call: the server's
 rows, whatever form they are handed back in.
@@ -21,7 +22,7 @@ import pytest
 torch = pytest.importorskip("torch", reason="the conformance extra (make test installs it)")
 
 import posenc  # noqa: E402
-from posenc import GrowingTable  # noqa: E402
+from posenc import AsyncGrowingTable, GrowingTable  # noqa: E402
 
 ROTARY = posenc.Spec("rotary", head_dim=16, rope_theta=500000.0)
 SINUSOIDAL = posenc.Spec("sinusoidal", d_model=24)
@@ -306,3 +307,39 @@ def test_concurrent_readers_see_consistent_rows(client: posenc.Client) -> None:
     for thread in threads:
         thread.join()
     assert not failures
+
+
+def test_the_async_table_grows_and_reads_as_the_blocking_one(server: Any) -> None:
+    async def main() -> tuple[Any, ...]:
+        async with posenc.AsyncClient(server.target) as client:
+            table = AsyncGrowingTable(client, SINUSOIDAL, min_rows=16)
+            first = await table.get([[0, 5], [7, 10]])
+            after_first = (len(table), table.fetches)
+            # Tasks reading past the end at once: growth is serialised, every read exact.
+            reads = await asyncio.gather(
+                *(table.get(np.arange(stop)) for stop in range(1, 3000, 97))
+            )
+            grown = (len(table), table.fetches)
+            sparse = await table.get([2**30, -7, 3])  # fetched for the call, not grown into
+            cos, sin = await AsyncGrowingTable(client, ROTARY, dtype=torch.bfloat16).get(
+                torch.tensor([[0, 1], [2, 3]]), cos_sin=True
+            )
+            small = AsyncGrowingTable(client, SINUSOIDAL, min_rows=4, max_bytes=10 * 24 * 4)
+            assert (await small.rows(10)).shape == (10, 24)
+            with pytest.raises(posenc.ResourceExhaustedError):
+                await small.reserve(11)
+            return first, after_first, reads, grown, sparse, (len(table), table.fetches), cos, sin
+
+    first, after_first, reads, grown, sparse, final, cos, sin = asyncio.run(main())
+    with posenc.Client(server.target) as client:
+        expected = client.get_range(0, 3000, SINUSOIDAL)
+        assert np.array_equal(first, expected[[[0, 5], [7, 10]]])
+        assert after_first == (16, 1)
+        for stop, rows in zip(range(1, 3000, 97), reads, strict=True):
+            assert np.array_equal(rows, expected[:stop])
+        assert grown[0] >= 2910 and grown[1] <= 10  # 16, 32, ..., 4096: geometric
+        assert np.array_equal(sparse, client.get_positions([2**30, -7, 3], SINUSOIDAL))
+        assert final == (grown[0], grown[1] + 1)
+        rotary = client.get_range(0, 4, ROTARY, dtype="bfloat16")
+    assert isinstance(cos, torch.Tensor) and cos.shape == (2, 2, 16)
+    assert np.array_equal(bits(torch.cat([cos, sin], -1)).reshape(4, 32), bits(rotary))

@@ -69,12 +69,34 @@ def test_a_unary_list_computes_new_blocks_up_to_16_rows_per_row_and_the_rest_row
     fresh: Server, per_block: int
 ) -> None:
     positions = scattered(100, per_block=per_block)
-    assert fresh.get(positions) == engine_positions(SPEC, positions).tobytes()
+    expected = engine_positions(SPEC, positions).tobytes()
+    # The first time, only the rows: a table asked for once costs no blocks.
+    assert fresh.get(positions) == expected
+    assert fresh.counters()[:2] == (100 * per_block, 0)
+    # Asked again (a decode loop's next step): 16 rows per requested row in new blocks (at
+    # most 64 blocks), the rest one by one.
+    assert fresh.get(positions) == expected
     rows, entries, _ = fresh.counters()
-    # 16 rows per requested row in new blocks (at most 64 blocks), the rest one by one.
     new_blocks = min(64, 16 * len(positions) // BLOCK)
     assert entries == new_blocks
-    assert rows == new_blocks * BLOCK + (100 - new_blocks) * per_block
+    assert rows == 100 * per_block + new_blocks * BLOCK + (100 - new_blocks) * per_block
+
+
+def test_a_new_table_asked_for_once_per_spec_costs_its_rows_only(fresh: Server) -> None:
+    # A dynamic-NTK decode loop: the spec (its base) changes every step.
+    for seq_len in range(5000, 5010):
+        spec = pb.EncodingSpec(
+            rotary=pb.RotaryTable(
+                head_dim=64,
+                dynamic=pb.DynamicScaling(factor=4, max_position_embeddings=4096, seq_len=seq_len),
+            )
+        )
+        request = pb.GetEncodingRequest(
+            spec=spec, positions=pb.PositionList(positions=[seq_len - 1] * 8)
+        )
+        assert fresh.stub.GetEncoding(request).tensor.rows == 8
+    rows, entries, _ = fresh.counters()
+    assert (rows, entries) == (80, 0)
 
 
 def test_a_unary_list_takes_every_cached_block_it_finds(fresh: Server) -> None:
@@ -94,6 +116,7 @@ def test_a_unary_list_takes_every_cached_block_it_finds(fresh: Server) -> None:
 
 def test_a_streamed_list_reads_cached_blocks_but_computes_no_new_ones(fresh: Server) -> None:
     for position in scattered(10):
+        fresh.get([position])
         fresh.get([position])  # a block each: blocks 0 .. 9 of the list's 20 are cached
     computed, entries, _ = fresh.counters()
     positions = scattered(20, offset=11)
@@ -118,12 +141,16 @@ def test_evicting_enough_asks_for_a_heap_trim() -> None:
 
     # 1 MiB blocks, one per single-position request: the first 8 fill the budget, the next
     # 16 evict 16 MiB.
+    # (Each twice: a position list caches a block the second time it asks for it.)
     for block in range(8):
+        get([start + BLOCK * block])
         get([start + BLOCK * block])
     assert not service.trim_due.is_set()
     for block in range(8, 23):
         get([start + BLOCK * block])
+        get([start + BLOCK * block])
     assert not service.trim_due.is_set()  # 15 MiB evicted
+    get([start + BLOCK * 23])
     get([start + BLOCK * 23])
     assert service.trim_due.is_set()
 

@@ -35,7 +35,7 @@ from posenc.errors import (
     UnimplementedError,
 )
 from posenc.spec import Spec
-from posenc.table import GrowingTable
+from posenc.table import AsyncGrowingTable, GrowingTable
 from posenc.types import (
     DEFAULT,
     CacheStats,
@@ -53,6 +53,7 @@ __all__ = [
     "DEFAULT_TARGET",
     "DTYPE_NAMES",
     "AsyncClient",
+    "AsyncGrowingTable",
     "CacheStats",
     "CancelledError",
     "ClassicOptions",

@@ -16,12 +16,18 @@ for the call with :meth:`posenc.Client.get_positions` and not kept.
 
 Results take the forms of :meth:`posenc.Client.get_positions` (numpy, or torch tensors with
 the ``[torch]`` extra; ``out=`` buffers; ``(cos, sin)`` pairs), through the same code.
+
+:class:`AsyncGrowingTable` is the same table over a :class:`posenc.AsyncClient`: both run
+one plan (``_Plan``), which holds everything but the calls and yields the fetches it needs.
 """
 
 from __future__ import annotations
 
+import asyncio
 import threading
-from typing import TYPE_CHECKING, Any, Final
+from collections.abc import Callable, Generator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Final, TypeVar
 
 import numpy as np
 import numpy.typing as npt
@@ -33,9 +39,10 @@ from posenc.spec import Spec
 from posenc.types import DEFAULT, DTypeArg, Table, Timeout
 
 if TYPE_CHECKING:
+    from posenc._async_client import AsyncClient
     from posenc._client import Client
 
-__all__ = ["GrowingTable"]
+__all__ = ["AsyncGrowingTable", "GrowingTable"]
 
 #: Default memory cap of one table.
 DEFAULT_MAX_BYTES: Final = 1 << 30
@@ -43,14 +50,251 @@ DEFAULT_MAX_BYTES: Final = 1 << 30
 DEFAULT_MAX_STEP_BYTES: Final = 64 << 20
 #: Default smallest table: one call holds the rows of most prompts.
 DEFAULT_MIN_ROWS: Final = 4096
-# Extensions larger than this are streamed into the new buffer slice by slice instead of
-# fetched as one array and copied: one copy of the rows, O(chunk) transient memory.
-_STREAM_BYTES: Final = 4 << 20
 # A request this many times sparser than the rows it would add is fetched, not grown into.
 _SPARSE: Final = 4
 
 
-class GrowingTable:
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class _Range:
+    """Fetch rows ``[start, stop)`` into ``out`` (None: into a new array, the answer)."""
+
+    start: int
+    stop: int
+    out: npt.NDArray[Any] | None = None
+
+
+@dataclass(frozen=True)
+class _Positions:
+    """Fetch the rows of ``positions`` for one call (the answer); the table keeps them not."""
+
+    positions: npt.NDArray[np.int64]
+
+
+_Fetch = _Range | _Positions
+# A step of the plan: what to fetch next; the answer is sent back in.
+_Steps = Generator[_Fetch, Any, T]
+
+
+class _Plan:
+    """The growing table without its calls: its rows, its growth policy and its reads.
+
+    Methods that may need rows from the server are generators: they yield a ``_Range``
+    (growth: the caller holds the table's lock) or a ``_Positions`` (rows for one call) and
+    take the rows back, so that the blocking and the asyncio table share every decision.
+    """
+
+    def __init__(
+        self,
+        table: Table,
+        dtype: DTypeArg,
+        min_rows: int,
+        max_bytes: int,
+        max_step_bytes: int,
+    ) -> None:
+        if min_rows < 1 or max_bytes < 1 or max_step_bytes < 1:
+            raise ValueError("min_rows, max_bytes and max_step_bytes must be positive")
+        self.table = table
+        self.dtype = numpy_dtype(dtype)
+        self.torch_dtype = is_torch_dtype(dtype)  # results are tensors, as for a client
+        self.min_rows = min_rows
+        self.max_bytes = max_bytes
+        self.max_step_bytes = max_step_bytes
+        self.rows: npt.NDArray[Any] | None = None  # the held rows, [len, width]
+        self.fetches = 0
+
+    @property
+    def held(self) -> int:
+        rows = self.rows
+        return 0 if rows is None else int(rows.shape[0])
+
+    @property
+    def width(self) -> int | None:
+        rows = self.rows
+        return None if rows is None else int(rows.shape[1])
+
+    def view(self, stop: int | None) -> npt.NDArray[Any]:
+        rows = self.rows
+        if rows is None:
+            return np.empty((0, 0), dtype=self.dtype)
+        view = rows[: len(rows) if stop is None else stop]
+        view.flags.writeable = False
+        return view
+
+    def _max_rows(self, width: int) -> int:
+        return max(self.max_bytes // (width * self.dtype.itemsize), 1)
+
+    # -- growth ---------------------------------------------------------------------------------
+
+    def reserve(self, stop: int) -> _Steps[None]:
+        """Hold at least rows ``[0, stop)``; ResourceExhaustedError past ``max_bytes``."""
+        held, width = self.held, self.width
+        if stop <= held:
+            return
+        if width is None:
+            stop = max(stop, self.min_rows)
+            rows = yield _Range(0, stop)
+            width = int(rows.shape[1])
+            if stop > self._max_rows(width):
+                # The width was unknown until now: keep what the budget allows.
+                rows = np.ascontiguousarray(rows[: self._max_rows(width)])
+        else:
+            if stop > self._max_rows(width):
+                raise ResourceExhaustedError(
+                    f"{stop} rows of {width} {self.dtype.name} exceed the table's "
+                    f"max_bytes ({self.max_bytes})"
+                )
+            step_rows = max(self.max_step_bytes // (width * self.dtype.itemsize), 1)
+            target = max(stop, held + min(max(held, self.min_rows), step_rows))
+            rows = np.empty((min(target, self._max_rows(width)), width), dtype=self.dtype)
+            assert self.rows is not None
+            rows[:held] = self.rows
+            # Straight into the new buffer (streamed when large): one copy, O(chunk) extra.
+            yield _Range(held, len(rows), rows[held:])
+        self.fetches += 1
+        self.rows = rows  # one reference swap: readers see the old or the new table
+
+    def _grow_for(self, positions: npt.NDArray[np.int64]) -> _Steps[None]:
+        """Extends the table over the positions of a request past its end that are near the
+        end (within the next extension) or dense enough to fill what they add; the others
+        (sparse, far) are fetched for the call."""
+        held = self.held
+        past = np.unique(positions[positions >= held])
+        if past.size == 0:
+            return
+        if self.width is not None:
+            past = past[past < self._max_rows(self.width)]
+        # The i-th position past the end is worth growing to if the rows it adds are at
+        # most _SPARSE times the positions of the request they cover.
+        covered = _SPARSE * np.arange(1, past.size + 1)
+        worth = past + 1 - held <= np.maximum(covered, max(held, self.min_rows))
+        if worth.any():
+            yield from self.reserve(int(past[np.flatnonzero(worth)[-1]]) + 1)
+
+    # -- reading --------------------------------------------------------------------------------
+
+    def output(self, positions: npt.ArrayLike, out: Any, device: Any, cos_sin: bool) -> Any:
+        """The result's form (see ``get``) and the flat positions it holds rows of."""
+        array, positions_device = positions_of(positions)
+        output = Output.create(
+            np.shape(array),
+            self.dtype,
+            out=out,
+            device=device,
+            cos_sin=cos_sin,
+            positions_device=positions_device,
+            torch_dtype=self.torch_dtype,
+            rotary=isinstance(self.table, Spec) and self.table.kind == "rotary",
+        )
+        return output, as_positions(array)
+
+    def gather(self, flat: npt.NDArray[np.int64], host: npt.NDArray[Any] | None) -> _Steps[Any]:
+        """The rows of ``flat``: from memory, growing first if the request reaches past the
+        end, and fetched for the call where the table does not hold them."""
+        if flat.size == 0:
+            if self.width is None:  # the width is the server's: one row tells it
+                yield from self.reserve(1)
+            assert self.width is not None
+            return np.empty((0, self.width), dtype=self.dtype)
+        low, top = int(flat.min()), int(flat.max())
+        if top >= self.held:
+            yield from self._grow_for(flat)
+        rows = self.rows
+        held = 0 if rows is None else len(rows)
+        if rows is None or low < 0 or top >= held:
+            return (yield from self._mixed(flat, rows))
+        fits = host is not None and host.shape == (len(flat), rows.shape[1])
+        if top - low == len(flat) - 1 and (len(flat) == 1 or (np.diff(flat) == 1).all()):
+            # A run of consecutive positions (a prefill): one block copy, several times
+            # faster than a gather.
+            block = rows[low : top + 1]
+            if fits:
+                assert host is not None
+                np.copyto(host, block)
+                return host
+            return block.copy()
+        if fits:
+            # Straight into the caller's buffer: a decode loop allocates nothing.
+            return np.take(rows, flat, axis=0, out=host)
+        return rows[flat]
+
+    def _mixed(
+        self, flat: npt.NDArray[np.int64], rows: npt.NDArray[Any] | None
+    ) -> _Steps[npt.NDArray[Any]]:
+        """Rows of positions some of which the table does not hold: those are fetched, once
+        each, for this call."""
+        held = 0 if rows is None else len(rows)
+        outside = (flat < 0) | (flat >= held)
+        wanted, inverse = np.unique(flat[outside], return_inverse=True)
+        fetched = yield _Positions(wanted)
+        self.fetches += 1
+        result = np.empty((len(flat), fetched.shape[1]), dtype=self.dtype)
+        result[outside] = fetched[inverse]
+        if rows is not None:
+            result[~outside] = rows[flat[~outside]]
+        return result
+
+
+class _TableBase:
+    """What both tables share: construction and the read-only accessors."""
+
+    def __init__(
+        self,
+        table: Table,
+        dtype: DTypeArg,
+        min_rows: int,
+        max_bytes: int,
+        max_step_bytes: int,
+        timeout: Timeout,
+    ) -> None:
+        self._plan = _Plan(table, dtype, min_rows, max_bytes, max_step_bytes)
+        self._timeout = timeout
+
+    @property
+    def table(self) -> Table:
+        """The table this holds rows of."""
+        return self._plan.table
+
+    @property
+    def dtype(self) -> np.dtype[Any]:
+        """The numpy dtype of the rows (``ml_dtypes.bfloat16`` for bfloat16)."""
+        return self._plan.dtype
+
+    @property
+    def width(self) -> int | None:
+        """Columns of a row; ``None`` until the first fetch (the server knows widths)."""
+        return self._plan.width
+
+    @property
+    def fetches(self) -> int:
+        """How many calls the table has made (extensions and per-call fetches)."""
+        return self._plan.fetches
+
+    def __len__(self) -> int:
+        return self._plan.held
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.table!r}, dtype={self.dtype.name}, rows={len(self)})"
+
+    def _fetch_arguments(self, fetch: _Fetch) -> tuple[Any, ...]:
+        if isinstance(fetch, _Range):
+            return (fetch.start, fetch.stop, self.table)
+        return (fetch.positions, self.table)
+
+
+def _finish(steps: _Steps[T], fetch: Callable[[_Fetch], Any]) -> T:
+    """Run ``steps`` to their result, fetching what they ask for."""
+    try:
+        step = next(steps)
+        while True:
+            step = steps.send(fetch(step))
+    except StopIteration as done:
+        return done.value  # type: ignore[no-any-return]
+
+
+class GrowingTable(_TableBase):
     """The rows ``[0, len(self))`` of one table, held in memory and extended on demand.
 
     Args:
@@ -78,65 +322,15 @@ class GrowingTable:
         max_step_bytes: int = DEFAULT_MAX_STEP_BYTES,
         timeout: Timeout = DEFAULT,
     ) -> None:
-        if min_rows < 1 or max_bytes < 1 or max_step_bytes < 1:
-            raise ValueError("min_rows, max_bytes and max_step_bytes must be positive")
+        super().__init__(table, dtype, min_rows, max_bytes, max_step_bytes, timeout)
         self._client = client
-        self._table = table
-        self._dtype = numpy_dtype(dtype)
-        self._torch_dtype = is_torch_dtype(dtype)  # results are tensors, as for a client
-        self._min_rows = min_rows
-        self._max_bytes = max_bytes
-        self._max_step_bytes = max_step_bytes
-        self._timeout = timeout
         self._lock = threading.Lock()
-        self._rows: npt.NDArray[Any] | None = None  # the held rows, [len, width]
-        self._fetches = 0
-
-    # -- what it holds ------------------------------------------------------------------------
-
-    @property
-    def table(self) -> Table:
-        """The table this holds rows of."""
-        return self._table
-
-    @property
-    def dtype(self) -> np.dtype[Any]:
-        """The numpy dtype of the rows (``ml_dtypes.bfloat16`` for bfloat16)."""
-        return self._dtype
-
-    @property
-    def width(self) -> int | None:
-        """Columns of a row; ``None`` until the first fetch (the server knows widths)."""
-        rows = self._rows
-        return None if rows is None else int(rows.shape[1])
-
-    @property
-    def fetches(self) -> int:
-        """How many calls the table has made (extensions and per-call fetches)."""
-        return self._fetches
-
-    def __len__(self) -> int:
-        rows = self._rows
-        return 0 if rows is None else int(rows.shape[0])
-
-    def __repr__(self) -> str:
-        return f"GrowingTable({self._table!r}, dtype={self._dtype.name}, rows={len(self)})"
 
     def rows(self, stop: int | None = None) -> npt.NDArray[Any]:
         """The held rows ``[0, stop)`` (default: all), as a read-only view; grows to ``stop``."""
         if stop is not None:
             self.reserve(stop)
-        rows = self._rows
-        if rows is None:
-            return np.empty((0, 0), dtype=self._dtype)
-        view = rows[: len(rows) if stop is None else stop]
-        view.flags.writeable = False
-        return view
-
-    # -- growth ---------------------------------------------------------------------------------
-
-    def _max_rows(self, width: int) -> int:
-        return max(self._max_bytes // (width * self._dtype.itemsize), 1)
+        return self._plan.view(stop)
 
     def reserve(self, stop: int) -> None:
         """Holds at least rows ``[0, stop)``, extending the table if needed.
@@ -144,72 +338,7 @@ class GrowingTable:
         Raises:
             posenc.ResourceExhaustedError: ``stop`` rows exceed ``max_bytes``.
         """
-        if stop <= len(self):
-            return
-        with self._lock:
-            held = len(self)
-            if stop <= held:
-                return  # another thread grew it meanwhile
-            width = self.width
-            if width is not None and stop > self._max_rows(width):
-                raise ResourceExhaustedError(
-                    f"{stop} rows of {width} {self._dtype.name} exceed the table's "
-                    f"max_bytes ({self._max_bytes})"
-                )
-            if width is None:
-                self._first_fetch(max(stop, self._min_rows))
-            else:
-                step_rows = max(self._max_step_bytes // (width * self._dtype.itemsize), 1)
-                target = max(stop, held + min(max(held, self._min_rows), step_rows))
-                self._extend(min(target, self._max_rows(width)))
-
-    def _first_fetch(self, stop: int) -> None:
-        rows = self._client.get_range(
-            0, stop, self._table, dtype=self._dtype, timeout=self._timeout
-        )
-        self._fetches += 1
-        width = int(rows.shape[1])
-        if stop > self._max_rows(width):
-            # The width was unknown until now: keep what the budget allows.
-            rows = np.ascontiguousarray(rows[: self._max_rows(width)])
-        self._rows = rows
-
-    def _extend(self, stop: int) -> None:
-        old = self._rows
-        assert old is not None
-        held, width = old.shape
-        grown = np.empty((stop, width), dtype=self._dtype)
-        grown[:held] = old
-        if (stop - held) * width * self._dtype.itemsize <= _STREAM_BYTES:
-            grown[held:] = self._client.get_range(
-                held, stop, self._table, dtype=self._dtype, timeout=self._timeout
-            )
-        else:
-            for first, block in self._client.iter_range(
-                held, stop, self._table, dtype=self._dtype, timeout=self._timeout
-            ):
-                grown[first : first + len(block)] = block
-        self._fetches += 1
-        self._rows = grown  # one reference swap: readers see the old or the new table
-
-    def _grow_for(self, positions: npt.NDArray[np.int64]) -> None:
-        """Extends the table over the positions of a request past its end that are near the
-        end (within the next extension) or dense enough to fill what they add; the others
-        (sparse, far) are fetched for the call."""
-        held = len(self)
-        past = np.unique(positions[positions >= held])
-        if past.size == 0:
-            return
-        if self.width is not None:
-            past = past[past < self._max_rows(self.width)]
-        # The i-th position past the end is worth growing to if the rows it adds are at
-        # most _SPARSE times the positions of the request they cover.
-        covered = _SPARSE * np.arange(1, past.size + 1)
-        worth = past + 1 - held <= np.maximum(covered, max(held, self._min_rows))
-        if worth.any():
-            self.reserve(int(past[np.flatnonzero(worth)[-1]]) + 1)
-
-    # -- reading ------------------------------------------------------------------------------
+        self._run(lambda: self._plan.reserve(stop))
 
     def get(
         self,
@@ -228,60 +357,100 @@ class GrowingTable:
         fills a caller's buffer (numpy or torch) without allocating, and ``cos_sin=True``
         gives a rotary table's ``(cos, sin)`` halves.
         """
-        array, positions_device = positions_of(positions)
-        flat = as_positions(array)
-        output = Output.create(
-            np.shape(array),
-            self._dtype,
-            out=out,
-            device=device,
-            cos_sin=cos_sin,
-            positions_device=positions_device,
-            torch_dtype=self._torch_dtype,
-            rotary=isinstance(self._table, Spec) and self._table.kind == "rotary",
-        )
-        return output.finish(self._gather(flat, output.host))
+        output, flat = self._plan.output(positions, out, device, cos_sin)
+        return output.finish(self._run(lambda: self._plan.gather(flat, output.host)))
 
-    def _gather(self, flat: npt.NDArray[np.int64], host: npt.NDArray[Any] | None) -> Any:
-        if flat.size == 0:
-            if self.width is None:  # the width is the server's: one row tells it
-                self.reserve(1)
-            assert self.width is not None
-            return np.empty((0, self.width), dtype=self._dtype)
-        low, top = int(flat.min()), int(flat.max())
-        if top >= len(self):
-            self._grow_for(flat)
-        rows = self._rows
-        held = 0 if rows is None else len(rows)
-        if rows is None or low < 0 or top >= held:
-            return self._mixed(flat, held)
-        fits = host is not None and host.shape == (len(flat), rows.shape[1])
-        if top - low == len(flat) - 1 and (len(flat) == 1 or (np.diff(flat) == 1).all()):
-            # A run of consecutive positions (a prefill): one block copy, several times
-            # faster than a gather.
-            block = rows[low : top + 1]
-            if fits:
-                assert host is not None
-                np.copyto(host, block)
-                return host
-            return block.copy()
-        if fits:
-            # Straight into the caller's buffer: a decode loop allocates nothing.
-            return np.take(rows, flat, axis=0, out=host)
-        return rows[flat]
+    def _run(self, plan: Callable[[], _Steps[T]]) -> T:
+        steps = plan()
+        try:
+            step = next(steps)
+            while isinstance(step, _Positions):
+                step = steps.send(self._fetch(step))
+        except StopIteration as done:
+            return done.value  # type: ignore[no-any-return]
+        # Growth: redone under the lock (another thread may have grown the table meanwhile).
+        steps.close()
+        with self._lock:
+            return _finish(plan(), self._fetch)
 
-    def _mixed(self, flat: npt.NDArray[np.int64], held: int) -> npt.NDArray[Any]:
-        """Rows of positions some of which the table does not hold: those are fetched, once
-        each, for this call."""
-        outside = (flat < 0) | (flat >= held)
-        wanted, inverse = np.unique(flat[outside], return_inverse=True)
-        fetched = self._client.get_positions(
-            wanted, self._table, dtype=self._dtype, timeout=self._timeout
-        )
-        self._fetches += 1
-        result = np.empty((len(flat), fetched.shape[1]), dtype=self._dtype)
-        result[outside] = fetched[inverse]
-        if held:
-            assert self._rows is not None
-            result[~outside] = self._rows[flat[~outside]]
-        return result
+    def _fetch(self, fetch: _Fetch) -> Any:
+        arguments = self._fetch_arguments(fetch)
+        if isinstance(fetch, _Range):
+            return self._client.get_range(
+                *arguments, dtype=self.dtype, out=fetch.out, timeout=self._timeout
+            )
+        return self._client.get_positions(*arguments, dtype=self.dtype, timeout=self._timeout)
+
+
+class AsyncGrowingTable(_TableBase):
+    """:class:`GrowingTable` over a :class:`posenc.AsyncClient`: ``get``, ``reserve`` and
+    ``rows`` are coroutines, and growth is serialised by an ``asyncio.Lock``. Arguments and
+    results as there::
+
+        table = posenc.AsyncGrowingTable(client, spec, dtype="bfloat16")
+        cos, sin = await table.get(position_ids, cos_sin=True)
+    """
+
+    def __init__(
+        self,
+        client: AsyncClient,
+        table: Table,
+        *,
+        dtype: DTypeArg = "float32",
+        min_rows: int = DEFAULT_MIN_ROWS,
+        max_bytes: int = DEFAULT_MAX_BYTES,
+        max_step_bytes: int = DEFAULT_MAX_STEP_BYTES,
+        timeout: Timeout = DEFAULT,
+    ) -> None:
+        super().__init__(table, dtype, min_rows, max_bytes, max_step_bytes, timeout)
+        self._client = client
+        self._lock = asyncio.Lock()
+
+    async def rows(self, stop: int | None = None) -> npt.NDArray[Any]:
+        """The held rows ``[0, stop)`` (default: all), as a read-only view; grows to ``stop``."""
+        if stop is not None:
+            await self.reserve(stop)
+        return self._plan.view(stop)
+
+    async def reserve(self, stop: int) -> None:
+        """Holds at least rows ``[0, stop)`` (see :meth:`GrowingTable.reserve`)."""
+        await self._run(lambda: self._plan.reserve(stop))
+
+    async def get(
+        self,
+        positions: npt.ArrayLike,
+        *,
+        out: Any = None,
+        device: Any = None,
+        cos_sin: bool = False,
+    ) -> Any:
+        """The rows of ``positions`` (see :meth:`GrowingTable.get`)."""
+        output, flat = self._plan.output(positions, out, device, cos_sin)
+        return output.finish(await self._run(lambda: self._plan.gather(flat, output.host)))
+
+    async def _run(self, plan: Callable[[], _Steps[T]]) -> T:
+        steps = plan()
+        try:
+            step = next(steps)
+            while isinstance(step, _Positions):
+                step = steps.send(await self._fetch(step))
+        except StopIteration as done:
+            return done.value  # type: ignore[no-any-return]
+        # Growth: redone under the lock (another task may have grown the table meanwhile).
+        steps.close()
+        async with self._lock:
+            steps = plan()
+            try:
+                step = next(steps)
+                while True:
+                    step = steps.send(await self._fetch(step))
+            except StopIteration as finished:
+                return finished.value  # type: ignore[no-any-return]
+
+    async def _fetch(self, fetch: _Fetch) -> Any:
+        arguments = self._fetch_arguments(fetch)
+        if isinstance(fetch, _Range):
+            return await self._client.get_range(
+                *arguments, dtype=self.dtype, out=fetch.out, timeout=self._timeout
+            )
+        return await self._client.get_positions(*arguments, dtype=self.dtype, timeout=self._timeout)

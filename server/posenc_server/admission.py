@@ -26,9 +26,14 @@ import numpy as np
 from posenc_server.errors import OverloadedError
 
 # A request parses into at most one position per byte whose high bit is clear (each varint
-# ends in one), and each position costs this much while it is parsed and gathered: the
-# protobuf's int64, the numpy copy, block ids, offsets and the sort order of the gather.
-POSITION_WORKING_BYTES = 64
+# ends in one), and each position costs this much while the call lasts: the protobuf's
+# int64 and the numpy copy.
+POSITION_WORKING_BYTES = 16
+# Positions are grouped by cached block this many at a time, each taking this much working
+# memory (block ids, offsets, the sort order and its groups): bounded whatever the list's
+# length.
+GATHER_POSITIONS = 1 << 16
+GATHER_BYTES_PER_POSITION = 64
 # Reading a request holds it about this many times over: gRPC's receive buffers, the
 # message it assembles from them, and the bytes handed to the handler.
 READ_COPIES = 3
@@ -57,7 +62,9 @@ def position_bound(request: bytes) -> int:
 
 def request_cost(request: bytes) -> int:
     """Bytes a call needs before its response is known: its request, parsed and gathered."""
-    return len(request) + POSITION_WORKING_BYTES * position_bound(request) + CALL_BYTES
+    positions = position_bound(request)
+    gathering = GATHER_BYTES_PER_POSITION * min(positions, GATHER_POSITIONS)
+    return len(request) + POSITION_WORKING_BYTES * positions + gathering + CALL_BYTES
 
 
 def engine_slice_rows(width: int) -> int:

@@ -113,6 +113,7 @@ def _serve(
 ) -> _Behaviour:
     async def serve(requests: AsyncIterator[bytes], context: _Context) -> AsyncIterator[bytes]:
         started = time.perf_counter()
+        failure: grpc.Status | None = None
         if streaming:
             metrics.STREAMS_IN_FLIGHT.inc()
         try:
@@ -128,21 +129,27 @@ def _serve(
         except grpc.aio.AbortError:
             raise  # already answered
         except Exception as error:
-            await _fail(error, context, method_metrics, started)
-            raise
+            failure = _failure(error, method_metrics, started)
         else:
             method_metrics.record("OK", time.perf_counter() - started)
         finally:
             if streaming:
                 metrics.STREAMS_IN_FLIGHT.dec()
+        if failure is not None:
+            # Answered once the error is gone: its traceback holds the handler's frames, the
+            # request among their locals, and gRPC keeps the abort's exception (and so any
+            # exception it was raised during) in a reference cycle with the call, which only
+            # the cyclic collector frees. Raised in the except clause, every refused 10 MB
+            # request stayed in memory until that collector ran (64 calls: 370 MiB).
+            await context.abort_with_status(failure)  # type: ignore[attr-defined]  # no stubs
 
     return serve
 
 
-async def _fail(
-    error: Exception, context: _Context, method_metrics: metrics.MethodMetrics, started: float
-) -> None:
-    """Record the failed call and answer its status (raises AbortError)."""
+def _failure(
+    error: Exception, method_metrics: metrics.MethodMetrics, started: float
+) -> grpc.Status:
+    """Record the failed call; the status that answers it."""
     if isinstance(error, InvalidRequestError):
         code, status = "INVALID_ARGUMENT", _bad_request_status(error)
     elif isinstance(error, OverloadedError):
@@ -158,7 +165,7 @@ async def _fail(
         log.error("unexpected error while serving a request", exc_info=error)
         status = _status(code_pb2.INTERNAL, "internal error; see the server log")
     method_metrics.record(code, time.perf_counter() - started)
-    await context.abort_with_status(status)  # type: ignore[attr-defined]  # not in the stubs
+    return status
 
 
 def _status(code: int, message: object) -> grpc.Status:

@@ -13,6 +13,7 @@ responses (``posenc.wire``), so the rows are copied once, into the message.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import os
 import secrets
@@ -48,6 +49,11 @@ _BLOCK_ELEMENTS = 1 << 18
 # of further uncached blocks are computed one by one.
 _NEW_BLOCK_ROWS_PER_ROW = 16
 _MAX_NEW_BLOCKS_PER_LIST = 64
+# A position list caches a block the second time it asks for rows of it (the first time
+# computes just the rows): a decode loop comes back to its blocks at the next step, while a
+# table asked for once (a dynamic-NTK step, whose spec changes every step) would pay for a
+# whole block to use a row of it. The blocks seen once are remembered up to this many.
+_SEEN_BLOCKS = 4096
 # Evicting this much frees enough heap to trim it at once rather than at the next tick.
 _TRIM_AFTER_EVICTED_BYTES = 16 << 20
 # Position lists up to this long are gathered row by row, longer ones block by block.
@@ -93,6 +99,7 @@ class EncodingService:
         self.server_id = f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(3)}"
         self._rows_computed = 0
         self._counter_lock = threading.Lock()
+        self._seen: collections.OrderedDict[BlockKey, None] = collections.OrderedDict()
         self._draining = False
         self._in_flight = 0
         self._streams = 0
@@ -280,6 +287,19 @@ class EncodingService:
     def _rows_for_positions(
         self, spec: Spec, positions: npt.NDArray[np.int64], *, new_blocks: int
     ) -> Table:
+        """Rows for arbitrary positions (see ``_gather``), gathered ``GATHER_POSITIONS`` at a
+        time: grouping positions by block takes several times their own size in working
+        memory, which a list of a million positions would otherwise take all at once."""
+        if positions.size <= admission.GATHER_POSITIONS:
+            return self._gather(spec, positions, _Allowance(new_blocks))
+        out = np.empty((positions.size, spec.width), dtype=spec.encoding.dtype)
+        allowance = _Allowance(new_blocks)
+        for first in range(0, positions.size, admission.GATHER_POSITIONS):
+            part = positions[first : first + admission.GATHER_POSITIONS]
+            out[first : first + part.size] = self._gather(spec, part, allowance)
+        return out
+
+    def _gather(self, spec: Spec, positions: npt.NDArray[np.int64], allowance: _Allowance) -> Table:
         """Rows for arbitrary positions, from cached blocks where possible.
 
         A decode loop asks for the next position of each sequence at every step, so a block
@@ -287,41 +307,42 @@ class EncodingService:
         one extended-precision angle, then multiplications). Blocks already cached serve
         their rows; up to ``new_blocks`` missing blocks are computed and cached; the rows of
         any further blocks are computed one by one, so scattered positions cost a row each
-        and do not flush the cache.
+        and do not flush the cache. ``allowance`` counts the new blocks left.
         """
         block_rows = self.block_rows(spec)
         block_ids = positions // block_rows
         spec_id = spec.serial
         offsets = positions - block_ids * block_rows
         first_block = int(block_ids[0])
-        if (block_ids == first_block).all() and (
-            new_blocks > 0 or (spec_id, first_block) in self.cache
-        ):
-            rows: Table = self._block(spec, spec_id, first_block, block_rows)[offsets]
-            return rows  # one block, as for one sequence's step: no grouping
-        out = np.empty((positions.size, spec.width), dtype=spec.encoding.dtype)
+
+        blocks: dict[int, Table | None] = {}
 
         def cached_block(block_id: int) -> Table | None:
-            """The block from the cache, computed while new ones are allowed; else None."""
-            nonlocal new_blocks
-            if (spec_id, block_id) not in self.cache:
-                if new_blocks <= 0:
-                    return None
-                new_blocks -= 1
-            return self._block(spec, spec_id, block_id, block_rows)
+            """The block from the cache, computed while new ones are allowed; else None
+            (decided once per block for this gather)."""
+            if block_id not in blocks:
+                key = (spec_id, block_id)
+                if key not in self.cache and (allowance.blocks <= 0 or not self._seen_before(key)):
+                    blocks[block_id] = None
+                else:
+                    allowance.blocks -= key not in self.cache
+                    blocks[block_id] = self._block(spec, spec_id, block_id, block_rows)
+            return blocks[block_id]
+
+        if (block_ids == first_block).all() and (block := cached_block(first_block)) is not None:
+            rows: Table = block[offsets]
+            return rows  # one block, as for one sequence's step: no grouping
+        out = np.empty((positions.size, spec.width), dtype=spec.encoding.dtype)
 
         uncached: list[int] | npt.NDArray[np.intp]
         if positions.size <= _ROW_BY_ROW_GATHER:
             # A decode step of many sequences: about one row per block, where copying row
             # by row costs a fifth of a fancy-indexed gather per block.
-            blocks: dict[int, Table | None] = {}
             uncached = []
             for row, (block_id, offset) in enumerate(
                 zip(block_ids.tolist(), offsets.tolist(), strict=True)
             ):
-                if block_id not in blocks:
-                    blocks[block_id] = cached_block(block_id)
-                block = blocks[block_id]
+                block = cached_block(block_id)
                 if block is None:
                     uncached.append(row)
                 else:
@@ -350,6 +371,18 @@ class EncodingService:
                 part = uncached[first : first + step]
                 out[part] = engine.encode_positions(spec.encoding, positions[part])
         return out
+
+    def _seen_before(self, key: BlockKey) -> bool:
+        """Whether a position list asked for rows of block ``key`` before (and remember
+        that it has now)."""
+        with self._counter_lock:
+            if key in self._seen:
+                del self._seen[key]
+                return True
+            self._seen[key] = None
+            if len(self._seen) > _SEEN_BLOCKS:
+                self._seen.popitem(last=False)
+            return False
 
     def _count_rows(self, rows: int) -> None:
         with self._counter_lock:
@@ -400,3 +433,10 @@ def _response(spec: Spec, chunk: Chunk) -> bytes:
         # Bytes, whatever the dtype: memoryview cannot export bfloat16.
         rows.reshape(-1).view(np.uint8).data,
     )
+
+
+@dataclass
+class _Allowance:
+    """New blocks a position list may still add to the cache."""
+
+    blocks: int
