@@ -252,6 +252,16 @@ def test_background_read_ahead_of_large_steps_leads_by_several_steps() -> None:
     assert cache.claim_ahead(query(starts + 2), object) == []  # on its way
 
 
+def test_the_lead_of_huge_steps_stays_within_a_quarter_of_the_cache() -> None:
+    cache = RowCache(8 * MIB, MIB)  # 2 MiB steps (128 sequences): a lead of one step
+    starts = 1000 + 100 * np.arange(128)
+    cache.plan(query(starts))
+    assert cache.plan(query(starts + 1)) is None
+    (ahead,) = cache.claim_ahead(query(starts + 1), object)
+    assert ahead.query.positions is not None
+    assert ahead.query.positions.tolist() == sorted((starts + 2).tolist())
+
+
 @pytest.mark.parametrize(("budget", "readahead"), [(-1, MIB), (MIB, -1)])
 def test_negative_sizes_are_refused(budget: int, readahead: int) -> None:
     with pytest.raises(ValueError, match="must be >= 0"):

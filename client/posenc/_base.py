@@ -257,7 +257,8 @@ class BaseClient(Generic[ArrayT, InfoT, StatusT, SlicesT]):
         """Describes the server that answers: version, limits, table kinds, cache
         statistics (:class:`posenc.ServerInfo`).
 
-        With several targets, each call may reach a different replica.
+        With several targets, or a server of several processes, each call may reach a
+        different replica or process (``server_id`` says which).
         """
         return cast(InfoT, self._run(self._core.server_info(timeout)))
 

@@ -218,7 +218,8 @@ class RowCache:
         nothing needs fetching.
 
         A window is what ``readahead_bytes`` holds of every moving sequence (at most 64
-        rows); the lead is half a window, and at least :data:`LEAD_STEPS` steps. Steps too
+        rows); the lead is half a window, and at least :data:`LEAD_STEPS` steps (fewer when
+        they would take more than a quarter of the cache). Steps too
         large for more than a row a window (64 sequences of 16 KiB rows in 1 MiB) thus
         still have their next rows fetched several steps before they are needed, a window
         a fetch: a fetch that takes longer than the model's time between two steps (a
@@ -243,7 +244,10 @@ class RowCache:
             window = max(
                 1, min(MAX_READAHEAD_ROWS, self.readahead_bytes // (len(moving) * query.row_bytes))
             )
-            lead = max(window // 2, LEAD_STEPS)
+            # Steps ahead held at most a quarter of the cache: a lead of huge steps would
+            # evict the rows it fetched before they are used.
+            step_bytes = len(moving) * query.row_bytes
+            lead = max(window // 2, min(LEAD_STEPS, self.budget_bytes // (4 * step_bytes)), 1)
             # Per position to fetch, the window it falls in (0: the nearest rows).
             layer_of: dict[int, int] = {}
             for p in moving:
