@@ -28,6 +28,15 @@ _EOF: Any = grpc.aio.EOF  # type: ignore[attr-defined]
 READ_AHEAD_TASK = "posenc-read-ahead"
 
 
+def _affinity(table: int | None) -> int | None:
+    """A call's affinity (see :class:`posenc._channel.Pool`): the table's, and the caller
+    task's; read-ahead tasks share one, so that they keep to one connection."""
+    task = asyncio.current_task()
+    if table is None or task is None:
+        return table
+    return hash((table, 0 if task.get_name() == READ_AHEAD_TASK else id(task)))
+
+
 class AsyncClient(
     BaseClient[Awaitable[Result], Awaitable[ServerInfo], Awaitable[str], AsyncIterator[Slice]]
 ):
@@ -123,7 +132,7 @@ class AsyncClient(
             chunk = await operation.call.read()
             return None if chunk is _EOF else chunk
         if isinstance(operation, core.Unary):
-            method = getattr(self._connect(operation.affinity), operation.method)
+            method = getattr(self._connect(_affinity(operation.affinity)), operation.method)
             return await method(operation.request, timeout=operation.timeout)
         if isinstance(operation, core.OpenStream):
             return self._connect().stream_encoding(

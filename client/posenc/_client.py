@@ -121,7 +121,10 @@ class Client(BaseClient[Result, ServerInfo, str, Iterator[Slice]]):
 
     def _perform(self, operation: core.Operation) -> Any:
         if isinstance(operation, core.Unary):
-            method = getattr(self._pool.pick(operation.affinity), operation.method)
+            affinity = operation.affinity
+            if affinity is not None:  # the table's, and the thread's (see Pool)
+                affinity = hash((affinity, threading.get_ident()))
+            method = getattr(self._pool.pick(affinity), operation.method)
             return method(operation.request, timeout=operation.timeout)
         if isinstance(operation, core.NextChunk):
             return next(operation.call, None)

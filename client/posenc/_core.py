@@ -194,8 +194,9 @@ def _over_a_limit(error: grpc.RpcError) -> bool:
 
 
 def _affinity(query: Query) -> int | None:
-    """Decode steps (short position lists) of one table keep to one connection, so to one
-    server process, whose cache has the blocks of their sequences; other calls spread."""
+    """Decode steps (short position lists) of one table keep to one connection (the client
+    adds the caller's thread or task), so to one server process, whose cache has the blocks
+    of their sequences; other calls spread."""
     if query.positions is None or query.rows > MAX_CACHED_CALL_ROWS:
         return None
     return zlib.crc32(query.spec_key)
