@@ -119,6 +119,11 @@ NGINX_BASE = DebianImage(
 )
 
 
+# Waits for another apt-get or dpkg (an unattended upgrade, a second test run) to finish
+# instead of failing at once on its lock.
+APT_WAIT = ("-o", "DPkg::Lock::Timeout=600")
+
+
 def _run(
     argv: Sequence[str], timeout: float = 600, **kwargs: Any
 ) -> subprocess.CompletedProcess[str]:
@@ -132,10 +137,10 @@ def install_podman() -> str | None:
     if os.geteuid() != 0 or shutil.which("apt-get") is None:
         return "podman is missing and only root can `apt-get install podman` here"
     env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-    update = _run(["apt-get", "update"], env=env)
+    update = _run(["apt-get", *APT_WAIT, "update"], env=env)
     if update.returncode != 0:
         return f"podman is missing and apt-get cannot reach the registry: {update.stderr}"
-    install = _run(["apt-get", "install", "-y", *APT_PACKAGES], env=env)
+    install = _run(["apt-get", *APT_WAIT, "install", "-y", *APT_PACKAGES], env=env)
     if install.returncode != 0:
         raise RuntimeError(f"apt-get install podman failed: {install.stdout}{install.stderr}")
     return None

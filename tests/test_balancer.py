@@ -35,6 +35,7 @@ import grpc
 import numpy as np
 import pytest
 from conftest import ROOT, ServerProcess, free_port
+from containers import APT_WAIT
 from reference import classic
 
 import posenc
@@ -68,12 +69,12 @@ def nginx_binary() -> str:
         pytest.skip("nginx is missing and only root can `apt-get install nginx` here")
     env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
     update = subprocess.run(
-        ["apt-get", "update"], capture_output=True, text=True, timeout=300, env=env
+        ["apt-get", *APT_WAIT, "update"], capture_output=True, text=True, timeout=300, env=env
     )
     if update.returncode != 0:
         pytest.skip(f"nginx is missing and apt-get cannot reach the registry: {update.stderr}")
     install = subprocess.run(
-        ["apt-get", "install", "-y", "--no-install-recommends", "nginx"],
+        ["apt-get", *APT_WAIT, "install", "-y", "--no-install-recommends", "nginx"],
         capture_output=True,
         text=True,
         timeout=600,

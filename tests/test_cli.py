@@ -224,7 +224,11 @@ def test_info_names_kinds_as_fetch_takes_them(
     selections += [["--table", "rotary", "--param", f"scaling={name}"] for name in names]
     out = str(tmp_path / "t.npy")
     for selection in selections:
-        width = "head_dim=8" if "rotary" in selection else "d_model=8"
+        width = "d_model=8"
+        if "rotary" in selection or "mrope" in selection:
+            width = "head_dim=8"
+        elif any(kind.startswith("sincos_grid") for kind in selection):
+            width = "embed_dim=8"
         argv = ["fetch", "0", "1", *selection, "--param", width, "-o", out]
         try:
             code = main([*argv, "--target", server.target])

@@ -52,3 +52,22 @@ def test_get_range_holds_about_one_copy_of_the_result(
             tracemalloc.stop()
     assert table.nbytes == 128 * MIB
     assert peak < 1.1 * table.nbytes, f"get_range peaked at {peak / table.nbytes:.2f}x"
+
+
+@pytest.mark.timeout(120)
+def test_a_growing_table_extends_into_its_new_buffer_without_another_copy(
+    spawn_server: Callable[..., ServerProcess],
+) -> None:
+    process = spawn_server()
+    with posenc.Client(process.target) as client:
+        table = posenc.GrowingTable(client, 1024, min_rows=16384, max_step_bytes=256 * MIB)
+        table.reserve(16384)  # 64 MiB held
+        tracemalloc.start()
+        try:
+            table.reserve(16385)  # a new 128 MiB buffer: the old rows, then 64 MiB streamed in
+            _, peak = tracemalloc.get_traced_memory()
+        finally:
+            tracemalloc.stop()
+    grown = table.rows().nbytes
+    assert grown == 128 * MIB
+    assert peak < 1.1 * grown, f"the extension peaked at {peak / grown:.2f}x the new buffer"

@@ -1,12 +1,14 @@
 """Every spec a client can send is either served within the accuracy contract or refused.
 
-A hypothesis property over the rotary kind (every scaling) and the sinusoidal kinds, with
-extreme parameters (zero of both signs, subnormals, tiny, huge, infinite and NaN values,
-lists of such factors, lengths at their limits) sent through the SDK to a real server: the
-answer is INVALID_ARGUMENT naming fields of the spec, or a table whose every element is finite
-and whose sampled elements are within the accuracy contract against the mpmath reference
-(reference_tables.py), never INTERNAL, UNKNOWN or any other error. Some hundreds of examples
-in `make test`, 3,000 per kind family in `make soak` (POSENC_SOAK=1).
+A hypothesis property over the rotary kind (every scaling), the sinusoidal kinds and the
+several-axis kinds (M-RoPE, the sin-cos grids), with extreme parameters (zero of both signs,
+subnormals, tiny, huge, infinite and NaN values, lists of such factors, lengths at their
+limits) sent through the SDK to a real server: the answer is INVALID_ARGUMENT naming fields of
+the spec, or a table whose every element is finite and (one-axis kinds) whose sampled elements
+are within the accuracy contract against the mpmath reference (reference_tables.py; the
+several-axis kinds' contract is tests/test_multiaxis.py's), never INTERNAL, UNKNOWN or any
+other error. Some hundreds of examples in `make test`, 3,000 per kind family in `make soak`
+(POSENC_SOAK=1).
 """
 
 from __future__ import annotations
@@ -346,3 +348,73 @@ def test_the_largest_attention_factor_keeps_float64_within_2_to_the_minus_50(
     )
     print(f"attention factor 2: worst float64 error {float(worst * 2**50):.2f} x 2**-50")
     assert worst <= mpmath.mpf(2) ** -50
+
+
+# -- the several-axis kinds ------------------------------------------------------------------------
+
+COORDINATES = [[0, 0, 0], [1, 2, 3], [LIMIT, -LIMIT, 7], [-5, LIMIT, LIMIT], [2**31 - 1, 0, -1]]
+
+
+@st.composite
+def several_axis_specs(draw: st.DrawFn) -> tuple[str, dict[str, Any]]:
+    kind = draw(st.sampled_from(["mrope", "sincos_grid_2d", "sincos_grid_3d"]))
+    width = usually(st.sampled_from([4, 8, 12, 16, 24, 64, 96, 128]), st.integers(0, 200))
+    size = usually(st.integers(1, 64), lengths)
+    parameters: dict[str, Any] = {}
+    if kind == "mrope":
+        parameters["head_dim"] = draw(width)
+        parameters["rope_theta"] = draw(usually(st.floats(1.5, 1e7), maybe_reals))
+        parameters["mrope_section"] = tuple(
+            draw(st.lists(usually(st.integers(0, 24), lengths), min_size=0, max_size=4))
+        )
+        parameters["interleaved"] = draw(st.booleans())
+        parameters["layout"] = draw(st.sampled_from(["transformers", "vllm", "gptj"]))
+    else:
+        parameters["embed_dim"] = draw(width)
+        parameters["base"] = draw(usually(st.floats(1.5, 1e7), maybe_reals))
+        parameters["grid_height"] = draw(size)
+        parameters["grid_width"] = draw(size)
+    if kind == "sincos_grid_2d":
+        parameters["base_size"] = draw(usually(st.none() | st.floats(0.5, 64.0), maybe_reals))
+        parameters["interpolation_scale"] = draw(usually(st.none(), maybe_reals))
+        parameters["height_first"] = draw(st.booleans())
+        parameters["flip_sin_to_cos"] = draw(st.booleans())
+    if kind == "sincos_grid_3d":
+        parameters["grid_frames"] = draw(size)
+        parameters["temporal_dim"] = draw(st.none() | usually(st.sampled_from([2, 4, 8]), lengths))
+        for name in ("spatial_interpolation_scale", "temporal_interpolation_scale"):
+            parameters[name] = draw(usually(st.none(), maybe_reals))
+    return kind, {name: value for name, value in parameters.items() if value is not None}
+
+
+@pytest.mark.slow
+@settings(
+    max_examples=EXAMPLES,
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
+@given(spec=several_axis_specs(), dtype=st.sampled_from(["float32", "float64", "bfloat16"]))
+def test_every_several_axis_spec_is_served_finite_or_refused(
+    client: posenc.Client, spec: tuple[str, dict[str, Any]], dtype: str
+) -> None:
+    kind, parameters = spec
+    try:
+        table = posenc.Spec(kind, **parameters)
+    except (posenc.InvalidArgumentError, ValueError, TypeError, OverflowError):
+        assume(False)  # the SDK refused it before sending (a value out of its field's type)
+        raise
+    axes = 2 if kind == "sincos_grid_2d" else 3
+    coordinates = np.array([row[:axes] for row in COORDINATES], dtype=np.int64)
+    try:
+        rows = client.get_positions(coordinates, table, dtype=dtype)
+        ranged = client.get_range(0, 4, table, dtype=dtype)
+    except posenc.InvalidArgumentError as error:
+        fields = [name for name, _ in error.field_violations]
+        assert fields and all(name.startswith("spec.") for name in fields), error
+        event("refused")
+        return
+    event("served")
+    for values in (rows, ranged):
+        as_float = values.astype(np.float64)
+        # Every kind's elements are sines and cosines: finite and within [-1, 1].
+        assert np.isfinite(as_float).all() and (np.abs(as_float) <= 1).all(), (kind, parameters)

@@ -185,6 +185,7 @@ class BaseClient(Generic[ArrayT, InfoT, StatusT, SlicesT]):
         out: Any = None,
         device: Any = None,
         cos_sin: bool = False,
+        coordinate_axis: int = -1,
         timeout: Timeout = DEFAULT,
         **classic: Unpack[ClassicOptions],
     ) -> ArrayT:
@@ -196,13 +197,27 @@ class BaseClient(Generic[ArrayT, InfoT, StatusT, SlicesT]):
         give ``[batch, seq, width]``. Tensor positions give a tensor on their device.
         ``out`` has shape ``S + [width]``; other arguments as in :meth:`get_range`.
 
+        A table with several position axes (``spec.axes``: ``mrope``'s ``(t, h, w)``, the
+        grids' ``(h, w)`` or ``(t, h, w)``) takes coordinates of shape ``S + [axes]``
+        giving ``S + [width]``; ``coordinate_axis`` names the axis of ``positions`` that
+        holds the coordinates when it is not the last (transformers' M-RoPE
+        ``position_ids`` ``[3, batch, seq]``: ``coordinate_axis=0``). Coordinates bypass
+        the row cache.
+
         Made for decode loops: rows come from the client's row cache when it holds them,
         and a sequence moving forward has its next rows fetched ahead, in the call and in
         the background (see ``row_cache_bytes`` and ``readahead_bytes``). The result is
         always a new array (or ``out``). ``AsyncClient``: awaitable.
         """
         query, output = self._core.positions_query(
-            positions, table, dtype, classic, out=out, device=device, cos_sin=cos_sin
+            positions,
+            table,
+            dtype,
+            classic,
+            coordinate_axis,
+            out=out,
+            device=device,
+            cos_sin=cos_sin,
         )
         return cast(ArrayT, self._run(self._core.fetch_positions(query, output, timeout)))
 
@@ -249,6 +264,40 @@ class BaseClient(Generic[ArrayT, InfoT, StatusT, SlicesT]):
         (positions of any shape are read flat). Otherwise as :meth:`iter_range`.
         """
         query, output = self._core.positions_query(positions, table, dtype, classic, device=device)
+        return self._iterate(self._core.stream(query, output, chunk_bytes, timeout))
+
+    def get_grid(
+        self,
+        table: Table,
+        *,
+        dtype: DTypeArg | None = None,
+        out: Any = None,
+        device: Any = None,
+        timeout: Timeout = DEFAULT,
+    ) -> ArrayT:
+        """Returns a grid kind's whole grid, shaped ``[*spec.grid_shape, width]``: a
+        ``sincos_grid_2d`` spec gives ``[grid_height, grid_width, embed_dim]``, a
+        ``sincos_grid_3d`` one ``[grid_frames, grid_height, grid_width, embed_dim]``.
+
+        It is ``get_range(0, cells, table)`` (row ``r`` is the row-major cell ``r``)
+        reshaped; other arguments as in :meth:`get_range`. ``AsyncClient``: awaitable.
+        """
+        query, output = self._core.grid_query(table, dtype, out=out, device=device)
+        return cast(ArrayT, self._run(self._core.fetch(query, output, timeout)))
+
+    def iter_grid(
+        self,
+        table: Table,
+        *,
+        dtype: DTypeArg | None = None,
+        device: Any = None,
+        chunk_bytes: int | None = None,
+        timeout: Timeout = DEFAULT,
+    ) -> SlicesT:
+        """Streams a grid kind's whole grid, row-major, as ``(first_row, rows)`` slices
+        (row ``r`` is the cell ``np.unravel_index(r, spec.grid_shape)``), in memory of one
+        chunk however large the grid: as :meth:`iter_range` over ``[0, cells)``."""
+        query, output = self._core.grid_query(table, dtype, device=device)
         return self._iterate(self._core.stream(query, output, chunk_bytes, timeout))
 
     # -- service --------------------------------------------------------------------------

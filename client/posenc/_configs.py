@@ -26,7 +26,7 @@ from posenc._checks import bad_argument
 from posenc.spec import Spec
 from posenc.v1 import posenc_pb2 as pb
 
-__all__ = ["SINUSOIDAL_FAMILIES", "config_dict", "spec_from_config"]
+__all__ = ["MROPE_FAMILIES", "SINUSOIDAL_FAMILIES", "config_dict", "spec_from_config"]
 
 _SCALING: Final = pb.RotaryTable.DESCRIPTOR.oneofs_by_name["scaling"]
 _INTEGER_TYPES: Final = frozenset(
@@ -58,6 +58,15 @@ SINUSOIDAL_FAMILIES: Final[Mapping[str, str]] = {
     "marian": "sinusoidal (split)",
     "pegasus": "sinusoidal (split)",
     "xlm": "sinusoidal",
+}
+
+#: The M-RoPE families, by ``model_type`` (their text configs' without ``_text``): the
+#: ``mrope_section`` their rotary modules default to, and whether they interleave it.
+MROPE_FAMILIES: Final[Mapping[str, tuple[tuple[int, ...], bool]]] = {
+    "qwen2_vl": ((16, 24, 24), False),
+    "qwen2_5_vl": ((16, 24, 24), False),
+    "qwen3_vl": ((24, 20, 20), True),
+    "qwen3_vl_moe": ((24, 20, 20), True),
 }
 
 
@@ -155,11 +164,38 @@ def spec_from_config(
         parameters["partial_rotary_factor"] = float(factor)
 
     rope_type = str(rope.get("rope_type") or rope.get("type") or "default")
+    family = model_type.removesuffix("_text")
+    if rope.get("mrope_section") is not None or family in MROPE_FAMILIES:
+        return _mrope(family, rope, rope_type, parameters)
     if model_type == "phi3" and rope_type in _PHI3_LONGROPE:
         rope_type = "longrope"
     if rope_type != "default":
         parameters.update(_scaling(values, rope, rope_type, seq_len))
     return Spec("rotary", **parameters)
+
+
+def _mrope(
+    family: str, rope: Mapping[str, Any], rope_type: str, parameters: dict[str, Any]
+) -> Spec:
+    """M-RoPE (Qwen2-VL, Qwen2.5-VL; Qwen3-VL interleaved): rope parameters with
+    ``mrope_section`` (older configs name the rope type ``"mrope"``, the default one), else
+    the family's default sections, as its rotary module takes them."""
+    sections, interleaved_default = MROPE_FAMILIES.get(family, ((), False))
+    if rope_type not in ("default", "mrope"):
+        raise bad_argument(
+            "spec.mrope", f"rope type {rope_type!r} with mrope_section is not served"
+        )
+    if "partial_rotary_factor" in parameters:
+        raise bad_argument("spec.mrope", "partial rotary with mrope_section is not served")
+    interleaved = rope.get("mrope_interleaved")
+    if interleaved is None:
+        interleaved = interleaved_default
+    return Spec(
+        "mrope",
+        **parameters,
+        mrope_section=[int(count) for count in rope.get("mrope_section") or sections],
+        interleaved=bool(interleaved),
+    )
 
 
 def _scaling(

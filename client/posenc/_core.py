@@ -12,6 +12,7 @@ driver of a few lines and the operations' I/O.
 from __future__ import annotations
 
 import dataclasses
+import math
 import zlib
 from collections.abc import Awaitable, Callable, Generator, Iterator, Mapping
 from dataclasses import dataclass
@@ -23,11 +24,13 @@ import numpy.typing as npt
 from grpc_health.v1 import health_pb2
 
 from posenc._channel import Settings
+from posenc._checks import bad_argument
 from posenc._cursor import StreamCursor, decode_unary
 from posenc._output import Output, is_tensor, is_torch_dtype, positions_of, torch_dtype_name
 from posenc._query import (
     Query,
     Widths,
+    as_spec,
     check_chunk_bytes,
     positions_query,
     range_query,
@@ -52,6 +55,7 @@ from posenc.errors import (
     NotFoundError,
     ResourceExhaustedError,
 )
+from posenc.spec import position_axes
 from posenc.types import DEFAULT, DTypeArg, ServerInfo, Timeout, server_info_from_proto
 from posenc.v1 import posenc_pb2 as pb
 
@@ -266,14 +270,44 @@ class Core:
         table: object,
         dtype: DTypeArg | None,
         classic: Classic,
+        coordinate_axis: int = -1,
         **output: Any,
     ) -> tuple[Query, Output]:
         """The query of positions of any shape (a tensor's on any device), and how its
-        rows are handed back."""
+        rows are handed back; a several-axis table's coordinates lie along
+        ``coordinate_axis``."""
         array, device = positions_of(positions)
         spec = table_spec(table, result_dtype(dtype, output.get("out")), classic)
-        query = positions_query(array, spec, self.widths)
-        return self._with_output(query, np.shape(array), dtype, device, output)
+        axes = position_axes(str(spec.WhichOneof("table")))
+        if coordinate_axis != -1:
+            if axes == 1:
+                raise bad_argument(
+                    "coordinate_axis", f"spec.{spec.WhichOneof('table')} has one position axis"
+                )
+            try:
+                array = np.moveaxis(np.asarray(array), coordinate_axis, -1)
+            except (np.exceptions.AxisError, TypeError) as error:
+                raise bad_argument("coordinate_axis", str(error)) from None
+        query = positions_query(array, spec, self.widths, axes)
+        shape = np.shape(array)[: -1 if axes > 1 else None]
+        return self._with_output(query, shape, dtype, device, output)
+
+    def grid_query(
+        self, table: object, dtype: DTypeArg | None, **output: Any
+    ) -> tuple[Query, Output]:
+        """The query of a grid kind's whole grid (its rows in row-major order), handed back
+        as ``[*grid_shape, width]``."""
+        spec = as_spec(table, {})
+        shape = spec.grid_shape
+        if shape is None:
+            raise bad_argument(
+                "spec.table",
+                f"{spec.kind} is not a grid kind (sincos_grid_2d, sincos_grid_3d): "
+                "use get_range or get_positions",
+            )
+        proto = table_spec(spec, result_dtype(dtype, output.get("out")), {})
+        query = range_query(0, math.prod(shape), proto, self.widths)
+        return self._with_output(query, shape, dtype, None, output)
 
     @staticmethod
     def _with_output(
@@ -288,7 +322,7 @@ class Core:
             query.dtype,
             positions_device=positions_device,
             torch_dtype=is_torch_dtype(dtype),
-            rotary=query.spec.WhichOneof("table") == "rotary",
+            rotary=query.spec.WhichOneof("table") in ("rotary", "mrope"),
             **output,
         )
         return dataclasses.replace(query, out=result.host), result
@@ -299,6 +333,8 @@ class Core:
 
     def fetch_positions(self, query: Query, output: Output, timeout: Timeout) -> Steps[Result]:
         """The rows of a positions query, through the row cache (``get_positions``)."""
+        if query.axes > 1:  # coordinates: the row cache keys rows by one position
+            return self.fetch(query, output, timeout)
         return self._finish(self._through_rows(query, self.budget(timeout)), output)
 
     def stream(

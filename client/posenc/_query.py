@@ -134,6 +134,8 @@ class Query:
     start: int = 0
     positions: npt.NDArray[np.int64] | None = None
     columns: int | None = None
+    #: Position axes of the table: above 1, ``positions`` is ``[rows, axes]`` coordinates.
+    axes: int = 1
     #: The caller's ``out=`` buffer as a 2-D host array: the rows are decoded into it
     #: when its shape is the result's (see :mod:`posenc._output`).
     out: npt.NDArray[Any] | None = None
@@ -160,6 +162,9 @@ class Query:
         if self.positions is None:
             range_ = pb.PositionRange(start=self.start + first_row, stop=self.start + stop)
             return {"range": range_}
+        if self.axes > 1:
+            coordinates = self.positions[first_row:stop].reshape(-1).tolist()
+            return {"coordinates": pb.CoordinateList(axes=self.axes, coordinates=coordinates)}
         return {"positions": pb.PositionList(positions=self.positions[first_row:stop].tolist())}
 
     def request_stop(self, first_row: int) -> int:
@@ -247,10 +252,23 @@ def range_query(start: object, stop: object, spec: pb.EncodingSpec, widths: Widt
     return _query(spec, widths, rows=end - first, start=first)
 
 
-def positions_query(positions: npt.ArrayLike, spec: pb.EncodingSpec, widths: Widths) -> Query:
-    """The query for an explicit list of positions (any shape, flattened)."""
+def positions_query(
+    positions: npt.ArrayLike, spec: pb.EncodingSpec, widths: Widths, axes: int = 1
+) -> Query:
+    """The query for an explicit list of positions (any shape, flattened), or of
+    coordinates (``[..., axes]``, read as ``[rows, axes]``) for a several-axis table."""
     array = as_positions(positions)
-    return _query(spec, widths, rows=len(array), positions=array)
+    if axes > 1:
+        shape = np.shape(positions)
+        if not shape or shape[-1] != axes:
+            kind = spec.WhichOneof("table")
+            raise bad_argument(
+                "coordinates.axes",
+                f"spec.{kind} rows have {axes} position axes: positions must have a "
+                f"trailing axis of {axes}, got shape {tuple(shape)}",
+            )
+        array = array.reshape(-1, axes)
+    return _query(spec, widths, rows=len(array), positions=array, axes=axes)
 
 
 def _query(spec: pb.EncodingSpec, widths: Widths, **selection: Any) -> Query:

@@ -11,6 +11,7 @@ import argparse
 import contextlib
 import itertools
 import json
+import math
 import os
 import shutil
 import sys
@@ -537,6 +538,11 @@ def _fetch(args: argparse.Namespace) -> int:
             positions = _load_positions(args.positions_file)
             rows, origin = len(positions), 0
             slices = client.iter_positions(positions, table, **options)
+        elif args.start is None and args.stop is None and table.grid_shape is not None:
+            # A grid kind without a range: the whole grid, written with its shape.
+            grid = table.grid_shape
+            rows, origin = math.prod(grid), 0
+            slices = client.iter_grid(table, **options)
         else:
             if args.start is None or args.stop is None:
                 raise _usage_error("START and STOP are required (or --positions-file)")
@@ -559,12 +565,16 @@ def _fetch(args: argparse.Namespace) -> int:
                 f"cannot write {args.output}: the table takes {_human_bytes(needed)}, "
                 f"and {args.output.parent} has {_human_bytes(free)} free"
             )
-        _write(args.output, slices, (rows, width), dtype, table, origin, args.no_progress)
+        grid_shape = table.grid_shape if args.start is None and not args.positions_file else None
+        file_shape = None if grid_shape is None else (*grid_shape, width)
+        _write(
+            args.output, slices, (rows, width), dtype, table, origin, args.no_progress, file_shape
+        )
     return EXIT_OK
 
 
 def _npy(
-    path: Path, shape: tuple[int, int], dtype: np.dtype[Any], spec: Spec
+    path: Path, shape: tuple[int, ...], dtype: np.dtype[Any], spec: Spec
 ) -> np.memmap[Any, Any]:
     """A .npy file of ``shape``, mapped for writing."""
     return open_memmap(path, mode="w+", dtype=dtype, shape=shape)
@@ -575,7 +585,7 @@ _SAFETENSORS_DTYPES = {"float32": "F32", "float16": "F16", "bfloat16": "BF16", "
 
 
 def _safetensors(
-    path: Path, shape: tuple[int, int], dtype: np.dtype[Any], spec: Spec
+    path: Path, shape: tuple[int, ...], dtype: np.dtype[Any], spec: Spec
 ) -> np.memmap[Any, Any]:
     """A safetensors file holding one tensor ``table`` of ``shape``, mapped for writing.
 
@@ -616,13 +626,17 @@ def _write(
     spec: Spec,
     origin: int,
     no_progress: bool,
+    file_shape: tuple[int, ...] | None = None,
 ) -> None:
-    """Write the table into a hidden file beside ``output``, renamed to it when complete."""
+    """Write the table into a hidden file beside ``output``, renamed to it when complete
+    (``file_shape``: the array's shape in the file, a grid's ``[*grid_shape, width]``; rows
+    are written as ``shape`` either way)."""
     partial = output.with_name(f".{output.name}.{os.getpid()}.partial")
     started = time.monotonic()
     row_bytes = shape[1] * dtype.itemsize
     try:
-        table = _FORMATS[output.suffix](partial, shape, dtype, spec)
+        mapped = _FORMATS[output.suffix](partial, file_shape or shape, dtype, spec)
+        table = mapped.reshape(shape)
         with tqdm(
             total=shape[0],
             unit="row",
@@ -636,8 +650,8 @@ def _write(
                 table[first : first + len(rows)] = rows
                 bar.update(len(rows))
                 bar.set_postfix_str(_human_bytes(bar.n * row_bytes), refresh=False)
-        table.flush()
-        del table  # unmaps the file before it is renamed
+        mapped.flush()
+        del table, mapped  # unmaps the file before it is renamed
         os.replace(partial, output)
     except BaseException as error:
         with contextlib.suppress(OSError):
@@ -743,7 +757,7 @@ def _certificate_name(path: str) -> str | None:
         # The standard library's own certificate decoder (what SSLSocket.getpeercert()
         # returns), which it exposes under this name only; no X.509 dependency needed.
         decoded = _ssl._test_decode_cert(path)  # type: ignore[attr-defined]
-    except (OSError, ValueError):
+    except (OSError, ValueError, AttributeError):  # AttributeError: a Python without it
         return None
     for kind, value in decoded.get("subjectAltName", ()):
         if kind == "DNS":

@@ -39,6 +39,7 @@ __all__ = [
     "kind_message",
     "kind_names",
     "parameter_fields",
+    "position_axes",
 ]
 
 _TABLE: Final[OneofDescriptor] = pb.EncodingSpec.DESCRIPTOR.oneofs_by_name["table"]
@@ -121,6 +122,17 @@ def parameter_fields(message: Descriptor) -> tuple[FieldDescriptor, ...]:
     """A message's own parameters: its fields outside the oneofs it chooses from."""
     chosen = {field.name for oneof in choice_oneofs(message) for field in oneof.fields}
     return tuple(field for field in message.fields if field.name not in chosen)
+
+
+def position_axes(kind: str) -> int:
+    """Position axes of a kind's rows: its message's ``position_axes`` option, 1 when unset
+    (``mrope``: 3, ``(t, h, w)``; ``sincos_grid_2d``: 2, ``(h, w)``)."""
+    return kind_message(kind).GetOptions().Extensions[pb.position_axes] or 1
+
+
+def _grid_fields(message: Descriptor) -> tuple[str, ...]:
+    """A grid kind's cell counts, in axis order (``grid_frames``, ``grid_height``, ...)."""
+    return tuple(field.name for field in message.fields if field.name.startswith("grid_"))
 
 
 # -- values ---------------------------------------------------------------------------------
@@ -291,6 +303,23 @@ class Spec:
     def parameters(self) -> dict[str, Any]:
         """The parameters that were given (a new dict): enums by name, sequences as tuples."""
         return dict(self._items)
+
+    @property
+    def axes(self) -> int:
+        """Position axes of the table's rows: positions of a several-axis kind have a
+        trailing axis of this size (``get_positions``)."""
+        return position_axes(self._kind)
+
+    @property
+    def grid_shape(self) -> tuple[int, ...] | None:
+        """A grid kind's cells per axis (``(grid_height, grid_width)``, ...), else None."""
+        names = _grid_fields(kind_message(self._kind))
+        if not names:
+            return None
+        missing = [name for name in names if name not in self._items]
+        if missing:
+            raise bad_argument(f"spec.{self._kind}.{missing[0]}", "a grid needs its size")
+        return tuple(int(self._items[name]) for name in names)
 
     def to_proto(self) -> pb.EncodingSpec:
         """A new ``EncodingSpec`` with this table set (and ``dtype`` unset)."""

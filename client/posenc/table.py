@@ -27,7 +27,7 @@ import asyncio
 import threading
 from collections.abc import Callable, Generator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Final, TypeVar
+from typing import TYPE_CHECKING, Any, Final, Generic, TypedDict, TypeVar, Unpack
 
 import numpy as np
 import numpy.typing as npt
@@ -73,7 +73,12 @@ class _Positions:
     positions: npt.NDArray[np.int64]
 
 
-_Fetch = _Range | _Positions
+class _Grow:
+    """The table grows from here: the caller must hold the table's lock (answer: None)."""
+
+
+_GROW: Final = _Grow()
+_Fetch = _Grow | _Range | _Positions
 # A step of the plan: what to fetch next; the answer is sent back in.
 _Steps = Generator[_Fetch, Any, T]
 
@@ -81,9 +86,11 @@ _Steps = Generator[_Fetch, Any, T]
 class _Plan:
     """The growing table without its calls: its rows, its growth policy and its reads.
 
-    Methods that may need rows from the server are generators: they yield a ``_Range``
-    (growth: the caller holds the table's lock) or a ``_Positions`` (rows for one call) and
-    take the rows back, so that the blocking and the asyncio table share every decision.
+    Methods that may need rows from the server are generators: they yield ``_GROW`` before
+    growing (the caller takes the table's lock, then runs the plan again: another caller may
+    have grown the table meanwhile), then a ``_Range``, or a ``_Positions`` (rows for one
+    call), and take the rows back, so that the blocking and the asyncio table share every
+    decision.
     """
 
     def __init__(
@@ -133,6 +140,7 @@ class _Plan:
         held, width = self.held, self.width
         if stop <= held:
             return
+        yield _GROW
         if width is None:
             stop = max(stop, self.min_rows)
             rows = yield _Range(0, stop)
@@ -237,18 +245,35 @@ class _Plan:
         return result
 
 
-class _TableBase:
-    """What both tables share: construction and the read-only accessors."""
+ClientT = TypeVar("ClientT", "Client", "AsyncClient")
+
+
+class TableOptions(TypedDict, total=False):
+    """The keyword arguments of both tables (see :class:`GrowingTable`)."""
+
+    dtype: DTypeArg
+    min_rows: int
+    max_bytes: int
+    max_step_bytes: int
+    timeout: Timeout
+
+
+class _TableBase(Generic[ClientT]):
+    """What both tables share: construction and the read-only accessors (arguments as
+    described in :class:`GrowingTable`)."""
 
     def __init__(
         self,
+        client: ClientT,
         table: Table,
-        dtype: DTypeArg,
-        min_rows: int,
-        max_bytes: int,
-        max_step_bytes: int,
-        timeout: Timeout,
+        *,
+        dtype: DTypeArg = "float32",
+        min_rows: int = DEFAULT_MIN_ROWS,
+        max_bytes: int = DEFAULT_MAX_BYTES,
+        max_step_bytes: int = DEFAULT_MAX_STEP_BYTES,
+        timeout: Timeout = DEFAULT,
     ) -> None:
+        self._client: ClientT = client
         self._plan = _Plan(table, dtype, min_rows, max_bytes, max_step_bytes)
         self._timeout = timeout
 
@@ -278,7 +303,7 @@ class _TableBase:
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.table!r}, dtype={self.dtype.name}, rows={len(self)})"
 
-    def _fetch_arguments(self, fetch: _Fetch) -> tuple[Any, ...]:
+    def _fetch_arguments(self, fetch: _Range | _Positions) -> tuple[Any, ...]:
         if isinstance(fetch, _Range):
             return (fetch.start, fetch.stop, self.table)
         return (fetch.positions, self.table)
@@ -294,7 +319,7 @@ def _finish(steps: _Steps[T], fetch: Callable[[_Fetch], Any]) -> T:
         return done.value  # type: ignore[no-any-return]
 
 
-class GrowingTable(_TableBase):
+class GrowingTable(_TableBase["Client"]):
     """The rows ``[0, len(self))`` of one table, held in memory and extended on demand.
 
     Args:
@@ -311,19 +336,8 @@ class GrowingTable(_TableBase):
     and rows already returned are never modified (a grown table is a new buffer).
     """
 
-    def __init__(
-        self,
-        client: Client,
-        table: Table,
-        *,
-        dtype: DTypeArg = "float32",
-        min_rows: int = DEFAULT_MIN_ROWS,
-        max_bytes: int = DEFAULT_MAX_BYTES,
-        max_step_bytes: int = DEFAULT_MAX_STEP_BYTES,
-        timeout: Timeout = DEFAULT,
-    ) -> None:
-        super().__init__(table, dtype, min_rows, max_bytes, max_step_bytes, timeout)
-        self._client = client
+    def __init__(self, client: Client, table: Table, **options: Unpack[TableOptions]) -> None:
+        super().__init__(client, table, **options)
         self._lock = threading.Lock()
 
     def rows(self, stop: int | None = None) -> npt.NDArray[Any]:
@@ -374,6 +388,8 @@ class GrowingTable(_TableBase):
             return _finish(plan(), self._fetch)
 
     def _fetch(self, fetch: _Fetch) -> Any:
+        if isinstance(fetch, _Grow):
+            return None
         arguments = self._fetch_arguments(fetch)
         if isinstance(fetch, _Range):
             return self._client.get_range(
@@ -382,7 +398,7 @@ class GrowingTable(_TableBase):
         return self._client.get_positions(*arguments, dtype=self.dtype, timeout=self._timeout)
 
 
-class AsyncGrowingTable(_TableBase):
+class AsyncGrowingTable(_TableBase["AsyncClient"]):
     """:class:`GrowingTable` over a :class:`posenc.AsyncClient`: ``get``, ``reserve`` and
     ``rows`` are coroutines, and growth is serialised by an ``asyncio.Lock``. Arguments and
     results as there::
@@ -391,19 +407,8 @@ class AsyncGrowingTable(_TableBase):
         cos, sin = await table.get(position_ids, cos_sin=True)
     """
 
-    def __init__(
-        self,
-        client: AsyncClient,
-        table: Table,
-        *,
-        dtype: DTypeArg = "float32",
-        min_rows: int = DEFAULT_MIN_ROWS,
-        max_bytes: int = DEFAULT_MAX_BYTES,
-        max_step_bytes: int = DEFAULT_MAX_STEP_BYTES,
-        timeout: Timeout = DEFAULT,
-    ) -> None:
-        super().__init__(table, dtype, min_rows, max_bytes, max_step_bytes, timeout)
-        self._client = client
+    def __init__(self, client: AsyncClient, table: Table, **options: Unpack[TableOptions]) -> None:
+        super().__init__(client, table, **options)
         self._lock = asyncio.Lock()
 
     async def rows(self, stop: int | None = None) -> npt.NDArray[Any]:
@@ -448,6 +453,8 @@ class AsyncGrowingTable(_TableBase):
                 return finished.value  # type: ignore[no-any-return]
 
     async def _fetch(self, fetch: _Fetch) -> Any:
+        if isinstance(fetch, _Grow):
+            return None
         arguments = self._fetch_arguments(fetch)
         if isinstance(fetch, _Range):
             return await self._client.get_range(

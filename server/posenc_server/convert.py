@@ -16,13 +16,14 @@ from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
 import numpy as np
+import numpy.typing as npt
 from google.protobuf.descriptor import Descriptor, EnumDescriptor
 from google.protobuf.message import DecodeError, Message
 
 from posenc.v1 import posenc_pb2 as pb
 from posenc_server import engine
 from posenc_server.errors import FieldViolation, InvalidRequestError
-from posenc_server.requests import PositionList, PositionRange, Query, Selection
+from posenc_server.requests import CoordinateList, PositionList, PositionRange, Query, Selection
 from posenc_server.service import ServerInfo
 from posenc_server.tables import KINDS, Documented, Limits, TableKind
 
@@ -86,7 +87,7 @@ def encoding_query(
     if spec.dtype:
         dtype = _enum_name(pb.Dtype.DESCRIPTOR, spec.dtype, "spec.dtype", violations)
     table = table_from_proto(spec, violations)
-    selection = _selection(message, limits, violations)
+    selection = _selection(message, limits, violations, table)
     return Query(
         spec_key=spec.SerializeToString(deterministic=True),
         table=table,
@@ -182,6 +183,7 @@ def _selection(
     message: pb.GetEncodingRequest | pb.StreamEncodingRequest,
     limits: SelectionLimits,
     violations: list[FieldViolation],
+    table: TableKind | None = None,
 ) -> Selection | None:
     which = message.WhichOneof("selection")
     if which == "range":
@@ -192,8 +194,73 @@ def _selection(
         listed = PositionList(np.array(message.positions.positions, dtype=np.int64))
         _check_positions(listed, limits, violations)
         return listed
-    violations.append(FieldViolation("selection", "set either range or positions"))
+    if which == "coordinates":
+        return _coordinates(message.coordinates, limits, violations, table)
+    violations.append(FieldViolation("selection", "set one of range, positions, coordinates"))
     return None
+
+
+def _coordinates(
+    message: pb.CoordinateList,
+    limits: SelectionLimits,
+    violations: list[FieldViolation],
+    table: TableKind | None,
+) -> CoordinateList | None:
+    """The coordinates of a table with several position axes, as ``[rows, axes]``."""
+    axes, values = message.axes, message.coordinates
+    if table is not None and table.AXES == 1:
+        violations.append(
+            FieldViolation(
+                "coordinates.axes",
+                f"spec.{table.NAME} has one position axis: select positions or a range",
+            )
+        )
+        return None
+    if table is not None and axes != table.AXES:
+        violations.append(
+            FieldViolation(
+                "coordinates.axes", f"spec.{table.NAME} has {table.AXES} position axes, got {axes}"
+            )
+        )
+        return None
+    if axes < 2:
+        violations.append(FieldViolation("coordinates.axes", f"must be at least 2, got {axes}"))
+        return None
+    if len(values) % axes:
+        violations.append(
+            FieldViolation(
+                "coordinates.coordinates",
+                f"must hold a multiple of axes ({axes}) values, got {len(values)}",
+            )
+        )
+        return None
+    flat = np.array(values, dtype=np.int64)
+    count, limit = len(values) // axes, limits.max_abs_position
+    if not 1 <= count <= limits.max_positions:
+        violations.append(
+            FieldViolation(
+                "coordinates.coordinates",
+                f"must hold 1 to {limits.max_positions} rows of {axes} coordinates, got {count}",
+            )
+        )
+    elif (bad := _out_of_range(flat, limit)) is not None:
+        index, bad_count = bad
+        violations.append(
+            FieldViolation(
+                f"coordinates.coordinates[{index}]",
+                f"|coordinate| must be at most {limit}, got {int(flat[index])} (row "
+                f"{index // axes}, axis {index % axes})"
+                + (f"; {bad_count} coordinates out of range" if bad_count > 1 else ""),
+            )
+        )
+    return CoordinateList(flat.reshape(count, axes))
+
+
+def _out_of_range(values: npt.NDArray[np.int64], limit: int) -> tuple[int, int] | None:
+    """The index of the first value with |value| > limit, and how many there are."""
+    # Not np.abs: it overflows (stays negative) for -2**63.
+    bad = np.flatnonzero((values > limit) | (values < -limit))
+    return (int(bad[0]), int(bad.size)) if bad.size else None
 
 
 def _check_range(selection: PositionRange, limit: int, violations: list[FieldViolation]) -> None:
@@ -231,14 +298,13 @@ def _check_positions(
                 f"must hold 1 to {limits.max_positions} positions, got {count}",
             )
         )
-    # Not np.abs: it overflows (stays negative) for -2**63.
-    elif (bad := np.flatnonzero((positions > limit) | (positions < -limit))).size:
-        index = int(bad[0])
+    elif (bad := _out_of_range(positions, limit)) is not None:
+        index, bad_count = bad
         violations.append(
             FieldViolation(
                 f"positions.positions[{index}]",
                 f"|position| must be at most {limit}, got {int(positions[index])}"
-                + (f" ({bad.size} positions out of range)" if bad.size > 1 else ""),
+                + (f" ({bad_count} positions out of range)" if bad_count > 1 else ""),
             )
         )
 

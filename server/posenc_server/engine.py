@@ -36,7 +36,7 @@ import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from decimal import Decimal, localcontext
-from typing import Final, Protocol
+from typing import Final, Protocol, runtime_checkable
 
 import ml_dtypes
 import numpy as np
@@ -130,6 +130,20 @@ class Table(Protocol):
 
         ``rows`` may be a scratch buffer: the method must not keep it.
         """
+        ...
+
+
+@runtime_checkable
+class AxisTable(Table, Protocol):
+    """A table whose rows are indexed by several position axes (coordinates): it composes
+    its rows itself, from per-axis ``wave_rows`` (``posenc_server.tables.multiaxis``)."""
+
+    def coordinates(self, positions: Int64Array) -> Int64Array:
+        """The ``[n, axes]`` coordinates of one-axis positions (range and list selections)."""
+        ...
+
+    def encode(self, encoding: Encoding, coordinates: Int64Array) -> Rows:
+        """The rows of ``[n, axes]`` coordinates, each a function of its coordinates alone."""
         ...
 
 
@@ -363,6 +377,8 @@ def encode_range(encoding: Encoding, start: int, stop: int) -> Rows:
     Callers validate the table and the positions; this function trusts them. Each row is a
     function of (table, position) alone: the same bytes as ``encode_positions`` gives.
     """
+    if isinstance(encoding.table, AxisTable):
+        return encode_coordinates(encoding, np.arange(start, stop, dtype=np.int64))
     position_map = encoding.table.position_map
     if position_map.keeps_ranges:
         offset = position_map.offset
@@ -378,11 +394,23 @@ def encode_range(encoding: Encoding, start: int, stop: int) -> Rows:
 def encode_positions(encoding: Encoding, positions: npt.ArrayLike) -> Rows:
     """The rows of ``positions`` (any int64 values the table's validation accepts)."""
     requested = np.asarray(positions, dtype=np.int64).reshape(-1)
+    if isinstance(encoding.table, AxisTable):
+        return encode_coordinates(encoding, requested)
     position_map = encoding.table.position_map
     out = _rows_at(encoding, position_map.apply(requested))
     if position_map.zero_row is not None:
         out[requested == position_map.zero_row] = 0
     return out
+
+
+def encode_coordinates(encoding: Encoding, coordinates: Int64Array) -> Rows:
+    """The rows of a several-axis table at ``[n, axes]`` coordinates, or at one-axis
+    positions (``[n]``: the table's ``coordinates`` of them)."""
+    table = encoding.table
+    assert isinstance(table, AxisTable), "a table with several position axes"
+    if coordinates.ndim == 1:
+        coordinates = table.coordinates(coordinates)
+    return table.encode(encoding, coordinates)
 
 
 def _range_rows(encoding: Encoding, first: int, last: int) -> Rows:

@@ -36,7 +36,20 @@ class PositionList:
         return int(self.positions.size)
 
 
-Selection = PositionRange | PositionList
+@dataclass(frozen=True, eq=False)
+class CoordinateList:
+    """Explicit coordinates of a table with several position axes (``[rows, axes]``), in
+    the order the rows are wanted."""
+
+    coordinates: npt.NDArray[np.int64]
+
+    @property
+    def rows(self) -> int:
+        """Number of rows selected."""
+        return int(self.coordinates.shape[0])
+
+
+Selection = PositionRange | PositionList | CoordinateList
 
 
 @dataclass(frozen=True, eq=False)

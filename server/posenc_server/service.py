@@ -36,7 +36,7 @@ from posenc_server.errors import (
     OverloadedError,
     ShuttingDownError,
 )
-from posenc_server.requests import PositionList, PositionRange, Selection
+from posenc_server.requests import CoordinateList, PositionList, PositionRange, Selection
 from posenc_server.specs import Request, Spec
 
 Table = npt.NDArray[np.generic]
@@ -178,6 +178,8 @@ class EncodingService:
         """Whether every block ``request`` reads is cached: answering it computes nothing."""
         spec, selection = request.spec, request.selection
         block_rows = self.block_rows(spec)
+        if isinstance(selection, CoordinateList):
+            return False  # several-axis coordinates are computed, never cached
         if isinstance(selection, PositionRange):
             first, last = selection.start // block_rows, (selection.stop - 1) // block_rows
             blocks: list[int] = list(range(first, last + 1)) if selection.rows > 0 else []
@@ -218,6 +220,8 @@ class EncodingService:
         Position lists go through the cache here: they are decode steps, whose blocks the
         next steps ask for again.
         """
+        if isinstance(selection, CoordinateList):
+            return next(self.chunks(spec, selection, max(selection.rows, 1))).rows
         if isinstance(selection, PositionList):
             new_rows = _NEW_BLOCK_ROWS_PER_ROW * selection.rows
             new_blocks = min(_MAX_NEW_BLOCKS_PER_LIST, max(1, new_rows // self.block_rows(spec)))
@@ -241,6 +245,11 @@ class EncodingService:
         """
         if isinstance(selection, PositionRange):
             yield from self._range_chunks(spec, selection, chunk_rows)
+        elif isinstance(selection, CoordinateList):
+            for first in range(0, selection.rows, chunk_rows):
+                part = selection.coordinates[first : first + chunk_rows]
+                self._count_rows(len(part))
+                yield Chunk(first, engine.encode_coordinates(spec.encoding, part))
         else:
             for first in range(0, selection.rows, chunk_rows):
                 positions = selection.positions[first : first + chunk_rows]

@@ -10,6 +10,9 @@
 :func:`patch` reads the model's config, builds the spec of each positional table the model
 holds, checks it against the model's own table at small positions, and replaces that table:
 
+- M-RoPE (Qwen2-VL, Qwen2.5-VL, Qwen3-VL): the merged ``(cos, sin)`` of the ``[3, batch,
+  seq]`` position ids; text positions from a growing table of the plain rotary spec (their
+  rows), image and video positions by their coordinates;
 - rotary families (Llama, Mistral, Mixtral, Qwen2, Phi-3, Gemma, GPT-NeoX, DeepSeek-V2 and
   any model built on transformers' standard rotary module; GPT-J's attention): ``(cos, sin)``
   for the ``position_ids`` of each forward come from a :class:`posenc.GrowingTable`, in
@@ -260,6 +263,8 @@ class _Rotary:
         # rows, [cos | sin] without duplicated halves.
         self.complex = False
         self.layout = "transformers"
+        # M-RoPE (Qwen-VL): position ids [3, batch, seq] of (t, h, w).
+        self.mrope = False
         # transformers' dynamic-NTK state (dynamic_rope_update), per layer type.
         self.cached: dict[str | None, int] = {}
         self.original = int(getattr(module, "original_max_seq_len", 0) or 0)
@@ -276,6 +281,12 @@ class _Rotary:
         )
         probe = torch.zeros(1, device=self.module.inv_freq.device)
         positions = torch.arange(_VERIFY_ROWS, device=probe.device)[None]
+        # Not self.spec: its memo would keep the layout before the probe below decides it.
+        if layer_types == [None] and posenc.Spec.from_config(self.values).kind == "mrope":
+            # (t, h, w) position ids [3, 1, seq]: a 4 x 4 x 4 video's, every axis its own.
+            self.mrope = True
+            cells = torch.arange(_VERIFY_ROWS, device=probe.device)
+            positions = torch.stack([cells // 16, cells // 4 % 4, cells % 4])[:, None, :]
         try:
             # A fresh module: float32 frequencies (a model cast to bfloat16 rounded its
             # inv_freq buffer too), initial dynamic state, and the model's own untouched.
@@ -298,7 +309,10 @@ class _Rotary:
             if verify:
                 # One direct fetch: no table is held for the probe's dtype.
                 cos, sin = self.handle.client.get_positions(
-                    positions, spec, dtype=torch.float32, cos_sin=True
+                    positions.movedim(0, -1) if self.mrope else positions,
+                    spec,
+                    dtype=torch.float32,
+                    cos_sin=True,
                 )
                 native = natives[layer_type]
                 if self.complex:
@@ -343,6 +357,8 @@ class _Rotary:
     def __call__(
         self, x: torch.Tensor, position_ids: torch.Tensor, layer_type: str | None = None
     ) -> Any:
+        if self.mrope:
+            return self.mrope_rows(x, position_ids)
         seq_len = self.seq_len(position_ids, layer_type)
         spec = self.spec(layer_type, seq_len)
         dtype = torch.float32 if self.complex else _served(x.dtype)
@@ -360,6 +376,31 @@ class _Rotary:
             cos, sin = table.get(position_ids, device=x.device, cos_sin=True)
         if self.complex:
             return torch.complex(cos, sin)
+        if dtype != x.dtype:
+            return cos.to(x.dtype), sin.to(x.dtype)
+        return cos, sin
+
+    def mrope_rows(self, x: torch.Tensor, position_ids: torch.Tensor) -> Any:
+        """M-RoPE's merged ``(cos, sin)``: text positions (every axis equal, decode steps
+        included) from the growing table of the plain rotary spec, whose rows they are;
+        image and video positions fetched by their coordinates."""
+        spec = self.spec(None, None)
+        dtype = _served(x.dtype)
+        if position_ids.ndim == 2:
+            position_ids = position_ids[None].expand(3, -1, -1)
+        if bool((position_ids == position_ids[:1]).all()):
+            text = posenc.Spec(
+                "rotary",
+                head_dim=spec.parameters["head_dim"],
+                layout=spec.parameters.get("layout", "transformers"),
+                **{k: v for k, v in spec.parameters.items() if k == "rope_theta"},
+            )
+            table = self.handle.table(text, dtype)
+            cos, sin = table.get(position_ids[0], device=x.device, cos_sin=True)
+        else:
+            cos, sin = self.handle.client.get_positions(
+                position_ids.movedim(0, -1), spec, dtype=dtype, device=x.device, cos_sin=True
+            )
         if dtype != x.dtype:
             return cos.to(x.dtype), sin.to(x.dtype)
         return cos, sin

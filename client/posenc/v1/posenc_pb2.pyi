@@ -5,9 +5,11 @@ isort:skip_file
 
 from collections import abc as _abc
 from google.protobuf import descriptor as _descriptor
+from google.protobuf import descriptor_pb2 as _descriptor_pb2
 from google.protobuf import message as _message
 from google.protobuf.internal import containers as _containers
 from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf.internal import extension_dict as _extension_dict
 import builtins as _builtins
 import sys
 import typing as _typing
@@ -157,6 +159,9 @@ class EncodingSpec(_message.Message):
     FAIRSEQ_FIELD_NUMBER: _builtins.int
     TRANSFORMER_XL_FIELD_NUMBER: _builtins.int
     ROTARY_FIELD_NUMBER: _builtins.int
+    MROPE_FIELD_NUMBER: _builtins.int
+    SINCOS_GRID_2D_FIELD_NUMBER: _builtins.int
+    SINCOS_GRID_3D_FIELD_NUMBER: _builtins.int
     dtype: Global___Dtype.ValueType
     @_builtins.property
     def sinusoidal(self) -> Global___SinusoidalTable: ...
@@ -170,6 +175,12 @@ class EncodingSpec(_message.Message):
     def transformer_xl(self) -> Global___TransformerXlTable: ...
     @_builtins.property
     def rotary(self) -> Global___RotaryTable: ...
+    @_builtins.property
+    def mrope(self) -> Global___MRopeTable: ...
+    @_builtins.property
+    def sincos_grid_2d(self) -> Global___SinCosGrid2dTable: ...
+    @_builtins.property
+    def sincos_grid_3d(self) -> Global___SinCosGrid3dTable: ...
     def __init__(
         self,
         *,
@@ -180,12 +191,15 @@ class EncodingSpec(_message.Message):
         fairseq: Global___FairseqTable | None = ...,
         transformer_xl: Global___TransformerXlTable | None = ...,
         rotary: Global___RotaryTable | None = ...,
+        mrope: Global___MRopeTable | None = ...,
+        sincos_grid_2d: Global___SinCosGrid2dTable | None = ...,
+        sincos_grid_3d: Global___SinCosGrid3dTable | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["fairseq", b"fairseq", "rotary", b"rotary", "sinusoidal", b"sinusoidal", "table", b"table", "tensor2tensor", b"tensor2tensor", "transformer_xl", b"transformer_xl", "whisper", b"whisper"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["fairseq", b"fairseq", "mrope", b"mrope", "rotary", b"rotary", "sincos_grid_2d", b"sincos_grid_2d", "sincos_grid_3d", b"sincos_grid_3d", "sinusoidal", b"sinusoidal", "table", b"table", "tensor2tensor", b"tensor2tensor", "transformer_xl", b"transformer_xl", "whisper", b"whisper"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["dtype", b"dtype", "fairseq", b"fairseq", "rotary", b"rotary", "sinusoidal", b"sinusoidal", "table", b"table", "tensor2tensor", b"tensor2tensor", "transformer_xl", b"transformer_xl", "whisper", b"whisper"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["dtype", b"dtype", "fairseq", b"fairseq", "mrope", b"mrope", "rotary", b"rotary", "sincos_grid_2d", b"sincos_grid_2d", "sincos_grid_3d", b"sincos_grid_3d", "sinusoidal", b"sinusoidal", "table", b"table", "tensor2tensor", b"tensor2tensor", "transformer_xl", b"transformer_xl", "whisper", b"whisper"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_table: _TypeAlias = _typing.Literal["sinusoidal", "tensor2tensor", "whisper", "fairseq", "transformer_xl", "rotary"]  # noqa: Y015
+    _WhichOneofReturnType_table: _TypeAlias = _typing.Literal["sinusoidal", "tensor2tensor", "whisper", "fairseq", "transformer_xl", "rotary", "mrope", "sincos_grid_2d", "sincos_grid_3d"]  # noqa: Y015
     _WhichOneofArgType_table: _TypeAlias = _typing.Literal["table", b"table"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_table) -> _WhichOneofReturnType_table | None: ...
 
@@ -694,6 +708,206 @@ class Llama3Scaling(_message.Message):
 Global___Llama3Scaling: _TypeAlias = Llama3Scaling  # noqa: Y015
 
 @_typing.final
+class MRopeTable(_message.Message):
+    """Multimodal rotary position embedding (M-RoPE: Qwen2-VL, Qwen2.5-VL,
+    Qwen3-VL): the rotary table of inv_freq[i] = rope_theta ** (-2i / head_dim)
+    whose frequencies each take their angle from one of three position axes,
+    temporal, height and width. A row is the cos/sin the model's attention
+    applies, its sections merged, in the rotary layout. Its coordinates are
+    (t, h, w) triples (a CoordinateList of 3 axes); a PositionRange or
+    PositionList position p is the triple (p, p, p) of a text token, whose row
+    is the plain rotary table's.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    HEAD_DIM_FIELD_NUMBER: _builtins.int
+    ROPE_THETA_FIELD_NUMBER: _builtins.int
+    MROPE_SECTION_FIELD_NUMBER: _builtins.int
+    INTERLEAVED_FIELD_NUMBER: _builtins.int
+    LAYOUT_FIELD_NUMBER: _builtins.int
+    head_dim: _builtins.int
+    """The attention head width, even, >= 2."""
+    rope_theta: _builtins.float
+    """Finite and > 1. Unset means 10000."""
+    interleaved: _builtins.bool
+    """False: the sections are consecutive runs of frequencies, t then h then w
+    (Qwen2-VL, Qwen2.5-VL). True: Qwen3-VL's interleaving, frequency i takes
+    h when i % 3 == 1 and i < 3 * mrope_section[1], w when i % 3 == 2 and
+    i < 3 * mrope_section[2], else t.
+    """
+    layout: Global___RopeLayout.ValueType
+    @_builtins.property
+    def mrope_section(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """Frequencies of the temporal, height and width axes: three counts summing
+        to head_dim / 2 (the config's mrope_section).
+        """
+
+    def __init__(
+        self,
+        *,
+        head_dim: _builtins.int = ...,
+        rope_theta: _builtins.float | None = ...,
+        mrope_section: _abc.Iterable[_builtins.int] | None = ...,
+        interleaved: _builtins.bool = ...,
+        layout: Global___RopeLayout.ValueType = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_rope_theta", b"_rope_theta", "rope_theta", b"rope_theta"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_rope_theta", b"_rope_theta", "head_dim", b"head_dim", "interleaved", b"interleaved", "layout", b"layout", "mrope_section", b"mrope_section", "rope_theta", b"rope_theta"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__rope_theta: _TypeAlias = _typing.Literal["rope_theta"]  # noqa: Y015
+    _WhichOneofArgType__rope_theta: _TypeAlias = _typing.Literal["_rope_theta", b"_rope_theta"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__rope_theta) -> _WhichOneofReturnType__rope_theta | None: ...
+
+Global___MRopeTable: _TypeAlias = MRopeTable  # noqa: Y015
+
+@_typing.final
+class SinCosGrid2dTable(_message.Message):
+    """A 2D sin-cos grid (ViT-MAE, DiT, PixArt, SD3: diffusers'
+    get_2d_sincos_pos_embed): each axis has a 1D table of embed_dim / 2
+    columns, [sin | cos] over embed_dim / 4 frequencies base ** (-4k /
+    embed_dim), at the axis's position; a row is the width axis's table then the
+    height axis's. Its coordinates are (h, w) pairs; a PositionRange or
+    PositionList position r is the cell (r // grid_width, r mod grid_width) of
+    the grid, row-major (rows past the grid's continue it down).
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    EMBED_DIM_FIELD_NUMBER: _builtins.int
+    GRID_HEIGHT_FIELD_NUMBER: _builtins.int
+    GRID_WIDTH_FIELD_NUMBER: _builtins.int
+    BASE_FIELD_NUMBER: _builtins.int
+    BASE_SIZE_FIELD_NUMBER: _builtins.int
+    INTERPOLATION_SCALE_FIELD_NUMBER: _builtins.int
+    HEIGHT_FIRST_FIELD_NUMBER: _builtins.int
+    FLIP_SIN_TO_COS_FIELD_NUMBER: _builtins.int
+    embed_dim: _builtins.int
+    """Columns of a row, a multiple of 4."""
+    grid_height: _builtins.int
+    """Cells of the grid's axes, >= 1; grid_height * grid_width at most the
+    position limit + 1.
+    """
+    grid_width: _builtins.int
+    base: _builtins.float
+    """Frequency base, finite and > 1. Unset means 10000."""
+    base_size: _builtins.float
+    """diffusers' base_size, > 0: index i of an axis of n cells is position
+    i * base_size / n / interpolation_scale. Unset: position i /
+    interpolation_scale (ViT-MAE).
+    """
+    interpolation_scale: _builtins.float
+    """Divides every position, > 0. Unset means 1."""
+    height_first: _builtins.bool
+    """The height axis's columns first. Unset: width first, as MAE and diffusers."""
+    flip_sin_to_cos: _builtins.bool
+    """Each axis [cos | sin] instead of [sin | cos] (diffusers' flip_sin_to_cos)."""
+    def __init__(
+        self,
+        *,
+        embed_dim: _builtins.int = ...,
+        grid_height: _builtins.int = ...,
+        grid_width: _builtins.int = ...,
+        base: _builtins.float | None = ...,
+        base_size: _builtins.float | None = ...,
+        interpolation_scale: _builtins.float | None = ...,
+        height_first: _builtins.bool = ...,
+        flip_sin_to_cos: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_base", b"_base", "_base_size", b"_base_size", "_interpolation_scale", b"_interpolation_scale", "base", b"base", "base_size", b"base_size", "interpolation_scale", b"interpolation_scale"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_base", b"_base", "_base_size", b"_base_size", "_interpolation_scale", b"_interpolation_scale", "base", b"base", "base_size", b"base_size", "embed_dim", b"embed_dim", "flip_sin_to_cos", b"flip_sin_to_cos", "grid_height", b"grid_height", "grid_width", b"grid_width", "height_first", b"height_first", "interpolation_scale", b"interpolation_scale"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__base: _TypeAlias = _typing.Literal["base"]  # noqa: Y015
+    _WhichOneofArgType__base: _TypeAlias = _typing.Literal["_base", b"_base"]  # noqa: Y015
+    _WhichOneofReturnType__base_size: _TypeAlias = _typing.Literal["base_size"]  # noqa: Y015
+    _WhichOneofArgType__base_size: _TypeAlias = _typing.Literal["_base_size", b"_base_size"]  # noqa: Y015
+    _WhichOneofReturnType__interpolation_scale: _TypeAlias = _typing.Literal["interpolation_scale"]  # noqa: Y015
+    _WhichOneofArgType__interpolation_scale: _TypeAlias = _typing.Literal["_interpolation_scale", b"_interpolation_scale"]  # noqa: Y015
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__base) -> _WhichOneofReturnType__base | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__base_size) -> _WhichOneofReturnType__base_size | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__interpolation_scale) -> _WhichOneofReturnType__interpolation_scale | None: ...
+
+Global___SinCosGrid2dTable: _TypeAlias = SinCosGrid2dTable  # noqa: Y015
+
+@_typing.final
+class SinCosGrid3dTable(_message.Message):
+    """A 3D sin-cos grid (video: diffusers' get_3d_sincos_pos_embed, CogVideoX,
+    Latte): a row is the temporal axis's 1D table (temporal_dim columns), then
+    the width axis's and the height axis's (half of the rest each), each
+    [sin | cos] over base ** (-2k / its columns). Its coordinates are (t, h, w)
+    triples; a PositionRange or PositionList position r is the cell (r //
+    (grid_height * grid_width), r // grid_width mod grid_height, r mod
+    grid_width), row-major.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    EMBED_DIM_FIELD_NUMBER: _builtins.int
+    GRID_FRAMES_FIELD_NUMBER: _builtins.int
+    GRID_HEIGHT_FIELD_NUMBER: _builtins.int
+    GRID_WIDTH_FIELD_NUMBER: _builtins.int
+    BASE_FIELD_NUMBER: _builtins.int
+    TEMPORAL_DIM_FIELD_NUMBER: _builtins.int
+    SPATIAL_INTERPOLATION_SCALE_FIELD_NUMBER: _builtins.int
+    TEMPORAL_INTERPOLATION_SCALE_FIELD_NUMBER: _builtins.int
+    embed_dim: _builtins.int
+    """Columns of a row: temporal_dim + a multiple of 4."""
+    grid_frames: _builtins.int
+    """Cells of the grid's axes, >= 1, their product at most the position limit
+    + 1.
+    """
+    grid_height: _builtins.int
+    grid_width: _builtins.int
+    base: _builtins.float
+    """Frequency base, finite and > 1. Unset means 10000."""
+    temporal_dim: _builtins.int
+    """Columns of the temporal table, even and >= 2. Unset: embed_dim / 4."""
+    spatial_interpolation_scale: _builtins.float
+    """Divide the spatial (height, width) and temporal positions, > 0. Unset
+    means 1.
+    """
+    temporal_interpolation_scale: _builtins.float
+    def __init__(
+        self,
+        *,
+        embed_dim: _builtins.int = ...,
+        grid_frames: _builtins.int = ...,
+        grid_height: _builtins.int = ...,
+        grid_width: _builtins.int = ...,
+        base: _builtins.float | None = ...,
+        temporal_dim: _builtins.int | None = ...,
+        spatial_interpolation_scale: _builtins.float | None = ...,
+        temporal_interpolation_scale: _builtins.float | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_base", b"_base", "_spatial_interpolation_scale", b"_spatial_interpolation_scale", "_temporal_dim", b"_temporal_dim", "_temporal_interpolation_scale", b"_temporal_interpolation_scale", "base", b"base", "spatial_interpolation_scale", b"spatial_interpolation_scale", "temporal_dim", b"temporal_dim", "temporal_interpolation_scale", b"temporal_interpolation_scale"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_base", b"_base", "_spatial_interpolation_scale", b"_spatial_interpolation_scale", "_temporal_dim", b"_temporal_dim", "_temporal_interpolation_scale", b"_temporal_interpolation_scale", "base", b"base", "embed_dim", b"embed_dim", "grid_frames", b"grid_frames", "grid_height", b"grid_height", "grid_width", b"grid_width", "spatial_interpolation_scale", b"spatial_interpolation_scale", "temporal_dim", b"temporal_dim", "temporal_interpolation_scale", b"temporal_interpolation_scale"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__base: _TypeAlias = _typing.Literal["base"]  # noqa: Y015
+    _WhichOneofArgType__base: _TypeAlias = _typing.Literal["_base", b"_base"]  # noqa: Y015
+    _WhichOneofReturnType__spatial_interpolation_scale: _TypeAlias = _typing.Literal["spatial_interpolation_scale"]  # noqa: Y015
+    _WhichOneofArgType__spatial_interpolation_scale: _TypeAlias = _typing.Literal["_spatial_interpolation_scale", b"_spatial_interpolation_scale"]  # noqa: Y015
+    _WhichOneofReturnType__temporal_dim: _TypeAlias = _typing.Literal["temporal_dim"]  # noqa: Y015
+    _WhichOneofArgType__temporal_dim: _TypeAlias = _typing.Literal["_temporal_dim", b"_temporal_dim"]  # noqa: Y015
+    _WhichOneofReturnType__temporal_interpolation_scale: _TypeAlias = _typing.Literal["temporal_interpolation_scale"]  # noqa: Y015
+    _WhichOneofArgType__temporal_interpolation_scale: _TypeAlias = _typing.Literal["_temporal_interpolation_scale", b"_temporal_interpolation_scale"]  # noqa: Y015
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__base) -> _WhichOneofReturnType__base | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__spatial_interpolation_scale) -> _WhichOneofReturnType__spatial_interpolation_scale | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__temporal_dim) -> _WhichOneofReturnType__temporal_dim | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__temporal_interpolation_scale) -> _WhichOneofReturnType__temporal_interpolation_scale | None: ...
+
+Global___SinCosGrid3dTable: _TypeAlias = SinCosGrid3dTable  # noqa: Y015
+
+@_typing.final
 class PositionRange(_message.Message):
     """The half-open range of positions [start, stop)."""
 
@@ -740,6 +954,37 @@ class PositionList(_message.Message):
 Global___PositionList: _TypeAlias = PositionList  # noqa: Y015
 
 @_typing.final
+class CoordinateList(_message.Message):
+    """Coordinates of a table with several position axes (mrope, the sin-cos
+    grids), in the order the rows are wanted: row i is coordinates[i * axes ..
+    (i + 1) * axes - 1], in the kind's axis order ((t, h, w), or (h, w)).
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    AXES_FIELD_NUMBER: _builtins.int
+    COORDINATES_FIELD_NUMBER: _builtins.int
+    axes: _builtins.int
+    """The kind's number of axes: 3 for mrope and sincos_grid_3d, 2 for
+    sincos_grid_2d.
+    """
+    @_builtins.property
+    def coordinates(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    def __init__(
+        self,
+        *,
+        axes: _builtins.int = ...,
+        coordinates: _abc.Iterable[_builtins.int] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["axes", b"axes", "coordinates", b"coordinates"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___CoordinateList: _TypeAlias = CoordinateList  # noqa: Y015
+
+@_typing.final
 class Tensor(_message.Message):
     """A block of table rows."""
 
@@ -783,24 +1028,28 @@ class GetEncodingRequest(_message.Message):
     SPEC_FIELD_NUMBER: _builtins.int
     RANGE_FIELD_NUMBER: _builtins.int
     POSITIONS_FIELD_NUMBER: _builtins.int
+    COORDINATES_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def spec(self) -> Global___EncodingSpec: ...
     @_builtins.property
     def range(self) -> Global___PositionRange: ...
     @_builtins.property
     def positions(self) -> Global___PositionList: ...
+    @_builtins.property
+    def coordinates(self) -> Global___CoordinateList: ...
     def __init__(
         self,
         *,
         spec: Global___EncodingSpec | None = ...,
         range: Global___PositionRange | None = ...,
         positions: Global___PositionList | None = ...,
+        coordinates: Global___CoordinateList | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["positions", b"positions", "range", b"range", "selection", b"selection", "spec", b"spec"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["coordinates", b"coordinates", "positions", b"positions", "range", b"range", "selection", b"selection", "spec", b"spec"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["positions", b"positions", "range", b"range", "selection", b"selection", "spec", b"spec"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["coordinates", b"coordinates", "positions", b"positions", "range", b"range", "selection", b"selection", "spec", b"spec"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_selection: _TypeAlias = _typing.Literal["range", "positions"]  # noqa: Y015
+    _WhichOneofReturnType_selection: _TypeAlias = _typing.Literal["range", "positions", "coordinates"]  # noqa: Y015
     _WhichOneofArgType_selection: _TypeAlias = _typing.Literal["selection", b"selection"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_selection) -> _WhichOneofReturnType_selection | None: ...
 
@@ -837,6 +1086,7 @@ class StreamEncodingRequest(_message.Message):
     SPEC_FIELD_NUMBER: _builtins.int
     RANGE_FIELD_NUMBER: _builtins.int
     POSITIONS_FIELD_NUMBER: _builtins.int
+    COORDINATES_FIELD_NUMBER: _builtins.int
     MAX_CHUNK_BYTES_FIELD_NUMBER: _builtins.int
     max_chunk_bytes: _builtins.int
     """Upper bound on one chunk's data; 0 means the server's max_chunk_bytes.
@@ -848,19 +1098,22 @@ class StreamEncodingRequest(_message.Message):
     def range(self) -> Global___PositionRange: ...
     @_builtins.property
     def positions(self) -> Global___PositionList: ...
+    @_builtins.property
+    def coordinates(self) -> Global___CoordinateList: ...
     def __init__(
         self,
         *,
         spec: Global___EncodingSpec | None = ...,
         range: Global___PositionRange | None = ...,
         positions: Global___PositionList | None = ...,
+        coordinates: Global___CoordinateList | None = ...,
         max_chunk_bytes: _builtins.int = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["positions", b"positions", "range", b"range", "selection", b"selection", "spec", b"spec"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["coordinates", b"coordinates", "positions", b"positions", "range", b"range", "selection", b"selection", "spec", b"spec"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["max_chunk_bytes", b"max_chunk_bytes", "positions", b"positions", "range", b"range", "selection", b"selection", "spec", b"spec"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["coordinates", b"coordinates", "max_chunk_bytes", b"max_chunk_bytes", "positions", b"positions", "range", b"range", "selection", b"selection", "spec", b"spec"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_selection: _TypeAlias = _typing.Literal["range", "positions"]  # noqa: Y015
+    _WhichOneofReturnType_selection: _TypeAlias = _typing.Literal["range", "positions", "coordinates"]  # noqa: Y015
     _WhichOneofArgType_selection: _TypeAlias = _typing.Literal["selection", b"selection"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_selection) -> _WhichOneofReturnType_selection | None: ...
 
@@ -1095,3 +1348,9 @@ class TableParameter(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___TableParameter: _TypeAlias = TableParameter  # noqa: Y015
+
+POSITION_AXES_FIELD_NUMBER: _builtins.int
+position_axes: _extension_dict._ExtensionFieldDescriptor[_descriptor_pb2.MessageOptions, _builtins.int]
+"""Position axes of a table kind's rows, when more than one: a CoordinateList
+of that many axes selects its rows.
+"""

@@ -7,6 +7,7 @@ its position map and its width, and validates its own parameters (``base.TableKi
 from __future__ import annotations
 
 from posenc_server.tables.base import Doc, Documented, Limits, TableKind
+from posenc_server.tables.multiaxis import MRope, SinCosGrid2d, SinCosGrid3d
 from posenc_server.tables.rotary import Rotary
 from posenc_server.tables.sinusoidal import (
     Fairseq,
@@ -17,7 +18,18 @@ from posenc_server.tables.sinusoidal import (
 )
 
 KINDS: dict[str, type[TableKind]] = {
-    kind.NAME: kind for kind in (Sinusoidal, Tensor2Tensor, Whisper, Fairseq, TransformerXl, Rotary)
+    kind.NAME: kind
+    for kind in (
+        Sinusoidal,
+        Tensor2Tensor,
+        Whisper,
+        Fairseq,
+        TransformerXl,
+        Rotary,
+        MRope,
+        SinCosGrid2d,
+        SinCosGrid3d,
+    )
 }
 """The table kinds by ``EncodingSpec.table`` field name."""
 

@@ -69,6 +69,10 @@ class TableKind(Documented):
     """A table kind: the engine's ``Table`` (width, position map, waves, columns) and the
     validation of its own parameters."""
 
+    AXES: ClassVar[int] = 1
+    """Position axes of a row: more than one for ``engine.AxisTable`` kinds, whose rows
+    a ``CoordinateList`` of that many axes selects."""
+
     @property
     @abc.abstractmethod
     def width(self) -> int:

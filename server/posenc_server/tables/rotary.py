@@ -511,6 +511,14 @@ class Rotary(TableKind):
 
     def waves(self) -> engine.Waves:
         """The scaled frequencies; the attention factor is the rows' amplitude."""
+        scaled = self.frequencies()
+        with localcontext() as context:
+            context.prec = engine.PRECISION
+            return engine.Waves([+f for f in scaled.inv_freq], float(scaled.attention))
+
+    def frequencies(self) -> Frequencies:
+        """The scaled frequencies and the attention factor, to ``engine.PRECISION`` digits
+        (rounded when used in a context of that precision)."""
         dim = self.rotary_dim
         with localcontext() as context:
             context.prec = engine.PRECISION
@@ -526,7 +534,7 @@ class Rotary(TableKind):
             scaled = Frequencies(inv_freq)
             if self.scaling is not None:
                 scaled = self.scaling.scale(inv_freq, log_theta, dim)
-            return engine.Waves([+f for f in scaled.inv_freq], float(scaled.attention))
+            return scaled
 
     def write_columns(self, target: engine.Rows, rows: engine.ComplexRows) -> None:
         """cos and sin (``v = sin + i cos``) in the layout's order."""
