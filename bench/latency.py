@@ -11,6 +11,7 @@ import numpy as np
 import posenc
 from bench.common import Section, Sizes, Table, Target, cpu_seconds, median, percentile, ratio
 from bench.floor import FloorClient
+from posenc._rows import LEAD_STEPS
 
 D_MODEL = 4096
 BATCH = 64
@@ -50,11 +51,16 @@ def run(
             "Three clients, each on positions of its own. The SDK's default client reads "
             "ahead: in the call, up to 64 rows per sequence moving forward and 1 MiB per call; "
             "after the call, in the background, the next window of each sequence whose rows "
-            f"run short (for the 1 MiB steps of {BATCH} sequences, the next step). In a "
+            f"run short, {LEAD_STEPS} steps ahead at least (for the 1 MiB steps of {BATCH} "
+            "sequences, a step a call). In a "
             f"decode loop the model runs between steps: {MODEL_SECONDS * 1e3:.0f} ms here, "
             "then (untimed) until the client's background fetch has landed, so that it "
             "overlaps no other measured call. The same default client back to back, with "
-            "nothing between steps, is measured in a phase of its own. `row_cache_bytes=0`: "
+            "nothing between steps, is measured in a phase of its own; so are two decode loops "
+            "as a model runs them (model not waiting): each step, an empty unary call, the "
+            f"step, then {MODEL_SECONDS * 1e3:.0f} ms of model time without waiting for the "
+            "background fetches, which overlap the model (and a late one the next step); each "
+            "step against the empty calls made beside it. `row_cache_bytes=0`: "
             "every step is a call of its own. Against unary calls to the trivial server: "
             f"empty (b'' -> b''), and pre-built payloads of the results' sizes ({one_bytes // 1024}"
             f" KiB, {batch_bytes // 1024} KiB) copied into a numpy array. One call of each kind "
@@ -78,7 +84,14 @@ def run(
         "posenc 1 position, back to back",
         f"posenc {BATCH} positions, back to back",
     ]
-    samples: dict[str, list[float]] = {kind: [] for kind in kinds + back_to_back}
+    free_running = [
+        "posenc 1 position, model not waiting",
+        f"posenc {BATCH} positions, model not waiting",
+    ]
+    beside = [f"empty unary, beside {kind}" for kind in free_running]
+    samples: dict[str, list[float]] = {
+        kind: [] for kind in kinds + back_to_back + free_running + beside
+    }
     server_cpu: dict[str, float] = {}
     client_cpu: dict[str, float] = {}
     lengths = FIRST_LENGTH + LENGTH_STRIDE * np.arange(BATCH + 1, dtype=np.int64)
@@ -134,6 +147,29 @@ def run(
                     elapsed = time.perf_counter() - t0
                     if round_index >= sizes.latency_warmup:
                         samples[kind].append(elapsed)
+            # Decode loops as a model runs them: nothing waits for the background fetches,
+            # which overlap the model's time (and, when late, the next step). Each step is
+            # measured beside an empty unary call made just before it.
+            loop_offset = 21_000_000
+            with (
+                posenc.Client(posenc_target, timeout=30.0) as loop_one,
+                posenc.Client(posenc_target, timeout=30.0) as loop_batch,
+            ):
+                for round_index in range(total):
+                    position = loop_offset + round_index
+                    for kind, loop_client, positions in (
+                        (free_running[0], loop_one, one),
+                        (free_running[1], loop_batch, batch),
+                    ):
+                        t0 = time.perf_counter()
+                        floor.empty()
+                        t1 = time.perf_counter()
+                        loop_client.get_positions(positions + position, D_MODEL)
+                        t2 = time.perf_counter()
+                        time.sleep(MODEL_SECONDS)
+                        if round_index >= sizes.latency_warmup:
+                            samples[kind].append(t2 - t1)
+                            samples[f"empty unary, beside {kind}"].append(t1 - t0)
             # Where the time goes: CPU per call, server and client, in a separate
             # sequential pass (reading /proc between timed calls would disturb them).
             for kind in kinds:
@@ -155,10 +191,10 @@ def run(
     empty, mean_empty = p50["empty unary"], mean["empty unary"]
     same_size = {
         kind: p50["unary 1 MiB" if str(BATCH) in kind else "unary 16 KiB"]
-        for kind in [*kinds[:4], *back_to_back]
+        for kind in [*kinds[:4], *back_to_back, *free_running]
     }
     rows: list[list[Any]] = []
-    for kind in [*kinds[:2], *back_to_back, *kinds[2:]]:
+    for kind in [*kinds[:2], *back_to_back, *free_running, *beside, *kinds[2:]]:
         rows.append(
             [
                 kind,
@@ -207,6 +243,33 @@ def run(
             ratio(p50[kinds[1]], empty),
             "<=",
             1.6,
+        ),
+        Target(
+            f"p50 get_positions({BATCH}) / p50 empty unary beside it (decode loop, model not "
+            "waiting for read-ahead)",
+            ratio(p50[free_running[1]], p50[beside[1]]),
+            "<=",
+            1.0,
+        ),
+        Target(
+            f"p99 get_positions({BATCH}) / p99 empty unary beside it (model not waiting)",
+            ratio(p99[free_running[1]], p99[beside[1]]),
+            "<=",
+            2.0,
+        ),
+        Target(
+            "p99 get_positions(1) / p99 empty unary beside it (model not waiting)",
+            ratio(p99[free_running[0]], p99[beside[0]]),
+            "<=",
+            1.0,
+        ),
+        info(
+            f"p99 get_positions({BATCH}) / p50 empty unary beside it (model not waiting)",
+            ratio(p99[free_running[1]], p50[beside[1]]),
+        ),
+        info(
+            "p99 get_positions(1) / p50 empty unary beside it (model not waiting)",
+            ratio(p99[free_running[0]], p50[beside[0]]),
         ),
         info("p99 get_positions(1) / p99 empty unary", ratio(p99[kinds[0]], p99["empty unary"])),
         info(

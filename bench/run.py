@@ -21,7 +21,7 @@ if __package__ in (None, ""):  # run as a script: make `bench` importable
 from bench import procs
 from bench.common import REPO, Section, Sizes, load_average, machine
 
-SECTIONS = "abcdefg"
+SECTIONS = "abcdefgp"
 
 
 def _guarded(key: str, title: str, body: Callable[[], Section]) -> Section:
@@ -114,6 +114,12 @@ def main(argv: list[str] | None = None) -> int:
                     "Inference integration",
                     lambda: integrations.run(sizes, server.target, floor.target),
                 )
+            )
+        if "p" in wanted:  # its own servers of 1 and 2 processes
+            from bench import processes
+
+            sections.append(
+                _guarded("p", "One client, several server processes", lambda: processes.run(sizes))
             )
         growth_section: Section | None = None
         if "e" in wanted:

@@ -19,7 +19,14 @@ import pytest
 
 import posenc
 from posenc._query import Query, Widths, positions_query, table_spec
-from posenc._rows import MAX_CACHED_CALL_ROWS, MAX_READAHEAD_ROWS, Pending, RowCache, RowPlan
+from posenc._rows import (
+    LEAD_STEPS,
+    MAX_CACHED_CALL_ROWS,
+    MAX_READAHEAD_ROWS,
+    Pending,
+    RowCache,
+    RowPlan,
+)
 from posenc_server.app import RunningServer
 
 D_MODEL = 4096  # float32 rows of 16 KiB
@@ -170,7 +177,7 @@ def test_a_table_of_unknown_width_is_not_cached_but_its_steps_count() -> None:
     unknown = positions_query([1000], table_spec(D_MODEL, "float32", {}), Widths())
     assert unknown.columns is None
     assert cache.plan(unknown) is None  # the first call of a table: its width unknown
-    assert cache.claim_ahead(unknown, object) is None
+    assert cache.claim_ahead(unknown, object) == []
     # ... but it was a step: the next one, the width now known, reads ahead.
     assert fetched_positions(cache.plan(query([1001])))[:2] == [1001, 1002]
 
@@ -203,14 +210,14 @@ def test_background_read_ahead_starts_when_a_window_is_half_used() -> None:
     answer(cache.plan(query([1001])))  # caches 1001 .. 1064
     for position in range(1002, 1033):
         answer(cache.plan(query([position])))
-        assert cache.claim_ahead(query([position]), object) is None
+        assert cache.claim_ahead(query([position]), object) == []
     answer(cache.plan(query([1033])))
     token = object()
-    ahead = cache.claim_ahead(query([1033]), lambda: token)  # 1065 is 32 rows away: next window
-    assert ahead is not None and ahead.query.positions is not None
+    (ahead,) = cache.claim_ahead(query([1033]), lambda: token)  # 1065 is 32 away: next window
+    assert ahead.query.positions is not None
     assert ahead.query.positions.tolist() == list(range(1065, 1065 + MAX_READAHEAD_ROWS))
     assert cache.in_flight == MAX_READAHEAD_ROWS
-    assert cache.claim_ahead(query([1034]), object) is None  # already on its way
+    assert cache.claim_ahead(query([1034]), object) == []  # already on its way
     # A call that needs rows in flight is told to wait for them, or fetches them itself.
     waiting = cache.plan(query([1065]))
     assert isinstance(waiting, Pending) and waiting.tokens == (token,)
@@ -222,17 +229,37 @@ def test_background_read_ahead_starts_when_a_window_is_half_used() -> None:
     assert plan is not None and plan.fetch is None and rows is not None and (rows == 1066).all()
 
 
-def test_background_read_ahead_of_large_steps_is_the_next_step() -> None:
+def test_background_read_ahead_of_large_steps_leads_by_several_steps() -> None:
     cache = RowCache(64 * MIB, MIB)
     starts = 1000 + 100 * np.arange(64)  # 1 MiB per step: no read-ahead in the call
     cache.plan(query(starts))
-    assert cache.claim_ahead(query(starts), object) is None  # not moving yet
+    assert cache.claim_ahead(query(starts), object) == []  # not moving yet
     assert cache.plan(query(starts + 1)) is None
-    ahead = cache.claim_ahead(query(starts + 1), object)
-    assert ahead is not None and ahead.query.positions is not None
-    assert ahead.query.positions.tolist() == sorted((starts + 2).tolist())
-    cache.finish_ahead(ahead, None)  # failed: nothing cached, nothing in flight
+    # The next LEAD_STEPS steps, a step (the window: 1 MiB) a fetch, the nearest first.
+    aheads = cache.claim_ahead(query(starts + 1), object)
+    assert [a.query.positions.tolist() for a in aheads if a.query.positions is not None] == [
+        sorted((starts + 1 + step).tolist()) for step in range(1, LEAD_STEPS + 1)
+    ]
+    assert len({id(a.token) for a in aheads}) == LEAD_STEPS
+    for ahead in aheads[1:]:
+        cache.finish_ahead(ahead, fake_rows(ahead.query))
+    cache.finish_ahead(aheads[0], None)  # failed: nothing cached, nothing in flight
     assert cache.in_flight == 0 and cache.plan(query(starts + 2)) is None
+    # Once the lead is there, each step fetches one step more: LEAD_STEPS ahead of it.
+    (ahead,) = cache.claim_ahead(query(starts + 2), object)
+    assert ahead.query.positions is not None
+    assert ahead.query.positions.tolist() == sorted((starts + 2 + LEAD_STEPS).tolist())
+    assert cache.claim_ahead(query(starts + 2), object) == []  # on its way
+
+
+def test_the_lead_of_huge_steps_stays_within_a_quarter_of_the_cache() -> None:
+    cache = RowCache(8 * MIB, MIB)  # 2 MiB steps (128 sequences): a lead of one step
+    starts = 1000 + 100 * np.arange(128)
+    cache.plan(query(starts))
+    assert cache.plan(query(starts + 1)) is None
+    (ahead,) = cache.claim_ahead(query(starts + 1), object)
+    assert ahead.query.positions is not None
+    assert ahead.query.positions.tolist() == sorted((starts + 2).tolist())
 
 
 @pytest.mark.parametrize(("budget", "readahead"), [(-1, MIB), (MIB, -1)])
@@ -327,7 +354,8 @@ def test_a_decode_loop_gets_the_servers_exact_rows_from_two_calls_of_its_own(
     assert direct_calls.calls == {"caller": steps, "background": 0}
     assert cached_calls.calls["caller"] == 2
     ahead = MAX_READAHEAD_ROWS // sequences if sequences < 64 else 1
-    assert cached_calls.calls["background"] <= 2 + steps // ahead
+    # A call per window, the first few windows at once (LEAD_STEPS of them at most).
+    assert cached_calls.calls["background"] <= LEAD_STEPS + steps // ahead
     for step, (a, b) in enumerate(zip(got, want, strict=True)):
         assert a.tobytes() == b.tobytes(), f"step {step}"
 

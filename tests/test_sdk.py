@@ -525,6 +525,29 @@ def test_round_robin_over_two_servers(server_factory: Callable[..., RunningServe
     assert server_ids == direct_ids and len(direct_ids) == 2
 
 
+@pytest.mark.slow  # starts a server of two processes
+@pytest.mark.timeout(120)
+def test_one_client_reaches_every_process(spawn_server: Callable[..., ServerProcess]) -> None:
+    process = spawn_server(0, "--processes", "2")
+    # The kernel gives each connection to one of the two processes at random: 16 connections
+    # all to one of them has probability 2**-15.
+    with posenc.Client(process.target, connections=16) as client:
+        # Turns go round the connections: 32 calls use each connection twice.
+        server_ids = {client.server_info().server_id for _ in range(32)}
+        table = client.get_range(0, 100, 16)
+    assert len(server_ids) == 2
+    with posenc.Client(process.target, connections=1) as single:
+        # One connection, one process.
+        assert len({single.server_info().server_id for _ in range(8)}) == 1
+        assert same_bits(single.get_range(0, 100, 16), table)
+
+
+@pytest.mark.parametrize("connections", [0, 65, 1.5])
+def test_connections_must_be_a_small_positive_int(connections: object) -> None:
+    with pytest.raises((ValueError, TypeError)):
+        posenc.Client("127.0.0.1:1", connections=connections)  # type: ignore[arg-type]
+
+
 # -- targets and channels ---------------------------------------------------------------------
 
 

@@ -14,7 +14,7 @@ import numpy.typing as npt
 
 from posenc import _core as core
 from posenc._base import BaseClient
-from posenc._channel import Calls
+from posenc._channel import Calls, Pool
 from posenc._core import Result, Slice, Stepper, Steps
 from posenc._rows import AheadFetch
 from posenc.types import ServerInfo
@@ -26,6 +26,15 @@ _EOF: Any = grpc.aio.EOF  # type: ignore[attr-defined]
 
 #: The name of the tasks that fetch rows ahead in the background.
 READ_AHEAD_TASK = "posenc-read-ahead"
+
+
+def _affinity(table: int | None) -> int | None:
+    """A call's affinity (see :class:`posenc._channel.Pool`): the table's, and the caller
+    task's; read-ahead tasks share one, so that they keep to one connection."""
+    task = asyncio.current_task()
+    if table is None or task is None:
+        return table
+    return hash((table, 0 if task.get_name() == READ_AHEAD_TASK else id(task)))
 
 
 class AsyncClient(
@@ -48,28 +57,37 @@ class AsyncClient(
 
     def _setup(self) -> None:
         self._ahead_tasks: set[asyncio.Task[Any]] = set()
-        self._channel: grpc.aio.Channel | None = None
-        self._calls: Calls | None = None
+        self._channels: list[grpc.aio.Channel] = []
+        self._pool: Pool | None = None
 
-    def _connect(self) -> Calls:
-        """The calls on the channel, creating it at first use.
+    def _connect(self, affinity: int | None = None) -> Calls:
+        """The calls on the next channel (see :class:`posenc._channel.Pool`), creating the
+        channels at first use.
 
         A grpc.aio channel belongs to the event loop it is created in, and clients are often
-        built before ``asyncio.run``: creating it in the first call puts it in the right loop.
+        built before ``asyncio.run``: creating them in the first call puts them in the right
+        loop.
         """
         if self._core.closed:
             raise ValueError("the client is closed")
-        if self._calls is None:
-            target, options = self._core.settings.target, self._core.settings.options
+        if self._pool is None:
+            settings = self._core.settings
             interceptors = list(self._interceptors) or None
-            if self._credentials is None:
-                channel = grpc.aio.insecure_channel(target, options, interceptors=interceptors)
-            else:
-                channel = grpc.aio.secure_channel(
-                    target, self._credentials, options, interceptors=interceptors
-                )
-            self._channel, self._calls = channel, Calls(channel)
-        return self._calls
+            for _ in range(settings.connections):
+                if self._credentials is None:
+                    channel = grpc.aio.insecure_channel(
+                        settings.target, settings.options, interceptors=interceptors
+                    )
+                else:
+                    channel = grpc.aio.secure_channel(
+                        settings.target,
+                        self._credentials,
+                        settings.options,
+                        interceptors=interceptors,
+                    )
+                self._channels.append(channel)
+            self._pool = Pool([Calls(channel) for channel in self._channels])
+        return self._pool.pick(affinity)
 
     async def __aenter__(self) -> AsyncClient:
         return self
@@ -83,12 +101,12 @@ class AsyncClient(
         await self.close()
 
     async def close(self) -> None:
-        """Closes the channel; calls in flight (background read-ahead too) are cancelled."""
+        """Closes the channels; calls in flight (background read-ahead too) are cancelled."""
         self._core.closed = True
         for task in list(self._ahead_tasks):
             task.cancel()
-        if self._channel is not None:
-            await self._channel.close(None)
+        for channel in self._channels:
+            await channel.close(None)
 
     # -- I/O ------------------------------------------------------------------------------
 
@@ -114,7 +132,7 @@ class AsyncClient(
             chunk = await operation.call.read()
             return None if chunk is _EOF else chunk
         if isinstance(operation, core.Unary):
-            method = getattr(self._connect(), operation.method)
+            method = getattr(self._connect(_affinity(operation.affinity)), operation.method)
             return await method(operation.request, timeout=operation.timeout)
         if isinstance(operation, core.OpenStream):
             return self._connect().stream_encoding(

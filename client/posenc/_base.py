@@ -16,6 +16,7 @@ import grpc
 import numpy.typing as npt
 
 from posenc._channel import (
+    DEFAULT_CONNECTIONS,
     DEFAULT_TARGET,
     DEFAULT_UNARY_MAX_BYTES,
     Settings,
@@ -56,6 +57,11 @@ class BaseClient(Generic[ArrayT, InfoT, StatusT, SlicesT]):
             ``grpc.local_channel_credentials()`` for plaintext to a server on this machine
             that a token may still be sent to (gRPC checks the address is loopback).
         options: Extra gRPC channel options, overriding the SDK's.
+        connections: How many connections the client opens to each server address. Calls
+            take them in turn (a decode loop's :meth:`get_positions` calls keep to one, by
+            table), and a stream resumes on the next. A server's worker processes share its
+            port and the kernel gives each connection to one of them at random: more
+            connections than the server has processes reach most of them.
         token: Bearer token sent with every call, for servers started with
             ``--auth-token-file``, as gRPC call credentials: it needs ``credentials``
             (TLS, or local credentials for a server on this machine), and a ValueError
@@ -88,6 +94,7 @@ class BaseClient(Generic[ArrayT, InfoT, StatusT, SlicesT]):
         row_cache_bytes: int = DEFAULT_ROW_CACHE_BYTES,
         readahead_bytes: int = DEFAULT_READAHEAD_BYTES,
         interceptors: Sequence[Any] = (),
+        connections: int = DEFAULT_CONNECTIONS,
     ) -> None:
         settings = Settings.create(
             target,
@@ -96,6 +103,7 @@ class BaseClient(Generic[ArrayT, InfoT, StatusT, SlicesT]):
             retry_backoff=retry_backoff,
             chunk_bytes=chunk_bytes,
             unary_max_bytes=unary_max_bytes,
+            connections=connections,
             options=options,
         )
         rows = RowCache(operator.index(row_cache_bytes), operator.index(readahead_bytes))
@@ -298,7 +306,8 @@ class BaseClient(Generic[ArrayT, InfoT, StatusT, SlicesT]):
         """Describes the server that answers: version, limits, table kinds, cache
         statistics (:class:`posenc.ServerInfo`).
 
-        With several targets, each call may reach a different replica.
+        With several targets, or a server of several processes, each call may reach a
+        different replica or process (``server_id`` says which).
         """
         return cast(InfoT, self._run(self._core.server_info(timeout)))
 

@@ -4,6 +4,7 @@ client's validated settings, and the RPC methods on a channel, sync or asyncio a
 from __future__ import annotations
 
 import ipaddress
+import itertools
 import math
 import operator
 import socket
@@ -40,6 +41,13 @@ _RECONNECT_OPTIONS: Final = (
     ("grpc.initial_reconnect_backoff_ms", 100),
     ("grpc.max_reconnect_backoff_ms", 500),
 )
+#: Connections a client opens to each server address. A server's worker processes share its
+#: port (SO_REUSEPORT), and the kernel hands each *connection* to one of them, so a client
+#: on one connection reaches one process however many the server runs. With 4 connections
+#: the kernel spreads them over the processes at random: all 4 on one of 2 processes with
+#: probability 1/8, and with 4 processes 2.7 of them reached on average.
+DEFAULT_CONNECTIONS: Final = 4
+_MAX_CONNECTIONS: Final = 64
 
 
 def user_agent() -> str:
@@ -142,6 +150,9 @@ def channel_options(
         "grpc.max_receive_message_length": _MAX_RECEIVE_BYTES,
         "grpc.max_send_message_length": _MAX_SEND_BYTES,
         "grpc.primary_user_agent": user_agent,
+        # Channels share one connection per address by default (gRPC's global subchannel
+        # pool); each of a client's channels has its own, so that each is a connection.
+        "grpc.use_local_subchannel_pool": 1,
         **dict(_RECONNECT_OPTIONS),
     }
     options.update(dict(user_options or ()))
@@ -158,6 +169,7 @@ class Settings:
     retry_backoff: float
     chunk_bytes: int | None
     unary_max_bytes: int
+    connections: int
     options: list[tuple[str, Any]]
 
     @classmethod
@@ -170,6 +182,7 @@ class Settings:
         retry_backoff: float,
         chunk_bytes: int | None,
         unary_max_bytes: int,
+        connections: int,
         options: Iterable[tuple[str, Any]] | None,
     ) -> Settings:
         retries = operator.index(max_retries)
@@ -180,6 +193,9 @@ class Settings:
         unary_max = operator.index(unary_max_bytes)
         if unary_max < 0:
             raise ValueError(f"unary_max_bytes must be >= 0, got {unary_max_bytes}")
+        pool = operator.index(connections)
+        if not 1 <= pool <= _MAX_CONNECTIONS:
+            raise ValueError(f"connections must be in 1..{_MAX_CONNECTIONS}, got {connections}")
         return cls(
             target=channel_target(target),
             timeout=resolve_timeout(timeout, None),
@@ -187,6 +203,7 @@ class Settings:
             retry_backoff=float(retry_backoff),
             chunk_bytes=check_chunk_bytes(chunk_bytes),
             unary_max_bytes=unary_max,
+            connections=pool,
             options=channel_options(options, user_agent()),
         )
 
@@ -242,3 +259,25 @@ class Calls:
             request_serializer=health_pb2.HealthCheckRequest.SerializeToString,
             response_deserializer=health_pb2.HealthCheckResponse.FromString,
         )
+
+
+class Pool:
+    """A client's channels (one connection each to every server address) and how calls
+    pick one: round robin, or, for calls with an ``affinity``, always the same channel.
+
+    Round robin spreads a client's calls over the server processes its connections reached.
+    Affinity keeps a decode loop on one connection, so on one process, whose cache holds
+    the blocks its next steps need: spread over processes, each would compute those blocks.
+    The clients make it the table's and the caller's (a thread, a task), so that loops of
+    several threads still spread.
+    """
+
+    def __init__(self, calls: Sequence[Calls]) -> None:
+        self._calls = tuple(calls)
+        # itertools.count is one C call: threads sharing the client each get their own turn.
+        self._turns = itertools.count()
+
+    def pick(self, affinity: int | None = None) -> Calls:
+        """The calls of the next channel, or of the one that ``affinity`` keeps."""
+        turn = next(self._turns) if affinity is None else affinity
+        return self._calls[turn % len(self._calls)]

@@ -15,7 +15,7 @@ import grpc
 
 from posenc import _core as core
 from posenc._base import BaseClient
-from posenc._channel import Calls
+from posenc._channel import Calls, Pool
 from posenc._core import Result, Slice, Stepper, Steps
 from posenc._rows import AheadFetch
 from posenc.types import ServerInfo
@@ -46,7 +46,8 @@ def _run_ahead(client_ref: weakref.ref[Client], work: queue.SimpleQueue[AheadFet
 class Client(BaseClient[Result, ServerInfo, str, Iterator[Slice]]):
     """Blocking client of a posenc server (or several, balanced round robin).
 
-    Thread-safe: one client, and its single gRPC channel, can serve many threads.
+    Thread-safe: one client, and its gRPC channels (``connections`` of them), can serve
+    many threads.
     ``interceptors`` are ``grpc`` client interceptors (``grpc.UnaryUnaryClientInterceptor``
     ...) that every call goes through. The other arguments are described in
     :class:`posenc._base.BaseClient`.
@@ -63,13 +64,22 @@ class Client(BaseClient[Result, ServerInfo, str, Iterator[Slice]]):
         self._ahead_queue: queue.SimpleQueue[AheadFetch | None] = queue.SimpleQueue()
         self._ahead_thread: threading.Thread | None = None
         self._ahead_lock = threading.Lock()
-        target, options = self._core.settings.target, self._core.settings.options
-        if self._credentials is None:
-            self._channel = grpc.insecure_channel(target, options)
-        else:
-            self._channel = grpc.secure_channel(target, self._credentials, options)
-        intercepted = grpc.intercept_channel(self._channel, *self._interceptors)
-        self._calls = Calls(intercepted if self._interceptors else self._channel)
+        settings = self._core.settings
+        self._channels: list[grpc.Channel] = []
+        for _ in range(settings.connections):
+            if self._credentials is None:
+                channel = grpc.insecure_channel(settings.target, settings.options)
+            else:
+                channel = grpc.secure_channel(settings.target, self._credentials, settings.options)
+            self._channels.append(channel)
+        self._pool = Pool(
+            [
+                Calls(grpc.intercept_channel(channel, *self._interceptors))
+                if self._interceptors
+                else Calls(channel)
+                for channel in self._channels
+            ]
+        )
 
     def __enter__(self) -> Client:
         return self
@@ -83,11 +93,12 @@ class Client(BaseClient[Result, ServerInfo, str, Iterator[Slice]]):
         self.close()
 
     def close(self) -> None:
-        """Closes the channel; calls in flight (background read-ahead too) are cancelled."""
+        """Closes the channels; calls in flight (background read-ahead too) are cancelled."""
         with self._ahead_lock:
             self._core.closed = True
             self._ahead_queue.put(None)  # the end mark: the read-ahead thread ends there
-        self._channel.close()
+        for channel in self._channels:
+            channel.close()
 
     # -- I/O ------------------------------------------------------------------------------
 
@@ -110,12 +121,15 @@ class Client(BaseClient[Result, ServerInfo, str, Iterator[Slice]]):
 
     def _perform(self, operation: core.Operation) -> Any:
         if isinstance(operation, core.Unary):
-            method = getattr(self._calls, operation.method)
+            affinity = operation.affinity
+            if affinity is not None:  # the table's, and the thread's (see Pool)
+                affinity = hash((affinity, threading.get_ident()))
+            method = getattr(self._pool.pick(affinity), operation.method)
             return method(operation.request, timeout=operation.timeout)
         if isinstance(operation, core.NextChunk):
             return next(operation.call, None)
         if isinstance(operation, core.OpenStream):
-            return self._calls.stream_encoding(
+            return self._pool.pick().stream_encoding(
                 operation.request,
                 timeout=operation.timeout,
             )

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import zlib
 from collections.abc import Awaitable, Callable, Generator, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, Generic, TypeAlias, TypeVar
@@ -42,6 +43,7 @@ from posenc._retry import (
     resolve_timeout,
 )
 from posenc._rows import (
+    MAX_CACHED_CALL_ROWS,
     AheadFetch,
     Pending,
     RowCache,
@@ -75,11 +77,13 @@ Classic: TypeAlias = Mapping[str, object]
 @dataclass(frozen=True, slots=True)
 class Unary:
     """Make the unary call ``method`` (an attribute of :class:`posenc._channel.Calls`);
-    the response is sent back."""
+    the response is sent back. Calls of equal ``affinity`` go over one connection (see
+    :class:`posenc._channel.Pool`); None: the next one."""
 
     method: str
     request: Any
     timeout: float | None
+    affinity: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -191,6 +195,15 @@ def _over_a_limit(error: grpc.RpcError) -> bool:
     the server is busy, and the retry budget handles it)."""
     mapped = map_rpc_error(error)
     return mapped.code == grpc.StatusCode.RESOURCE_EXHAUSTED and mapped.retry_after is None
+
+
+def _affinity(query: Query) -> int | None:
+    """Decode steps (short position lists) of one table keep to one connection (the client
+    adds the caller's thread or task), so to one server process, whose cache has the blocks
+    of their sequences; other calls spread."""
+    if query.positions is None or query.rows > MAX_CACHED_CALL_ROWS:
+        return None
+    return zlib.crc32(query.spec_key)
 
 
 # -- the calls ---------------------------------------------------------------------------------
@@ -376,11 +389,13 @@ class Core:
         # lists from its cached blocks there, which the next steps' rows share.
         return max(self.settings.unary_max_bytes, self.rows.readahead_bytes)
 
-    def _call(self, method: str, request: object, budget: CallBudget) -> Steps[Any]:
+    def _call(
+        self, method: str, request: object, budget: CallBudget, affinity: int | None = None
+    ) -> Steps[Any]:
         """One unary call, retried on transient failures within the budget."""
         while True:
             try:
-                response = yield Unary(method, request, budget.attempt_timeout())
+                response = yield Unary(method, request, budget.attempt_timeout(), affinity)
             except grpc.RpcError as error:
                 delay = budget.on_error(error)
             else:
@@ -425,7 +440,8 @@ class Core:
             size = query.rows * query.dtype.itemsize
         if query.rows <= 0 or size <= unary_max:
             try:
-                tensor = yield from self._call("get_encoding", query.unary_request(), budget)
+                request = query.unary_request()
+                tensor = yield from self._call("get_encoding", request, budget, _affinity(query))
                 rows = decode_unary(tensor, query)
                 self.widths.learn(query.spec_key, rows.shape[1])
                 return rows
@@ -476,8 +492,7 @@ class Core:
             yield Wait(plan.tokens, budget.attempt_timeout())
             plan = self.rows.plan(query, wait=False)
         rows = yield from self._rows_of(query, plan, budget)
-        ahead = self.rows.claim_ahead(query, self._new_token)
-        if ahead is not None:
+        for ahead in self.rows.claim_ahead(query, self._new_token):
             yield ReadAhead(ahead)
         return rows
 

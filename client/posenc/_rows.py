@@ -10,9 +10,10 @@ the step alone is that large, read-ahead would only move the same bytes in fewer
 calls, and calls go to the server as they are. Scattered positions are fetched as asked.
 
 After each call, the clients also fetch in the background the next rows of every sequence
-moving forward whose cached rows run short (the next window, or for large steps the next
-step): a loop that does anything between steps (a model's forward pass) then finds its
-rows cached. A call that needs rows still in flight waits for them (``Pending``).
+moving forward whose cached rows run short (the next windows, at least ``LEAD_STEPS``
+steps ahead; for large steps a step a fetch): a loop that does anything between steps (a
+model's forward pass) then finds its rows cached. A call that needs rows still in flight
+waits for them (``Pending``).
 
 This module only plans and assembles; :mod:`posenc._core` makes the calls (see ``RowPlan``
 and ``AheadFetch``). Rows are counted in bytes, so a table is cached once its width is
@@ -42,6 +43,11 @@ DEFAULT_ROW_CACHE_BYTES = 64 << 20
 DEFAULT_READAHEAD_BYTES = DEFAULT_UNARY_MAX_BYTES
 # Further ahead than this, rows are more likely wasted (a sequence ends) than used.
 MAX_READAHEAD_ROWS = 64
+#: Steps that a sequence's rows are fetched ahead at least, whatever the window: the time of
+#: this many of the loop's steps (5 ms of model time each, say) for a background fetch to
+#: land. With one step's lead, a 64-sequence step of 1 MiB waited for its fetch whenever
+#: that took longer than one step's model time: the decode loop's p99.
+LEAD_STEPS = 4
 # Calls with more positions than this are batch work, not decode steps: they bypass the
 # cache (so the server, not the cache, judges a list longer than its limit).
 MAX_CACHED_CALL_ROWS = 4096
@@ -204,14 +210,23 @@ class RowCache:
         with self._lock:
             self._add_recent(self._recent_of(key), positions)
 
-    def claim_ahead(self, query: Query, new_token: Callable[[], Any]) -> AheadFetch | None:
-        """What to fetch in the background after ``query``: for each of its positions ``p``
-        that moves forward and whose cached rows end within half a window, the next window;
-        for steps too large to read ahead, ``p + 1``. Those positions are in flight under
-        a token from ``new_token`` (the client's future) until :meth:`finish_ahead`. None
-        when nothing needs fetching."""
+    def claim_ahead(self, query: Query, new_token: Callable[[], Any]) -> list[AheadFetch]:
+        """What to fetch in the background after ``query``, nearest rows first: for each of
+        its positions ``p`` that moves forward, the rows up to ``p + lead`` that are neither
+        cached nor in flight, in windows. Each fetch's positions are in flight under a token
+        from ``new_token`` (the client's future) until :meth:`finish_ahead`. Empty when
+        nothing needs fetching.
+
+        A window is what ``readahead_bytes`` holds of every moving sequence (at most 64
+        rows); the lead is half a window, and at least :data:`LEAD_STEPS` steps (fewer when
+        they would take more than a quarter of the cache). Steps too
+        large for more than a row a window (64 sequences of 16 KiB rows in 1 MiB) thus
+        still have their next rows fetched several steps before they are needed, a window
+        a fetch: a fetch that takes longer than the model's time between two steps (a
+        busy server, a block to compute) delays no step.
+        """
         if not self._cacheable(query):
-            return None
+            return []
         assert query.positions is not None
         key = query.spec_key
         with self._lock:
@@ -224,32 +239,46 @@ class RowCache:
                 if p - 1 in recent and p <= INT64_MAX - 2 * MAX_READAHEAD_ROWS
             ]
             if not moving:
-                return None
+                return []
             assert query.row_bytes is not None  # _cacheable
             window = max(
                 1, min(MAX_READAHEAD_ROWS, self.readahead_bytes // (len(moving) * query.row_bytes))
             )
-            starts: set[int] = set()
+            # Steps ahead held at most a quarter of the cache: a lead of huge steps would
+            # evict the rows it fetched before they are used.
+            step_bytes = len(moving) * query.row_bytes
+            lead = max(window // 2, min(LEAD_STEPS, self.budget_bytes // (4 * step_bytes)), 1)
+            # Per position to fetch, the window it falls in (0: the nearest rows).
+            layer_of: dict[int, int] = {}
             for p in moving:
-                probe = p + max(1, window // 2)
+                probe = p + lead
                 if probe in index or probe in in_flight:
                     continue
                 start = p + 1
                 while start < probe and (start in index or start in in_flight):
                     start += 1
-                starts.add(start)
-            if not starts:
-                return None
-            # Windows of nearby sequences overlap: each row once.
-            positions = np.unique(
-                np.array(list(starts), dtype=np.int64)[:, None] + np.arange(window)
-            )
-            token = new_token()
+                for offset in range(max(window, probe + 1 - start)):
+                    position = start + offset
+                    # Windows of nearby sequences overlap: each row once, in its nearest.
+                    layer = min(offset // window, layer_of.get(position, offset // window))
+                    layer_of[position] = layer
+            if not layer_of:
+                return []
+            layers: dict[int, list[int]] = {}
+            for position, layer in layer_of.items():
+                layers.setdefault(layer, []).append(position)
             in_flight = self._in_flight.setdefault(key, in_flight)
-            for position in positions.tolist():
-                in_flight.setdefault(position, token)
-        fetch = dataclasses.replace(query, rows=positions.size, positions=positions, out=None)
-        return AheadFetch(fetch, key, token)
+            fetches = []
+            for layer in sorted(layers):
+                positions = np.array(sorted(layers[layer]), dtype=np.int64)
+                token = new_token()
+                for position in layers[layer]:
+                    in_flight.setdefault(position, token)
+                fetch = dataclasses.replace(
+                    query, rows=positions.size, positions=positions, out=None
+                )
+                fetches.append(AheadFetch(fetch, key, token))
+        return fetches
 
     def finish_ahead(self, ahead: AheadFetch, rows: _Rows | None) -> None:
         """A background fetch ended: its rows (None: it failed) join the cache, and its

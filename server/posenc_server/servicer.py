@@ -52,9 +52,11 @@ STREAMING_METHODS = frozenset({"StreamEncoding"})
 T = TypeVar("T")
 
 # Requests up to this size (a few hundred positions) with results up to this size may be
-# answered on the event loop (see _unary_from_cache).
+# answered on the event loop (see _unary_from_cache). 1 MiB: a 64-sequence decode step of
+# d_model 4096, whose gather and copy (~0.3 ms) cost less server CPU than the trip to the
+# pool and back (measured 2.85 -> 2.5 ms of server CPU per call).
 _INLINE_REQUEST_BYTES = 4096
-_INLINE_RESULT_BYTES = 256 << 10
+_INLINE_RESULT_BYTES = 1 << 20
 _GET_ENCODING = convert.tolerant_parser(pb.GetEncodingRequest)
 _STREAM_ENCODING = convert.tolerant_parser(pb.StreamEncodingRequest)
 _SERVER_INFO = convert.tolerant_parser(pb.GetServerInfoRequest)
@@ -203,7 +205,8 @@ class PositionalEncodingServicer:
         A small request for a known spec whose rows are all cached costs tens of
         microseconds, less than the trip to the pool and back (about half a millisecond of a
         decode step's latency); anything that may compute (a new spec, a missing block) or
-        copy much goes to the pool, so the loop stays free for health checks and I/O.
+        copy more than a MiB goes to the pool, so the loop stays free for health checks and
+        I/O.
         """
         request = self._specs.known(query)
         if (
