@@ -136,7 +136,9 @@ def test_cache_churn_keeps_server_memory_under_the_budget(
 def test_sigterm_during_8_streams_drains_them_and_turns_new_calls_away(
     spawn_server: Callable[..., ServerProcess],
 ) -> None:
-    process = spawn_server(0, "--grace-seconds", "30")
+    # Room for the 8 slow streams and a new call's read at once: this test is about the
+    # drain, not about admission (which would make a ninth call wait for a stream to end).
+    process = spawn_server(0, "--grace-seconds", "30", "--in-flight-bytes", "256MiB")
     spec = classic(1024)
     expected = engine.encode_range(spec, 0, 8192)
     results: list[np.ndarray] = []
@@ -158,11 +160,15 @@ def test_sigterm_during_8_streams_drains_them_and_turns_new_calls_away(
             slow_stream()
         except Exception as error:
             failures.append(repr(error))
+            streams_started.abort()  # the test fails on failures, rather than wait forever
 
     threads = [threading.Thread(target=guarded) for _ in range(8)]
     for thread in threads:
         thread.start()
-    streams_started.wait()
+    try:
+        streams_started.wait(60)
+    except threading.BrokenBarrierError:
+        pytest.fail(f"a stream did not start: {failures}")
     process.terminate()
     with posenc.Client(process.target, max_retries=0, timeout=5) as client:
         deadline = time.monotonic() + 5
