@@ -31,10 +31,10 @@ VERSIONS = sorted(
     {v for v in all_versions() if tuple(map(int, v.split(".")[:2])) >= (1, 27)},
     key=lambda v: tuple(map(int, v.split("."))),
 )
-# What one server process takes besides its share of the cache (measured: about 55 MiB).
-PROCESS_BASELINE = 64 * MIB
-# In-flight requests and chunks: issue 4 bounds RSS by the cache budget + 128 MiB.
-IN_FLIGHT = 128 * MIB
+# The README's sizing rule: the cache budget, plus this per server process (Python, gRPC and
+# numpy, the spec table, the calls in flight), plus this for the supervisor.
+PER_PROCESS = 160 * MIB
+SUPERVISOR = 64 * MIB
 
 Doc = dict[str, Any]
 
@@ -228,8 +228,8 @@ def test_resources_fit_the_cache_budget_and_the_processes() -> None:
     # The default, one process per core the container sees, would follow the node's cores.
     assert config.processes >= 1
     assert config.processes <= quantity(limits["cpu"])
-    interpreters = config.processes + (1 if config.processes > 1 else 0)  # + the supervisor
-    needed = config.cache_bytes + interpreters * PROCESS_BASELINE + IN_FLIGHT
+    supervisor = SUPERVISOR if config.processes > 1 else 0
+    needed = config.cache_bytes + config.processes * PER_PROCESS + supervisor
     assert quantity(requests["memory"]) >= needed
     assert quantity(limits["memory"]) > quantity(requests["memory"])
     assert 0 < quantity(requests["cpu"]) <= quantity(limits["cpu"])
@@ -304,12 +304,12 @@ def test_compose_replicas_fit_their_memory_limit() -> None:
     environment = {k: str(v) for k, v in replica["environment"].items()}
     config = ServerConfig.from_args([], environment)
     assert config.processes >= 1
-    interpreters = config.processes + (1 if config.processes > 1 else 0)
+    supervisor = SUPERVISOR if config.processes > 1 else 0
     limit = replica["deploy"]["resources"]["limits"]["memory"]
     match = re.fullmatch(r"(\d+)([mg])", limit)
     assert match
     limit_bytes = int(match.group(1)) * {"m": MIB, "g": 1024 * MIB}[match.group(2)]
-    assert limit_bytes >= config.cache_bytes + interpreters * PROCESS_BASELINE + IN_FLIGHT
+    assert limit_bytes >= config.cache_bytes + config.processes * PER_PROCESS + supervisor
     assert replica["stop_grace_period"] == "40s" and config.grace_seconds < 40
 
 
