@@ -354,9 +354,9 @@ class EncodingService:
             index = position // block_rows
             rows = self._block(spec, spec.serial, index, block_rows, origin, end).rows
             block_start = index * block_rows
-            end = min(block_start + block_rows, stop)
-            yield Chunk(position - start, rows[position - block_start : end - block_start])
-            position = end
+            piece_end = min(block_start + block_rows, stop)
+            yield Chunk(position - start, rows[position - block_start : piece_end - block_start])
+            position = piece_end
 
     def _block(
         self,
@@ -432,10 +432,11 @@ class EncodingService:
             (decided once per block for this gather)."""
             if block_id not in blocks:
                 key = (spec_id, block_id)
-                if key not in self.cache and (allowance.blocks <= 0 or not self._seen_before(key)):
+                new = key not in self.cache
+                if new and (allowance.blocks <= 0 or not self._seen_before(key)):
                     blocks[block_id] = None
                 else:
-                    allowance.blocks -= key not in self.cache
+                    allowance.blocks -= new
                     blocks[block_id] = self._block(spec, spec_id, block_id, block_rows).rows
             return blocks[block_id]
 
