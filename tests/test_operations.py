@@ -62,11 +62,16 @@ def test_metrics_move_with_traffic(
     finally:
         for client in clients:
             client.close()
-    # Cache counters are published five times a second, not on every call.
+    # Cache and row counters are published five times a second by each process, not on every
+    # call: wait until every process has published what it did.
     deadline = time.monotonic() + 5
     while True:
         after = scrape(port)
-        if metric(after, "posenc_cache_hits_total") > metric(before, "posenc_cache_hits_total"):
+        published = metric(after, "posenc_rows_computed_total") - metric(
+            before, "posenc_rows_computed_total"
+        )
+        hits = metric(after, "posenc_cache_hits_total") - metric(before, "posenc_cache_hits_total")
+        if hits > 0 and published >= 8192:
             break
         assert time.monotonic() < deadline, "cache metrics were not published"
         time.sleep(0.1)
