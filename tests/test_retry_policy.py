@@ -27,6 +27,9 @@ def test_resource_exhausted_is_retried_only_when_the_server_says_when() -> None:
         (grpc.StatusCode.UNAVAILABLE, "the server is shutting down", True),
         (grpc.StatusCode.INTERNAL, RESET, True),  # a proxy reset the stream
         (grpc.StatusCode.INTERNAL, "internal error; see the server log", False),
+        (grpc.StatusCode.CANCELLED, "CANCELLED", True),  # a server stopping as it arrived
+        (grpc.StatusCode.CANCELLED, "Locally cancelled by application!", False),
+        (grpc.StatusCode.CANCELLED, "Channel closed!", False),  # the client's close()
         (grpc.StatusCode.INVALID_ARGUMENT, "spec.d_model: must be between 1 and 65536", False),
         (grpc.StatusCode.RESOURCE_EXHAUSTED, "over the stream limit", False),
         (grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded", False),

@@ -34,6 +34,8 @@ DEFAULT_RETRY_BACKOFF: Final = 0.1
 MAX_RETRY_BACKOFF: Final = 2.0
 
 _DETAILS_KEY: Final = "grpc-status-details-bin"
+# What gRPC says of a call cancelled by its own client (cancel(), or the channel's close()).
+_LOCAL_CANCELLATIONS: Final = frozenset({"Locally cancelled by application!", "Channel closed!"})
 
 
 def _rich_status(error: grpc.RpcError) -> status_pb2.Status | None:
@@ -96,13 +98,18 @@ def is_transient(error: PosencError) -> bool:
     """Whether the same request may succeed when tried again.
 
     UNAVAILABLE; RESOURCE_EXHAUSTED when the server says when to retry (RetryInfo: it is at
-    a concurrency limit, unlike a request over a size limit); and the INTERNAL that gRPC
+    a concurrency limit, unlike a request over a size limit); the INTERNAL that gRPC
     reports when an HTTP/2 stream is reset under it (a proxy such as nginx resets a
-    client's stream when its upstream replica dies). The server's own INTERNAL is a bug and
-    is not retried. Every posenc call only reads, so repeating one is safe.
+    client's stream when its upstream replica dies); and a CANCELLED this client did not
+    cause: a gRPC server that stops cancels the calls that reached it in that instant,
+    before any handler saw them (a replica stopping behind a balancer does it too). The
+    server's own INTERNAL is a bug and is not retried. Every posenc call only reads, so
+    repeating one is safe.
     """
     if error.code == grpc.StatusCode.UNAVAILABLE:
         return True
+    if error.code == grpc.StatusCode.CANCELLED:
+        return error.details not in _LOCAL_CANCELLATIONS
     if error.code == grpc.StatusCode.RESOURCE_EXHAUSTED:
         return error.retry_after is not None
     return error.code == grpc.StatusCode.INTERNAL and "RST_STREAM" in error.details
