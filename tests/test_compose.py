@@ -188,6 +188,11 @@ def test_stopping_a_replica_mid_load_loses_no_call(stack: Stack, how: str) -> No
         f"{served_before} served by it), {len(load.failed)} failed, {load.exact} exact"
     )
     assert served_before > 0  # it was in the rotation
+    if load.failed:  # what nginx and the replica saw, for the failure's report
+        (nginx,) = stack.compose.running("nginx")
+        lines = stack.podman.run("logs", nginx, check=False).stdout.splitlines()
+        print("nginx, calls not OK:", *[s for s in lines if "grpc-status=0" not in s], sep="\n")
+        print("replica:", stack.podman.run("logs", victim, check=False).stderr[-6000:], sep="\n")
     assert load.failed == []
     assert load.exact == load.made >= before + 200
 
