@@ -18,10 +18,13 @@ from __future__ import annotations
 
 import copy
 import math
+import threading
+import time
 import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import grpc
 import numpy as np
 import pytest
 
@@ -436,6 +439,40 @@ def test_dynamic_follows_transformers_seq_len_rule(client: posenc.Client) -> Non
             before.abs().max()
         )
         assert float((logits_at(model, 10) - after).abs().max()) <= 1e-4 * float(after.abs().max())
+
+
+class _CallerCalls(grpc.UnaryUnaryClientInterceptor):
+    """Counts the unary calls made on threads other than the client's read-ahead thread."""
+
+    def __init__(self) -> None:
+        self.count = 0
+
+    def intercept_unary_unary(self, continuation: Any, details: Any, request: Any) -> Any:
+        self.count += threading.current_thread().name != "posenc-read-ahead"
+        return continuation(details, request)
+
+
+def test_a_dynamic_decode_loop_fetches_each_next_table_ahead(server: Any) -> None:
+    """Past ``max_position_embeddings`` a dynamic-NTK table changes with every token: the
+    patched module prefetches the next step's rows while the model runs, so the steps
+    after the first make no call of their own; every step's (cos, sin) are those of
+    transformers' own seq_len rule."""
+    model = build(_dynamic())
+    native = copy.deepcopy(model.model.rotary_emb)
+    module = model.model.rotary_emb
+    x = torch.zeros(1)
+    calls = _CallerCalls()
+    with posenc.Client(server.target, interceptors=[calls]) as client, patch(model, client):
+        calls.count = 0  # the patch's own check
+        for step in range(16):
+            ids = torch.tensor([[5_000 + step], [3_000 + step]])
+            cos, sin = module(x, ids)
+            want_cos, want_sin = native(x, ids)
+            # transformers' float32 angles at 5,000 are off by up to ~5e-4.
+            torch.testing.assert_close(cos, want_cos, rtol=0, atol=2e-3)
+            torch.testing.assert_close(sin, want_sin, rtol=0, atol=2e-3)
+            time.sleep(0.005)  # the model's forward pass
+    assert calls.count == 1
 
 
 def test_a_misread_config_is_refused(client: posenc.Client) -> None:

@@ -503,3 +503,90 @@ def test_positions_are_copied_at_call_time() -> None:
     positions = query(mine).positions
     mine[:] = 999  # a caller reusing its buffer changes nothing already asked for
     assert positions is not None and positions.tolist() == [1, 2, 3]
+
+
+# -- prefetch: rows a loop knows it needs next ------------------------------------------------
+
+
+def test_prefetch_claims_only_rows_neither_cached_nor_in_flight() -> None:
+    cache = RowCache(64 * MIB, MIB)
+    tokens = iter(range(100))
+    [ahead] = cache.claim_prefetch(query([7, 3, 7]), lambda: next(tokens))
+    assert ahead.query.positions is not None and ahead.query.positions.tolist() == [3, 7]
+    assert cache.in_flight == 2
+    assert cache.claim_prefetch(query([3, 7]), lambda: next(tokens)) == []  # in flight
+    plan = cache.plan(query([3]))
+    assert isinstance(plan, Pending) and plan.tokens == (ahead.token,)
+    cache.finish_ahead(ahead, fake_rows(ahead.query))
+    assert cache.in_flight == 0
+    assert cache.claim_prefetch(query([3, 7]), lambda: next(tokens)) == []  # cached
+    plan = cache.plan(query([7, 3]))
+    assert isinstance(plan, RowPlan) and plan.fetch is None
+    assert answer(plan).tolist() == [[7] * D_MODEL, [3] * D_MODEL]  # type: ignore[union-attr]
+    # The cache off, or a batch job's list: nothing to prefetch.
+    assert RowCache(0, MIB).claim_prefetch(query([1]), lambda: next(tokens)) == []
+    many = np.arange(MAX_CACHED_CALL_ROWS + 1)
+    assert cache.claim_prefetch(query(many), lambda: next(tokens)) == []
+
+
+def test_a_prefetch_in_flight_is_waited_for_even_before_the_width_is_known() -> None:
+    cache = RowCache(64 * MIB, MIB)
+    spec = table_spec(96, "float32", {})
+    unknown = positions_query([5, 6], spec, Widths())  # no response has told the width
+    assert len(cache.claim_prefetch(unknown, lambda: "token")) == 1
+    assert isinstance(cache.plan(unknown), Pending)
+    assert cache.plan(unknown, wait=False) is None  # no width: the caller's own call
+
+
+@pytest.mark.parametrize("model_seconds", [0.0, 0.005])
+def test_a_loop_prefetching_its_next_table_makes_one_call_of_its_own(
+    server: RunningServer, model_seconds: float
+) -> None:
+    """A new table every step (as a dynamic-NTK model's), each step's rows prefetched one
+    step before: the caller's only call is the first step's; the next steps take the
+    rows from the cache, or wait for the prefetch still under way (no model time)."""
+    steps = 30
+    specs = [posenc.Spec("rotary", head_dim=128, rope_theta=10_000.0 + s) for s in range(steps)]
+    positions = np.array([[5_000], [5_000], [7_000]], dtype=np.int64)  # [batch, 1]
+    counter = CallCounter()
+    got = []
+    with (
+        posenc.Client(server.target, interceptors=[counter]) as client,
+        posenc.Client(server.target, row_cache_bytes=0) as direct,
+    ):
+        for step in range(steps):
+            got.append(client.get_positions(positions + step, specs[step], dtype="bfloat16"))
+            if step + 1 < steps:
+                client.prefetch(positions + step + 1, specs[step + 1], dtype="bfloat16")
+            time.sleep(model_seconds)
+        counter.settle()
+        want = [
+            direct.get_positions(positions + step, specs[step], dtype="bfloat16")
+            for step in range(steps)
+        ]
+    assert counter.calls == {"caller": 1, "background": steps - 1}
+    for step, (a, b) in enumerate(zip(got, want, strict=True)):
+        assert a.shape == (3, 1, 256) and a.tobytes() == b.tobytes(), f"step {step}"
+
+
+def test_prefetch_on_the_async_client_and_on_a_closed_client(server: RunningServer) -> None:
+    spec = posenc.Spec("rotary", head_dim=64)
+
+    async def main() -> list[str]:
+        calls: list[str] = []
+        counters = [AsyncUnaryCounter(calls), AsyncStreamCounter(calls)]
+        async with posenc.AsyncClient(server.target, interceptors=counters) as client:
+            client.prefetch([9, 20], spec)  # not awaited: it returns at once
+            rows = await client.get_positions([20, 9], spec)
+            direct = await client.get_range(9, 21, spec)
+            assert rows.tobytes() == direct[[11, 0]].tobytes()
+        with pytest.raises(posenc.ClientClosedError):
+            client.prefetch([1], spec)
+        return calls
+
+    # The prefetch and the range: get_positions waited for the prefetch.
+    assert len(asyncio.run(main())) == 2
+    client = posenc.Client(server.target)
+    client.close()
+    with pytest.raises(posenc.ClientClosedError):
+        client.prefetch([1], spec)

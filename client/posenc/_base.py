@@ -24,7 +24,12 @@ from posenc._channel import (
 )
 from posenc._core import Core, Steps
 from posenc._retry import DEFAULT_MAX_RETRIES, DEFAULT_RETRY_BACKOFF, DEFAULT_TIMEOUT
-from posenc._rows import DEFAULT_READAHEAD_BYTES, DEFAULT_ROW_CACHE_BYTES, RowCache
+from posenc._rows import (
+    DEFAULT_READAHEAD_BYTES,
+    DEFAULT_ROW_CACHE_BYTES,
+    AheadFetch,
+    RowCache,
+)
 from posenc.types import DEFAULT, ClassicOptions, DTypeArg, Table, Timeout
 
 # What the methods return: the value itself (Client) or an awaitable of it (AsyncClient).
@@ -221,6 +226,31 @@ class BaseClient(Generic[ArrayT, InfoT, StatusT, SlicesT]):
         )
         return cast(ArrayT, self._run(self._core.fetch_positions(query, output, timeout)))
 
+    def prefetch(
+        self,
+        positions: npt.ArrayLike,
+        table: Table,
+        *,
+        dtype: DTypeArg | None = None,
+        **classic: Unpack[ClassicOptions],
+    ) -> None:
+        """Starts fetching the rows of ``positions`` in the background and returns at once
+        (``AsyncClient`` too: not awaitable; call it from the event loop's thread).
+
+        A later :meth:`get_positions` of these rows, with the same table and dtype, takes
+        them from the row cache, or waits for the fetch still under way instead of making
+        its own call. For loops that know their next step's rows before they need them: a
+        dynamic-NTK model's next table (its ``seq_len`` grows every step) fetched during
+        this step's model time. Rows of a sequence moving forward in one table are
+        already fetched ahead without it (``readahead_bytes``). Does nothing when the row
+        cache is off, or for coordinates (several-axis tables) and lists of over 4,096
+        positions; a fetch that fails is forgotten (the later call fetches the rows
+        itself and reports its own error). Arguments as in :meth:`get_positions`.
+        """
+        query, _ = self._core.positions_query(positions, table, dtype, classic)
+        for ahead in self._core.prefetch(query):
+            self._read_ahead(ahead)
+
     def iter_range(
         self,
         start: int,
@@ -328,6 +358,10 @@ class BaseClient(Generic[ArrayT, InfoT, StatusT, SlicesT]):
 
     def _new_token(self) -> Any:
         """A future that a read-ahead completes, of the kind the client waits on."""
+        raise NotImplementedError
+
+    def _read_ahead(self, ahead: AheadFetch) -> None:
+        """Starts ``ahead`` in the background (a thread, a task)."""
         raise NotImplementedError
 
     def _run(self, steps: Steps[Any]) -> Any:

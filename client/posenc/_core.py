@@ -354,6 +354,14 @@ class Core:
         request = health_pb2.HealthCheckRequest(service=service)
         return self._health(request, self.budget(timeout, retry=False))
 
+    def prefetch(self, query: Query) -> list[AheadFetch]:
+        """The background fetches that bring the rows of a positions query into the row
+        cache (``prefetch``); the client starts each one as a read-ahead."""
+        self.budget(DEFAULT)  # a closed client refuses, as every call does
+        if query.axes > 1:
+            return []  # coordinates bypass the row cache
+        return self.rows.claim_prefetch(query, self._new_token)
+
     def fetch_ahead(self, ahead: AheadFetch) -> Steps[Rows | None]:
         """The steps of a background read-ahead: its rows, or None when it failed."""
         budget = self.budget(DEFAULT, retry=False)
@@ -490,6 +498,8 @@ class Core:
         plan = self.rows.plan(query)
         if isinstance(plan, Pending):  # rows on their way: wait, then take them
             yield Wait(plan.tokens, budget.attempt_timeout())
+            # The fetch waited for may be the first to tell this table's width.
+            query = dataclasses.replace(query, columns=self.widths.get(query.spec_key))
             plan = self.rows.plan(query, wait=False)
         rows = yield from self._rows_of(query, plan, budget)
         for ahead in self.rows.claim_ahead(query, self._new_token):

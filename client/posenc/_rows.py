@@ -148,12 +148,7 @@ class RowCache:
         ``Pending`` when some of its rows are being fetched in the background (unless
         ``wait`` is false: the call then fetches them itself).
         """
-        if not self._cacheable(query):
-            if query.columns is None and self._steps(query):
-                assert query.positions is not None
-                # The first call of a spec (its width still unknown) goes out as asked,
-                # but counts as a step: the next one may read ahead.
-                self._remember(query.spec_key, query.positions.tolist())
+        if not self._steps(query):
             return None
         assert query.positions is not None
         key = query.spec_key
@@ -161,10 +156,19 @@ class RowCache:
         with self._lock:
             index = self._index.get(key, {})
             in_flight = self._in_flight.get(key)
+            # Before the width is known too: a prefetch of a new spec may be on its way.
             if wait and in_flight:
                 tokens = {in_flight[p] for p in wanted if p not in index and p in in_flight}
                 if tokens:
                     return Pending(tuple(tokens))
+        if not self._cacheable(query):
+            if query.columns is None:
+                # The first call of a spec (its width still unknown) goes out as asked,
+                # but counts as a step: the next one may read ahead.
+                self._remember(key, wanted)
+            return None
+        with self._lock:
+            index = self._index.get(key, {})
             recent = self._recent_of(key)
             found = [index.get(position) for position in wanted]
             for batch in {entry[0] for entry in found if entry is not None}:
@@ -279,6 +283,30 @@ class RowCache:
                 )
                 fetches.append(AheadFetch(fetch, key, token))
         return fetches
+
+    def claim_prefetch(self, query: Query, new_token: Callable[[], Any]) -> list[AheadFetch]:
+        """A background fetch of the rows of ``query`` that are neither cached nor in flight
+        (none when the query is not a decode step's, or every row is there): the caller
+        knows which rows its next step needs, as a dynamic-NTK loop knows its next table."""
+        if not self._steps(query):
+            return []
+        assert query.positions is not None
+        key = query.spec_key
+        with self._lock:
+            index = self._index.get(key, {})
+            in_flight = self._in_flight.setdefault(key, {})
+            wanted = sorted(
+                {p for p in query.positions.tolist() if p not in index and p not in in_flight}
+            )
+            if not wanted:
+                if not in_flight:
+                    del self._in_flight[key]
+                return []
+            token = new_token()
+            in_flight.update(dict.fromkeys(wanted, token))
+        positions = np.array(wanted, dtype=np.int64)
+        fetch = dataclasses.replace(query, rows=positions.size, positions=positions, out=None)
+        return [AheadFetch(fetch, key, token)]
 
     def finish_ahead(self, ahead: AheadFetch, rows: _Rows | None) -> None:
         """A background fetch ended: its rows (None: it failed) join the cache, and its

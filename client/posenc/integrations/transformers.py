@@ -368,6 +368,7 @@ class _Rotary:
             cos, sin = self.handle.client.get_positions(
                 position_ids, spec, dtype=dtype, device=x.device, cos_sin=True
             )
+            self.prefetch_next(position_ids, layer_type, dtype)
         else:
             key = (spec, dtype)
             table = self.tables.get(key)
@@ -379,6 +380,20 @@ class _Rotary:
         if dtype != x.dtype:
             return cos.to(x.dtype), sin.to(x.dtype)
         return cos, sin
+
+    def prefetch_next(
+        self, position_ids: torch.Tensor, layer_type: str | None, dtype: torch.dtype
+    ) -> None:
+        """Fetch the next decode step's rows in the background, while the model computes.
+
+        A dynamic-NTK table changes with every token the sequence grows, so the row cache's
+        read-ahead (rows of one table) cannot serve the next step; but that step is known:
+        each sequence's next position, in the table of the ``seq_len`` it brings. A step
+        that goes otherwise (a new prompt, a batch that changed) makes its own call.
+        """
+        following = position_ids[..., -1:] + 1
+        seq_len = max(self.cached[layer_type], int(following.max()) + 1)
+        self.handle.client.prefetch(following, self.spec(layer_type, seq_len), dtype=dtype)
 
     def mrope_rows(self, x: torch.Tensor, position_ids: torch.Tensor) -> Any:
         """M-RoPE's merged ``(cos, sin)``: text positions (every axis equal, decode steps
