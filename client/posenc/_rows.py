@@ -161,14 +161,12 @@ class RowCache:
                 tokens = {in_flight[p] for p in wanted if p not in index and p in in_flight}
                 if tokens:
                     return Pending(tuple(tokens))
-        if not self._cacheable(query):
-            if query.columns is None:
-                # The first call of a spec (its width still unknown) goes out as asked,
-                # but counts as a step: the next one may read ahead.
-                self._remember(key, wanted)
-            return None
-        with self._lock:
-            index = self._index.get(key, {})
+            if not self._cacheable(query):
+                if query.columns is None:
+                    # The first call of a spec (its width still unknown) goes out as
+                    # asked, but counts as a step: the next one may read ahead.
+                    self._add_recent(self._recent_of(key), wanted)
+                return None
             recent = self._recent_of(key)
             found = [index.get(position) for position in wanted]
             for batch in {entry[0] for entry in found if entry is not None}:
@@ -209,10 +207,6 @@ class RowCache:
         recent.update(dict.fromkeys(positions))
         while len(recent) > _RECENT_POSITIONS:
             recent.popitem(last=False)
-
-    def _remember(self, key: bytes, positions: list[int]) -> None:
-        with self._lock:
-            self._add_recent(self._recent_of(key), positions)
 
     def claim_ahead(self, query: Query, new_token: Callable[[], Any]) -> list[AheadFetch]:
         """What to fetch in the background after ``query``, nearest rows first: for each of
