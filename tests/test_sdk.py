@@ -542,6 +542,38 @@ def test_one_client_reaches_every_process(spawn_server: Callable[..., ServerProc
         assert same_bits(single.get_range(0, 100, 16), table)
 
 
+@pytest.mark.slow  # starts a server of two processes
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("rows", [256, 8192], ids=["unary", "stream"])
+def test_a_range_asked_again_is_served_from_the_cache_it_filled(
+    spawn_server: Callable[..., ServerProcess], rows: int
+) -> None:
+    """Each server process caches its own blocks: the client sends a range it asks for
+    again over the connection it went over, so to the process that cached it (with 16
+    connections over 2 processes, eight calls spread round robin would all reach the
+    same process with probability 2**-8)."""
+    process = spawn_server(0, "--processes", "2")
+    with posenc.Client(process.target, connections=16) as client:
+        first = client.get_range(1_000_000, 1_000_000 + rows, 1024)
+        computed = settled_rows_computed(client)
+        assert computed >= rows
+        for _ in range(8):
+            assert same_bits(client.get_range(1_000_000, 1_000_000 + rows, 1024), first)
+        assert settled_rows_computed(client) == computed  # no row computed again
+
+
+def settled_rows_computed(client: posenc.Client) -> int:
+    """The server's rows computed, once its processes have all published their counters
+    (each publishes five times a second)."""
+    last = client.server_info().rows_computed
+    while True:
+        time.sleep(0.5)
+        now = client.server_info().rows_computed
+        if now == last:
+            return now
+        last = now
+
+
 @pytest.mark.parametrize("connections", [0, 65, 1.5])
 def test_connections_must_be_a_small_positive_int(connections: object) -> None:
     with pytest.raises((ValueError, TypeError)):

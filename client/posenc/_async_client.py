@@ -135,7 +135,7 @@ class AsyncClient(
             method = getattr(self._connect(_affinity(operation.affinity)), operation.method)
             return await method(operation.request, timeout=operation.timeout)
         if isinstance(operation, core.OpenStream):
-            return self._connect().stream_encoding(
+            return self._connect(_affinity(operation.affinity)).stream_encoding(
                 operation.request,
                 timeout=operation.timeout,
             )

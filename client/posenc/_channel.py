@@ -267,9 +267,10 @@ class Pool:
 
     Round robin spreads a client's calls over the server processes its connections reached.
     Affinity keeps a decode loop on one connection, so on one process, whose cache holds
-    the blocks its next steps need: spread over processes, each would compute those blocks.
-    The clients make it the table's and the caller's (a thread, a task), so that loops of
-    several threads still spread.
+    the blocks its next steps need (spread over processes, each would compute those
+    blocks), and sends a range asked for again where its blocks are cached. The clients
+    make it the table's and the caller's (a thread, a task), so that loops of several
+    threads still spread.
     """
 
     def __init__(self, calls: Sequence[Calls]) -> None:

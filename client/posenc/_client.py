@@ -26,6 +26,12 @@ __all__ = ["Client"]
 READ_AHEAD_THREAD = "posenc-read-ahead"
 
 
+def _affinity(table: int | None) -> int | None:
+    """A call's affinity (see :class:`posenc._channel.Pool`): the table's, and the calling
+    thread's."""
+    return None if table is None else hash((table, threading.get_ident()))
+
+
 def _run_ahead(client_ref: weakref.ref[Client], work: queue.SimpleQueue[AheadFetch | None]) -> None:
     """The read-ahead thread of a client: background fetches, one at a time, until the
     client closes or is collected. A daemon, so that it never holds up interpreter exit."""
@@ -121,15 +127,12 @@ class Client(BaseClient[Result, ServerInfo, str, Iterator[Slice]]):
 
     def _perform(self, operation: core.Operation) -> Any:
         if isinstance(operation, core.Unary):
-            affinity = operation.affinity
-            if affinity is not None:  # the table's, and the thread's (see Pool)
-                affinity = hash((affinity, threading.get_ident()))
-            method = getattr(self._pool.pick(affinity), operation.method)
+            method = getattr(self._pool.pick(_affinity(operation.affinity)), operation.method)
             return method(operation.request, timeout=operation.timeout)
         if isinstance(operation, core.NextChunk):
             return next(operation.call, None)
         if isinstance(operation, core.OpenStream):
-            return self._pool.pick().stream_encoding(
+            return self._pool.pick(_affinity(operation.affinity)).stream_encoding(
                 operation.request,
                 timeout=operation.timeout,
             )

@@ -88,10 +88,12 @@ class Unary:
 
 @dataclass(frozen=True, slots=True)
 class OpenStream:
-    """Start a StreamEncoding call; the call object is sent back."""
+    """Start a StreamEncoding call; the call object is sent back. ``affinity`` as for
+    :class:`Unary`."""
 
     request: pb.StreamEncodingRequest
     timeout: float | None
+    affinity: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -198,10 +200,15 @@ def _over_a_limit(error: grpc.RpcError) -> bool:
 
 
 def _affinity(query: Query) -> int | None:
-    """Decode steps (short position lists) of one table keep to one connection (the client
-    adds the caller's thread or task), so to one server process, whose cache has the blocks
-    of their sequences; other calls spread."""
-    if query.positions is None or query.rows > MAX_CACHED_CALL_ROWS:
+    """Calls that a server process's cache answers keep to one connection, so to that
+    process (the client adds the caller's thread or task): the decode steps (short position
+    lists) of one table, whose blocks their sequences share, and a range asked for again
+    (the same table and start). Each process caches its own blocks: spread over processes,
+    a range fetched twice was computed twice. Other calls spread."""
+    if query.positions is None:
+        start = query.start.to_bytes(8, "little", signed=True)
+        return zlib.crc32(start, zlib.crc32(query.spec_key))
+    if query.rows > MAX_CACHED_CALL_ROWS:
         return None
     return zlib.crc32(query.spec_key)
 
@@ -467,8 +474,12 @@ class Core:
         """The cursor's chunks (delivered unless it collects them); an interrupted call
         resumes with the missing rows."""
         collect = cursor.collect
+        affinity = _affinity(cursor.query)
         while True:
-            call = yield OpenStream(cursor.request(), budget.attempt_timeout())
+            call = yield OpenStream(cursor.request(), budget.attempt_timeout(), affinity)
+            # A stream that resumes, or goes on with its next part, takes the next
+            # connection: the one that failed may be gone.
+            affinity = None
             try:
                 while (chunk := (yield NextChunk(call))) is not None:
                     label, rows = cursor.accept(chunk)
