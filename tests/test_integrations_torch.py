@@ -16,6 +16,7 @@ import tracemalloc
 from collections.abc import Iterator
 from typing import Any
 
+import grpc
 import numpy as np
 import pytest
 
@@ -23,6 +24,7 @@ torch = pytest.importorskip("torch", reason="the conformance extra (make test in
 
 import posenc  # noqa: E402
 from posenc import AsyncGrowingTable, GrowingTable  # noqa: E402
+from posenc.v1 import posenc_pb2 as pb  # noqa: E402
 
 ROTARY = posenc.Spec("rotary", head_dim=16, rope_theta=500000.0)
 SINUSOIDAL = posenc.Spec("sinusoidal", d_model=24)
@@ -289,6 +291,54 @@ def test_growing_table_tensors_out_and_cos_sin(client: posenc.Client) -> None:
     assert table.get(positions[:, :2], out=out) is out
     assert np.array_equal(bits(out).reshape(4, 32), bits(expected[[0, 1, 3, 4]]))
     assert table.get(np.array([5]), device="cpu").shape == (1, 32)
+
+
+class _Specs(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor):
+    """Records the rotary layout of every request a client sends."""
+
+    def __init__(self) -> None:
+        self.layouts: list[str] = []
+
+    def _record(self, request: Any) -> None:
+        self.layouts.append(pb.RopeLayout.Name(request.spec.rotary.layout))
+
+    def intercept_unary_unary(self, continuation: Any, details: Any, request: Any) -> Any:
+        self._record(request)
+        return continuation(details, request)
+
+    def intercept_unary_stream(self, continuation: Any, details: Any, request: Any) -> Any:
+        self._record(request)
+        return continuation(details, request)
+
+
+def test_a_transformers_rotary_table_travels_and_is_held_as_halves(server: Any) -> None:
+    """transformers' rotary rows repeat each half ([c, c | s, s]): the table asks for vLLM's
+    rows ([c | s], half the bytes) and holds those, and every read repeats the halves, bit
+    for bit the server's transformers rows; max_bytes counts what is held."""
+    specs = _Specs()
+    with (
+        posenc.Client(server.target, interceptors=[specs]) as client,
+        posenc.Client(server.target) as direct,
+    ):
+        # 16 held float32 columns a row (the table's rows are 32 wide): 64 bytes a row.
+        table = GrowingTable(client, ROTARY, min_rows=100, max_bytes=200 * 64)
+        positions = np.array([[3, 99], [150, 2**20]])
+        rows = table.get(positions)  # 100 rows held; 150 and 2**20 fetched for the call
+        assert rows.shape == (2, 2, 32) and table.width == 32 and len(table) == 100
+        table.get(np.arange(100, 160))  # grown into: 200 rows, all that max_bytes holds
+        assert len(table) == 200
+        out = np.empty((2, 32), dtype=np.float32)
+        assert table.get([7, 8], out=out) is out
+        whole = table.rows()
+        with pytest.raises(ValueError):
+            whole[0, 0] = 1.0
+        expected = direct.get_positions(positions.reshape(-1), ROTARY)
+        assert np.array_equal(rows.reshape(4, 32), expected)
+        assert np.array_equal(out, direct.get_range(7, 9, ROTARY))
+        assert np.array_equal(whole, direct.get_range(0, 200, ROTARY))
+        with pytest.raises(posenc.ResourceExhaustedError):
+            table.reserve(201)
+    assert specs.layouts and set(specs.layouts) == {"ROPE_LAYOUT_VLLM"}
 
 
 def test_concurrent_readers_see_consistent_rows(client: posenc.Client) -> None:

@@ -17,6 +17,11 @@ for the call with :meth:`posenc.Client.get_positions` and not kept.
 Results take the forms of :meth:`posenc.Client.get_positions` (numpy, or torch tensors with
 the ``[torch]`` extra; ``out=`` buffers; ``(cos, sin)`` pairs), through the same code.
 
+A rotary table in transformers' layout, whose rows repeat each half (``[c, c | s, s]``), is
+fetched and held as vLLM's rows (``[c | s]``): half the bytes for the server to compute and
+send, and for the table to hold; reads repeat the halves, in the pass that copies the rows
+out, so a prefill costs what it did.
+
 :class:`AsyncGrowingTable` is the same table over a :class:`posenc.AsyncClient`: both run
 one plan (``_Plan``), which holds everything but the calls and yields the fetches it needs.
 """
@@ -104,6 +109,17 @@ class _Plan:
         if min_rows < 1 or max_bytes < 1 or max_step_bytes < 1:
             raise ValueError("min_rows, max_bytes and max_step_bytes must be positive")
         self.table = table
+        # A rotary table in transformers' layout repeats each half of a row ([c, c | s, s]):
+        # it is fetched and held in vLLM's layout ([c | s]), half the bytes to compute,
+        # send and keep, and its halves are repeated as rows are read (``_expand``).
+        self.fetch_table: Table = table
+        self.repeat = (
+            isinstance(table, Spec)
+            and table.kind == "rotary"
+            and table.parameters.get("layout", "transformers") == "transformers"
+        )
+        if isinstance(table, Spec) and self.repeat:
+            self.fetch_table = Spec("rotary", **{**table.parameters, "layout": "vllm"})
         self.dtype = numpy_dtype(dtype)
         self.torch_dtype = is_torch_dtype(dtype)  # results are tensors, as for a client
         self.min_rows = min_rows
@@ -119,25 +135,41 @@ class _Plan:
 
     @property
     def width(self) -> int | None:
+        """The table's width (the held rows' width, twice it when halves are repeated)."""
         rows = self.rows
-        return None if rows is None else int(rows.shape[1])
+        return None if rows is None else int(rows.shape[1]) * (2 if self.repeat else 1)
 
     def view(self, stop: int | None) -> npt.NDArray[Any]:
         rows = self.rows
         if rows is None:
             return np.empty((0, 0), dtype=self.dtype)
         view = rows[: len(rows) if stop is None else stop]
+        if self.repeat:
+            view = self._expand(view, None)
         view.flags.writeable = False
         return view
 
+    def _expand(self, rows: npt.NDArray[Any], host: npt.NDArray[Any] | None) -> npt.NDArray[Any]:
+        """Held rows in the table's layout: each half repeated when ``repeat`` (into
+        ``host`` when it has the result's shape), in one pass."""
+        if not self.repeat:
+            return rows
+        count, held = rows.shape
+        shape = (count, 2 * held)
+        out = host if host is not None and host.shape == shape else np.empty(shape, self.dtype)
+        half = held // 2
+        np.copyto(out.reshape(count, 2, 2, half), rows.reshape(count, 2, 1, half))
+        return out
+
     def _max_rows(self, width: int) -> int:
+        # ``width``: of the held rows, which are what memory holds.
         return max(self.max_bytes // (width * self.dtype.itemsize), 1)
 
     # -- growth ---------------------------------------------------------------------------------
 
     def reserve(self, stop: int) -> _Steps[None]:
         """Hold at least rows ``[0, stop)``; ResourceExhaustedError past ``max_bytes``."""
-        held, width = self.held, self.width
+        held, width = self.held, None if self.rows is None else int(self.rows.shape[1])
         if stop <= held:
             return
         yield _GROW
@@ -172,8 +204,8 @@ class _Plan:
         past = np.unique(positions[positions >= held])
         if past.size == 0:
             return
-        if self.width is not None:
-            past = past[past < self._max_rows(self.width)]
+        if self.rows is not None:
+            past = past[past < self._max_rows(int(self.rows.shape[1]))]
         # The i-th position past the end is worth growing to if the rows it adds are at
         # most _SPARSE times the positions of the request they cover.
         covered = _SPARSE * np.arange(1, past.size + 1)
@@ -212,21 +244,21 @@ class _Plan:
         rows = self.rows
         held = 0 if rows is None else len(rows)
         if rows is None or low < 0 or top >= held:
-            return (yield from self._mixed(flat, rows))
-        fits = host is not None and host.shape == (len(flat), rows.shape[1])
+            return self._expand((yield from self._mixed(flat, rows)), host)
         if top - low == len(flat) - 1 and (len(flat) == 1 or (np.diff(flat) == 1).all()):
             # A run of consecutive positions (a prefill): one block copy, several times
             # faster than a gather.
             block = rows[low : top + 1]
-            if fits:
-                assert host is not None
+            if self.repeat:
+                return self._expand(block, host)
+            if host is not None and host.shape == block.shape:
                 np.copyto(host, block)
                 return host
             return block.copy()
-        if fits:
+        if host is not None and host.shape == (len(flat), rows.shape[1]):
             # Straight into the caller's buffer: a decode loop allocates nothing.
             return np.take(rows, flat, axis=0, out=host)
-        return rows[flat]
+        return self._expand(rows[flat], host)
 
     def _mixed(
         self, flat: npt.NDArray[np.int64], rows: npt.NDArray[Any] | None
@@ -304,9 +336,10 @@ class _TableBase(Generic[ClientT]):
         return f"{type(self).__name__}({self.table!r}, dtype={self.dtype.name}, rows={len(self)})"
 
     def _fetch_arguments(self, fetch: _Range | _Positions) -> tuple[Any, ...]:
+        table = self._plan.fetch_table
         if isinstance(fetch, _Range):
-            return (fetch.start, fetch.stop, self.table)
-        return (fetch.positions, self.table)
+            return (fetch.start, fetch.stop, table)
+        return (fetch.positions, table)
 
 
 def _finish(steps: _Steps[T], fetch: Callable[[_Fetch], Any]) -> T:
@@ -341,7 +374,8 @@ class GrowingTable(_TableBase["Client"]):
         self._lock = threading.Lock()
 
     def rows(self, stop: int | None = None) -> npt.NDArray[Any]:
-        """The held rows ``[0, stop)`` (default: all), as a read-only view; grows to ``stop``."""
+        """The held rows ``[0, stop)`` (default: all), read-only (a view, or a copy for a
+        rotary table in transformers' layout: see the module doc); grows to ``stop``."""
         if stop is not None:
             self.reserve(stop)
         return self._plan.view(stop)
@@ -412,7 +446,7 @@ class AsyncGrowingTable(_TableBase["AsyncClient"]):
         self._lock = asyncio.Lock()
 
     async def rows(self, stop: int | None = None) -> npt.NDArray[Any]:
-        """The held rows ``[0, stop)`` (default: all), as a read-only view; grows to ``stop``."""
+        """The held rows ``[0, stop)`` (see :meth:`GrowingTable.rows`); grows to ``stop``."""
         if stop is not None:
             await self.reserve(stop)
         return self._plan.view(stop)
