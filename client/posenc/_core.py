@@ -242,10 +242,14 @@ class Core:
         # Set by the clients' close(); every call starts at budget(), so one check refuses all.
         self.closed = False
 
-    def budget(self, timeout: Timeout, *, retry: bool = True) -> CallBudget:
-        """The deadline and retry budget of one call (every call starts with it)."""
+    def check_open(self) -> None:
+        """ClientClosedError once the client is closed (every call starts here)."""
         if self.closed:
             raise ClientClosedError("the client is closed: create a new one")
+
+    def budget(self, timeout: Timeout, *, retry: bool = True) -> CallBudget:
+        """The deadline and retry budget of one call (every call starts with it)."""
+        self.check_open()
         return CallBudget(
             resolve_timeout(timeout, self.settings.timeout),
             self.settings.max_retries if retry else 0,
@@ -364,7 +368,7 @@ class Core:
     def prefetch(self, query: Query) -> list[AheadFetch]:
         """The background fetches that bring the rows of a positions query into the row
         cache (``prefetch``); the client starts each one as a read-ahead."""
-        self.budget(DEFAULT)  # a closed client refuses, as every call does
+        self.check_open()
         if query.axes > 1:
             return []  # coordinates bypass the row cache
         return self.rows.claim_prefetch(query, self._new_token)

@@ -574,8 +574,6 @@ def wave_blocks(
     if waves.count == 0 or stop <= start:
         return
     block = waves.block
-    pair_columns = 2 * waves.count
-    rows_per_pass = max(1, _ELEMENTS_PER_PASS // pair_columns)
     aligned = start - start % block
     block_starts = aligned + block * np.arange(-(-(stop - aligned) // block), dtype=np.int64)
     few: tuple[Float64Array, Float64Array] | None = None
@@ -589,10 +587,7 @@ def wave_blocks(
         flat, swapped = _pairs(waves.block_base(aligned, ahead + stop - aligned - block))
     else:
         flat, swapped = _pairs(waves.bases(block_starts))
-    with _SCRATCH.buffers(min(rows_per_pass, block) * pair_columns) as (buffer, products):
-        yield from _rotated_blocks(
-            waves, start, stop, block_starts, flat, swapped, few, buffer, products
-        )
+    yield from _rotated_blocks(waves, start, stop, block_starts, flat, swapped, few)
 
 
 def _rotated_blocks(
@@ -603,28 +598,28 @@ def _rotated_blocks(
     flat: Float64Array,
     swapped: Float64Array,
     few: tuple[Float64Array, Float64Array] | None,
-    buffer: Float64Array,
-    products: Float64Array,
 ) -> Iterator[tuple[int, ComplexRows]]:
-    """``wave_blocks``' rows, from its block bases (``few``: the rotations of its rows)."""
+    """``wave_blocks``' rows, from its block bases (``few``: the rotations of its rows), a
+    pass at a time in two scratch buffers lent for the whole range."""
     block, pair_columns = waves.block, 2 * waves.count
     rows_per_pass = max(1, _ELEMENTS_PER_PASS // pair_columns)
-    for index, block_start in enumerate(block_starts.tolist()):
-        first, last = max(start, block_start), min(stop, block_start + block)
-        rotate_cos, rotate_sin = few or waves.rotation(first - block_start, last - block_start)
-        for low in range(first, last, rows_per_pass):
-            high = min(low + rows_per_pass, last)
-            shape = (high - low, pair_columns)
-            rows = buffer[: shape[0] * pair_columns].reshape(shape)
-            _rotate(
-                flat[index : index + 1],
-                swapped[index : index + 1],
-                rotate_cos[low - first : high - first],
-                rotate_sin[low - first : high - first],
-                rows,
-                products[: shape[0] * pair_columns].reshape(shape),
-            )
-            yield low - start, rows.view(np.complex128)
+    with _SCRATCH.buffers(min(rows_per_pass, block) * pair_columns) as (buffer, products):
+        for index, block_start in enumerate(block_starts.tolist()):
+            first, last = max(start, block_start), min(stop, block_start + block)
+            rotate_cos, rotate_sin = few or waves.rotation(first - block_start, last - block_start)
+            for low in range(first, last, rows_per_pass):
+                high = min(low + rows_per_pass, last)
+                shape = (high - low, pair_columns)
+                rows = buffer[: shape[0] * pair_columns].reshape(shape)
+                _rotate(
+                    flat[index : index + 1],
+                    swapped[index : index + 1],
+                    rotate_cos[low - first : high - first],
+                    rotate_sin[low - first : high - first],
+                    rows,
+                    products[: shape[0] * pair_columns].reshape(shape),
+                )
+                yield low - start, rows.view(np.complex128)
 
 
 class _ScratchPool:

@@ -327,9 +327,7 @@ class EncodingService:
                 ready = []
             message: bytes | None = None
             if whole:
-                block = self._block(
-                    spec, spec.serial, first // block_rows, block_rows, origin, selection.stop
-                )
+                block = self._block(spec, first // block_rows, origin, selection.stop)
                 if block.row_offset == first - origin:
                     message = block.message
             if message is None:
@@ -352,25 +350,19 @@ class EncodingService:
         position = start
         while position < stop:
             index = position // block_rows
-            rows = self._block(spec, spec.serial, index, block_rows, origin, end).rows
+            rows = self._block(spec, index, origin, end).rows
             block_start = index * block_rows
             piece_end = min(block_start + block_rows, stop)
             yield Chunk(position - start, rows[position - block_start : piece_end - block_start])
             position = piece_end
 
-    def _block(
-        self,
-        spec: Spec,
-        spec_id: int,
-        index: int,
-        block_rows: int,
-        origin: int = 0,
-        stop: int = 0,
-    ) -> Block:
-        """Block ``index`` of ``spec`` (whose serial is ``spec_id``), from the cache. A block
+    def _block(self, spec: Spec, index: int, origin: int = 0, stop: int = 0) -> Block:
+        """Block ``index`` of ``spec`` (``block_rows`` rows), from the cache. A block
         computed here is serialized at its row offset in a range starting at ``origin``
         (0 when before it): the offset a stream of that range sends it at; the range ends
         at ``stop`` (the engine prepares the next blocks' work with this one's)."""
+
+        block_rows = self.block_rows(spec)
 
         def compute() -> Block:
             self._count_rows(block_rows)
@@ -392,7 +384,7 @@ class EncodingService:
             view = np.frombuffer(message, dtype=dtype, offset=len(message) - nbytes)
             return Block(message, row_offset, view.reshape(shape))
 
-        return self.cache.get_or_compute((spec_id, index), compute)
+        return self.cache.get_or_compute((spec.serial, index), compute)
 
     def _rows_for_positions(
         self, spec: Spec, positions: npt.NDArray[np.int64], *, new_blocks: int
@@ -437,7 +429,7 @@ class EncodingService:
                     blocks[block_id] = None
                 else:
                     allowance.blocks -= new
-                    blocks[block_id] = self._block(spec, spec_id, block_id, block_rows).rows
+                    blocks[block_id] = self._block(spec, block_id).rows
             return blocks[block_id]
 
         if (block_ids == first_block).all() and (block := cached_block(first_block)) is not None:
