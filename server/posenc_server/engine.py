@@ -33,6 +33,7 @@ module imports no gRPC and no protobuf: it is the domain core.
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import threading
 from collections.abc import Iterator, Sequence
@@ -68,8 +69,11 @@ _TWO_PI_LO: Final = float(TWO_PI - Decimal(_TWO_PI_HI))
 # Veltkamp's constant 2**27 + 1 splits a float64 into two halves of at most 26 bits each,
 # whose pairwise products are exact.
 _SPLITTER: Final = 134217729.0
-# Elements per numpy pass: keeps the float64 temporaries of one pass inside the L2 cache.
+# Elements per numpy pass of the rotation: its four float64 operands stay in the L2 cache.
 _ELEMENTS_PER_PASS: Final = 1 << 15
+# Elements per pass of the extended-precision angle, whose two dozen temporaries are many
+# more: 32 KiB each (at 32768 elements it ran twice as slow).
+_ANGLE_ELEMENTS_PER_PASS: Final = 1 << 12
 # Rows per block: 64 amortize a block's extended-precision angle (about 20 numpy passes)
 # over the 3 passes of each row's rotation. Narrow tables take longer blocks, so that a block
 # (one Python iteration) holds at least _BLOCK_ENTRIES entries; wide ones shorter, so that
@@ -238,8 +242,8 @@ class Waves:
         as_float = positions.astype(np.float64)
         # A few rows per pass (or a slice of one wide row), so that the pass's two dozen
         # temporaries stay in the CPU cache.
-        columns = min(self.count, _ELEMENTS_PER_PASS) or 1
-        rows = max(1, _ELEMENTS_PER_PASS // columns)
+        columns = min(self.count, _ANGLE_ELEMENTS_PER_PASS) or 1
+        rows = max(1, _ANGLE_ELEMENTS_PER_PASS // columns)
         for first in range(0, positions.size, rows):
             for column in range(0, self.count, columns):
                 last = column + columns
@@ -292,6 +296,12 @@ class Encoding:
     def width(self) -> int:
         """Columns of a row."""
         return self.table.width
+
+    @functools.cached_property
+    def axis_table(self) -> AxisTable | None:
+        """The table when it has several position axes, else None (checked once: a
+        protocol check costs tens of microseconds, as much as a small block's rows)."""
+        return self.table if isinstance(self.table, AxisTable) else None
 
     @property
     def row_bytes(self) -> int:
@@ -451,7 +461,7 @@ def encode_range(
     Callers validate the table and the positions; this function trusts them. Each row is a
     function of (table, position) alone: the same bytes as ``encode_positions`` gives.
     """
-    if isinstance(encoding.table, AxisTable):
+    if encoding.axis_table is not None:
         rows = encode_coordinates(encoding, np.arange(start, stop, dtype=np.int64))
         if out is None:
             return rows
@@ -476,7 +486,7 @@ def encode_range(
 def encode_positions(encoding: Encoding, positions: npt.ArrayLike) -> Rows:
     """The rows of ``positions`` (any int64 values the table's validation accepts)."""
     requested = np.asarray(positions, dtype=np.int64).reshape(-1)
-    if isinstance(encoding.table, AxisTable):
+    if encoding.axis_table is not None:
         return encode_coordinates(encoding, requested)
     position_map = encoding.table.position_map
     out = _rows_at(encoding, position_map.apply(requested))
@@ -488,8 +498,8 @@ def encode_positions(encoding: Encoding, positions: npt.ArrayLike) -> Rows:
 def encode_coordinates(encoding: Encoding, coordinates: Int64Array) -> Rows:
     """The rows of a several-axis table at ``[n, axes]`` coordinates, or at one-axis
     positions (``[n]``: the table's ``coordinates`` of them)."""
-    table = encoding.table
-    assert isinstance(table, AxisTable), "a table with several position axes"
+    table = encoding.axis_table
+    assert table is not None, "a table with several position axes"
     if coordinates.ndim == 1:
         coordinates = table.coordinates(coordinates)
     return table.encode(encoding, coordinates)
@@ -600,20 +610,30 @@ def _rotated_blocks(
     few: tuple[Float64Array, Float64Array] | None,
 ) -> Iterator[tuple[int, ComplexRows]]:
     """``wave_blocks``' rows, from its block bases (``few``: the rotations of its rows), a
-    pass at a time in two scratch buffers lent for the whole range."""
+    pass at a time in scratch buffers lent for the whole range."""
     block, pair_columns = waves.block, 2 * waves.count
     rows_per_pass = max(1, _ELEMENTS_PER_PASS // pair_columns)
-    with _SCRATCH.buffers(min(rows_per_pass, block) * pair_columns) as (buffer, products):
+    pass_elements = min(rows_per_pass, block) * pair_columns
+    with _SCRATCH.buffers(pass_elements) as (buffer, products, base_rows, swapped_rows):
         for index, block_start in enumerate(block_starts.tolist()):
             first, last = max(start, block_start), min(stop, block_start + block)
             rotate_cos, rotate_sin = few or waves.rotation(first - block_start, last - block_start)
+            # The block's base row, repeated over a pass's rows: multiplying by a broadcast
+            # row goes through numpy's buffered loop, which copies it for every row and ran
+            # two to three times slower (block by block, as the service asks) than these
+            # same-shape multiplications plus the one copy per block.
+            span = min(rows_per_pass, last - first)
+            base = base_rows[: span * pair_columns].reshape(span, pair_columns)
+            base[...] = flat[index]
+            base_swapped = swapped_rows[: span * pair_columns].reshape(span, pair_columns)
+            base_swapped[...] = swapped[index]
             for low in range(first, last, rows_per_pass):
                 high = min(low + rows_per_pass, last)
                 shape = (high - low, pair_columns)
                 rows = buffer[: shape[0] * pair_columns].reshape(shape)
                 _rotate(
-                    flat[index : index + 1],
-                    swapped[index : index + 1],
+                    base[: shape[0]],
+                    base_swapped[: shape[0]],
                     rotate_cos[low - first : high - first],
                     rotate_sin[low - first : high - first],
                     rows,
@@ -623,29 +643,29 @@ def _rotated_blocks(
 
 
 class _ScratchPool:
-    """Pairs of float64 scratch buffers (a pass's worth, or one row of the widest table:
-    at most 1 MiB a pair) lent to one computation at a time; at most ``keep`` pairs are
-    kept between computations, so idle threads hold none."""
+    """Groups of four float64 scratch buffers (a pass's worth, or one row of the widest
+    table: at most 2 MiB a group) lent to one computation at a time; at most ``keep``
+    groups are kept between computations, so idle threads hold none."""
 
     def __init__(self, keep: int) -> None:
         self._keep = keep
-        self._free: list[tuple[Float64Array, Float64Array]] = []
+        self._free: list[tuple[Float64Array, ...]] = []
         self._lock = threading.Lock()
 
     @contextlib.contextmanager
-    def buffers(self, elements: int) -> Iterator[tuple[Float64Array, Float64Array]]:
-        """Two buffers of at least ``elements`` values each, until the block ends."""
+    def buffers(self, elements: int) -> Iterator[tuple[Float64Array, ...]]:
+        """Four buffers of at least ``elements`` values each, until the block ends."""
         with self._lock:
-            pair = self._free.pop() if self._free else None
-        if pair is None or pair[0].size < elements:
+            group = self._free.pop() if self._free else None
+        if group is None or group[0].size < elements:
             size = max(elements, _ELEMENTS_PER_PASS)
-            pair = (np.empty(size, dtype=np.float64), np.empty(size, dtype=np.float64))
+            group = tuple(np.empty(size, dtype=np.float64) for _ in range(4))
         try:
-            yield pair
+            yield group
         finally:
             with self._lock:
                 if len(self._free) < self._keep:
-                    self._free.append(pair)
+                    self._free.append(group)
 
 
 # Enough for the computations that run at once on a few cores.
