@@ -76,11 +76,12 @@ _ELEMENTS_PER_PASS: Final = 1 << 15
 _ANGLE_ELEMENTS_PER_PASS: Final = 1 << 12
 # Rows per block: 64 amortize a block's extended-precision angle (about 20 numpy passes)
 # over the 3 passes of each row's rotation. Narrow tables take longer blocks, so that a block
-# (one Python iteration) holds at least _BLOCK_ENTRIES entries; wide ones shorter, so that
-# the rotation table (2 float64 pairs per entry: 32 bytes) stays within _ROTATION_ENTRIES
-# (4 MiB).
+# (one Python iteration) holds at least _BLOCK_ENTRIES entries (a rotary table of head_dim
+# 128: 256 rows, its rotation table 512 KiB; at 4,096 entries its range ran 25-45% slower);
+# wide ones shorter, so that the rotation table (2 float64 pairs per entry: 32 bytes) stays
+# within _ROTATION_ENTRIES (4 MiB).
 _BLOCK_ROWS: Final = 64
-_BLOCK_ENTRIES: Final = 1 << 12
+_BLOCK_ENTRIES: Final = 1 << 14
 _ROTATION_ENTRIES: Final = 1 << 17
 # Up to this many rows of a block are rotated by rotations made for them alone, while the
 # block's rotation table is not made yet.
