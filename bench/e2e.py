@@ -50,8 +50,9 @@ def run(
             "process, into a new array. cold = a range no earlier call asked for (a new start "
             "each repetition, so the server computes it); warm = the same range again right "
             "after (served from the server's cache); new spec = cold, and the first table of "
-            "a spec the server has never seen (a new base each repetition); out= = warm into "
-            "an already-touched array. floor = the trivial server of this harness streaming "
+            "a spec the server has never seen (a new base each repetition); out= = into "
+            "an already-touched array (cold: another new range). floor = the trivial server "
+            "of this harness streaming "
             f"{f32_bytes // MIB} pre-built 1 MiB `bytes` messages (identity serializers), "
             "received with the SDK's channel options and each copied once into one "
             "already-touched numpy array: the least a client must do. local numpy = the same "
@@ -69,6 +70,7 @@ def run(
         "float32 cold",
         "float32 warm",
         "float32 warm, out=",
+        "float32 cold, out=",
         "float32 cold, new spec",
         "bfloat16 cold",
         "bfloat16 warm",
@@ -119,6 +121,14 @@ def run(
                         "float32 warm, out=",
                         posenc_pids,
                         lambda: client.get_range(start, start + rows, d_model, out=touched),
+                    )
+                    # Cold again, into the touched array: what is left without the new
+                    # array's fresh pages (a range of this repetition no call asked for).
+                    cold = start + 2**21
+                    measured(
+                        "float32 cold, out=",
+                        posenc_pids,
+                        lambda: client.get_range(cold, cold + rows, d_model, out=touched),
                     )
 
             def new_spec_unit(repeat: int) -> None:
@@ -210,6 +220,19 @@ def run(
             per_run_ratio("float32 cold", "local numpy float32"),
             ">=",
             4.0,
+        ),
+        runs_target(
+            "cold float32 get_range into out= / floor",
+            per_run_ratio("float32 cold, out=", "floor"),
+            "",
+            0.0,
+        ),
+        runs_target(
+            "end to end, both into an already-touched array: local plain numpy time / cold "
+            "float32 get_range time",
+            per_run_ratio("float32 cold, out=", "local numpy float32"),
+            "",
+            0.0,
         ),
         runs_target(
             "warm float32 get_range into out= / floor",
