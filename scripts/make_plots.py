@@ -43,7 +43,7 @@ def run(directory: Path) -> int:
             if code:
                 return code
     finally:
-        running.server.stop(0).wait()
+        running.stop(0)
     return 0
 
 

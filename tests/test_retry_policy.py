@@ -9,6 +9,7 @@ from posenc._retry import is_transient
 from posenc.errors import PosencError
 
 RESET = "Stream removed (RST_STREAM (Received RST_STREAM with error code 2))"
+ENDED = "Stream removed (Data frame with END_STREAM flag received)"
 
 
 def test_resource_exhausted_is_retried_only_when_the_server_says_when() -> None:
@@ -27,6 +28,9 @@ def test_resource_exhausted_is_retried_only_when_the_server_says_when() -> None:
         (grpc.StatusCode.UNAVAILABLE, "the server is shutting down", True),
         (grpc.StatusCode.INTERNAL, RESET, True),  # a proxy reset the stream
         (grpc.StatusCode.INTERNAL, "internal error; see the server log", False),
+        # nginx ended the stream without a status when its upstream replica was killed
+        (grpc.StatusCode.UNKNOWN, ENDED, True),
+        (grpc.StatusCode.UNKNOWN, "Exception calling application: boom", False),
         (grpc.StatusCode.CANCELLED, "CANCELLED", True),  # a server stopping as it arrived
         (grpc.StatusCode.CANCELLED, "Locally cancelled by application!", False),
         (grpc.StatusCode.CANCELLED, "Channel closed!", False),  # the client's close()

@@ -36,6 +36,7 @@ MAX_RETRY_BACKOFF: Final = 2.0
 _DETAILS_KEY: Final = "grpc-status-details-bin"
 # What gRPC says of a call cancelled by its own client (cancel(), or the channel's close()).
 _LOCAL_CANCELLATIONS: Final = frozenset({"Locally cancelled by application!", "Channel closed!"})
+_TRANSPORT_CODES: Final = frozenset({grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN})
 
 
 def _rich_status(error: grpc.RpcError) -> status_pb2.Status | None:
@@ -98,12 +99,13 @@ def is_transient(error: PosencError) -> bool:
     """Whether the same request may succeed when tried again.
 
     UNAVAILABLE; RESOURCE_EXHAUSTED when the server says when to retry (RetryInfo: it is at
-    a concurrency limit, unlike a request over a size limit); the INTERNAL that gRPC
-    reports when an HTTP/2 stream is reset under it (a proxy such as nginx resets a
-    client's stream when its upstream replica dies); and a CANCELLED this client did not
+    a concurrency limit, unlike a request over a size limit); the INTERNAL or UNKNOWN
+    "Stream removed" that gRPC reports when an HTTP/2 stream is reset or ended without a
+    status under it (a proxy such as nginx does either to a client's stream when its
+    upstream replica dies); and a CANCELLED this client did not
     cause: a gRPC server that stops cancels the calls that reached it in that instant,
     before any handler saw them (a replica stopping behind a balancer does it too). The
-    server's own INTERNAL is a bug and is not retried. Every posenc call only reads, so
+    server's own INTERNAL or UNKNOWN is a bug and is not retried. Every posenc call only reads, so
     repeating one is safe.
     """
     if error.code == grpc.StatusCode.UNAVAILABLE:
@@ -112,7 +114,9 @@ def is_transient(error: PosencError) -> bool:
         return error.details not in _LOCAL_CANCELLATIONS
     if error.code == grpc.StatusCode.RESOURCE_EXHAUSTED:
         return error.retry_after is not None
-    return error.code == grpc.StatusCode.INTERNAL and "RST_STREAM" in error.details
+    # gRPC's words for a stream its transport ended under it: reset (INTERNAL), or ended by
+    # the peer without a status (UNKNOWN: a proxy whose upstream replica was killed).
+    return error.code in _TRANSPORT_CODES and error.details.startswith("Stream removed")
 
 
 class Contact:
