@@ -28,6 +28,9 @@ from bench.floor import FloorClient
 TIMEOUT = 600.0
 # The local computation runs in slices of this many rows (its float64 temporaries stay small).
 _LOCAL_SLICE_ROWS = 1024
+_RIGHT_AFTER = "right after another was freed"
+_IDLE_SECONDS = 2.0
+_AFTER_IDLE = f"after the freed memory sat idle {_IDLE_SECONDS:.0f} s"
 
 
 def run(
@@ -62,7 +65,9 @@ def run(
             "gives medians over all repetitions (best: the fastest), the targets the median "
             "run (min - max of the runs), each run's ratio a ratio of its medians. CPU: user + "
             "system seconds of the server's processes (/proc/PID/stat) and of the harness "
-            "process (all its threads) during each call, per GiB of output."
+            "process (all its threads) during each call, per GiB of output. Last, what a "
+            "new result array's pages cost: a new array of the float32 size touched once "
+            "per page, right after another was freed, and after the freed memory sat idle."
         ),
     )
     names = [
@@ -253,7 +258,31 @@ def run(
             0.0,
         ),
     ]
+    # What a new result array's pages cost here: a fresh array touched right after another
+    # was freed, and after the freed memory sat idle for 2 s (a virtual machine whose host
+    # takes freed guest memory back faults it in again, from the host, on the next touch).
+    fresh: dict[str, list[float]] = {_RIGHT_AFTER: [], _AFTER_IDLE: []}
+    for _ in range(max(runs, 3)):
+        for name, idle in ((_RIGHT_AFTER, 0.0), (_AFTER_IDLE, _IDLE_SECONDS)):
+            np.ones(f32_bytes // 4, dtype=np.float32)  # allocated, touched and freed
+            time.sleep(idle)
+            t0 = time.perf_counter()
+            array = np.empty(f32_bytes // 4, dtype=np.float32)
+            array[::1024] = 0  # one write per 4 KiB page
+            fresh[name].append(time.perf_counter() - t0)
+            del array
+    section.tables.append(
+        Table(
+            f"a new {f32_bytes // MIB} MiB array, each page touched once",
+            ["when", "median ms", "min ms", "max ms"],
+            [
+                [name, *(f"{f(v) * 1e3:.0f}" for f in (median, min, max))]
+                for name, v in fresh.items()
+            ],
+        )
+    )
     section.data = {
+        "fresh_array_seconds": fresh,
         "runs": runs,
         "seconds": samples,
         "bytes": nbytes,
