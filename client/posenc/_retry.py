@@ -102,11 +102,10 @@ def is_transient(error: PosencError) -> bool:
     a concurrency limit, unlike a request over a size limit); the INTERNAL or UNKNOWN
     "Stream removed" that gRPC reports when an HTTP/2 stream is reset or ended without a
     status under it (a proxy such as nginx does either to a client's stream when its
-    upstream replica dies); and a CANCELLED this client did not
-    cause: a gRPC server that stops cancels the calls that reached it in that instant,
-    before any handler saw them (a replica stopping behind a balancer does it too). The
-    server's own INTERNAL or UNKNOWN is a bug and is not retried. Every posenc call only reads, so
-    repeating one is safe.
+    upstream replica dies); and a CANCELLED this client did not cause: a gRPC server that
+    stops cancels the calls that reached it in that instant, before any handler saw them (a
+    replica stopping behind a balancer does it too). The server's own INTERNAL or UNKNOWN
+    is a bug and is not retried. Every posenc call only reads, so repeating one is safe.
     """
     if error.code == grpc.StatusCode.UNAVAILABLE:
         return True
