@@ -42,6 +42,24 @@ def peak_rss_mib(pid: int) -> float:
     raise AssertionError("no VmHWM")
 
 
+class Recorder(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor):
+    """A client interceptor that records every call: its method, metadata and request."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, dict[str, str], Any]] = []
+
+    def _record(self, details: grpc.ClientCallDetails, request: Any) -> None:
+        self.calls.append((details.method, dict(details.metadata or ()), request))
+
+    def intercept_unary_unary(self, continuation: Any, details: Any, request: Any) -> Any:
+        self._record(details, request)
+        return continuation(details, request)
+
+    def intercept_unary_stream(self, continuation: Any, details: Any, request: Any) -> Any:
+        self._record(details, request)
+        return continuation(details, request)
+
+
 def same_bits(a: np.ndarray[Any, Any], b: np.ndarray[Any, Any]) -> bool:
     """Bit-for-bit equality (NaN-safe, and works for bfloat16)."""
     if a.shape != b.shape or a.dtype != b.dtype:

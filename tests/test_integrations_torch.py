@@ -16,11 +16,12 @@ import tracemalloc
 from collections.abc import Iterator
 from typing import Any
 
-import grpc
 import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch", reason="the conformance extra (make test installs it)")
+
+from conftest import Recorder  # noqa: E402
 
 import posenc  # noqa: E402
 from posenc import AsyncGrowingTable, GrowingTable  # noqa: E402
@@ -293,31 +294,13 @@ def test_growing_table_tensors_out_and_cos_sin(client: posenc.Client) -> None:
     assert table.get(np.array([5]), device="cpu").shape == (1, 32)
 
 
-class _Specs(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor):
-    """Records the rotary layout of every request a client sends."""
-
-    def __init__(self) -> None:
-        self.layouts: list[str] = []
-
-    def _record(self, request: Any) -> None:
-        self.layouts.append(pb.RopeLayout.Name(request.spec.rotary.layout))
-
-    def intercept_unary_unary(self, continuation: Any, details: Any, request: Any) -> Any:
-        self._record(request)
-        return continuation(details, request)
-
-    def intercept_unary_stream(self, continuation: Any, details: Any, request: Any) -> Any:
-        self._record(request)
-        return continuation(details, request)
-
-
 def test_a_transformers_rotary_table_travels_and_is_held_as_halves(server: Any) -> None:
     """transformers' rotary rows repeat each half ([c, c | s, s]): the table asks for vLLM's
     rows ([c | s], half the bytes) and holds those, and every read repeats the halves, bit
     for bit the server's transformers rows; max_bytes counts what is held."""
-    specs = _Specs()
+    recorder = Recorder()
     with (
-        posenc.Client(server.target, interceptors=[specs]) as client,
+        posenc.Client(server.target, interceptors=[recorder]) as client,
         posenc.Client(server.target) as direct,
     ):
         # 16 held float32 columns a row (the table's rows are 32 wide): 64 bytes a row.
@@ -338,7 +321,8 @@ def test_a_transformers_rotary_table_travels_and_is_held_as_halves(server: Any) 
         assert np.array_equal(whole, direct.get_range(0, 200, ROTARY))
         with pytest.raises(posenc.ResourceExhaustedError):
             table.reserve(201)
-    assert specs.layouts and set(specs.layouts) == {"ROPE_LAYOUT_VLLM"}
+    layouts = {pb.RopeLayout.Name(request.spec.rotary.layout) for _, _, request in recorder.calls}
+    assert recorder.calls and layouts == {"ROPE_LAYOUT_VLLM"}
 
 
 def test_concurrent_readers_see_consistent_rows(client: posenc.Client) -> None:

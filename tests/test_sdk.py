@@ -19,7 +19,7 @@ import grpc.aio
 import ml_dtypes
 import numpy as np
 import pytest
-from conftest import ServerProcess, free_port, same_bits
+from conftest import Recorder, ServerProcess, free_port, same_bits
 from google.protobuf import any_pb2
 from google.rpc import error_details_pb2, status_pb2
 from prometheus_client import REGISTRY
@@ -616,24 +616,6 @@ def test_user_options_override_the_sdk_defaults() -> None:
     assert options["grpc.max_receive_message_length"] >= 8 << 20
 
 
-class Recorder(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor):
-    """Records the method and metadata of every call."""
-
-    def __init__(self) -> None:
-        self.calls: list[tuple[str, dict[str, str]]] = []
-
-    def _record(self, details: grpc.ClientCallDetails) -> None:
-        self.calls.append((details.method, dict(details.metadata or ())))
-
-    def intercept_unary_unary(self, continuation: Any, details: Any, request: Any) -> Any:
-        self._record(details)
-        return continuation(details, request)
-
-    def intercept_unary_stream(self, continuation: Any, details: Any, request: Any) -> Any:
-        self._record(details)
-        return continuation(details, request)
-
-
 def test_interceptors_see_every_call_and_the_token_travels_as_call_credentials(
     server_factory: Callable[..., RunningServer], tmp_path: Path
 ) -> None:
@@ -649,10 +631,10 @@ def test_interceptors_see_every_call_and_the_token_travels_as_call_credentials(
         client.get_range(0, 1 << 20, 8)  # 32 MiB: streamed
         client.server_info()
         client.health()
-    methods = [method.rsplit("/", 1)[-1] for method, _ in recorder.calls]
+    methods = [method.rsplit("/", 1)[-1] for method, _, _ in recorder.calls]
     assert methods == ["GetEncoding", "StreamEncoding", "GetServerInfo", "Check"]
     # gRPC adds the token below the interceptors, only on channels that protect it.
-    assert not any("authorization" in metadata for _, metadata in recorder.calls)
+    assert not any("authorization" in metadata for _, metadata, _ in recorder.calls)
 
 
 def test_context_manager_closes_the_channel(server: RunningServer) -> None:
