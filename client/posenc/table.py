@@ -134,10 +134,16 @@ class _Plan:
         return 0 if rows is None else int(rows.shape[0])
 
     @property
+    def held_width(self) -> int | None:
+        """The held rows' width (what memory holds), once a fetch told it."""
+        rows = self.rows
+        return None if rows is None else int(rows.shape[1])
+
+    @property
     def width(self) -> int | None:
         """The table's width (the held rows' width, twice it when halves are repeated)."""
-        rows = self.rows
-        return None if rows is None else int(rows.shape[1]) * (2 if self.repeat else 1)
+        held = self.held_width
+        return None if held is None else held * (2 if self.repeat else 1)
 
     def view(self, stop: int | None) -> npt.NDArray[Any]:
         rows = self.rows
@@ -169,7 +175,7 @@ class _Plan:
 
     def reserve(self, stop: int) -> _Steps[None]:
         """Hold at least rows ``[0, stop)``; ResourceExhaustedError past ``max_bytes``."""
-        held, width = self.held, None if self.rows is None else int(self.rows.shape[1])
+        held, width = self.held, self.held_width
         if stop <= held:
             return
         yield _GROW
@@ -204,8 +210,8 @@ class _Plan:
         past = np.unique(positions[positions >= held])
         if past.size == 0:
             return
-        if self.rows is not None:
-            past = past[past < self._max_rows(int(self.rows.shape[1]))]
+        if (width := self.held_width) is not None:
+            past = past[past < self._max_rows(width)]
         # The i-th position past the end is worth growing to if the rows it adds are at
         # most _SPARSE times the positions of the request they cover.
         covered = _SPARSE * np.arange(1, past.size + 1)
