@@ -398,6 +398,31 @@ def test_64_clients_with_a_million_positions_each_all_succeed_within_the_budget(
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
+def test_connections_that_sent_large_requests_do_not_keep_large_read_buffers(
+    spawn_server: Callable[..., ServerProcess],
+) -> None:
+    """64 connections each send one request of a million positions (10 MB), one after the
+    other, and stay open. The in-flight budget frees each call's memory when it ends, but
+    gRPC sized each connection's read buffer by its largest reads and kept it: 1.6 MiB a
+    connection, 100 MiB in all, counted nowhere. Capped, they keep a fraction of that."""
+    server = spawn_server(0)
+    positions = np.arange(1 << 20, dtype=np.int64)
+    clients = [posenc.Client(server.target, timeout=60) for _ in range(64)]
+    try:
+        for client in clients:  # every connection open, with its small buffers
+            client.get_range(0, 1, 8)
+        before = current_rss_mib(server.process.pid)
+        for client in clients:
+            assert client.get_positions(positions, 1, dtype="float16").shape == (1 << 20, 1)
+        # One call's own memory is given back when it ends (and the heap trimmed after).
+        assert settled_rss_mib(server.process.pid, before + 40) <= before + 40
+    finally:
+        for client in clients:
+            client.close()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
 def test_64_raw_calls_of_a_million_positions_stay_within_the_budget(
     spawn_server: Callable[..., ServerProcess],
 ) -> None:

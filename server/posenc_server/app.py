@@ -44,6 +44,8 @@ T = TypeVar("T")
 log = logging.getLogger("posenc_server")
 
 _CONNECTION_AGE_GRACE_MS = 30_000
+# The most a connection holds to read into (see the server options).
+_READ_BUFFER_BYTES = 64 << 10
 # How long a client turned away for lack of in-flight memory is told to wait.
 _ADMISSION_RETRY_AFTER = 0.2
 # A call whose request has not arrived this long after it was admitted to read it gives its
@@ -298,6 +300,11 @@ async def _start(
             # window until its handler reads it: with it, gRPC let every client send about
             # 10 MB per call before any handler asked (64 calls: 680 MB held).
             ("grpc.http2.bdp_probe", 0),
+            # gRPC sizes a connection's read buffer by its largest recent reads and keeps it
+            # while the connection lives: 64 connections that had each sent a 10 MB request
+            # held 100 MiB, outside the in-flight budget. Capped, they hold 26 MiB, and
+            # large requests arrive as fast.
+            ("grpc.experimental.tcp_max_read_buffer_size", _READ_BUFFER_BYTES),
             # Clients re-resolve names only when a connection closes: closing connections
             # now and then lets them find replicas added since (the SDK resumes cut streams).
             ("grpc.max_connection_age_ms", int(config.max_connection_age_seconds * 1000)),
