@@ -83,7 +83,7 @@ def health_latency(target: str, checks: int = 20) -> str:
                 )
                 slowest = max(slowest, time.perf_counter() - started)
         except grpc.RpcError as error:
-            return f"failed: {error.code().name}"  # type: ignore[attr-defined]
+            return f"failed: {error.code().name}"
     return f"{slowest * 1000:.1f} ms"
 
 
@@ -175,10 +175,12 @@ def raw_million() -> None:
         options = [("grpc.max_send_message_length", 16 << 20)]
         with grpc.insecure_channel(server.target, options=options) as channel:
             try:
-                channel.unary_unary(GET_ENCODING)(request, timeout=60)
+                channel.unary_unary(
+                    GET_ENCODING, request_serializer=None, response_deserializer=None
+                )(request, timeout=60)
                 codes.append("OK")
             except grpc.RpcError as error:
-                codes.append(error.code().name)  # type: ignore[attr-defined]
+                codes.append(error.code().name)
 
     threads = [threading.Thread(target=fetch) for _ in range(64)]
     for thread in threads:
@@ -201,7 +203,11 @@ def labels() -> None:
     with grpc.insecure_channel(server.target) as channel:
         for index in range(2000):
             with contextlib.suppress(grpc.RpcError):
-                channel.unary_unary(f"/evil.v1.Made{index}/Up{index}")(b"", timeout=5)
+                channel.unary_unary(
+                    f"/evil.v1.Made{index}/Up{index}",
+                    request_serializer=None,
+                    response_deserializer=None,
+                )(b"", timeout=5)
     print(
         f"labels: 2,000 unauthenticated calls to made-up methods: /metrics {before} -> "
         f"{len(server.metrics_page())} bytes"

@@ -86,7 +86,7 @@ def run(sizes: Sizes) -> Section:
         ),
     )
     servers = {n: procs.start_posenc(["--processes", str(n)]) for n in (1, 2)}
-    kinds = {
+    kinds: dict[str, tuple[int, dict[str, Any]]] = {
         "1 process": (1, {}),
         "2 processes": (2, {}),
         "2 processes, connections=1": (2, {"connections": 1}),
