@@ -43,10 +43,11 @@ _RECONNECT_OPTIONS: Final = (
 )
 #: Connections a client opens to each server address. A server's worker processes share its
 #: port (SO_REUSEPORT), and the kernel hands each *connection* to one of them, so a client
-#: on one connection reaches one process however many the server runs. With 4 connections
-#: the kernel spreads them over the processes at random: all 4 on one of 2 processes with
-#: probability 1/8, and with 4 processes 2.7 of them reached on average.
-DEFAULT_CONNECTIONS: Final = 4
+#: on one connection reaches one process however many the server runs. The kernel spreads
+#: connections over the processes at random: with 8, all on one of 2 processes with
+#: probability 1/128 (with 4 it was 1/8, and a benchmark run drew it), 3.6 of 4 processes
+#: reached on average, 5.3 of 8.
+DEFAULT_CONNECTIONS: Final = 8
 #: The most a connection holds to read into (the server caps its own the same way).
 READ_BUFFER_BYTES: Final = 64 << 10
 _MAX_CONNECTIONS: Final = 64
