@@ -204,9 +204,18 @@ def one_heap() -> None:
     server's system time per stream halved. The threads' allocations are few and large (a
     block's message, numpy's passes), so one heap's lock costs nothing measurable here.
     """
+    mallopt = _glibc("mallopt")
+    if mallopt is not None:
+        mallopt(_M_ARENA_MAX, 1)
+
+
+def _glibc(name: str) -> Callable[..., int] | None:
+    """glibc's function ``name`` (Linux), else None. ctypes calls it without the GIL."""
     if sys.platform.startswith("linux"):
         with contextlib.suppress(OSError, AttributeError):
-            ctypes.CDLL(None).mallopt(_M_ARENA_MAX, 1)
+            function: Callable[..., int] = getattr(ctypes.CDLL(None), name)
+            return function
+    return None
 
 
 def _resident_bytes() -> int | None:
@@ -237,10 +246,7 @@ def housekeeping(running: RunningServer, stop: threading.Event) -> None:
     more than it accounts for: its size at start, the cache, the bytes of calls in flight
     and ``_HEAP_SLACK_BYTES``.
     """
-    malloc_trim: Callable[[int], int] | None = None
-    if sys.platform.startswith("linux"):
-        with contextlib.suppress(OSError, AttributeError):
-            malloc_trim = ctypes.CDLL(None).malloc_trim  # called without the GIL
+    malloc_trim = _glibc("malloc_trim")
     service, budget = running.service, running.budget
     baseline = _resident_bytes()
     evictions = released = 0
