@@ -106,6 +106,20 @@ def as_positions(positions: npt.ArrayLike) -> npt.NDArray[np.int64]:
     return np.array(array, dtype=np.int64)
 
 
+def distinct(positions: npt.NDArray[np.int64]) -> npt.NDArray[np.int64]:
+    """The distinct values of ``positions``, sorted: ``np.unique`` by a sort and a mask.
+
+    numpy 2.4's ``np.unique`` (values only) hashes them first, which takes about 30 times
+    as long on 10^5 positions (35 ms, a third of a cold prefill table's fetch) and 80 times
+    on 10^6.
+    """
+    ordered = np.sort(positions)
+    keep = np.empty(ordered.shape, dtype=bool)
+    keep[:1] = True
+    np.not_equal(ordered[1:], ordered[:-1], out=keep[1:])
+    return ordered[keep]
+
+
 def check_chunk_bytes(chunk_bytes: object) -> int | None:
     """Validates a ``chunk_bytes=`` argument (None: the server's default chunk size)."""
     if chunk_bytes is None:

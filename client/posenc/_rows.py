@@ -34,7 +34,7 @@ import numpy.typing as npt
 
 from posenc._channel import DEFAULT_UNARY_MAX_BYTES
 from posenc._checks import INT64_MAX
-from posenc._query import Query
+from posenc._query import Query, distinct
 
 DEFAULT_ROW_CACHE_BYTES = 64 << 20
 # One default unary call. Measured on a 64-sequence step of 1 MiB, fetching several steps
@@ -370,7 +370,7 @@ class RowPlan:
                 np.arange(int(lengths.sum()), dtype=np.int64) - np.repeat(first_rows, lengths)
             )
             # Windows of nearby sequences overlap: each row once.
-            positions = np.unique(windows)
+            positions = distinct(windows)
             self.fetch = dataclasses.replace(
                 query, rows=positions.size, positions=positions, out=None
             )

@@ -38,7 +38,7 @@ import numpy as np
 import numpy.typing as npt
 
 from posenc._output import Output, is_torch_dtype, positions_of
-from posenc._query import as_positions, numpy_dtype
+from posenc._query import as_positions, distinct, numpy_dtype
 from posenc.errors import ResourceExhaustedError
 from posenc.spec import Spec
 from posenc.types import DEFAULT, DTypeArg, Table, Timeout
@@ -207,7 +207,7 @@ class _Plan:
         end (within the next extension) or dense enough to fill what they add; the others
         (sparse, far) are fetched for the call."""
         held = self.held
-        past = np.unique(positions[positions >= held])
+        past = distinct(positions[positions >= held])
         if past.size == 0:
             return
         if (width := self.held_width) is not None:
