@@ -386,10 +386,19 @@ def test_readme_records_the_measured_drift() -> None:
     header = measured.splitlines()[0]
     assert header in readme, "README lacks the drift table of scripts/conformance_drift.py"
     start = readme.index(header)
-    recorded = readme[start : start + len(measured)]
-    assert recorded == measured, (
-        "README's drift table is stale: run python scripts/conformance_drift.py\n" + measured
-    )
+    recorded = readme[start:].split("\n\n", 1)[0].strip().splitlines()
+    rows = measured.strip().splitlines()
+    stale = "README's drift table is stale: run python scripts/conformance_drift.py\n" + measured
+    assert len(recorded) == len(rows), stale
+    assert recorded[:2] == rows[:2], stale  # the header and its rule
+    for line, measured_line in zip(recorded[2:], rows[2:], strict=True):
+        cells = [cell.strip() for cell in line.strip("|").split("|")]
+        expected = [cell.strip() for cell in measured_line.strip("|").split("|")]
+        assert cells[:2] == expected[:2], stale
+        # The float32 tables' errors move by a few percent between CPUs (numpy and torch
+        # take other vector paths for sin and cos): the figures must agree, not their digits.
+        for cell, value in zip(cells[2:], expected[2:], strict=True):
+            assert float(cell) == pytest.approx(float(value), rel=0.1), stale
 
 
 # -- at large positions: the accuracy contract, for the same configs ------------------------
