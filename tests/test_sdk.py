@@ -6,11 +6,15 @@ generated stubs, without the SDK), and the server is observed through its own co
 
 from __future__ import annotations
 
+import asyncio
 import ipaddress
 import logging
+import os
+import signal
 import threading
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -542,9 +546,94 @@ def test_one_client_reaches_every_process(spawn_server: Callable[..., ServerProc
         assert same_bits(single.get_range(0, 100, 16), table)
 
 
+def cpu_seconds(pid: int) -> float:
+    """User and system CPU time of process ``pid``."""
+    with open(f"/proc/{pid}/stat") as stat:
+        fields = stat.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def worker_pids(supervisor_pid: int) -> list[int]:
+    workers = set()
+    for task in os.listdir(f"/proc/{supervisor_pid}/task"):
+        with open(f"/proc/{supervisor_pid}/task/{task}/children") as listing:
+            workers.update(int(pid) for pid in listing.read().split())
+    return sorted(workers)
+
+
+@pytest.mark.slow  # starts servers of two processes and of one
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(
+    ("width", "asynchronous"),
+    [(None, False), (256, False), (None, True)],
+    ids=["new-table", "known-width", "async"],
+)
+def test_a_large_range_is_computed_by_every_server_process(
+    spawn_server: Callable[..., ServerProcess], width: int | None, asynchronous: bool
+) -> None:
+    """A range of 128 MiB is fetched in parts, one per process, at once: each process
+    computes its part (its CPU time shows it), and the parts make the exact table that a
+    server of one process sends in one stream."""
+    process = spawn_server(0, "--processes", "2")
+    workers = worker_pids(process.process.pid)
+    assert len(workers) == 2
+    rows = 1 << 16
+    table = posenc.Spec("rotary", head_dim=256, rope_theta=123457.0)
+    before = [cpu_seconds(pid) for pid in workers]
+    if asynchronous:
+
+        async def fetch() -> np.ndarray[Any, Any]:
+            async with posenc.AsyncClient(process.target, connections=16) as client:
+                return await client.get_range(10**9, 10**9 + rows, table)
+
+        spread = asyncio.run(fetch())
+    else:
+        with posenc.Client(process.target, connections=16) as client:
+            if width is not None:
+                client.get_range(0, 1, table)  # the width is known before the large range
+                before = [cpu_seconds(pid) for pid in workers]
+            spread = client.get_range(10**9, 10**9 + rows, table)
+    used = [cpu_seconds(pid) - start for pid, start in zip(workers, before, strict=True)]
+    # 16 connections all reaching one of 2 processes: probability 2**-15.
+    assert min(used) > 0.25 * sum(used), f"server processes' CPU seconds: {used}"
+    single = spawn_server(0)
+    with posenc.Client(single.target, connections=1) as one:
+        whole = one.get_range(10**9, 10**9 + rows, table)
+    assert spread.shape == (rows, 512)  # cos and sin
+    assert same_bits(spread, whole)
+
+
+@pytest.mark.slow  # starts servers of two processes and of one
+@pytest.mark.timeout(180)
+def test_a_range_in_parts_survives_a_worker_killed_mid_stream(
+    spawn_server: Callable[..., ServerProcess],
+) -> None:
+    """A worker killed while it streams its part of a range: that part resumes (on another
+    connection, so another process or the worker's replacement) and the table is exact."""
+    process = spawn_server(0, "--processes", "2")
+    workers = worker_pids(process.process.pid)
+    rows, width = 1 << 18, 256  # 256 MiB in 64 KiB chunks
+    with (
+        posenc.Client(process.target, connections=16, chunk_bytes=64 << 10, timeout=120) as client,
+        posenc.Client(process.target, timeout=10) as watcher,
+        ThreadPoolExecutor(1) as executor,
+    ):
+        fetch = executor.submit(client.get_range, 10**6, 10**6 + rows, width)
+        deadline = time.monotonic() + 60
+        while watcher.server_info().rows_computed < rows // 4:
+            assert time.monotonic() < deadline and not fetch.done()
+            time.sleep(0.02)
+        os.kill(workers[0], signal.SIGKILL)
+        table = fetch.result(timeout=120)
+    with posenc.Client(spawn_server(0).target, connections=1, timeout=120) as one:
+        assert same_bits(table, one.get_range(10**6, 10**6 + rows, width))
+
+
 @pytest.mark.slow  # starts a server of two processes
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("rows", [256, 8192], ids=["unary", "stream"])
+@pytest.mark.parametrize(
+    "rows", [256, 8192, 1 << 15], ids=["unary", "stream", "streams-from-every-process"]
+)
 def test_a_range_asked_again_is_served_from_the_cache_it_filled(
     spawn_server: Callable[..., ServerProcess], rows: int
 ) -> None:
@@ -624,8 +713,9 @@ def test_interceptors_see_every_call_and_the_token_travels_as_call_credentials(
     server = server_factory(auth_token_file=str(token_file))
     recorder = Recorder()
     local = grpc.local_channel_credentials()
+    # One connection: a large range goes in one stream (over several, in parts).
     with posenc.Client(
-        server.target, token="t0k3n", credentials=local, interceptors=[recorder]
+        server.target, token="t0k3n", credentials=local, interceptors=[recorder], connections=1
     ) as client:
         client.get_range(0, 10, 8)
         client.get_range(0, 1 << 20, 8)  # 32 MiB: streamed

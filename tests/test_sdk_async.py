@@ -177,7 +177,7 @@ def test_cancelling_the_task_cancels_the_call(server: RunningServer) -> None:
     async def cancel(client: posenc.AsyncClient) -> bool:
         before = streams_in_flight()
         task = asyncio.ensure_future(client.get_range(0, 1 << 20, 256, timeout=None))
-        assert await until_streams(before + 1)
+        assert await until_streams(before + 1)  # one server process: one stream
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task

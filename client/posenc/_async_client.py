@@ -60,9 +60,8 @@ class AsyncClient(
         self._channels: list[grpc.aio.Channel] = []
         self._pool: Pool | None = None
 
-    def _connect(self, affinity: int | None = None) -> Calls:
-        """The calls on the next channel (see :class:`posenc._channel.Pool`), creating the
-        channels at first use.
+    def _connect(self) -> Pool:
+        """The client's channels (see :class:`posenc._channel.Pool`), created at first use.
 
         A grpc.aio channel belongs to the event loop it is created in, and clients are often
         built before ``asyncio.run``: creating them in the first call puts them in the right
@@ -87,7 +86,7 @@ class AsyncClient(
                     )
                 self._channels.append(channel)
             self._pool = Pool([Calls(channel) for channel in self._channels])
-        return self._pool.pick(affinity)
+        return self._pool
 
     async def __aenter__(self) -> AsyncClient:
         return self
@@ -129,16 +128,22 @@ class AsyncClient(
 
     async def _perform(self, operation: core.Operation) -> Any:
         if isinstance(operation, core.NextChunk):
-            chunk = await operation.call.read()
+            stream = operation.call
+            chunk = await stream.call.read()
+            if not stream.heard:  # the metadata came before the first chunk
+                stream.heard = True
+                self._core.servers.learn(stream.channel, await stream.call.initial_metadata())
             return None if chunk is _EOF else chunk
         if isinstance(operation, core.Unary):
-            method = getattr(self._connect(_affinity(operation.affinity)), operation.method)
+            method = getattr(self._connect().pick(_affinity(operation.affinity)), operation.method)
             return await method(operation.request, timeout=operation.timeout)
         if isinstance(operation, core.OpenStream):
-            return self._connect(_affinity(operation.affinity)).stream_encoding(
-                operation.request,
-                timeout=operation.timeout,
-            )
+            pool = self._connect()
+            channel = operation.channel
+            if channel is None:
+                channel = pool.choose(_affinity(operation.affinity))
+            call = pool[channel].stream_encoding(operation.request, timeout=operation.timeout)
+            return core.Stream(call, channel)
         if isinstance(operation, core.Sleep):
             return await asyncio.sleep(operation.seconds)
         if isinstance(operation, core.Wait):

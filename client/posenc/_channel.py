@@ -285,7 +285,58 @@ class Pool:
         # itertools.count is one C call: threads sharing the client each get their own turn.
         self._turns = itertools.count()
 
+    def choose(self, affinity: int | None = None) -> int:
+        """The index of the next channel, or of the one that ``affinity`` keeps."""
+        turn = next(self._turns) if affinity is None else affinity
+        return turn % len(self._calls)
+
     def pick(self, affinity: int | None = None) -> Calls:
         """The calls of the next channel, or of the one that ``affinity`` keeps."""
-        turn = next(self._turns) if affinity is None else affinity
-        return self._calls[turn % len(self._calls)]
+        return self._calls[self.choose(affinity)]
+
+    def __getitem__(self, channel: int) -> Calls:
+        return self._calls[channel]
+
+
+class Servers:
+    """Which server process each of a client's channels reached, as its streams' initial
+    metadata said (``posenc.wire.SERVER_ID_METADATA``), so that the parts of a large range
+    go to distinct processes.
+
+    A server process computes a stream's blocks with about one core (its Python holds the
+    GIL): a range fetched in parts from two processes is computed by two. A connection that reconnects may reach another process: every stream's
+    metadata updates the channel's entry. Thread-safe (one list item is set at a time).
+    """
+
+    #: The most parts a range is fetched in.
+    MAX_PARTS: Final = 8
+
+    def __init__(self, channels: int) -> None:
+        self._of: list[str | None] = [None] * channels
+
+    def learn(self, channel: int, metadata: Iterable[tuple[str, Any]] | None) -> None:
+        """Records the process that a stream over ``channel`` reached ("" when its metadata
+        does not say: a server that does not name its processes is not asked again)."""
+        self._of[channel] = next(
+            (str(value) for key, value in metadata or () if key == wire.SERVER_ID_METADATA), ""
+        )
+
+    def unknown(self) -> list[int]:
+        """The channels no stream went over yet (or none that ended well)."""
+        return [index for index, server in enumerate(self._of) if server is None]
+
+    def parts(self) -> int:
+        """How many parts a large range is fetched in: one per server process known."""
+        known = len({server for server in self._of if server})
+        return max(min(known, self.MAX_PARTS), 1)
+
+    def channel(self, part: int) -> int:
+        """The channel of a range's part ``part``: the first channel (in channel order) to
+        each known process, so that the parts of a range asked for again go where they
+        went and find their blocks cached there."""
+        first: dict[str, int] = {}
+        for index, server in enumerate(self._of):
+            if server:
+                first.setdefault(server, index)
+        order = list(first.values()) or [0]
+        return order[part % len(order)]

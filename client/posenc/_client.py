@@ -130,12 +130,18 @@ class Client(BaseClient[Result, ServerInfo, str, Iterator[Slice]]):
             method = getattr(self._pool.pick(_affinity(operation.affinity)), operation.method)
             return method(operation.request, timeout=operation.timeout)
         if isinstance(operation, core.NextChunk):
-            return next(operation.call, None)
+            stream = operation.call
+            chunk = next(stream.call, None)
+            if not stream.heard:  # the metadata came before the first chunk
+                stream.heard = True
+                self._core.servers.learn(stream.channel, stream.call.initial_metadata())
+            return chunk
         if isinstance(operation, core.OpenStream):
-            return self._pool.pick(_affinity(operation.affinity)).stream_encoding(
-                operation.request,
-                timeout=operation.timeout,
-            )
+            channel = operation.channel
+            if channel is None:
+                channel = self._pool.choose(_affinity(operation.affinity))
+            call = self._pool[channel].stream_encoding(operation.request, timeout=operation.timeout)
+            return core.Stream(call, channel)
         if isinstance(operation, core.Sleep):
             return time.sleep(operation.seconds)
         if isinstance(operation, core.Wait):

@@ -12,18 +12,19 @@ driver of a few lines and the operations' I/O.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import zlib
 from collections.abc import Awaitable, Callable, Generator, Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any, Generic, TypeAlias, TypeVar
+from typing import Any, Final, Generic, TypeAlias, TypeVar
 
 import grpc
 import numpy as np
 import numpy.typing as npt
 from grpc_health.v1 import health_pb2
 
-from posenc._channel import Settings
+from posenc._channel import Servers, Settings
 from posenc._checks import bad_argument
 from posenc._cursor import StreamCursor, decode_unary
 from posenc._output import Output, is_tensor, is_torch_dtype, positions_of, torch_dtype_name
@@ -51,6 +52,7 @@ from posenc._rows import (
 )
 from posenc.errors import (
     ClientClosedError,
+    InternalError,
     InvalidArgumentError,
     NotFoundError,
     ResourceExhaustedError,
@@ -60,6 +62,10 @@ from posenc.types import DEFAULT, DTypeArg, ServerInfo, Timeout, server_info_fro
 from posenc.v1 import posenc_pb2 as pb
 
 T = TypeVar("T")
+#: A range of at least this many rows is fetched in parts from several server processes at
+#: once (see ``Core._spread``), each part at least half of it. By rows, not bytes: a range
+#: asked for again must be split as it was, whether or not its width is known by then.
+SPREAD_MIN_ROWS: Final = 32768
 Rows: TypeAlias = npt.NDArray[Any]
 #: What a table method returns: a numpy array, a ``torch.Tensor``, or a ``(cos, sin)`` pair of
 #: either (see :mod:`posenc._output`).
@@ -88,19 +94,34 @@ class Unary:
 
 @dataclass(frozen=True, slots=True)
 class OpenStream:
-    """Start a StreamEncoding call; the call object is sent back. ``affinity`` as for
-    :class:`Unary`."""
+    """Start a StreamEncoding call over ``channel`` (an index into the client's channels),
+    else as ``affinity`` says (as for :class:`Unary`); a :class:`Stream` is sent back."""
 
     request: pb.StreamEncodingRequest
     timeout: float | None
     affinity: int | None = None
+    channel: int | None = None
+
+
+@dataclass(slots=True)
+class Stream:
+    """A StreamEncoding call, and the channel it went over: its initial metadata, read at
+    its first chunk, tells :class:`posenc._channel.Servers` which process that reached."""
+
+    call: Any
+    channel: int
+    heard: bool = False
+
+    def cancel(self) -> None:
+        self.call.cancel()
 
 
 @dataclass(frozen=True, slots=True)
 class NextChunk:
-    """Read the next response of stream ``call``; None is sent back at its end."""
+    """Read the next response of ``call`` (a :class:`Stream`); None is sent back at its
+    end."""
 
-    call: Any
+    call: Stream
 
 
 @dataclass(frozen=True, slots=True)
@@ -189,7 +210,34 @@ class Stepper(Generic[T]):
         return self
 
     def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Closes the steps (a stream left open is cancelled)."""
         self._steps.close()
+
+
+def _together(parts: list[Steps[None]]) -> Steps[None]:
+    """Runs the steps of several streams in turn, a chunk of each at a time, so that the
+    server processes they went to compute and send at once (each stream's steps see their
+    own outcomes, errors included, and retry as they would alone). Closing it (or a
+    part's failure) closes them all, which cancels their calls."""
+    running = [Stepper(part) for part in parts]
+    try:
+        while running:
+            for stepper in list(running):
+                while (operation := stepper.next()) is not None:
+                    try:
+                        stepper.send((yield operation))
+                    except grpc.RpcError as error:
+                        stepper.throw(error)
+                    if isinstance(operation, NextChunk):
+                        break  # the next stream's turn
+                else:
+                    running.remove(stepper)
+    finally:
+        for stepper in running:
+            stepper.close()
 
 
 def _over_a_limit(error: grpc.RpcError) -> bool:
@@ -237,6 +285,7 @@ class Core:
         self.settings = settings
         self.rows = rows
         self.widths = Widths()
+        self.servers = Servers(settings.connections)
         self._new_token = new_token
         self._contact = Contact(settings.target)
         # Set by the clients' close(); every call starts at budget(), so one check refuses all.
@@ -453,6 +502,11 @@ class Core:
             for part in parts:
                 tables.append((yield from self._fetch(part, budget, unary_max_bytes)))
             return np.concatenate(tables)
+        if self._large_range(query):
+            if self.servers.unknown():
+                yield from self._survey(query, budget)
+            if (spread := self._parts(query)) > 1:
+                return (yield from self._spread(query, budget, spread))
         unary_max = self.settings.unary_max_bytes if unary_max_bytes is None else unary_max_bytes
         size = query.nbytes
         if size is None:
@@ -472,18 +526,84 @@ class Core:
         yield from self._stream(cursor, budget)
         return cursor.result()
 
+    def _large_range(self, query: Query) -> bool:
+        """Whether ``query`` is a range fetched in parts (see :meth:`_spread`)."""
+        return (
+            self.settings.connections > 1
+            and query.positions is None
+            and query.rows >= SPREAD_MIN_ROWS
+        )
+
+    def _parts(self, query: Query) -> int:
+        """How many parts a large range is fetched in: one per server process the client's
+        channels reach (parts of at least half ``SPREAD_MIN_ROWS`` rows)."""
+        return min(self.servers.parts(), query.rows // (SPREAD_MIN_ROWS // 2))
+
+    def _survey(self, query: Query, budget: CallBudget) -> Steps[None]:
+        """Learns which server process each channel not known yet reaches: an empty range
+        of ``query``'s table streamed over each at once (its metadata names the process).
+        A channel whose stream fails stays unknown (asked again at the next large range);
+        the call itself goes on."""
+
+        def hello(channel: int) -> Steps[None]:
+            request = dataclasses.replace(query, rows=0).stream_request(0, None)
+            call = yield OpenStream(request, budget.attempt_timeout(), channel=channel)
+            try:
+                while (yield NextChunk(call)) is not None:
+                    pass
+            except grpc.RpcError:
+                pass
+            finally:
+                call.cancel()
+
+        yield from _together([hello(channel) for channel in self.servers.unknown()])
+
+    def _spread(self, query: Query, budget: CallBudget, parts: int) -> Steps[Rows]:
+        """A large range fetched in ``parts`` streams at once, each over a channel to a
+        different server process (see :class:`posenc._channel.Servers`), into one result.
+
+        One stream is computed by one server process, at most one core of it; parts going
+        to two processes are computed by two cores. Each part's rows are copied into their
+        place in the result (allocated when the first chunk tells the width), and an
+        interrupted part resumes on its own.
+        """
+        result: list[Rows] = []
+
+        def into(first: int, stop: int, columns: int) -> Rows:
+            if not result:
+                result.append(query.allocate(columns))
+            elif result[0].shape[1] != columns:
+                raise InternalError(
+                    f"server sent {columns} columns, then {result[0].shape[1]} in the same table"
+                )
+            return result[0][first:stop]
+
+        streams = []
+        for part in range(parts):
+            first, stop = query.rows * part // parts, query.rows * (part + 1) // parts
+            piece = dataclasses.replace(query, start=query.start + first, rows=stop - first)
+            cursor = self._cursor(piece, collect=True)
+            cursor.into = functools.partial(into, first, stop)
+            streams.append(self._stream(cursor, budget, channel=self.servers.channel(part)))
+        yield from _together(streams)
+        return result[0]
+
     def _stream(
-        self, cursor: StreamCursor, budget: CallBudget, output: Output | None = None
+        self,
+        cursor: StreamCursor,
+        budget: CallBudget,
+        output: Output | None = None,
+        channel: int | None = None,
     ) -> Steps[None]:
-        """The cursor's chunks (delivered unless it collects them); an interrupted call
-        resumes with the missing rows."""
+        """The cursor's chunks (delivered unless it collects them), over ``channel`` when
+        given; an interrupted call resumes with the missing rows."""
         collect = cursor.collect
         affinity = _affinity(cursor.query)
         while True:
-            call = yield OpenStream(cursor.request(), budget.attempt_timeout(), affinity)
+            call = yield OpenStream(cursor.request(), budget.attempt_timeout(), affinity, channel)
             # A stream that resumes, or goes on with its next part, takes the next
             # connection: the one that failed may be gone.
-            affinity = None
+            affinity = channel = None
             try:
                 while (chunk := (yield NextChunk(call))) is not None:
                     label, rows = cursor.accept(chunk)

@@ -7,6 +7,7 @@ table is whatever the server's ``columns`` say (the same in every response of a 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -79,6 +80,9 @@ class StreamCursor:
         self._stop = 0  # the row after the current call's selection
         self._max_rows: int | None = None  # rows per call, once a call was over the limit
         self.collect = collect
+        #: Where collected rows go, given the width: the query's result (or a part of a
+        #: larger one: see ``Core._spread``).
+        self.into: Callable[[int], np.ndarray[Any, Any]] = query.allocate
         self._out: np.ndarray[Any, Any] | None = None
 
     @property
@@ -138,7 +142,7 @@ class StreamCursor:
                 # Allocated at the first chunk rather than before the call: a request the
                 # server refuses (over its limits, invalid) fails without first reserving
                 # memory for the whole result; and the chunk tells the width.
-                self._out = self.query.allocate(chunk.columns)
+                self._out = self.into(chunk.columns)
             target = self._out[first : first + chunk.rows]
         rows = _copy_tensor(chunk, self.query, self.columns, target)
         self.columns = chunk.columns

@@ -30,6 +30,7 @@ import grpc
 import grpc.aio
 
 from posenc.v1 import posenc_pb2 as pb
+from posenc.wire import SERVER_ID_METADATA
 from posenc_server import admission, convert, metrics
 from posenc_server.admission import ByteBudget, Reservation
 from posenc_server.config import ServerConfig
@@ -77,6 +78,7 @@ class PositionalEncodingServicer:
         self._config = config
         self._specs = specs
         self._service = service
+        self._server_id_metadata = ((SERVER_ID_METADATA, service.server_id),)
         self._version = version
         self._pool = pool
         self._budget = budget
@@ -100,7 +102,9 @@ class PositionalEncodingServicer:
     async def StreamEncoding(
         self, requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext[bytes, bytes]
     ) -> AsyncIterator[bytes]:
-        """A table of any size as row-aligned chunks (serialized responses)."""
+        """A table of any size as row-aligned chunks (serialized responses), after initial
+        metadata naming this process (a client spreads a large range's parts by it)."""
+        await context.send_initial_metadata(self._server_id_metadata)
         async with self._admitted(context, 0) as (reservation, raw):
             request = await self._run(self._request, _STREAM_ENCODING, raw)
             chunk_bytes = request.max_chunk_bytes or self._config.max_chunk_bytes

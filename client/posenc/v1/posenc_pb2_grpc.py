@@ -77,7 +77,10 @@ class PositionalEncodingServiceServicer:
 
     def StreamEncoding(self, request, context):
         """Streams a table of any size (up to the server's stream limit) as
-        row-aligned chunks, in row order, each at most max_chunk_bytes.
+        row-aligned chunks, in row order, each at most max_chunk_bytes. The
+        initial metadata's "posenc-server-id" names the process that answers (as
+        GetServerInfoResponse.server_id does): a client fetching a large range in
+        parts sends them to distinct processes.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -46,7 +46,10 @@ class PositionalEncodingServiceStub:
     """
     StreamEncoding: _grpc.UnaryStreamMultiCallable[_posenc_pb2.StreamEncodingRequest, _posenc_pb2.StreamEncodingResponse]
     """Streams a table of any size (up to the server's stream limit) as
-    row-aligned chunks, in row order, each at most max_chunk_bytes.
+    row-aligned chunks, in row order, each at most max_chunk_bytes. The
+    initial metadata's "posenc-server-id" names the process that answers (as
+    GetServerInfoResponse.server_id does): a client fetching a large range in
+    parts sends them to distinct processes.
     """
     GetServerInfo: _grpc.UnaryUnaryMultiCallable[_posenc_pb2.GetServerInfoRequest, _posenc_pb2.GetServerInfoResponse]
     """Describes the server: version, limits, supported options, cache statistics."""
@@ -69,7 +72,10 @@ class PositionalEncodingServiceAsyncStub(PositionalEncodingServiceStub):
     """
     StreamEncoding: _aio.UnaryStreamMultiCallable[_posenc_pb2.StreamEncodingRequest, _posenc_pb2.StreamEncodingResponse]  # type: ignore[assignment]
     """Streams a table of any size (up to the server's stream limit) as
-    row-aligned chunks, in row order, each at most max_chunk_bytes.
+    row-aligned chunks, in row order, each at most max_chunk_bytes. The
+    initial metadata's "posenc-server-id" names the process that answers (as
+    GetServerInfoResponse.server_id does): a client fetching a large range in
+    parts sends them to distinct processes.
     """
     GetServerInfo: _aio.UnaryUnaryMultiCallable[_posenc_pb2.GetServerInfoRequest, _posenc_pb2.GetServerInfoResponse]  # type: ignore[assignment]
     """Describes the server: version, limits, supported options, cache statistics."""
@@ -101,7 +107,10 @@ class PositionalEncodingServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_abc.Iterator[_posenc_pb2.StreamEncodingResponse], _abc.AsyncIterator[_posenc_pb2.StreamEncodingResponse]]:
         """Streams a table of any size (up to the server's stream limit) as
-        row-aligned chunks, in row order, each at most max_chunk_bytes.
+        row-aligned chunks, in row order, each at most max_chunk_bytes. The
+        initial metadata's "posenc-server-id" names the process that answers (as
+        GetServerInfoResponse.server_id does): a client fetching a large range in
+        parts sends them to distinct processes.
         """
 
     @_abc_1.abstractmethod
