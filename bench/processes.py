@@ -25,6 +25,14 @@ WINDOW = {True: 1.5, False: 3.0}
 # computed on its own (no block holds two of them): the server's work, not the bytes.
 SCATTERED_ROWS = 64
 SCATTERED_D_MODEL = 256
+# Large ranges: one thread's cold 64 MiB get_range calls, each fetched in parts, one per
+# server process the client's connections reach.
+LARGE_ROWS = 65536
+LARGE_D_MODEL = 256
+
+
+#: A workload: its call (a client and a call index; the rows fetched) and its threads.
+Workload = tuple[Callable[[posenc.Client, int], int], int]
 
 
 def _range_call(client: posenc.Client, index: int) -> int:
@@ -32,6 +40,13 @@ def _range_call(client: posenc.Client, index: int) -> int:
     start = index * ROWS
     client.get_range(start, start + ROWS, D_MODEL)
     return ROWS
+
+
+def _large_call(client: posenc.Client, index: int) -> int:
+    """A cold 64 MiB ``get_range`` (apart from every 1 MiB range); the rows it fetched."""
+    start = (1 << 40) + index * LARGE_ROWS
+    client.get_range(start, start + LARGE_ROWS, LARGE_D_MODEL)
+    return LARGE_ROWS
 
 
 def _scattered_call(client: posenc.Client, index: int) -> int:
@@ -43,20 +58,21 @@ def _scattered_call(client: posenc.Client, index: int) -> int:
 
 def _throughput(
     client: posenc.Client,
-    call: Callable[[posenc.Client, int], int],
+    workload: Workload,
     starts: itertools.count[int],
     seconds: float,
 ) -> float:
-    """Rows per second of the cold calls that ``THREADS`` threads sharing ``client`` make
-    for ``seconds``."""
-    done = [0] * THREADS
+    """Rows per second of the cold calls that the workload's threads sharing ``client``
+    make for ``seconds``."""
+    call, threads_count = workload
+    done = [0] * threads_count
     end = time.monotonic() + seconds
 
     def work(index: int) -> None:
         while time.monotonic() < end:
             done[index] += call(client, next(starts))
 
-    threads = [threading.Thread(target=work, args=(i,)) for i in range(THREADS)]
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(threads_count)]
     t0 = time.monotonic()
     for thread in threads:
         thread.start()
@@ -76,7 +92,9 @@ def run(sizes: Sizes) -> Section:
             f"{ROWS}, {D_MODEL})` at a new `s` each call (1 MiB float32, one unary call, "
             f"one block); scattered, `get_positions` of {SCATTERED_ROWS} random positions "
             f"below 2**40 of a {SCATTERED_D_MODEL}-wide table (64 KiB; each row computed on "
-            "its own: the server's work rather than the bytes). Against a server of 1 "
+            "its own: the server's work rather than the bytes); large ranges, one thread's "
+            f"`get_range(s, s + {LARGE_ROWS}, {LARGE_D_MODEL})` (64 MiB, fetched in parts, "
+            "one per server process the client's connections reach). Against a server of 1 "
             "process and one of 2 (`--processes`), each started for this section: the client "
             "with its default connections, and with `connections=1` (one HTTP/2 connection, "
             f"so one server process). {window:g} s per measurement, the kinds interleaved, "
@@ -91,9 +109,10 @@ def run(sizes: Sizes) -> Section:
         "2 processes": (2, {}),
         "2 processes, connections=1": (2, {"connections": 1}),
     }
-    workloads: dict[str, Callable[[posenc.Client, int], int]] = {
-        "ranges": _range_call,
-        "scattered": _scattered_call,
+    workloads: dict[str, Workload] = {
+        "ranges": (_range_call, THREADS),
+        "scattered": (_scattered_call, THREADS),
+        "large ranges": (_large_call, 1),
     }
     samples: dict[tuple[str, str], list[float]] = {(w, k): [] for w in workloads for k in kinds}
     server_cpu: dict[tuple[str, str], list[float]] = {key: [] for key in samples}
@@ -108,16 +127,16 @@ def run(sizes: Sizes) -> Section:
         }
         try:
             for client in clients.values():  # warm-up: connections, specs, threads
-                for call in workloads.values():
-                    _throughput(client, call, starts, 0.5)
+                for work in workloads.values():
+                    _throughput(client, work, starts, 0.5)
             for repeat in range(sizes.repeats):
                 order = list(kinds)
                 order = order[repeat % len(order) :] + order[: repeat % len(order)]
-                for workload, call in workloads.items():
+                for workload, work in workloads.items():
                     for kind in order:
                         pids = servers[kinds[kind][0]].pids
                         before, t0 = cpu_seconds(pids()), time.monotonic()
-                        rate = _throughput(clients[kind], call, starts, window)
+                        rate = _throughput(clients[kind], work, starts, window)
                         used = cpu_seconds(pids()) - before
                         samples[workload, kind].append(rate)
                         server_cpu[workload, kind].append(used / (time.monotonic() - t0))
@@ -130,7 +149,8 @@ def run(sizes: Sizes) -> Section:
     medians = {key: median(v) for key, v in samples.items()}
     section.tables.append(
         Table(
-            f"cold calls, {THREADS} threads, one client (ranges: MiB/s; scattered: rows/s)",
+            f"cold calls, one client ({THREADS} threads; large ranges: 1), ranges: MiB/s, "
+            "scattered: rows/s",
             ["calls", "server", "median", "min", "max", "server CPU"],
             [
                 [
@@ -175,4 +195,6 @@ def run(sizes: Sizes) -> Section:
 
 def _shown(workload: str, rows_per_s: float) -> float:
     """MiB/s for ranges, rows/s for scattered lookups."""
-    return rows_per_s * D_MODEL * 4 / MIB if workload == "ranges" else rows_per_s
+    if workload == "scattered":
+        return rows_per_s
+    return rows_per_s * (D_MODEL if workload == "ranges" else LARGE_D_MODEL) * 4 / MIB
