@@ -304,8 +304,9 @@ class Servers:
     go to distinct processes.
 
     A server process computes a stream's blocks with about one core (its Python holds the
-    GIL): a range fetched in parts from two processes is computed by two. A connection that reconnects may reach another process: every stream's
-    metadata updates the channel's entry. Thread-safe (one list item is set at a time).
+    GIL): a range fetched in parts from two processes is computed by two. A connection that
+    reconnects may reach another process: every stream's metadata updates the channel's
+    entry. Thread-safe (one list item is set at a time).
     """
 
     #: The most parts a range is fetched in.

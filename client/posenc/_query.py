@@ -18,6 +18,7 @@ import numpy as np
 import numpy.typing as npt
 
 from posenc._checks import INT64_MAX, INT64_MIN, as_int, as_int64, bad_argument, choice
+from posenc._memory import new_array
 from posenc._output import is_torch_dtype, torch_dtype_name
 from posenc.spec import Spec, enum_name, enum_names
 from posenc.types import DTypeArg
@@ -219,7 +220,7 @@ class Query:
         shape = (max(self.rows, 0), columns)
         if self.out is not None and self.out.shape == shape:
             return self.out
-        return np.empty(shape, dtype=self.dtype)
+        return new_array(shape, self.dtype)
 
     def empty(self) -> np.ndarray[Any, np.dtype[Any]]:
         """:meth:`allocate` at the width a response told."""
