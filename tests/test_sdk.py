@@ -603,6 +603,33 @@ def test_a_large_range_is_computed_by_every_server_process(
     assert same_bits(spread, whole)
 
 
+@pytest.mark.slow  # starts a server of two processes
+@pytest.mark.timeout(120)
+def test_decode_loops_of_several_threads_spread_over_the_processes(
+    spawn_server: Callable[..., ServerProcess],
+) -> None:
+    """Each thread's steps keep to one connection, so to one process; once the client knows
+    which process each connection reaches (here from a large range), the threads' loops
+    take turns over the processes: 4 threads on 2 processes, 2 each."""
+    process = spawn_server(0, "--processes", "2")
+    workers = worker_pids(process.process.pid)
+    with posenc.Client(process.target, connections=16) as client:
+        client.get_range(0, 1 << 15, 64)  # in parts: the client learns its connections
+
+        def loop(thread: int) -> None:
+            rng = np.random.default_rng(thread)
+            for _ in range(40):  # scattered positions: every row computed, in the server
+                client.get_positions(rng.integers(0, 1 << 40, 64), 256)
+
+        before = [cpu_seconds(pid) for pid in workers]
+        with ThreadPoolExecutor(4) as executor:
+            list(executor.map(loop, range(4)))
+        used = [cpu_seconds(pid) - start for pid, start in zip(workers, before, strict=True)]
+    # Two loops each: about half the work each (three loops on one process, as a draw of
+    # connections gives half the time, would be a quarter for the other).
+    assert min(used) > 0.35 * sum(used), f"server processes' CPU seconds: {used}"
+
+
 @pytest.mark.slow  # starts servers of two processes and of one
 @pytest.mark.timeout(180)
 def test_a_range_in_parts_survives_a_worker_killed_mid_stream(

@@ -85,7 +85,7 @@ class AsyncClient(
                         interceptors=interceptors,
                     )
                 self._channels.append(channel)
-            self._pool = Pool([Calls(channel) for channel in self._channels])
+            self._pool = Pool([Calls(channel) for channel in self._channels], self._core.servers)
         return self._pool
 
     async def __aenter__(self) -> AsyncClient:
@@ -129,10 +129,12 @@ class AsyncClient(
     async def _perform(self, operation: core.Operation) -> Any:
         if isinstance(operation, core.NextChunk):
             stream = operation.call
-            chunk = await stream.call.read()
-            if not stream.heard:  # the metadata came before the first chunk
-                stream.heard = True
-                self._core.servers.learn(stream.channel, await stream.call.initial_metadata())
+            try:
+                chunk = await stream.call.read()
+            finally:
+                if not stream.heard:  # the metadata came before the first chunk (or error)
+                    stream.heard = True
+                    self._core.servers.learn(stream.channel, await stream.call.initial_metadata())
             return None if chunk is _EOF else chunk
         if isinstance(operation, core.Unary):
             method = getattr(self._connect().pick(_affinity(operation.affinity)), operation.method)

@@ -8,6 +8,8 @@ import itertools
 import math
 import operator
 import socket
+import threading
+from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Final
@@ -280,15 +282,18 @@ class Pool:
     threads still spread.
     """
 
-    def __init__(self, calls: Sequence[Calls]) -> None:
+    def __init__(self, calls: Sequence[Calls], servers: Servers) -> None:
         self._calls = tuple(calls)
+        self._servers = servers
         # itertools.count is one C call: threads sharing the client each get their own turn.
         self._turns = itertools.count()
 
     def choose(self, affinity: int | None = None) -> int:
-        """The index of the next channel, or of the one that ``affinity`` keeps."""
-        turn = next(self._turns) if affinity is None else affinity
-        return turn % len(self._calls)
+        """The index of the next channel, or of the one that ``affinity`` keeps (see
+        :meth:`Servers.keep`)."""
+        if affinity is None:
+            return next(self._turns) % len(self._calls)
+        return self._servers.keep(affinity)
 
     def pick(self, affinity: int | None = None) -> Calls:
         """The calls of the next channel, or of the one that ``affinity`` keeps."""
@@ -311,9 +316,14 @@ class Servers:
 
     #: The most parts a range is fetched in.
     MAX_PARTS: Final = 8
+    #: The most affinities kept (the least recently seen is forgotten first).
+    MAX_KEPT: Final = 4096
 
     def __init__(self, channels: int) -> None:
         self._of: list[str | None] = [None] * channels
+        self._kept: OrderedDict[int, int] = OrderedDict()
+        self._lock = threading.Lock()
+        self._turns = itertools.count()
 
     def learn(self, channel: int, metadata: Iterable[tuple[str, Any]] | None) -> None:
         """Records the process that a stream over ``channel`` reached ("" when its metadata
@@ -330,6 +340,38 @@ class Servers:
         """How many parts a large range is fetched in: one per server process known."""
         known = len({server for server in self._of if server})
         return max(min(known, self.MAX_PARTS), 1)
+
+    def keep(self, affinity: int) -> int:
+        """The channel that calls of ``affinity`` keep to. Once every channel's process is
+        known, each new affinity takes the next channel in an order that alternates between
+        the processes, so that the decode loops of a few threads spread over them evenly
+        (each keeping to its own process, whose cache holds its blocks); until then,
+        ``affinity`` picks one (a partly known map would crowd them on the known ones)."""
+        with self._lock:
+            channel = self._kept.get(affinity)
+            if channel is not None:
+                self._kept.move_to_end(affinity)
+                return channel
+            if None in self._of:
+                return affinity % len(self._of)
+            order = self._alternating() or list(range(len(self._of)))
+            channel = self._kept[affinity] = order[next(self._turns) % len(order)]
+            if len(self._kept) > self.MAX_KEPT:
+                self._kept.popitem(last=False)
+            return channel
+
+    def _alternating(self) -> list[int]:
+        """The channels to known processes, a channel of each process in turn."""
+        groups: dict[str, list[int]] = {}
+        for index, server in enumerate(self._of):
+            if server:
+                groups.setdefault(server, []).append(index)
+        return [
+            channel
+            for turn in itertools.zip_longest(*groups.values())
+            for channel in turn
+            if channel is not None
+        ]
 
     def channel(self, part: int) -> int:
         """The channel of a range's part ``part``: the first channel (in channel order) to

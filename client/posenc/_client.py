@@ -84,7 +84,8 @@ class Client(BaseClient[Result, ServerInfo, str, Iterator[Slice]]):
                 if self._interceptors
                 else Calls(channel)
                 for channel in self._channels
-            ]
+            ],
+            self._core.servers,
         )
 
     def __enter__(self) -> Client:
@@ -131,11 +132,13 @@ class Client(BaseClient[Result, ServerInfo, str, Iterator[Slice]]):
             return method(operation.request, timeout=operation.timeout)
         if isinstance(operation, core.NextChunk):
             stream = operation.call
-            chunk = next(stream.call, None)
-            if not stream.heard:  # the metadata came before the first chunk
-                stream.heard = True
+            if stream.heard:
+                return next(stream.call, None)
+            stream.heard = True
+            try:
+                return next(stream.call, None)
+            finally:  # the metadata came before the first chunk (or the call's error)
                 self._core.servers.learn(stream.channel, stream.call.initial_metadata())
-            return chunk
         if isinstance(operation, core.OpenStream):
             channel = operation.channel
             if channel is None:

@@ -542,11 +542,12 @@ class Core:
     def _survey(self, query: Query, budget: CallBudget) -> Steps[None]:
         """Learns which server process each channel not known yet reaches: an empty range
         of ``query``'s table streamed over each at once (its metadata names the process).
-        A channel whose stream fails stays unknown (asked again at the next large range);
-        the call itself goes on."""
+        A channel whose stream fails before its metadata stays unknown (asked again at the
+        next large range); the call itself goes on."""
+        empty = dataclasses.replace(query, rows=0, positions=None, axes=1)
 
         def hello(channel: int) -> Steps[None]:
-            request = dataclasses.replace(query, rows=0).stream_request(0, None)
+            request = empty.stream_request(0, None)
             call = yield OpenStream(request, budget.attempt_timeout(), channel=channel)
             try:
                 while (yield NextChunk(call)) is not None:
