@@ -134,11 +134,16 @@ class Client(BaseClient[Result, ServerInfo, str, Iterator[Slice]]):
             stream = operation.call
             if stream.heard:
                 return next(stream.call, None)
+            # The metadata came before the first chunk, or the call's error (not on an
+            # interrupt, whose call may still wait for it).
             stream.heard = True
             try:
-                return next(stream.call, None)
-            finally:  # the metadata came before the first chunk (or the call's error)
+                chunk = next(stream.call, None)
+            except grpc.RpcError:
                 self._core.servers.learn(stream.channel, stream.call.initial_metadata())
+                raise
+            self._core.servers.learn(stream.channel, stream.call.initial_metadata())
+            return chunk
         if isinstance(operation, core.OpenStream):
             channel = operation.channel
             if channel is None:
