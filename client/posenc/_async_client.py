@@ -128,28 +128,16 @@ class AsyncClient(
 
     async def _perform(self, operation: core.Operation) -> Any:
         if isinstance(operation, core.NextChunk):
-            stream = operation.call
-            if stream.heard:
-                chunk = await stream.call.read()
-            else:
-                # The metadata came before the first chunk, or the call's error; not on a
-                # cancellation, whose call may still wait for it.
-                stream.heard = True
-                try:
-                    chunk = await stream.call.read()
-                except grpc.RpcError:
-                    await self._learn(stream)
-                    raise
-                await self._learn(stream)
+            chunk = await operation.call.call.read()
             return None if chunk is _EOF else chunk
+        if isinstance(operation, core.InitialMetadata):
+            return await operation.call.call.initial_metadata()
         if isinstance(operation, core.Unary):
             method = getattr(self._connect().pick(_affinity(operation.affinity)), operation.method)
             return await method(operation.request, timeout=operation.timeout)
         if isinstance(operation, core.OpenStream):
             pool = self._connect()
-            channel = operation.channel
-            if channel is None:
-                channel = pool.choose(_affinity(operation.affinity))
+            channel = pool.choose(_affinity(operation.affinity), operation.channel)
             call = pool[channel].stream_encoding(operation.request, timeout=operation.timeout)
             return core.Stream(call, channel)
         if isinstance(operation, core.Sleep):
@@ -158,10 +146,6 @@ class AsyncClient(
             return await asyncio.wait(operation.tokens, timeout=operation.timeout)
         assert isinstance(operation, core.ReadAhead)
         return self._read_ahead(operation.ahead)
-
-    async def _learn(self, stream: core.Stream) -> None:
-        # After a read that returned or failed, the metadata is there: no wait.
-        self._core.servers.learn(stream.channel, await stream.call.initial_metadata())
 
     def _new_token(self) -> asyncio.Future[None]:
         return asyncio.get_running_loop().create_future()

@@ -9,7 +9,6 @@ import math
 import operator
 import socket
 import threading
-from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Final
@@ -288,9 +287,11 @@ class Pool:
         # itertools.count is one C call: threads sharing the client each get their own turn.
         self._turns = itertools.count()
 
-    def choose(self, affinity: int | None = None) -> int:
-        """The index of the next channel, or of the one that ``affinity`` keeps (see
-        :meth:`Servers.keep`)."""
+    def choose(self, affinity: int | None = None, channel: int | None = None) -> int:
+        """The index of ``channel`` when given, else of the one that ``affinity`` keeps
+        (see :meth:`Servers.keep`), else of the next channel."""
+        if channel is not None:
+            return channel
         if affinity is None:
             return next(self._turns) % len(self._calls)
         return self._servers.keep(affinity)
@@ -316,12 +317,12 @@ class Servers:
 
     #: The most parts a range is fetched in.
     MAX_PARTS: Final = 8
-    #: The most affinities kept (the least recently seen is forgotten first).
+    #: The most affinities kept (the first kept is forgotten first).
     MAX_KEPT: Final = 4096
 
     def __init__(self, channels: int) -> None:
         self._of: list[str | None] = [None] * channels
-        self._kept: OrderedDict[int, int] = OrderedDict()
+        self._kept: dict[int, int] = {}
         self._lock = threading.Lock()
         self._turns = itertools.count()
 
@@ -338,8 +339,7 @@ class Servers:
 
     def parts(self) -> int:
         """How many parts a large range is fetched in: one per server process known."""
-        known = len({server for server in self._of if server})
-        return max(min(known, self.MAX_PARTS), 1)
+        return max(min(len(self._groups()), self.MAX_PARTS), 1)
 
     def keep(self, affinity: int) -> int:
         """The channel that calls of ``affinity`` keep to. Once every channel's process is
@@ -347,39 +347,31 @@ class Servers:
         the processes, so that the decode loops of a few threads spread over them evenly
         (each keeping to its own process, whose cache holds its blocks); until then,
         ``affinity`` picks one (a partly known map would crowd them on the known ones)."""
-        with self._lock:
-            channel = self._kept.get(affinity)
-            if channel is not None:
-                self._kept.move_to_end(affinity)
-                return channel
-            if None in self._of:
-                return affinity % len(self._of)
-            order = self._alternating() or list(range(len(self._of)))
-            channel = self._kept[affinity] = order[next(self._turns) % len(order)]
-            if len(self._kept) > self.MAX_KEPT:
-                self._kept.popitem(last=False)
+        channel = self._kept.get(affinity)  # a decode step's path: no lock to find it
+        if channel is not None:
             return channel
-
-    def _alternating(self) -> list[int]:
-        """The channels to known processes, a channel of each process in turn."""
-        groups: dict[str, list[int]] = {}
-        for index, server in enumerate(self._of):
-            if server:
-                groups.setdefault(server, []).append(index)
-        return [
-            channel
-            for turn in itertools.zip_longest(*groups.values())
-            for channel in turn
-            if channel is not None
-        ]
+        if None in self._of:
+            return affinity % len(self._of)
+        groups = self._groups().values()
+        order = [c for turn in itertools.zip_longest(*groups) for c in turn if c is not None]
+        order = order or list(range(len(self._of)))
+        with self._lock:
+            channel = self._kept.setdefault(affinity, order[next(self._turns) % len(order)])
+            if len(self._kept) > self.MAX_KEPT:
+                del self._kept[next(iter(self._kept))]  # the first kept
+        return channel
 
     def channel(self, part: int) -> int:
         """The channel of a range's part ``part``: the first channel (in channel order) to
         each known process, so that the parts of a range asked for again go where they
         went and find their blocks cached there."""
-        first: dict[str, int] = {}
+        order = [channels[0] for channels in self._groups().values()] or [0]
+        return order[part % len(order)]
+
+    def _groups(self) -> dict[str, list[int]]:
+        """The channels to each known process, in channel order."""
+        groups: dict[str, list[int]] = {}
         for index, server in enumerate(self._of):
             if server:
-                first.setdefault(server, index)
-        order = list(first.values()) or [0]
-        return order[part % len(order)]
+                groups.setdefault(server, []).append(index)
+        return groups

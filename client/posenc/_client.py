@@ -131,23 +131,11 @@ class Client(BaseClient[Result, ServerInfo, str, Iterator[Slice]]):
             method = getattr(self._pool.pick(_affinity(operation.affinity)), operation.method)
             return method(operation.request, timeout=operation.timeout)
         if isinstance(operation, core.NextChunk):
-            stream = operation.call
-            if stream.heard:
-                return next(stream.call, None)
-            # The metadata came before the first chunk, or the call's error (not on an
-            # interrupt, whose call may still wait for it).
-            stream.heard = True
-            try:
-                chunk = next(stream.call, None)
-            except grpc.RpcError:
-                self._core.servers.learn(stream.channel, stream.call.initial_metadata())
-                raise
-            self._core.servers.learn(stream.channel, stream.call.initial_metadata())
-            return chunk
+            return next(operation.call.call, None)
+        if isinstance(operation, core.InitialMetadata):
+            return operation.call.call.initial_metadata()
         if isinstance(operation, core.OpenStream):
-            channel = operation.channel
-            if channel is None:
-                channel = self._pool.choose(_affinity(operation.affinity))
+            channel = self._pool.choose(_affinity(operation.affinity), operation.channel)
             call = self._pool[channel].stream_encoding(operation.request, timeout=operation.timeout)
             return core.Stream(call, channel)
         if isinstance(operation, core.Sleep):

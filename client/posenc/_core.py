@@ -105,8 +105,9 @@ class OpenStream:
 
 @dataclass(slots=True)
 class Stream:
-    """A StreamEncoding call, and the channel it went over: its initial metadata, read at
-    its first chunk, tells :class:`posenc._channel.Servers` which process that reached."""
+    """A StreamEncoding call, and the channel it went over: its initial metadata, read
+    after its first read, tells :class:`posenc._channel.Servers` which process that
+    reached (``heard``: it was read)."""
 
     call: Any
     channel: int
@@ -120,6 +121,14 @@ class Stream:
 class NextChunk:
     """Read the next response of ``call`` (a :class:`Stream`); None is sent back at its
     end."""
+
+    call: Stream
+
+
+@dataclass(frozen=True, slots=True)
+class InitialMetadata:
+    """Read the initial metadata of ``call`` (a :class:`Stream` whose first read returned
+    or failed: it is there, or never will be); it is sent back."""
 
     call: Stream
 
@@ -154,7 +163,9 @@ class ReadAhead:
     ahead: AheadFetch
 
 
-Operation: TypeAlias = Unary | OpenStream | NextChunk | Sleep | Wait | Deliver | ReadAhead
+Operation: TypeAlias = (
+    Unary | OpenStream | NextChunk | InitialMetadata | Sleep | Wait | Deliver | ReadAhead
+)
 Steps: TypeAlias = Generator[Operation, Any, T]
 
 
@@ -526,6 +537,21 @@ class Core:
         yield from self._stream(cursor, budget)
         return cursor.result()
 
+    def _read(self, call: Stream) -> Steps[Any]:
+        """The next response of ``call`` (None at its end). After its first read, which
+        returned or failed with an RpcError (not an interrupt, whose call may still wait
+        for it), records the process its initial metadata names (see ``Servers``)."""
+        if call.heard:
+            return (yield NextChunk(call))
+        call.heard = True
+        try:
+            chunk = yield NextChunk(call)
+        except grpc.RpcError:
+            self.servers.learn(call.channel, (yield InitialMetadata(call)))
+            raise
+        self.servers.learn(call.channel, (yield InitialMetadata(call)))
+        return chunk
+
     def _large_range(self, query: Query) -> bool:
         """Whether ``query`` is a range fetched in parts (see :meth:`_spread`)."""
         return (
@@ -550,7 +576,7 @@ class Core:
             request = empty.stream_request(0, None)
             call = yield OpenStream(request, budget.attempt_timeout(), channel=channel)
             try:
-                while (yield NextChunk(call)) is not None:
+                while (yield from self._read(call)) is not None:
                     pass
             except grpc.RpcError:
                 pass
@@ -606,7 +632,7 @@ class Core:
             # connection: the one that failed may be gone.
             affinity = channel = None
             try:
-                while (chunk := (yield NextChunk(call))) is not None:
+                while (chunk := (yield from self._read(call))) is not None:
                     label, rows = cursor.accept(chunk)
                     self.widths.learn(cursor.query.spec_key, rows.shape[1])
                     if not collect:
