@@ -1,33 +1,57 @@
-"""New result arrays, their pages mapped by another thread while the rows arrive.
+"""Memory for large results: recycled from dropped results, or mapped by another thread.
 
-A large result is a new array, whose pages the kernel maps at their first write: copying a
-stream's chunks into it pays a page fault per page (per 2 MiB with transparent huge pages)
-in the thread that receives, one after the other with the copies. On a virtual machine whose
-host takes back the memory its guest frees, a fresh 256 MiB array costs from tens to
-hundreds of milliseconds to fault in, as much as receiving it (see the README's
-Performance). So a thread asks the kernel to map the array's pages at once
-(``madvise(MADV_POPULATE_WRITE)``, Linux 5.14 and later, which leaves their contents alone,
-so it may run beside the copies), while the receiving thread waits on the network. Where
-the call is missing (another system, an older kernel) the pages fault as before.
+A large result is a new array, whose pages the kernel maps at their first write: copying
+rows into it pays a page fault per page, one after the other with the copies, and on a
+virtual machine whose host takes back the memory its guest frees, a fresh 256 MiB array
+costs from tens to hundreds of milliseconds to fault in, as much as receiving it (see the
+README's Performance). A worker that fetches a prefill table or a range, uses it and drops
+it, then fetches the next, would pay that every time.
+
+So results of ``LARGE_BYTES`` or more live in memory maps of their own, and a dropped
+result's map (once no array, view or tensor of it is left) is kept for the next result of
+about its size: its pages are mapped already, and a copy into it runs as fast as into an
+array used before. At most ``keep_bytes()`` are kept (``POSENC_KEEP_RESULT_BYTES``, default
+512 MiB; 0 keeps none), oldest given back first, and a map no result took for
+``KEEP_SECONDS`` is given back to the system. (Marking kept maps ``MADV_FREE`` instead, so
+that the kernel could take them under pressure, made the next copy into them three times
+slower: as slow as fresh memory.)
+
+A new map's pages are mapped by a thread of its own (``madvise(MADV_POPULATE_WRITE)``,
+Linux 5.14 and later, which leaves their contents alone, so it may run beside the copies),
+while the receiving thread waits on the network. Where a call is missing (another system,
+an older kernel) the pages fault as before.
+
+The maps are reported to ``tracemalloc`` under numpy's domain, as numpy reports its own
+arrays, for as long as a result uses them.
 """
 
 from __future__ import annotations
 
 import ctypes
 import mmap
+import os
 import sys
 import threading
+import time
 import weakref
 from collections.abc import Callable
 from typing import Any, Final
 
 import numpy as np
 
-#: New results from this size on have their pages mapped in the background.
-POPULATE_MIN_BYTES: Final = 16 << 20
+#: Results from this size on live in maps of their own (recycled, populated in the background).
+LARGE_BYTES: Final = 16 << 20
+_KEEP_ENV: Final = "POSENC_KEEP_RESULT_BYTES"
+_DEFAULT_KEEP_BYTES: Final = 512 << 20
+#: A kept map no result took for this long is given back to the system.
+KEEP_SECONDS: Final = 10.0
+# A kept map serves a result of at least this fraction of its size (the rest of its pages
+# sit unused while the result lives).
+_MIN_FILL: Final = 0.8
 _MADV_POPULATE_WRITE: Final = 23
 # Mapped a slice at a time, so that a dropped result stops the thread soon.
 _SLICE_BYTES: Final = 32 << 20
+_TRACEMALLOC_DOMAIN: Final = np.lib.tracemalloc_domain
 
 
 def _find_madvise() -> Callable[[int, int, int], int] | None:
@@ -45,35 +69,150 @@ def _find_madvise() -> Callable[[int, int, int], int] | None:
 _MADVISE = _find_madvise()
 
 
+def keep_bytes() -> int:
+    """Bytes of dropped results' maps kept for the next results (``POSENC_KEEP_RESULT_BYTES``)."""
+    value = os.environ.get(_KEEP_ENV, "")
+    try:
+        return max(int(value), 0) if value else _DEFAULT_KEEP_BYTES
+    except ValueError:
+        return _DEFAULT_KEEP_BYTES
+
+
+class _Map:
+    """One anonymous private map and its address."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self.memory = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        # The address, through a buffer export released at once: the map is never resized.
+        anchor = ctypes.c_char.from_buffer(self.memory)
+        self.address = ctypes.addressof(anchor)
+        del anchor
+
+
+class _Owner:
+    """What a result's arrays are views of: numpy takes the memory from its
+    ``__array_interface__`` and holds this object as their base, so it lives exactly as
+    long as an array, view or tensor of the result does."""
+
+    def __init__(self, block: _Map, shape: tuple[int, ...], dtype: np.dtype[Any]) -> None:
+        self.__array_interface__ = {
+            "version": 3,
+            "shape": shape,
+            "typestr": dtype.str,
+            "descr": dtype.descr,
+            "data": (block.address, False),
+        }
+
+
+class _Kept:
+    """The maps of dropped results, kept for the next ones; thread-safe. A thread of its
+    own gives back the maps kept longer than ``KEEP_SECONDS``."""
+
+    def __init__(self) -> None:
+        self._maps: list[tuple[float, _Map]] = []  # (when kept, map), oldest first
+        self._changed = threading.Condition()
+        self._sweeper: threading.Thread | None = None
+
+    def take(self, nbytes: int) -> _Map | None:
+        """The smallest kept map that holds ``nbytes`` without wasting much of itself."""
+        with self._changed:
+            fits = [
+                entry
+                for entry in self._maps
+                if _MIN_FILL * entry[1].size <= nbytes <= entry[1].size
+            ]
+            if not fits:
+                return None
+            chosen = min(fits, key=lambda entry: entry[1].size)
+            self._maps.remove(chosen)
+            return chosen[1]
+
+    def give(self, block: _Map) -> None:
+        """Keep ``block`` for a later result, within ``keep_bytes()``; close what is over."""
+        limit = keep_bytes()
+        closing = [block] if block.size > limit else []
+        if not closing:
+            with self._changed:
+                self._maps.append((time.monotonic(), block))
+                total = sum(entry[1].size for entry in self._maps)
+                while total > limit:
+                    oldest = self._maps.pop(0)[1]
+                    total -= oldest.size
+                    closing.append(oldest)
+                if self._sweeper is None:
+                    self._sweeper = threading.Thread(
+                        target=self._sweep, name="posenc-kept-results", daemon=True
+                    )
+                    self._sweeper.start()
+                self._changed.notify()
+        for old in closing:
+            old.memory.close()
+
+    def _sweep(self) -> None:
+        while True:
+            with self._changed:
+                while not self._maps:
+                    self._changed.wait()
+                due = self._maps[0][0] + KEEP_SECONDS - time.monotonic()
+                expired = self._maps.pop(0)[1] if due <= 0 else None
+                if expired is None:
+                    self._changed.wait(due)
+            if expired is not None:
+                expired.memory.close()
+
+
+_KEPT: Final = _Kept()
+
+
+def _track(address: int, size: int) -> None:
+    ctypes.pythonapi.PyTraceMalloc_Track(
+        ctypes.c_uint(_TRACEMALLOC_DOMAIN), ctypes.c_size_t(address), ctypes.c_size_t(size)
+    )
+
+
+def _release(block: _Map) -> None:
+    """A result's last array is gone: its map goes back to the kept ones."""
+    ctypes.pythonapi.PyTraceMalloc_Untrack(
+        ctypes.c_uint(_TRACEMALLOC_DOMAIN), ctypes.c_size_t(block.address)
+    )
+    _KEPT.give(block)
+
+
 def new_array(shape: tuple[int, ...], dtype: np.dtype[Any]) -> np.ndarray[Any, np.dtype[Any]]:
-    """An uninitialized array whose pages, when it is large, are being mapped by a thread
-    of their own (see the module doc)."""
-    array = np.empty(shape, dtype=dtype)
-    if _MADVISE is not None and array.nbytes >= POPULATE_MIN_BYTES:
+    """An uninitialized array; a large one in a kept map of a dropped result, or in a new
+    map whose pages a thread of their own is mapping (see the module doc)."""
+    dtype = np.dtype(dtype)
+    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    if nbytes < LARGE_BYTES or not sys.platform.startswith("linux"):
+        return np.empty(shape, dtype=dtype)
+    block = _KEPT.take(nbytes)
+    fresh = block is None
+    if block is None:
+        block = _Map(-(-nbytes // mmap.PAGESIZE) * mmap.PAGESIZE)
+    owner = _Owner(block, shape, dtype)
+    array: np.ndarray[Any, np.dtype[Any]] = np.asarray(owner)
+    _track(block.address, nbytes)
+    weakref.finalize(owner, _release, block).atexit = False
+    if fresh and _MADVISE is not None:
         threading.Thread(
-            target=_populate, args=(weakref.ref(array),), name="posenc-populate", daemon=True
+            target=_populate, args=(weakref.ref(owner), block), name="posenc-populate", daemon=True
         ).start()
     return array
 
 
-def _populate(result: weakref.ref[np.ndarray[Any, np.dtype[Any]]]) -> None:
-    """Maps the pages of ``result`` a slice at a time, while the array lives: a call that
+def _populate(result: weakref.ref[_Owner], block: _Map) -> None:
+    """Maps the pages of a new map a slice at a time, while its result lives: a call that
     fails (a deadline, an error) drops its result, and the thread stops at the next slice
-    instead of mapping memory nobody will use (and delaying its release)."""
+    instead of mapping memory nobody will use."""
     assert _MADVISE is not None
-    array = result()
-    if array is None:
-        return
-    page = mmap.PAGESIZE
-    address = -(-array.ctypes.data // page) * page  # madvise takes whole pages
-    end = array.ctypes.data + array.nbytes
-    del array
-    for first in range(address, end, _SLICE_BYTES):
-        array = result()  # held while the kernel maps its pages: their memory stays valid
-        if array is None:
+    end = block.address + block.size
+    for first in range(block.address, end, _SLICE_BYTES):
+        owner = result()  # held while the kernel maps its pages: the map stays in use
+        if owner is None:
             return
         # ctypes releases the GIL for the call. A failure (EINVAL from a kernel without
         # the advice) leaves the pages to fault at their first write, as without it.
         if _MADVISE(first, min(_SLICE_BYTES, end - first), _MADV_POPULATE_WRITE) != 0:
             return
-        del array
+        del owner

@@ -180,7 +180,12 @@ class CallBudget:
         if not is_transient(mapped) or self._failures >= self._max_retries:
             if self._failures:
                 mapped.details += f" (after {self._failures + 1} attempts)"
-            raise mapped from error
+            try:
+                raise mapped from error
+            finally:
+                # Else this frame holds the exception whose traceback holds the frame: a
+                # cycle that keeps the call's frames, and its result, until a collection.
+                del mapped
         delay = min(MAX_RETRY_BACKOFF, self._backoff * 2.0**self._failures)
         delay = max(delay, mapped.retry_after or 0.0)
         # Jitter upwards only, so the documented budget stays a lower bound, while

@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, Any, Final, Generic, TypedDict, TypeVar, Unpac
 import numpy as np
 import numpy.typing as npt
 
+from posenc._memory import new_array
 from posenc._output import Output, is_torch_dtype, positions_of
 from posenc._query import as_positions, distinct, numpy_dtype
 from posenc.errors import ResourceExhaustedError
@@ -162,7 +163,7 @@ class _Plan:
             return rows
         count, held = rows.shape
         shape = (count, 2 * held)
-        out = host if host is not None and host.shape == shape else np.empty(shape, self.dtype)
+        out = host if host is not None and host.shape == shape else new_array(shape, self.dtype)
         half = held // 2
         np.copyto(out.reshape(count, 2, 2, half), rows.reshape(count, 2, 1, half))
         return out
@@ -257,14 +258,16 @@ class _Plan:
             block = rows[low : top + 1]
             if self.repeat:
                 return self._expand(block, host)
-            if host is not None and host.shape == block.shape:
-                np.copyto(host, block)
-                return host
-            return block.copy()
-        if host is not None and host.shape == (len(flat), rows.shape[1]):
-            # Straight into the caller's buffer: a decode loop allocates nothing.
-            return np.take(rows, flat, axis=0, out=host)
-        return self._expand(rows[flat], host)
+            out = host if host is not None and host.shape == block.shape else None
+            out = new_array(block.shape, self.dtype) if out is None else out
+            np.copyto(out, block)
+            return out
+        if self.repeat:
+            return self._expand(rows[flat], host)
+        if host is None or host.shape != (len(flat), rows.shape[1]):
+            host = new_array((len(flat), rows.shape[1]), self.dtype)
+        # Straight into the caller's buffer (a decode loop allocates nothing) or a new one.
+        return np.take(rows, flat, axis=0, out=host)
 
     def _mixed(
         self, flat: npt.NDArray[np.int64], rows: npt.NDArray[Any] | None
