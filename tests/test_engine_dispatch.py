@@ -31,7 +31,7 @@ tables = [
 positions = np.random.default_rng(7).integers(-(2**42), 2**42, 2000)
 digests = {}
 for index, table in enumerate(tables):
-    for dtype in ("float64", "float32"):
+    for dtype in ("float64", "float32", "bfloat16"):
         encoding = engine.Encoding.prepare(table, dtype)
         digest = hashlib.sha256()
         digest.update(engine.encode_range(encoding, 10**6, 10**6 + 1500).tobytes())

@@ -86,8 +86,10 @@ _ROTATION_ENTRIES: Final = 1 << 17
 # Up to this many rows of a block are rotated by rotations made for them alone, while the
 # block's rotation table is not made yet.
 _FEW_ROTATIONS: Final = 8
-# At most this many block bases are made ahead of a long range's next blocks.
-_MAX_BASES_AHEAD: Final = 16
+# At most this many block bases (and _BASES_AHEAD_ELEMENTS values) are made ahead of a long
+# range's next blocks: two passes of the extended-precision angle.
+_MAX_BASES_AHEAD: Final = 64
+_BASES_AHEAD_ELEMENTS: Final = 2 * _ANGLE_ELEMENTS_PER_PASS
 # Taylor coefficients of sin (x**3 .. x**17) and cos (x**4 .. x**18): on [-pi/4, pi/4] the
 # first term left out is below 2**-63.
 _SIN_TAYLOR: Final = tuple((-1) ** k / math.factorial(2 * k + 1) for k in range(1, 9))
@@ -201,7 +203,8 @@ class Waves:
         self._rotation_lock = threading.Lock()
         # The bases of the next few blocks of a long range, made in one pass (a block's
         # base alone costs as much in numpy calls as a dozen together): (first start, rows).
-        self._ahead_blocks = max(1, min(_MAX_BASES_AHEAD, _ELEMENTS_PER_PASS // max(self.count, 1)))
+        ahead_blocks = _BASES_AHEAD_ELEMENTS // max(self.count, 1)
+        self._ahead_blocks = max(1, min(_MAX_BASES_AHEAD, ahead_blocks))
         self._ahead: tuple[int, ComplexRows] | None = None
 
     def rotation(self, first: int, last: int) -> tuple[Float64Array, Float64Array]:
@@ -226,6 +229,11 @@ class Waves:
             return self._rotations(offsets)
         cos, sin = self.rotation(0, self.block)
         return cos[offsets], sin[offsets]
+
+    @property
+    def pass_rows(self) -> int:
+        """Rows of one pass of the block rotation (``wave_blocks`` yields at most these)."""
+        return min(self.block, max(1, _ELEMENTS_PER_PASS // (2 * max(self.count, 1))))
 
     @property
     def has_rotation_table(self) -> bool:
@@ -256,21 +264,21 @@ class Waves:
                 part.imag = cos
         return out
 
-    def block_base(self, block_start: int, ahead: int) -> ComplexRows:
-        """``bases`` of one block start, as a row; ``ahead``: how many rows after this
-        block the caller will ask for next, whose block bases are made now with it and
-        kept for those calls (a few blocks' worth at most)."""
+    def block_bases(self, first: int, count: int, ahead: int) -> ComplexRows:
+        """``bases`` of the ``count`` block starts from ``first`` (aligned); ``ahead``: how
+        many rows after these blocks the caller will ask for next, whose block bases are
+        made now with these and kept for those calls (``_ahead_blocks`` at most)."""
         kept = self._ahead
         if kept is not None:
-            index, misaligned = divmod(block_start - kept[0], self.block)
-            if not misaligned and 0 <= index < len(kept[1]):
-                return kept[1][index : index + 1]
-        count = 1 + min(self._ahead_blocks - 1, max(ahead, 0) // self.block)
-        if count == 1:
-            return self.bases(np.array([block_start], dtype=np.int64))
-        rows = self.bases(block_start + self.block * np.arange(count, dtype=np.int64))
-        self._ahead = (block_start, rows)  # one assignment: readers see old or new
-        return rows[:1]
+            index, misaligned = divmod(first - kept[0], self.block)
+            if not misaligned and index >= 0 and index + count <= len(kept[1]):
+                return kept[1][index : index + count]
+        extra = min(self._ahead_blocks - count, max(ahead, 0) // self.block)
+        starts = first + self.block * np.arange(count + max(extra, 0), dtype=np.int64)
+        rows = self.bases(starts)
+        if extra > 0:
+            self._ahead = (first, rows)  # one assignment: readers see old or new
+        return rows[:count]
 
     @property
     def nbytes(self) -> int:
@@ -516,10 +524,11 @@ def _range_rows(
     else:
         out[...] = 0  # columns a kind leaves unwritten are zeros
     amplitude = encoding.waves.amplitude
+    columns = _Columns(encoding, min(last - first, encoding.waves.pass_rows))
     for offset, rows in wave_blocks(encoding.waves, first, last, ahead):
         if amplitude != 1.0:
             rows *= amplitude
-        encoding.table.write_columns(out[offset : offset + len(rows)], rows)
+        columns.write(out[offset : offset + len(rows)], rows)
     return out
 
 
@@ -535,8 +544,70 @@ def _rows_at(encoding: Encoding, mapped: Int64Array) -> Rows:
     rows = wave_rows(encoding.waves, mapped)
     if encoding.waves.amplitude != 1.0:
         rows *= encoding.waves.amplitude
-    encoding.table.write_columns(out, rows)
+    _Columns(encoding, mapped.size).write(out, rows)
     return out
+
+
+class _Columns:
+    """Writes rows of ``v`` into a table's columns of the encoding's dtype (zeros
+    beforehand), up to ``rows`` rows a call.
+
+    bfloat16 goes through float64 columns and ``_to_bfloat16``: ml_dtypes' own conversion
+    from float64 runs a scalar loop, 4 to 5 times slower than the vector passes there, and
+    took most of a cold bfloat16 stream's server time. Both give the same bytes.
+    """
+
+    def __init__(self, encoding: Encoding, rows: int) -> None:
+        self._table = encoding.table
+        self._staging: tuple[Float64Array, npt.NDArray[np.float32], npt.NDArray[np.uint32]]
+        self._staged = encoding.dtype == _BFLOAT16
+        if self._staged:
+            shape = (max(rows, 0), encoding.width)
+            self._staging = (
+                np.zeros(shape),  # columns a kind leaves unwritten stay zeros
+                np.empty(shape, dtype=np.float32),
+                np.empty(shape, dtype=np.uint32),
+            )
+
+    def write(self, target: Rows, rows: ComplexRows) -> None:
+        if not self._staged:
+            self._table.write_columns(target, rows)
+            return
+        count = len(rows)
+        wide, single, bits = self._staging
+        self._table.write_columns(wide[:count], rows)
+        _to_bfloat16(wide[:count], target, single[:count], bits[:count])
+
+
+_BFLOAT16: Final = DTYPES["bfloat16"]
+
+
+def _to_bfloat16(
+    values: Float64Array,
+    out: Rows,
+    single: npt.NDArray[np.float32],
+    bits: npt.NDArray[np.uint32],
+) -> None:
+    """``out[...] = values`` rounded to the nearest bfloat16 (ties to even), as ml_dtypes
+    rounds; ``single`` and ``bits`` are scratch of the same shape.
+
+    Through float32 (rounded to nearest), then to bfloat16 by rounding its bits: the two
+    roundings give the nearest bfloat16 of the float64 value except where the first made
+    a tie for the second (low 16 bits exactly 0x8000, one value in 65536), and those few
+    are converted from float64 directly.
+    """
+    np.copyto(single, values, casting="same_kind")
+    pattern = single.view(np.uint32)
+    np.right_shift(pattern, 16, out=bits)
+    np.bitwise_and(bits, 1, out=bits)  # ties to even: + 0x8000 when the kept part is odd
+    bits += 0x7FFF
+    bits += pattern
+    bits >>= 16
+    np.copyto(out.view(np.uint16), bits, casting="unsafe")
+    np.bitwise_and(pattern, 0xFFFF, out=bits)
+    ties = bits == 0x8000
+    if ties.any():
+        out[ties] = values[ties].astype(_BFLOAT16)
 
 
 def wave_rows(waves: Waves, positions: Int64Array) -> ComplexRows:
@@ -594,10 +665,9 @@ def wave_blocks(
         base_and_rotations = waves.bases(np.concatenate((block_starts, offsets)))
         flat, swapped = _pairs(base_and_rotations[:1])
         few = rotation_pairs(base_and_rotations[1:])
-    elif block_starts.size == 1:  # one block of a long range, whose next blocks come next
-        flat, swapped = _pairs(waves.block_base(aligned, ahead + stop - aligned - block))
-    else:
-        flat, swapped = _pairs(waves.bases(block_starts))
+    else:  # blocks of a long range, whose next blocks come next
+        end = aligned + block * block_starts.size
+        flat, swapped = _pairs(waves.block_bases(aligned, block_starts.size, ahead + stop - end))
     yield from _rotated_blocks(waves, start, stop, block_starts, flat, swapped, few)
 
 
@@ -613,8 +683,8 @@ def _rotated_blocks(
     """``wave_blocks``' rows, from its block bases (``few``: the rotations of its rows), a
     pass at a time in scratch buffers lent for the whole range."""
     block, pair_columns = waves.block, 2 * waves.count
-    rows_per_pass = max(1, _ELEMENTS_PER_PASS // pair_columns)
-    pass_elements = min(rows_per_pass, block) * pair_columns
+    rows_per_pass = waves.pass_rows
+    pass_elements = rows_per_pass * pair_columns
     with _SCRATCH.buffers(pass_elements) as (buffer, products, base_rows, swapped_rows):
         for index, block_start in enumerate(block_starts.tolist()):
             first, last = max(start, block_start), min(stop, block_start + block)
