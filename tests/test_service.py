@@ -5,9 +5,10 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 
 import grpc
+import ml_dtypes
 import numpy as np
 import pytest
-from reference import engine_positions
+from reference import engine_positions, engine_range
 
 from posenc.v1 import posenc_pb2 as pb
 from posenc.v1 import posenc_pb2_grpc
@@ -174,3 +175,35 @@ def test_scattered_positions_of_a_narrow_table_cost_about_their_rows(
     # At most one new block (256 Ki elements) besides 16 rows per requested row.
     assert rows - before <= (1 << 18) + 16 * 64, rows - before
     server.channel.close()
+
+
+def test_a_range_streams_as_whole_blocks_that_are_sent_again_as_they_are(fresh: Server) -> None:
+    # bfloat16 rows of 8 KiB: blocks of 64 rows (256 Ki elements) are 512 KiB, half the
+    # 1 MiB chunks asked for. Chunks are whole blocks, on the blocks' boundaries (the first
+    # runs to the first boundary), so a range asked again is its cached blocks' messages.
+    spec = pb.EncodingSpec(sinusoidal=pb.SinusoidalTable(d_model=4096), dtype=pb.DTYPE_BFLOAT16)
+    start = 7_000_000 * BLOCK + 10
+    request = pb.StreamEncodingRequest(
+        spec=spec,
+        range=pb.PositionRange(start=start, stop=start + 5 * BLOCK),
+        max_chunk_bytes=1 << 20,
+    )
+    computed, _, hits = fresh.counters()
+    first = [response.chunk for response in fresh.stub.StreamEncoding(request)]
+    assert [(chunk.row_offset, chunk.rows) for chunk in first] == [
+        (0, 54),
+        (54, 64),
+        (118, 64),
+        (182, 64),
+        (246, 64),
+        (310, 10),
+    ]
+    assert fresh.counters()[0] - computed == 6 * BLOCK
+    again = [response.chunk for response in fresh.stub.StreamEncoding(request)]
+    assert [chunk.data for chunk in again] == [chunk.data for chunk in first]
+    after_computed, _, after_hits = fresh.counters()
+    assert after_computed - computed == 6 * BLOCK  # nothing computed the second time
+    assert after_hits - hits == 6
+    rows = np.frombuffer(b"".join(chunk.data for chunk in first), dtype=ml_dtypes.bfloat16)
+    expected = engine_range(spec, start, start + 5 * BLOCK)
+    np.testing.assert_array_equal(rows.reshape(expected.shape), expected)

@@ -314,12 +314,21 @@ class EncodingService:
     ) -> Iterator[list[bytes]]:
         """The serialized chunks of a range: a chunk that is exactly a cached block at the
         same row offset is that block's message, sent as it is; others are built. Chunks
-        computed here come one per step, cached ones several."""
+        computed here come one per step, cached ones several.
+
+        Chunks are at most a block: a block of a narrow dtype (bfloat16: 512 KiB) is
+        smaller than the largest chunk, and chunks spanning two blocks would all be copies.
+        Chunks of a whole block follow the blocks' boundaries (the first one ends at the
+        first boundary).
+        """
         block_rows = self.block_rows(spec)
+        chunk_rows = min(chunk_rows, block_rows)
         origin = selection.start
         ready: list[bytes] = []
-        for first in range(origin, selection.stop, chunk_rows):
-            last = min(first + chunk_rows, selection.stop)
+        first = origin
+        while first < selection.stop:
+            end = (first // chunk_rows + 1) * chunk_rows if chunk_rows == block_rows else 0
+            last = min(end or first + chunk_rows, selection.stop)
             whole = first % block_rows == 0 and last - first == block_rows
             cached = whole and (spec.serial, first // block_rows) in self.cache
             if ready and not cached:
@@ -337,6 +346,7 @@ class EncodingService:
             if not cached or len(ready) >= _CACHED_MESSAGES_PER_STEP:
                 yield ready
                 ready = []
+            first = last
         if ready:
             yield ready
 
