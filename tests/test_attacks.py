@@ -9,6 +9,7 @@ metrics do not grow with what a caller invents.
 from __future__ import annotations
 
 import os
+import socket
 import threading
 import time
 import urllib.error
@@ -84,6 +85,87 @@ def pump_until(connections: list[RawConnection], done: Callable[[], bool], secon
     while not done() and time.monotonic() < deadline:
         for connection in connections:
             connection.pump(0.02)
+
+
+# -- 0: connection floods ---------------------------------------------------------------------
+
+
+def _flood(port: int, count: int) -> list[RawConnection]:
+    """``count`` idle HTTP/2 connections (preface and settings sent, no call), read from
+    for a moment so that the ones the server closed know it."""
+    connections = [RawConnection("127.0.0.1", port) for _ in range(count)]
+    time.sleep(0.5)
+    for connection in connections:
+        connection.pump(0.005)
+    return connections
+
+
+@pytest.mark.timeout(60)
+def test_connections_past_the_limit_are_closed_as_they_come(
+    spawn_server: Callable[..., ServerProcess],
+) -> None:
+    """Each connection holds memory that no budget counts (about 17 KiB idle): 900 of them
+    grew a server without a limit by 15 MiB. Past ``--max-connections`` they are closed at
+    once, and when the flood ends, clients connect again."""
+    server = spawn_server(0, "--max-connections", "32")
+    before = current_rss_mib(server.process.pid)
+    connections = _flood(server.port, 300)
+    try:
+        assert sum(not connection.closed for connection in connections) <= 32
+        assert sum(connection.closed for connection in connections) >= 268
+        assert current_rss_mib(server.process.pid) - before < 3
+    finally:
+        for connection in connections:
+            connection.close()
+    with posenc.Client(server.target, timeout=10) as client:
+        np.testing.assert_array_equal(
+            client.get_range(5, 9, 16), client.get_positions([5, 6, 7, 8], 16)
+        )
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(60)
+def test_a_connection_flood_leaves_the_supervisor_its_health_line(
+    spawn_server: Callable[..., ServerProcess],
+) -> None:
+    """The supervisor checks its workers over a line of their own, which the connection
+    limit does not count: a flood that fills the limit restarts no worker."""
+    server = spawn_server(0, "--processes", "2", "--max-connections", "16")
+    workers = sorted(int(pid) for pid in _children(server.process.pid))
+    assert len(workers) == 2
+    connections = _flood(server.port, 200)
+    try:
+        assert sum(not connection.closed for connection in connections) <= 32
+        time.sleep(5)  # the supervisor restarts a worker after 3 failed checks a second apart
+        assert sorted(int(pid) for pid in _children(server.process.pid)) == workers
+    finally:
+        for connection in connections:
+            connection.close()
+    assert health_latency(server.target) < 1
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(60)
+def test_a_connection_that_never_speaks_is_closed(
+    spawn_server: Callable[..., ServerProcess],
+) -> None:
+    """A TCP connection that sends nothing would hold one of the limited places for as long
+    as the attacker likes: one whose handshakes are not over within 10 s is closed."""
+    server = spawn_server(0, "--max-connections", "4")
+    silent = socket.create_connection(("127.0.0.1", server.port))
+    started = time.monotonic()
+    try:
+        silent.settimeout(30)
+        while silent.recv(4096):  # the server's own settings, then its end
+            pass
+    finally:
+        silent.close()
+    assert 5 < time.monotonic() - started < 20
+
+
+def _children(pid: int) -> list[str]:
+    with open(f"/proc/{pid}/task/{pid}/children") as children:
+        return children.read().split()
 
 
 # -- 1: stalled calls ------------------------------------------------------------------------

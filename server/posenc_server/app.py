@@ -44,6 +44,8 @@ T = TypeVar("T")
 log = logging.getLogger("posenc_server")
 
 _CONNECTION_AGE_GRACE_MS = 30_000
+# A connection's TCP, TLS and HTTP/2 handshakes must be over this long after it opened.
+_HANDSHAKE_TIMEOUT_MS = 10_000
 # The most a connection holds to read into (see the server options).
 _READ_BUFFER_BYTES = 64 << 10
 # How long a client turned away for lack of in-flight memory is told to wait.
@@ -315,6 +317,16 @@ async def _start(
             # now and then lets them find replicas added since (the SDK resumes cut streams).
             ("grpc.max_connection_age_ms", int(config.max_connection_age_seconds * 1000)),
             ("grpc.max_connection_age_grace_ms", _CONNECTION_AGE_GRACE_MS),
+            # Each connection holds memory the in-flight budget does not count (its state,
+            # buffers: about 20 KiB idle), so a flood of them is capped: connections past
+            # the limit are closed as they come (the supervisor's health line is not one),
+            # and one that has not finished its handshake in a few seconds is closed too.
+            *(
+                [("grpc.max_allowed_incoming_connections", config.max_connections)]
+                if config.max_connections
+                else []
+            ),
+            ("grpc.server_handshake_timeout_ms", _HANDSHAKE_TIMEOUT_MS),
         ],
     )
     add_to_server(servicer, server)

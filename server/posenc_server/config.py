@@ -108,6 +108,13 @@ class ServerConfig:
             "checks need none)"
         },
     )
+    max_connections: int = field(
+        default=4096,
+        metadata={
+            "help": "client connections one process holds at once; more are closed as they "
+            "come (each holds memory outside the in-flight budget; 0: no limit)"
+        },
+    )
     grace_seconds: float = field(
         default=30.0, metadata={"help": "on SIGTERM, time in-flight calls get to finish"}
     )
@@ -201,6 +208,7 @@ class ServerConfig:
             1 <= self.max_concurrent_streams < self.workers,
             f"must be between 1 and workers - 1 ({self.workers - 1})",
         )
+        check("max_connections", self.max_connections >= 0, "must be 0 (no limit) or more")
         check("metrics_port", -1 <= self.metrics_port <= 65535, "must be in -1..65535")
         if bool(self.tls_cert_file) != bool(self.tls_key_file):
             problems.append("--tls-cert-file and --tls-key-file go together")
