@@ -134,3 +134,20 @@ def test_kept_result_memory_goes_back_to_the_system_when_no_result_takes_it(
         while before - _resident_bytes() < 60 * MIB:
             assert time.monotonic() < deadline, "the kept memory was never given back"
             time.sleep(0.5)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float64"])
+def test_large_results_have_their_dtype_and_rows(
+    spawn_server: Callable[..., ServerProcess], dtype: str
+) -> None:
+    # 16,384 rows of 1024 are 32 MiB or more: the result lives in a map of its own.
+    process = spawn_server()
+    with posenc.Client(process.target) as client:
+        for _ in range(2):  # a new map, then the kept one
+            large = client.get_range(100, 100 + 16384, 1024, dtype=dtype, timeout=None)
+            assert large.dtype.name == dtype and large.shape == (16384, 1024)
+            np.testing.assert_array_equal(
+                large[-3:], client.get_range(16481, 16484, 1024, dtype=dtype)
+            )
+            del large

@@ -95,12 +95,13 @@ class _Owner:
     ``__array_interface__`` and holds this object as their base, so it lives exactly as
     long as an array, view or tensor of the result does."""
 
-    def __init__(self, block: _Map, shape: tuple[int, ...], dtype: np.dtype[Any]) -> None:
+    def __init__(self, block: _Map, nbytes: int) -> None:
+        # Bytes, viewed as the result's dtype after: the interface cannot name every dtype
+        # (ml_dtypes' bfloat16 would come back as two opaque bytes).
         self.__array_interface__ = {
             "version": 3,
-            "shape": shape,
-            "typestr": dtype.str,
-            "descr": dtype.descr,
+            "shape": (nbytes,),
+            "typestr": "|u1",
             "data": (block.address, False),
         }
 
@@ -190,8 +191,8 @@ def new_array(shape: tuple[int, ...], dtype: np.dtype[Any]) -> np.ndarray[Any, n
     fresh = block is None
     if block is None:
         block = _Map(-(-nbytes // mmap.PAGESIZE) * mmap.PAGESIZE)
-    owner = _Owner(block, shape, dtype)
-    array: np.ndarray[Any, np.dtype[Any]] = np.asarray(owner)
+    owner = _Owner(block, nbytes)
+    array: np.ndarray[Any, np.dtype[Any]] = np.asarray(owner).view(dtype).reshape(shape)
     _track(block.address, nbytes)
     weakref.finalize(owner, _release, block).atexit = False
     if fresh and _MADVISE is not None:
