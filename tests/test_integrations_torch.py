@@ -294,6 +294,42 @@ def test_growing_table_tensors_out_and_cos_sin(client: posenc.Client) -> None:
     assert table.get(np.array([5]), device="cpu").shape == (1, 32)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    "table",
+    [ROTARY, posenc.Spec("rotary", head_dim=16, layout="vllm"), SINUSOIDAL],
+    ids=["transformers", "vllm", "sinusoidal"],
+)
+def test_held_rows_read_by_torch_tensors_are_the_servers(
+    client: posenc.Client, table: posenc.Spec, dtype: Any
+) -> None:
+    # Small CPU tensors of held positions (a decode step) are read by torch's indexing;
+    # the rows are the server's whatever the path: positions past the table, a numpy
+    # list, or a direct call.
+    growing = GrowingTable(client, table, dtype=dtype, min_rows=128)
+    growing.reserve(128)
+    rotary = table.kind == "rotary"
+    for positions in (
+        torch.tensor([[5, 0, 127], [64, 64, 3]]),
+        torch.tensor([9], dtype=torch.int32),
+    ):
+        flat = positions.reshape(-1).numpy()
+        expected = client.get_positions(flat, table, dtype=dtype).reshape(*positions.shape, -1)
+        rows = growing.get(positions)
+        assert rows.dtype == dtype and rows.shape == expected.shape
+        assert np.array_equal(bits(rows), bits(expected))
+        if rotary:
+            cos, sin = growing.get(positions, cos_sin=True)
+            assert np.array_equal(bits(torch.cat([cos, sin], -1)), bits(expected))
+        else:
+            with pytest.raises(posenc.InvalidArgumentError, match="cos_sin"):
+                growing.get(positions, cos_sin=True)
+    past = torch.tensor([[3, 200]])  # 200 is past the held rows: the table grows
+    expected = client.get_positions([3, 200], table, dtype=dtype)
+    assert np.array_equal(bits(growing.get(past)[0]), bits(expected))
+    assert len(growing) > 200
+
+
 def test_a_transformers_rotary_table_travels_and_is_held_as_halves(server: Any) -> None:
     """transformers' rotary rows repeat each half ([c, c | s, s]): the table asks for vLLM's
     rows ([c | s], half the bytes) and holds those, and every read repeats the halves, bit

@@ -38,7 +38,14 @@ import numpy as np
 import numpy.typing as npt
 
 from posenc._memory import new_array
-from posenc._output import Output, is_torch_dtype, positions_of
+from posenc._output import (
+    Output,
+    as_tensor,
+    is_tensor,
+    is_torch_dtype,
+    positions_of,
+    torch_module,
+)
 from posenc._query import as_positions, distinct, numpy_dtype
 from posenc.errors import ResourceExhaustedError
 from posenc.spec import Spec
@@ -58,6 +65,9 @@ DEFAULT_MAX_STEP_BYTES: Final = 64 << 20
 DEFAULT_MIN_ROWS: Final = 4096
 # A request this many times sparser than the rows it would add is fetched, not grown into.
 _SPARSE: Final = 4
+# Up to this many positions a call, tensors of held rows are gathered by torch
+# (``_Plan.held_tensors``); larger ones (prefills) in one numpy pass into the result.
+_TORCH_GATHER_MAX: Final = 4096
 
 
 T = TypeVar("T")
@@ -127,6 +137,8 @@ class _Plan:
         self.max_bytes = max_bytes
         self.max_step_bytes = max_step_bytes
         self.rows: npt.NDArray[Any] | None = None  # the held rows, [len, width]
+        self._tensor: tuple[npt.NDArray[Any], Any] | None = None  # (rows, a tensor of them)
+        self.rotary = isinstance(table, Spec) and table.kind == "rotary"
         self.fetches = 0
 
     @property
@@ -222,6 +234,50 @@ class _Plan:
 
     # -- reading --------------------------------------------------------------------------------
 
+    def held_tensors(self, positions: Any, out: Any, device: Any, cos_sin: bool) -> Any:
+        """A decode step's rows by torch's own indexing of the held rows, or None where the
+        general path (``output``, ``gather``) is needed: positions that are not a small CPU
+        integer tensor, rows not held, a buffer, another device, ``cos_sin`` of a table
+        that is not rotary.
+
+        A patched model's rotary forward asks for a few rows per decode step inside
+        ``generate``: the general path's Python (some sixty calls, cold in the CPU's caches
+        between the model's layers) cost the step more than the rows do. The same values,
+        shape and dtype; ``(cos, sin)`` come as contiguous tensors.
+        """
+        rows = self.rows
+        if rows is None or out is not None or not is_tensor(positions):
+            return None
+        torch = torch_module()
+        if (
+            positions.device.type != "cpu"
+            or (device is not None and torch.device(device).type != "cpu")
+            or positions.dtype not in (torch.int64, torch.int32)
+            or not 0 < positions.numel() <= _TORCH_GATHER_MAX
+            or (cos_sin and not self.rotary)
+        ):
+            return None
+        flat = positions.reshape(-1)
+        low, high = torch.aminmax(flat)
+        if int(low) < 0 or int(high) >= len(rows):
+            return None
+        held = self._tensor
+        if held is None or held[0] is not rows:
+            held = self._tensor = (rows, as_tensor(rows))
+        picked = held[1].index_select(0, flat)
+        shape = (*positions.shape, -1)
+        if not self.repeat:
+            picked = picked.view(shape)
+            if cos_sin:
+                half = picked.shape[-1] // 2
+                return picked.narrow(-1, 0, half), picked.narrow(-1, half, half)
+            return picked
+        half = picked.shape[1] // 2
+        cos, sin = picked[:, :half], picked[:, half:]
+        if cos_sin:
+            return torch.cat((cos, cos), 1).view(shape), torch.cat((sin, sin), 1).view(shape)
+        return torch.cat((cos, cos, sin, sin), 1).view(shape)
+
     def output(self, positions: npt.ArrayLike, out: Any, device: Any, cos_sin: bool) -> Any:
         """The result's form (see ``get``) and the flat positions it holds rows of."""
         array, positions_device = positions_of(positions)
@@ -233,7 +289,7 @@ class _Plan:
             cos_sin=cos_sin,
             positions_device=positions_device,
             torch_dtype=self.torch_dtype,
-            rotary=isinstance(self.table, Spec) and self.table.kind == "rotary",
+            rotary=self.rotary,
         )
         return output, as_positions(array)
 
@@ -414,6 +470,9 @@ class GrowingTable(_TableBase["Client"]):
         fills a caller's buffer (numpy or torch) without allocating, and ``cos_sin=True``
         gives a rotary table's ``(cos, sin)`` halves.
         """
+        held = self._plan.held_tensors(positions, out, device, cos_sin)
+        if held is not None:
+            return held
         output, flat = self._plan.output(positions, out, device, cos_sin)
         return output.finish(self._run(lambda: self._plan.gather(flat, output.host)))
 
@@ -473,6 +532,9 @@ class AsyncGrowingTable(_TableBase["AsyncClient"]):
         cos_sin: bool = False,
     ) -> Any:
         """The rows of ``positions`` (see :meth:`GrowingTable.get`)."""
+        held = self._plan.held_tensors(positions, out, device, cos_sin)
+        if held is not None:
+            return held
         output, flat = self._plan.output(positions, out, device, cos_sin)
         return output.finish(await self._run(lambda: self._plan.gather(flat, output.host)))
 
