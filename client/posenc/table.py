@@ -214,6 +214,7 @@ class _Plan:
             yield _Range(held, len(rows), rows[held:])
         self.fetches += 1
         self.rows = rows  # one reference swap: readers see the old or the new table
+        self._tensor = None  # (its tensor of the old rows would keep them alive)
 
     def _grow_for(self, positions: npt.NDArray[np.int64]) -> _Steps[None]:
         """Extends the table over the positions of a request past its end that are near the
