@@ -544,17 +544,19 @@ def _rows_at(encoding: Encoding, mapped: Int64Array) -> Rows:
     rows = wave_rows(encoding.waves, mapped)
     if encoding.waves.amplitude != 1.0:
         rows *= encoding.waves.amplitude
-    _Columns(encoding, mapped.size).write(out, rows)
+    _Columns(encoding, min(mapped.size, encoding.waves.pass_rows)).write(out, rows)
     return out
 
 
 class _Columns:
     """Writes rows of ``v`` into a table's columns of the encoding's dtype (zeros
-    beforehand), up to ``rows`` rows a call.
+    beforehand).
 
-    bfloat16 goes through float64 columns and ``_to_bfloat16``: ml_dtypes' own conversion
-    from float64 runs a scalar loop, 4 to 5 times slower than the vector passes there, and
-    took most of a cold bfloat16 stream's server time. Both give the same bytes.
+    bfloat16 goes through float64 columns and ``_to_bfloat16``, ``rows`` rows at a time
+    (its scratch is 16 bytes a column and row: a pass's rows, not a whole request's):
+    ml_dtypes' own conversion from float64 runs a scalar loop, 4 to 5 times slower than the
+    vector passes there, and took most of a cold bfloat16 stream's server time. Both give
+    the same bytes.
     """
 
     def __init__(self, encoding: Encoding, rows: int) -> None:
@@ -573,10 +575,13 @@ class _Columns:
         if not self._staged:
             self._table.write_columns(target, rows)
             return
-        count = len(rows)
         wide, single, bits = self._staging
-        self._table.write_columns(wide[:count], rows)
-        _to_bfloat16(wide[:count], target, single[:count], bits[:count])
+        step = max(len(wide), 1)
+        for first in range(0, len(rows), step):
+            count = min(step, len(rows) - first)
+            self._table.write_columns(wide[:count], rows[first : first + count])
+            part = target[first : first + count]
+            _to_bfloat16(wide[:count], part, single[:count], bits[:count])
 
 
 _BFLOAT16: Final = DTYPES["bfloat16"]
