@@ -115,6 +115,13 @@ class _Kept:
         self._changed = threading.Condition()
         self._sweeper: threading.Thread | None = None
 
+    def forget(self) -> None:
+        """A forked child starts with none kept (the parent's thread is not its own, and
+        its lock may have been held by another thread at the fork)."""
+        self._maps = []
+        self._changed = threading.Condition()
+        self._sweeper = None
+
     def take(self, nbytes: int) -> _Map | None:
         """The smallest kept map that holds ``nbytes`` without wasting much of itself."""
         with self._changed:
@@ -164,6 +171,8 @@ class _Kept:
 
 
 _KEPT: Final = _Kept()
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_KEPT.forget)
 
 
 def _track(address: int, size: int) -> None:
