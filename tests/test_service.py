@@ -207,3 +207,32 @@ def test_a_range_streams_as_whole_blocks_that_are_sent_again_as_they_are(fresh: 
     rows = np.frombuffer(b"".join(chunk.data for chunk in first), dtype=ml_dtypes.bfloat16)
     expected = engine_range(spec, start, start + 5 * BLOCK)
     np.testing.assert_array_equal(rows.reshape(expected.shape), expected)
+
+
+def test_a_list_over_thousands_of_blocks_reads_the_cached_ones_and_computes_the_rest(
+    fresh: Server,
+) -> None:
+    # 5,000 scattered rows in as many blocks, and 6 rows of the 3 cached blocks with the
+    # highest ids: past the first 4,096 blocks, which the service looks at one by one, the
+    # cached ones are found by their ids, the others' rows computed without a step each.
+    spec = pb.EncodingSpec(sinusoidal=pb.SinusoidalTable(d_model=16))  # blocks of 16,384 rows
+    block = 16_384
+    base = 9_000_000
+    cached = [(base + 20_000 + i) * block for i in range(3)]
+    fresh.stub.GetEncoding(
+        pb.GetEncodingRequest(
+            spec=spec, range=pb.PositionRange(start=cached[0], stop=cached[-1] + block)
+        )
+    )
+    scattered_rows = [(base + 2 * i) * block + i for i in range(5000)]
+    in_cached = [first + offset for first in cached for offset in (5, 9000)]
+    positions = np.random.default_rng(5).permutation(scattered_rows + in_cached).tolist()
+    computed, entries, hits = fresh.counters()
+    request = pb.GetEncodingRequest(spec=spec, positions=pb.PositionList(positions=positions))
+    data = fresh.stub.GetEncoding(request).tensor.data
+    rows = np.frombuffer(data, dtype=np.float32).reshape(len(positions), 16)
+    np.testing.assert_array_equal(rows, engine_positions(spec, positions))
+    after_computed, after_entries, after_hits = fresh.counters()
+    assert after_computed - computed == 5000  # the cached blocks' 6 rows are read
+    assert after_entries == entries  # none of the new blocks was asked for before
+    assert after_hits - hits == 3

@@ -71,6 +71,11 @@ class BlockCache(Generic[Key, Block]):
         with self._lock:
             return key in self._blocks
 
+    def cached_keys(self) -> list[Key]:
+        """The keys cached now (neither counted nor made more recent)."""
+        with self._lock:
+            return list(self._blocks)
+
     def get(self, key: Key) -> Block | None:
         """The cached block for ``key`` (counted as a hit or a miss), or None."""
         with self._lock:
