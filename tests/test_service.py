@@ -207,6 +207,12 @@ def test_a_range_streams_as_whole_blocks_that_are_sent_again_as_they_are(fresh: 
     rows = np.frombuffer(b"".join(chunk.data for chunk in first), dtype=ml_dtypes.bfloat16)
     expected = engine_range(spec, start, start + 5 * BLOCK)
     np.testing.assert_array_equal(rows.reshape(expected.shape), expected)
+    # Negative positions too: the block of -10 ends at 0.
+    request = pb.StreamEncodingRequest(
+        spec=spec, range=pb.PositionRange(start=-10, stop=2 * BLOCK), max_chunk_bytes=1 << 20
+    )
+    chunks = [response.chunk for response in fresh.stub.StreamEncoding(request)]
+    assert [(chunk.row_offset, chunk.rows) for chunk in chunks] == [(0, 10), (10, 64), (74, 64)]
 
 
 def test_a_list_over_thousands_of_blocks_reads_the_cached_ones_and_computes_the_rest(

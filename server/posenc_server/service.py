@@ -327,8 +327,10 @@ class EncodingService:
         ready: list[bytes] = []
         first = origin
         while first < selection.stop:
-            end = (first // chunk_rows + 1) * chunk_rows if chunk_rows == block_rows else 0
-            last = min(end or first + chunk_rows, selection.stop)
+            # A whole block's chunk ends at the block's end (not a sentinel: negative
+            # positions have a block ending at 0).
+            end = (first // block_rows + 1) * block_rows if chunk_rows == block_rows else None
+            last = min(first + chunk_rows if end is None else end, selection.stop)
             whole = first % block_rows == 0 and last - first == block_rows
             cached = whole and (spec.serial, first // block_rows) in self.cache
             if ready and not cached:
