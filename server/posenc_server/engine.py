@@ -36,7 +36,7 @@ import contextlib
 import functools
 import math
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from decimal import Decimal, localcontext
 from typing import Final, Protocol, runtime_checkable
@@ -273,8 +273,8 @@ class Waves:
             index, misaligned = divmod(first - kept[0], self.block)
             if not misaligned and index >= 0 and index + count <= len(kept[1]):
                 return kept[1][index : index + count]
-        extra = min(self._ahead_blocks - count, max(ahead, 0) // self.block)
-        starts = first + self.block * np.arange(count + max(extra, 0), dtype=np.int64)
+        extra = max(0, min(self._ahead_blocks - count, ahead // self.block))
+        starts = first + self.block * np.arange(count + extra, dtype=np.int64)
         rows = self.bases(starts)
         if extra > 0:
             self._ahead = (first, rows)  # one assignment: readers see old or new
@@ -524,11 +524,11 @@ def _range_rows(
     else:
         out[...] = 0  # columns a kind leaves unwritten are zeros
     amplitude = encoding.waves.amplitude
-    columns = _Columns(encoding, min(last - first, encoding.waves.pass_rows))
-    for offset, rows in wave_blocks(encoding.waves, first, last, ahead):
-        if amplitude != 1.0:
-            rows *= amplitude
-        columns.write(out[offset : offset + len(rows)], rows)
+    with _columns(encoding, min(last - first, encoding.waves.pass_rows)) as write:
+        for offset, rows in wave_blocks(encoding.waves, first, last, ahead):
+            if amplitude != 1.0:
+                rows *= amplitude
+            write(out[offset : offset + len(rows)], rows)
     return out
 
 
@@ -544,44 +544,41 @@ def _rows_at(encoding: Encoding, mapped: Int64Array) -> Rows:
     rows = wave_rows(encoding.waves, mapped)
     if encoding.waves.amplitude != 1.0:
         rows *= encoding.waves.amplitude
-    _Columns(encoding, min(mapped.size, encoding.waves.pass_rows)).write(out, rows)
+    with _columns(encoding, min(mapped.size, encoding.waves.pass_rows)) as write:
+        write(out, rows)
     return out
 
 
-class _Columns:
-    """Writes rows of ``v`` into a table's columns of the encoding's dtype (zeros
-    beforehand).
+@contextlib.contextmanager
+def _columns(encoding: Encoding, rows: int) -> Iterator[Callable[[Rows, ComplexRows], None]]:
+    """A writer of rows of ``v`` into the table's columns of the encoding's dtype (zeros
+    beforehand): the table's own, or for bfloat16 one through float64 columns and
+    ``_to_bfloat16``, ``rows`` rows at a time in the engine's scratch buffers.
 
-    bfloat16 goes through float64 columns and ``_to_bfloat16``, ``rows`` rows at a time
-    (its scratch is 16 bytes a column and row: a pass's rows, not a whole request's):
-    ml_dtypes' own conversion from float64 runs a scalar loop, 4 to 5 times slower than the
-    vector passes there, and took most of a cold bfloat16 stream's server time. Both give
-    the same bytes.
+    ml_dtypes' own conversion from float64 to bfloat16 runs a scalar loop, 4 to 5 times
+    slower than the vector passes there, and took most of a cold bfloat16 stream's server
+    time. Both give the same bytes.
     """
+    write_columns = encoding.table.write_columns
+    if encoding.dtype != _BFLOAT16:
+        yield write_columns
+        return
+    rows = max(rows, 1)
+    shape, elements = (rows, encoding.width), rows * encoding.width
+    with _SCRATCH.buffers(elements) as (wide_buffer, single_buffer, bits_buffer, _):
+        wide = wide_buffer[:elements].reshape(shape)
+        wide[...] = 0  # columns a kind leaves unwritten stay zeros
+        single = single_buffer.view(np.float32)[:elements].reshape(shape)
+        bits = bits_buffer.view(np.uint32)[:elements].reshape(shape)
 
-    def __init__(self, encoding: Encoding, rows: int) -> None:
-        self._table = encoding.table
-        self._staging: tuple[Float64Array, npt.NDArray[np.float32], npt.NDArray[np.uint32]]
-        self._staged = encoding.dtype == _BFLOAT16
-        if self._staged:
-            shape = (max(rows, 0), encoding.width)
-            self._staging = (
-                np.zeros(shape),  # columns a kind leaves unwritten stay zeros
-                np.empty(shape, dtype=np.float32),
-                np.empty(shape, dtype=np.uint32),
-            )
+        def write(target: Rows, values: ComplexRows) -> None:
+            for first in range(0, len(values), rows):
+                count = min(rows, len(values) - first)
+                write_columns(wide[:count], values[first : first + count])
+                part = target[first : first + count]
+                _to_bfloat16(wide[:count], part, single[:count], bits[:count])
 
-    def write(self, target: Rows, rows: ComplexRows) -> None:
-        if not self._staged:
-            self._table.write_columns(target, rows)
-            return
-        wide, single, bits = self._staging
-        step = max(len(wide), 1)
-        for first in range(0, len(rows), step):
-            count = min(step, len(rows) - first)
-            self._table.write_columns(wide[:count], rows[first : first + count])
-            part = target[first : first + count]
-            _to_bfloat16(wide[:count], part, single[:count], bits[:count])
+        yield write
 
 
 _BFLOAT16: Final = DTYPES["bfloat16"]
