@@ -125,36 +125,37 @@ class _Kept:
     def take(self, nbytes: int) -> _Map | None:
         """The smallest kept map that holds ``nbytes`` without wasting much of itself."""
         with self._changed:
-            fits = [
-                entry
-                for entry in self._maps
-                if _MIN_FILL * entry[1].size <= nbytes <= entry[1].size
-            ]
-            if not fits:
+            chosen = min(
+                (e for e in self._maps if _MIN_FILL * e[1].size <= nbytes <= e[1].size),
+                key=lambda entry: entry[1].size,
+                default=None,
+            )
+            if chosen is None:
                 return None
-            chosen = min(fits, key=lambda entry: entry[1].size)
             self._maps.remove(chosen)
             return chosen[1]
 
     def give(self, block: _Map) -> None:
         """Keep ``block`` for a later result, within ``keep_bytes()``; close what is over."""
         limit = keep_bytes()
-        closing = [block] if block.size > limit else []
-        if not closing:
-            with self._changed:
-                self._maps.append((time.monotonic(), block))
-                total = sum(entry[1].size for entry in self._maps)
-                while total > limit:
-                    oldest = self._maps.pop(0)[1]
-                    total -= oldest.size
-                    closing.append(oldest)
-                if self._sweeper is None:
-                    self._sweeper = threading.Thread(
-                        target=self._sweep, name="posenc-kept-results", daemon=True
-                    )
-                    self._sweeper.start()
-                self._changed.notify()
-        for old in closing:
+        if block.size > limit:
+            block.memory.close()
+            return
+        closing = []
+        with self._changed:
+            self._maps.append((time.monotonic(), block))
+            total = sum(entry[1].size for entry in self._maps)
+            while total > limit:
+                oldest = self._maps.pop(0)[1]
+                total -= oldest.size
+                closing.append(oldest)
+            if self._sweeper is None:
+                self._sweeper = threading.Thread(
+                    target=self._sweep, name="posenc-kept-results", daemon=True
+                )
+                self._sweeper.start()
+            self._changed.notify()
+        for old in closing:  # outside the lock: unmapping takes a while
             old.memory.close()
 
     def _sweep(self) -> None:
@@ -196,15 +197,13 @@ def new_array(shape: tuple[int, ...], dtype: np.dtype[Any]) -> np.ndarray[Any, n
     nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
     if nbytes < LARGE_BYTES or not sys.platform.startswith("linux"):
         return np.empty(shape, dtype=dtype)
-    block = _KEPT.take(nbytes)
-    fresh = block is None
-    if block is None:
-        block = _Map(-(-nbytes // mmap.PAGESIZE) * mmap.PAGESIZE)
+    kept = _KEPT.take(nbytes)
+    block = kept or _Map(-(-nbytes // mmap.PAGESIZE) * mmap.PAGESIZE)
     owner = _Owner(block, nbytes)
     array: np.ndarray[Any, np.dtype[Any]] = np.asarray(owner).view(dtype).reshape(shape)
     _track(block.address, nbytes)
     weakref.finalize(owner, _release, block).atexit = False
-    if fresh and _MADVISE is not None:
+    if kept is None and _MADVISE is not None:  # a kept map's pages are mapped already
         threading.Thread(
             target=_populate, args=(weakref.ref(owner), block), name="posenc-populate", daemon=True
         ).start()

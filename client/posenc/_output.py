@@ -81,6 +81,16 @@ def as_tensor(array: npt.NDArray[Any], device: Any = None) -> Any:
     return tensor if device is None else tensor.to(device)
 
 
+def cos_sin_halves(rows: Any) -> tuple[Any, Any]:
+    """A rotary table's rows (numpy or torch) as views of their ``(cos, sin)`` halves."""
+    half = rows.shape[-1] // 2
+    if is_tensor(rows):
+        # narrow: a view, without the cost of torch's generic indexing (a decode step of a
+        # patched model does this once per forward).
+        return rows.narrow(-1, 0, half), rows.narrow(-1, half, half)
+    return rows[..., :half], rows[..., half:]
+
+
 def positions_of(positions: Any) -> tuple[Any, Any]:
     """Positions as numpy can read them, and the device of a tensor (None otherwise)."""
     if is_tensor(positions):
@@ -195,14 +205,7 @@ class Output:
             result = rows if len(self.shape) == 1 else rows.reshape(*self.shape, width)
             if self.tensor:
                 result = as_tensor(result, self.device)
-        if self.cos_sin:
-            half = width // 2
-            if self.tensor:
-                # narrow: a view, without the cost of torch's generic indexing (a decode step
-                # of a patched model does this once per forward).
-                return result.narrow(-1, 0, half), result.narrow(-1, half, half)
-            return result[..., :half], result[..., half:]
-        return result
+        return cos_sin_halves(result) if self.cos_sin else result
 
     def slice(self, rows: npt.NDArray[Any]) -> Any:
         """A streamed slice of rows: a tensor when the call asked for tensors."""

@@ -41,6 +41,7 @@ from posenc._memory import new_array
 from posenc._output import (
     Output,
     as_tensor,
+    cos_sin_halves,
     is_tensor,
     is_torch_dtype,
     positions_of,
@@ -120,13 +121,14 @@ class _Plan:
         if min_rows < 1 or max_bytes < 1 or max_step_bytes < 1:
             raise ValueError("min_rows, max_bytes and max_step_bytes must be positive")
         self.table = table
+        self.rotary = isinstance(table, Spec) and table.kind == "rotary"
         # A rotary table in transformers' layout repeats each half of a row ([c, c | s, s]):
         # it is fetched and held in vLLM's layout ([c | s]), half the bytes to compute,
         # send and keep, and its halves are repeated as rows are read (``_expand``).
         self.fetch_table: Table = table
         self.repeat = (
-            isinstance(table, Spec)
-            and table.kind == "rotary"
+            self.rotary
+            and isinstance(table, Spec)  # (for the type checker: rotary tables are specs)
             and table.parameters.get("layout", "transformers") == "transformers"
         )
         if isinstance(table, Spec) and self.repeat:
@@ -138,7 +140,6 @@ class _Plan:
         self.max_step_bytes = max_step_bytes
         self.rows: npt.NDArray[Any] | None = None  # the held rows, [len, width]
         self._tensor: tuple[npt.NDArray[Any], Any] | None = None  # (rows, a tensor of them)
-        self.rotary = isinstance(table, Spec) and table.kind == "rotary"
         self.fetches = 0
 
     @property
@@ -174,11 +175,15 @@ class _Plan:
         if not self.repeat:
             return rows
         count, held = rows.shape
-        shape = (count, 2 * held)
-        out = host if host is not None and host.shape == shape else new_array(shape, self.dtype)
+        out = self._result((count, 2 * held), host)
         half = held // 2
         np.copyto(out.reshape(count, 2, 2, half), rows.reshape(count, 2, 1, half))
         return out
+
+    def _result(self, shape: tuple[int, ...], host: npt.NDArray[Any] | None) -> npt.NDArray[Any]:
+        """Where a read's rows go: the caller's buffer when it has their shape, else a new
+        array (in a dropped result's memory when large: ``posenc._memory``)."""
+        return host if host is not None and host.shape == shape else new_array(shape, self.dtype)
 
     def _max_rows(self, width: int) -> int:
         # ``width``: of the held rows, which are what memory holds.
@@ -244,7 +249,7 @@ class _Plan:
         A patched model's rotary forward asks for a few rows per decode step inside
         ``generate``: the general path's Python (some sixty calls, cold in the CPU's caches
         between the model's layers) cost the step more than the rows do. The same values,
-        shape and dtype; ``(cos, sin)`` come as contiguous tensors.
+        shape and dtype, and ``(cos, sin)`` the same halves.
         """
         rows = self.rows
         if rows is None or out is not None or not is_tensor(positions):
@@ -266,18 +271,11 @@ class _Plan:
         if held is None or held[0] is not rows:
             held = self._tensor = (rows, as_tensor(rows))
         picked = held[1].index_select(0, flat)
-        shape = (*positions.shape, -1)
-        if not self.repeat:
-            picked = picked.view(shape)
-            if cos_sin:
-                half = picked.shape[-1] // 2
-                return picked.narrow(-1, 0, half), picked.narrow(-1, half, half)
-            return picked
-        half = picked.shape[1] // 2
-        cos, sin = picked[:, :half], picked[:, half:]
-        if cos_sin:
-            return torch.cat((cos, cos), 1).view(shape), torch.cat((sin, sin), 1).view(shape)
-        return torch.cat((cos, cos, sin, sin), 1).view(shape)
+        if self.repeat:  # [c | s] held: [c, c | s, s] read
+            cos, sin = picked.chunk(2, 1)
+            picked = torch.cat((cos, cos, sin, sin), 1)
+        rows = picked.view(*positions.shape, -1)
+        return cos_sin_halves(rows) if cos_sin else rows
 
     def output(self, positions: npt.ArrayLike, out: Any, device: Any, cos_sin: bool) -> Any:
         """The result's form (see ``get``) and the flat positions it holds rows of."""
@@ -315,16 +313,13 @@ class _Plan:
             block = rows[low : top + 1]
             if self.repeat:
                 return self._expand(block, host)
-            out = host if host is not None and host.shape == block.shape else None
-            out = new_array(block.shape, self.dtype) if out is None else out
+            out = self._result(block.shape, host)
             np.copyto(out, block)
             return out
         if self.repeat:
             return self._expand(rows[flat], host)
-        if host is None or host.shape != (len(flat), rows.shape[1]):
-            host = new_array((len(flat), rows.shape[1]), self.dtype)
         # Straight into the caller's buffer (a decode loop allocates nothing) or a new one.
-        return np.take(rows, flat, axis=0, out=host)
+        return np.take(rows, flat, axis=0, out=self._result((len(flat), rows.shape[1]), host))
 
     def _mixed(
         self, flat: npt.NDArray[np.int64], rows: npt.NDArray[Any] | None
