@@ -1,6 +1,6 @@
 """The figures of issue 10's network attacks, measured on a real server process.
 
-    .venv/bin/python bench/attacks.py [stalled|unread|million|labels ...]
+    .venv/bin/python bench/attacks.py [connections|stalled|unread|million|labels ...]
 
 Each attack runs against a fresh ``python -m posenc_server`` (one process, 64 MiB cache) and
 prints one line: what the attack did and what the server showed (health latency, peak RSS,
@@ -106,6 +106,29 @@ def stalled() -> None:
         f"peak RSS {server.status('VmHWM'):.0f} MiB"
     )
     server.close()
+
+
+def connections() -> None:
+    """900 idle HTTP/2 connections (preface and settings, no call), without a connection
+    limit and with one of 64: how much each holds, and how many the server keeps open."""
+    count = 900
+    for limit in ("0", "64"):
+        server = Server("--max-connections", limit)
+        time.sleep(0.5)
+        before = server.status("VmRSS")
+        flood = [RawConnection("127.0.0.1", server.port) for _ in range(count)]
+        time.sleep(1.0)
+        for connection in flood:
+            connection.pump(0.002)
+        grown = server.status("VmRSS") - before
+        still_open = sum(not connection.closed for connection in flood)
+        print(
+            f"connections: {count} idle, --max-connections {limit}: {still_open} left open, "
+            f"RSS +{grown:.1f} MiB ({grown * 1024 / max(still_open, 1):.0f} KiB each open)"
+        )
+        for connection in flood:
+            connection.close()
+        server.close()
 
 
 def unread() -> None:
@@ -232,6 +255,7 @@ def decode() -> None:
 
 
 ATTACKS = {
+    "connections": connections,
     "stalled": stalled,
     "unread": unread,
     "million": million,

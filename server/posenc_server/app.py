@@ -318,7 +318,7 @@ async def _start(
             ("grpc.max_connection_age_ms", int(config.max_connection_age_seconds * 1000)),
             ("grpc.max_connection_age_grace_ms", _CONNECTION_AGE_GRACE_MS),
             # Each connection holds memory the in-flight budget does not count (its state,
-            # buffers: about 20 KiB idle), so a flood of them is capped: connections past
+            # buffers: about 17 KiB idle), so a flood of them is capped: connections past
             # the limit are closed as they come (the supervisor's health line is not one),
             # and one that has not finished its handshake in a few seconds is closed too.
             *(
