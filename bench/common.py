@@ -299,6 +299,25 @@ def load_average() -> str:
         return "unknown"
 
 
+def cpu_ticks() -> tuple[int, int] | None:
+    """The machine's (all, steal) CPU ticks so far, from /proc/stat; None elsewhere. On a
+    virtual machine, steal is time the host ran something else while ours was runnable."""
+    try:
+        with open("/proc/stat") as stat:
+            fields = [int(value) for value in stat.readline().split()[1:]]
+    except (OSError, ValueError):
+        return None
+    # user nice system idle iowait irq softirq steal [guest guest_nice: inside user, nice]
+    return sum(fields[:8]), fields[7] if len(fields) > 7 else 0
+
+
+def steal_share(start: tuple[int, int] | None, end: tuple[int, int] | None) -> str:
+    """The share of the machine's CPU time the host took between two ``cpu_ticks()``."""
+    if start is None or end is None or end[0] <= start[0]:
+        return "unknown"
+    return f"{100 * (end[1] - start[1]) / (end[0] - start[0]):.0f}%"
+
+
 def machine() -> dict[str, Any]:
     """What the figures came from: hardware, software versions, code revision, date."""
     affinity = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None

@@ -76,6 +76,8 @@ def markdown(about: dict[str, Any], sections: list[Section], png: str) -> str:
         f"| RAM | {about['ram_gib']} GiB |",
         f"| load average (1, 5, 15 min) | {about['load_average_at_start']} at start, "
         f"{about.get('load_average_at_end', '?')} at the end |",
+        f"| CPU time taken by the host (steal) during the run | {about.get('steal', '?')} of "
+        "the machine's |",
         f"| software | Linux {about['kernel']}, Python {about['python']}, numpy {about['numpy']}, "
         f"grpcio {about['grpcio']}, protobuf {about['protobuf']}, posenc {about['posenc']} |",
         f"| servers | posenc `{about['posenc_server_flags']}`; floor: {about['server_processes']} "

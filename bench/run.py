@@ -19,7 +19,7 @@ if __package__ in (None, ""):  # run as a script: make `bench` importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench import procs
-from bench.common import REPO, Section, Sizes, load_average, machine
+from bench.common import REPO, Section, Sizes, cpu_ticks, load_average, machine, steal_share
 
 SECTIONS = "abcdefgp"
 
@@ -57,6 +57,7 @@ def main(argv: list[str] | None = None) -> int:
     sizes = Sizes.for_mode(args.quick)
     started = time.monotonic()
     about = machine()
+    ticks_at_start = cpu_ticks()
     flag = procs.processes_flag(procs.posenc_help())
     server_processes = (os.cpu_count() or 1) if flag else 1
     extra = [flag, str(server_processes)] if flag else []
@@ -162,6 +163,7 @@ def main(argv: list[str] | None = None) -> int:
     wall = time.monotonic() - started
     about["wall_seconds"] = round(wall, 1)
     about["load_average_at_end"] = load_average()
+    about["steal"] = steal_share(ticks_at_start, cpu_ticks())
     about["mode"] = "quick" if sizes.quick else "full"
     paths = report.write(args.out, args.name, about, sizes, sections)
     print(f"[bench] {wall:.0f} s; wrote {', '.join(str(p) for p in paths)}", file=sys.stderr)
