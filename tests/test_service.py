@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+import time
 from collections.abc import Callable, Iterator
 
 import grpc
@@ -34,7 +36,7 @@ class Server:
     """A raw stub on a fresh server, and its counters."""
 
     def __init__(self, running: RunningServer) -> None:
-        options = [("grpc.max_receive_message_length", 16 << 20)]
+        options = [("grpc.max_receive_message_length", 80 << 20)]
         self.channel = grpc.insecure_channel(running.target, options=options)
         self.stub = posenc_pb2_grpc.PositionalEncodingServiceStub(self.channel)
 
@@ -242,3 +244,44 @@ def test_a_list_over_thousands_of_blocks_reads_the_cached_ones_and_computes_the_
     assert after_computed - computed == 5000  # the cached blocks' 6 rows are read
     assert after_entries == entries  # none of the new blocks was asked for before
     assert after_hits - hits == 3
+
+
+@pytest.mark.slow
+def test_a_warm_stream_needs_no_worker(server_factory: Callable[..., RunningServer]) -> None:
+    # Both worker threads kept busy, each by a list of a million scattered positions
+    # (seconds of engine work in one call); a range of a known spec whose blocks are all
+    # cached streams meanwhile: its request is parsed and its messages taken from the cache
+    # on the event loop, none of it queued for a worker.
+    server = Server(
+        server_factory(
+            workers=2, max_concurrent_streams=1, max_unary_bytes=64 << 20, in_flight_bytes=1 << 30
+        )
+    )
+    start = 7_000_000 * BLOCK
+    warm = pb.StreamEncodingRequest(
+        spec=SPEC, range=pb.PositionRange(start=start, stop=start + 32 * BLOCK)
+    )
+    expected = b"".join(response.chunk.data for response in server.stub.StreamEncoding(warm))
+    heavy_spec = pb.EncodingSpec(sinusoidal=pb.SinusoidalTable(d_model=16))
+    positions = np.random.default_rng(3).integers(-(2**42), 2**42, 1 << 20).tolist()
+    heavy = pb.GetEncodingRequest(spec=heavy_spec, positions=pb.PositionList(positions=positions))
+    done: list[float] = []
+
+    def busy() -> None:
+        server.stub.GetEncoding(heavy, timeout=120)
+        done.append(time.monotonic())
+
+    workers = [threading.Thread(target=busy) for _ in range(2)]
+    for worker in workers:
+        worker.start()
+    time.sleep(0.5)  # both requests sent and taken by the workers (their rows take seconds)
+    try:
+        assert not done, "the busy calls must outlast the warm stream"
+        responses = list(server.stub.StreamEncoding(warm, timeout=60))
+        finished = time.monotonic()
+        assert len(responses) == 32
+        assert b"".join(response.chunk.data for response in responses) == expected
+    finally:
+        for worker in workers:
+            worker.join()
+    assert len(done) == 2 and finished < min(done), "the warm stream waited for a worker"

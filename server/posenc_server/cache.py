@@ -87,6 +87,16 @@ class BlockCache(Generic[Key, Block]):
             self._hits += 1
             return block
 
+    def lookup(self, key: Key) -> Block | None:
+        """The cached block for ``key`` (counted as a hit), or None, counted as nothing: the
+        caller's computation of it, if any, counts the miss."""
+        with self._lock:
+            block = self._blocks.get(key)
+            if block is not None:
+                self._blocks.move_to_end(key)
+                self._hits += 1
+            return block
+
     def get_or_compute(self, key: Key, compute: Callable[[], Block]) -> Block:
         """The cached block for ``key``, computing and storing it on a miss."""
         with self._lock:

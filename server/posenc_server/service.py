@@ -26,7 +26,7 @@ import os
 import secrets
 import socket
 import threading
-from collections.abc import Iterator, Mapping
+from collections.abc import Generator, Iterator, Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -48,6 +48,8 @@ from posenc_server.specs import Request, Spec
 
 Table = npt.NDArray[np.generic]
 BlockKey = tuple[int, int]  # (spec serial, block index)
+StreamSteps = Generator[bytes | None, bool | None, None]
+"""A stream's messages, one per step; None: the step computes, send True to run it."""
 
 
 @dataclass(frozen=True, eq=False)
@@ -82,9 +84,6 @@ _SEEN_BLOCKS = 4096
 _TRIM_AFTER_EVICTED_BYTES = 16 << 20
 # Position lists up to this long are gathered row by row, longer ones block by block.
 _ROW_BY_ROW_GATHER = 256
-# A stream step gives at most this many cached messages: their memory is the cache's, but
-# one evicted meanwhile stays alive until sent.
-_CACHED_MESSAGES_PER_STEP = 4
 # How long a client turned away at the stream cap is told to wait before trying again.
 _STREAM_RETRY_AFTER = 0.2
 
@@ -151,11 +150,16 @@ class EncodingService:
             _check_size(spec, selection, "unary", limit, "use StreamEncoding for large results")
             return _response(spec, Chunk(0, self.table(spec, selection)))
 
-    def stream(self, request: Request) -> Iterator[list[bytes]]:
-        """The serialized StreamEncodingResponses of a table of any size, lazily: each chunk
-        is computed when the consumer asks for it, so a cancelled stream stops computing.
-        A step gives one message, or up to ``_CACHED_MESSAGES_PER_STEP`` of cached blocks
-        sent as they are (a step is a trip to the pool: worth more than taking one)."""
+    def stream(self, request: Request) -> StreamSteps:
+        """The serialized StreamEncodingResponses of a table of any size, one per step,
+        lazily: a cancelled stream stops computing.
+
+        A step that would compute (or copy rows into a new message) runs only when the
+        consumer sends True, from a thread that may (a worker of the pool); otherwise (None
+        sent, or ``next``: the event loop) it yields None instead and waits for that. Steps
+        that give a cached block's message as it is cost a cache lookup: a warm stream is
+        sent without a trip to the pool.
+        """
         with self._admitted(stream=True):
             spec, selection = request.spec, request.selection
             limit = self.config.max_stream_bytes
@@ -164,8 +168,15 @@ class EncodingService:
             if isinstance(selection, PositionRange):
                 yield from self._range_messages(spec, selection, chunk_rows)
                 return
-            for chunk in self.chunks(spec, selection, chunk_rows):
-                yield [_response(spec, chunk)]
+            chunks = self.chunks(spec, selection, chunk_rows)
+            may_compute = None
+            while True:
+                while not may_compute:
+                    may_compute = yield None
+                chunk = next(chunks, None)
+                if chunk is None:
+                    return
+                may_compute = yield _response(spec, chunk)
 
     # Admission and drain --------------------------------------------------------------------
 
@@ -309,12 +320,9 @@ class EncodingService:
             rows[piece.row_offset : piece.row_offset + len(piece.rows)] = piece.rows
         return Chunk(first - origin, rows)
 
-    def _range_messages(
-        self, spec: Spec, selection: PositionRange, chunk_rows: int
-    ) -> Iterator[list[bytes]]:
-        """The serialized chunks of a range: a chunk that is exactly a cached block at the
-        same row offset is that block's message, sent as it is; others are built. Chunks
-        computed here come one per step, cached ones several.
+    def _range_messages(self, spec: Spec, selection: PositionRange, chunk_rows: int) -> StreamSteps:
+        """``stream``'s steps for a range: a chunk that is exactly a cached block at the
+        same row offset is that block's message, sent as it is; others are built.
 
         Chunks are at most a block: a block of a narrow dtype (bfloat16: 512 KiB) is
         smaller than the largest chunk, and chunks spanning two blocks would all be copies.
@@ -324,7 +332,7 @@ class EncodingService:
         block_rows = self.block_rows(spec)
         chunk_rows = min(chunk_rows, block_rows)
         origin = selection.start
-        ready: list[bytes] = []
+        may_compute: bool | None = None
         first = origin
         while first < selection.stop:
             # A whole block's chunk ends at the block's end (not a sentinel: negative
@@ -332,25 +340,23 @@ class EncodingService:
             end = (first // block_rows + 1) * block_rows if chunk_rows == block_rows else None
             last = min(first + chunk_rows if end is None else end, selection.stop)
             whole = first % block_rows == 0 and last - first == block_rows
-            cached = whole and (spec.serial, first // block_rows) in self.cache
-            if ready and not cached:
-                yield ready
-                ready = []
             message: bytes | None = None
             if whole:
-                block = self._block(spec, first // block_rows, origin, selection.stop)
-                if block.row_offset == first - origin:
+                block = self.cache.lookup((spec.serial, first // block_rows))
+                if block is not None and block.row_offset == first - origin:
                     message = block.message
             if message is None:
-                chunk = self._range_chunk(spec, first, last, origin, selection.stop)
-                message = _response(spec, chunk)
-            ready.append(message)
-            if not cached or len(ready) >= _CACHED_MESSAGES_PER_STEP:
-                yield ready
-                ready = []
+                while not may_compute:
+                    may_compute = yield None
+                if whole:
+                    block = self._block(spec, first // block_rows, origin, selection.stop)
+                    if block.row_offset == first - origin:
+                        message = block.message
+                if message is None:
+                    chunk = self._range_chunk(spec, first, last, origin, selection.stop)
+                    message = _response(spec, chunk)
+            may_compute = yield message
             first = last
-        if ready:
-            yield ready
 
     def _block_pieces(
         self, spec: Spec, start: int, stop: int, origin: int, end: int = 0

@@ -22,9 +22,9 @@ import contextlib
 import dataclasses
 import functools
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Executor
-from typing import Any, TypeVar
+from typing import Any, Final, TypeVar
 
 import grpc
 import grpc.aio
@@ -42,7 +42,7 @@ from posenc_server.errors import (
     ShuttingDownError,
 )
 from posenc_server.requests import Query
-from posenc_server.service import SHUTTING_DOWN, EncodingService, ServerInfo
+from posenc_server.service import SHUTTING_DOWN, EncodingService, ServerInfo, StreamSteps
 from posenc_server.specs import Request, SpecTable
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["PositionalEncodingService"].full_name
@@ -92,7 +92,7 @@ class PositionalEncodingServicer:
         # bytes stay held until gRPC has handed them to the connection.
         largest = admission.unary_cost(self._config.max_unary_bytes)
         async with self._admitted(context, largest) as (reservation, raw):
-            query = self._small_query(raw)
+            query = self._small_query(_GET_ENCODING, raw)
             message = None if query is None else self._unary_from_cache(query)
             if message is None:  # parsed once: a new spec's step pays the parse once
                 message = await self._run(self._unary, raw, query)
@@ -106,26 +106,45 @@ class PositionalEncodingServicer:
         metadata naming this process (a client spreads a large range's parts by it)."""
         await context.send_initial_metadata(self._server_id_metadata)
         async with self._admitted(context, 0) as (reservation, raw):
-            request = await self._run(self._request, _STREAM_ENCODING, raw)
+            # A known spec's small request is parsed here: a warm stream then needs no
+            # worker at all, however busy they are.
+            query = self._small_query(_STREAM_ENCODING, raw)
+            request = None if query is None else self._specs.known(query)
+            if request is None:
+                request = await self._run(self._resolve, _STREAM_ENCODING, raw, query)
             chunk_bytes = request.max_chunk_bytes or self._config.max_chunk_bytes
             await reservation.grow(_response_cost(request, chunk_bytes))
-            chunks = self._service.stream(request)
             loop = asyncio.get_running_loop()
-            ahead: asyncio.Future[list[bytes] | None] | None = None
+            steps = self._service.stream(request)
+            ahead: asyncio.Future[bytes | None] | None = None
             try:
-                # Chunk k + 1 is computed on the pool while chunk k is being sent (numpy
-                # releases the GIL): a cold stream costs its slower half, not the sum.
-                ahead = loop.run_in_executor(self._pool, next, chunks, None)
-                while (messages := await ahead) is not None:
-                    ahead = loop.run_in_executor(self._pool, next, chunks, None)
-                    for message in messages:
+                # Steps that compute run on the pool, each started before the previous
+                # message is sent (numpy releases the GIL: a cold stream costs its slower
+                # half, not the sum); cached blocks' messages are taken here, on the loop.
+                message: bytes | None = None
+                while True:
+                    if ahead is not None:
+                        following = await ahead
+                        ahead = None
+                    else:
+                        following = _step(steps, may_compute=False)
+                        if following is None:
+                            ahead = loop.run_in_executor(self._pool, _step, steps, True)
+                            if message is not None:
+                                yield message
+                                message = None
+                            continue
+                    if message is not None:
                         yield message
+                    if following is _END:
+                        return
+                    message = following
             finally:
                 if ahead is not None:
                     ahead.cancel()  # a step still running is not awaited: its outcome is moot
                 # Runs the generator's cleanup (the stream count) on the pool: it may still
                 # be computing a chunk for a call cancelled meanwhile.
-                self._pool.submit(_close_when_idle, chunks)
+                self._pool.submit(_close_when_idle, steps)
 
     async def GetServerInfo(
         self, requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext[bytes, bytes]
@@ -197,11 +216,11 @@ class PositionalEncodingServicer:
         assert isinstance(message, bytes)
         return message
 
-    def _small_query(self, raw: bytes) -> Query | None:
+    def _small_query(self, parse: Callable[[bytes], Any], raw: bytes) -> Query | None:
         """The query of a small request, parsed on the event loop; None for a large one."""
         if len(raw) > _INLINE_REQUEST_BYTES:
             return None
-        return convert.encoding_query(_GET_ENCODING(raw), self._config)
+        return convert.encoding_query(parse(raw), self._config)
 
     def _unary_from_cache(self, query: Query) -> bytes | None:
         """A decode step's answer on the event loop, or None for the pool to answer.
@@ -223,12 +242,13 @@ class PositionalEncodingServicer:
         return self._service.unary(request)
 
     def _unary(self, raw: bytes, query: Query | None) -> bytes:
-        if query is None:
-            return self._service.unary(self._request(_GET_ENCODING, raw))
-        return self._service.unary(self._specs.resolve(query))
+        return self._service.unary(self._resolve(_GET_ENCODING, raw, query))
 
-    def _request(self, parse: Callable[[bytes], Any], raw: bytes) -> Request:
-        return self._specs.resolve(convert.encoding_query(parse(raw), self._config))
+    def _resolve(self, parse: Callable[[bytes], Any], raw: bytes, query: Query | None) -> Request:
+        """The request of ``raw`` (``query``: its query, when parsed already)."""
+        if query is None:
+            query = convert.encoding_query(parse(raw), self._config)
+        return self._specs.resolve(query)
 
     async def _run(self, function: Callable[..., T], *args: Any) -> T:
         """``function(*args)`` on the pool: CPU work never runs on the event loop."""
@@ -241,7 +261,20 @@ def _response_cost(request: Request, chunk_bytes: int | None) -> int:
     return admission.response_cost(request.selection.rows, spec.width, spec.row_bytes, chunk_bytes)
 
 
-def _close_when_idle(chunks: Iterator[list[bytes]]) -> None:
+_END: Final = b""
+"""``_step``'s mark of a stream's end (no message is empty: each holds a header)."""
+
+
+def _step(steps: StreamSteps, may_compute: bool) -> bytes | None:
+    """The stream's next message, or ``_END``; None when it must be computed and
+    ``may_compute`` is false (on the event loop)."""
+    try:
+        return steps.send(True if may_compute else None)
+    except StopIteration:
+        return _END
+
+
+def _close_when_idle(chunks: StreamSteps) -> None:
     # A call cancelled while its next chunk was being computed leaves that step running on
     # another thread: close the generator (running its cleanup) once the step is over.
     close: Callable[[], None] | None = getattr(chunks, "close", None)
