@@ -443,3 +443,25 @@ def test_serve_names_the_missing_module_and_the_matching_install_command() -> No
     assert "not installed" in result.stderr and "pip install" in result.stderr
     # make test installs from this checkout: the command names it, not the package index.
     assert f"'{Path(posenc.__file__).parents[2]}[server]'" in result.stderr, result.stderr
+
+
+def test_the_sdk_and_cli_import_ml_dtypes_only_for_bfloat16(server: RunningServer) -> None:
+    # Importing ml_dtypes takes most of a second: a health check (compose runs `posenc
+    # health` every 10 s) or a float32 client should not pay it; a bfloat16 result does.
+    script = (
+        "import sys, posenc, posenc.cli\n"
+        "assert posenc.cli.main(['health', '--target', sys.argv[1]]) == 0\n"
+        "with posenc.Client(sys.argv[1]) as client:\n"
+        "    client.get_range(0, 4, 8)\n"
+        "    print('ml_dtypes' in sys.modules)\n"
+        "    rows = client.get_range(0, 4, 8, dtype='bfloat16')\n"
+        "    print('ml_dtypes' in sys.modules, rows.dtype)\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", script, server.target],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
+    assert result.stdout.splitlines()[-2:] == ["False", "True bfloat16"]

@@ -23,17 +23,14 @@ import math
 import sys
 from dataclasses import dataclass
 from types import ModuleType
-from typing import Any, Final
+from typing import Any
 
-import ml_dtypes
 import numpy as np
 import numpy.typing as npt
 
 from posenc._checks import bad_argument
 
 __all__ = ["Output", "as_tensor", "is_tensor", "is_torch_dtype", "torch_module"]
-
-_BFLOAT16: Final = np.dtype(ml_dtypes.bfloat16)
 
 
 def torch_module() -> ModuleType:
@@ -74,7 +71,7 @@ def as_tensor(array: npt.NDArray[Any], device: Any = None) -> Any:
     if not array.flags.writeable:
         # torch.from_numpy warns on read-only memory, and would let writes through it.
         array = array.copy()
-    if array.dtype == _BFLOAT16:
+    if array.dtype.name == "bfloat16":  # ml_dtypes' (imported only for bfloat16)
         tensor = torch.from_numpy(array.view(np.uint16)).view(torch.bfloat16)
     else:
         tensor = torch.from_numpy(array)

@@ -13,7 +13,6 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Final
 
-import ml_dtypes  # noqa: F401  (registers numpy's "bfloat16")
 import numpy as np
 import numpy.typing as npt
 
@@ -54,7 +53,17 @@ def dtype_name(dtype: DTypeArg) -> str:
 
 def numpy_dtype(dtype: DTypeArg) -> np.dtype[Any]:
     """The numpy dtype of results for a ``dtype=`` argument (bfloat16: ml_dtypes)."""
-    return np.dtype(dtype_name(dtype))
+    return named_dtype(dtype_name(dtype))
+
+
+def named_dtype(name: str) -> np.dtype[Any]:
+    """The numpy dtype of a ``Dtype`` name. bfloat16 is ml_dtypes', imported here when first
+    needed: importing ml_dtypes (0.7) takes most of a second, more than the rest of the SDK,
+    and a process that never asks for bfloat16 (``posenc health``, a float32 client) need
+    not pay it."""
+    if name == "bfloat16":
+        import ml_dtypes  # noqa: F401  (registers numpy's "bfloat16")
+    return np.dtype(name)
 
 
 def as_spec(table: object, classic: Mapping[str, object]) -> Spec:
@@ -288,5 +297,5 @@ def positions_query(
 
 def _query(spec: pb.EncodingSpec, widths: Widths, **selection: Any) -> Query:
     key = spec.SerializeToString(deterministic=True)
-    dtype = np.dtype(enum_name(pb.Dtype.DESCRIPTOR, spec.dtype))
+    dtype = named_dtype(enum_name(pb.Dtype.DESCRIPTOR, spec.dtype))
     return Query(spec, key, dtype, columns=widths.get(key), **selection)

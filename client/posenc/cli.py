@@ -30,7 +30,7 @@ from tqdm import tqdm
 
 from posenc._channel import DEFAULT_TARGET, is_uri
 from posenc._client import Client
-from posenc._query import DTYPE_NAMES, as_positions
+from posenc._query import DTYPE_NAMES, as_positions, named_dtype
 from posenc.errors import PosencError
 from posenc.plot import BASES, FIGURES, default_spec, figure, render
 from posenc.spec import (
@@ -556,7 +556,7 @@ def _fetch(args: argparse.Namespace) -> int:
         else:
             width = first[1].shape[1]
             slices = itertools.chain([first], slices)
-        dtype = np.dtype(args.dtype)
+        dtype = named_dtype(args.dtype)
         # A table past the server's stream limit travels in several streams, so only the
         # disk bounds what fetch can write: check it before the file is made.
         needed, free = rows * width * dtype.itemsize, shutil.disk_usage(args.output.parent).free
