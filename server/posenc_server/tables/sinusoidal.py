@@ -175,7 +175,13 @@ class Tensor2Tensor(_Sinusoid):
             context.prec = engine.PRECISION
             low = Decimal(self.min_timescale)
             step = (Decimal(self.max_timescale) / low).ln() / Decimal(max(count - 1, 1))
-            return engine.Waves([low * (-step * i).exp() for i in range(count)])
+            # One exp, then a product per frequency (an exp each took 0.75 s of a new
+            # spec's CPU at d_model 65536); 32768 products lose under 1e-45.
+            ratio = (-step).exp()
+            frequencies = [low]
+            for _ in range(count - 1):
+                frequencies.append(frequencies[-1] * ratio)
+            return engine.Waves(frequencies[:count])
 
     @property
     def position_map(self) -> engine.PositionMap:
