@@ -9,6 +9,7 @@ metrics do not grow with what a caller invents.
 from __future__ import annotations
 
 import os
+import select
 import socket
 import threading
 import time
@@ -387,6 +388,62 @@ def test_metrics_listen_on_their_own_host_and_serve_only_metrics(
         with pytest.raises(urllib.error.HTTPError) as missing:
             urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=10)
         assert missing.value.code == 404
+
+
+def _closed(connection: socket.socket) -> bool:
+    connection.settimeout(0.05)
+    try:
+        return connection.recv(1) == b""
+    except TimeoutError:
+        return False
+    except ConnectionError:
+        return True
+
+
+def thread_count(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as status:
+        return next(int(line.split()[1]) for line in status if line.startswith("Threads:"))
+
+
+@pytest.mark.slow
+def test_silent_metrics_connections_are_bounded_and_closed(
+    spawn_server: Callable[..., ServerProcess],
+) -> None:
+    """Connections to the metrics port that never finish a request took a thread each, for
+    as long as they stayed open (2,000 connections: 2,000 threads): at most 32 are served
+    at once (the others are closed as they come), and a silent one is closed after 5 s."""
+    server = spawn_server(0, "--processes", "1")
+    port = metrics_port(server)
+    pid = server.process.pid
+    baseline = thread_count(pid)
+    silent = [socket.create_connection(("127.0.0.1", port), timeout=10) for _ in range(200)]
+    try:
+        for connection in silent:
+            connection.sendall(b"GET /metrics HTTP/1.1\r\nHost: x\r\n")  # never ended
+        time.sleep(1)
+        assert thread_count(pid) <= baseline + 32
+        deadline = time.monotonic() + 15
+        while time.monotonic() < deadline:  # the served ones time out; a scrape gets in
+            try:
+                assert scrape(port)
+                break
+            except (urllib.error.URLError, ConnectionError):
+                time.sleep(0.5)
+        else:
+            raise AssertionError("no scrape served while the silent connections stayed")
+        open_ones = list(silent)
+        deadline = time.monotonic() + 15
+        while open_ones and time.monotonic() < deadline:
+            readable, _, _ = select.select(open_ones, [], [], 0.5)
+            open_ones = [c for c in open_ones if c not in readable or not _closed(c)]
+        assert not open_ones, f"{len(open_ones)} silent connections still open"
+    finally:
+        for connection in silent:
+            connection.close()
+    deadline = time.monotonic() + 10
+    while thread_count(pid) > baseline + 2 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert thread_count(pid) <= baseline + 2
 
 
 # -- 3: unread responses ------------------------------------------------------------------

@@ -152,8 +152,37 @@ def _advance(counter: Counter, published: int, current: int) -> int:
     return published
 
 
+# Scrapers are few and quick: at most this many connections are served at once (others are
+# closed as they come), and a connection silent this long is closed. A thread serves each
+# connection: unbounded, connections opened and left silent piled up threads (2,000
+# connections, 2,000 threads) for as long as they stayed open.
+_MAX_SCRAPES = 32
+_SCRAPE_TIMEOUT_SECONDS = 5.0
+
+
 class _Server(ThreadingMixIn, WSGIServer):
     daemon_threads = True
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._slots = threading.BoundedSemaphore(_MAX_SCRAPES)
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        """Serve the connection in a thread of its own, if one of the slots is free."""
+        if not self._slots.acquire(blocking=False):
+            self.shutdown_request(request)
+            return
+        try:
+            super().process_request(request, client_address)
+        except BaseException:
+            self._slots.release()
+            raise
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._slots.release()
 
 
 class _Server6(_Server):
@@ -161,6 +190,8 @@ class _Server6(_Server):
 
 
 class _QuietHandler(WSGIRequestHandler):
+    timeout = _SCRAPE_TIMEOUT_SECONDS  # on the connection's socket: reads and writes
+
     def log_message(self, format: str, *args: Any) -> None:
         """Scrapes are not worth a log line."""
 
