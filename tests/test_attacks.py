@@ -8,6 +8,7 @@ metrics do not grow with what a caller invents.
 
 from __future__ import annotations
 
+import asyncio
 import os
 import select
 import socket
@@ -19,6 +20,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import grpc
+import grpc.aio
 import numpy as np
 import pytest
 from conftest import ServerProcess, peak_rss_mib
@@ -444,6 +446,51 @@ def test_silent_metrics_connections_are_bounded_and_closed(
     while thread_count(pid) > baseline + 2 and time.monotonic() < deadline:
         time.sleep(0.2)
     assert thread_count(pid) <= baseline + 2
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_health_calls_cannot_make_the_server_hold_memory(
+    spawn_server: Callable[..., ServerProcess],
+) -> None:
+    """Health answers everyone, and a Watch stream keeps its request while it is open: 20
+    Watch calls naming 10 MB services grew a process by 840 MiB, and 60,000 small ones by
+    417 MiB. A service name over 256 characters gets INVALID_ARGUMENT, a Watch past 1,024
+    open ones RESOURCE_EXHAUSTED, and the process stays within its memory bound."""
+    server = spawn_server(0, "--processes", "1")
+    pid = server.process.pid
+    baseline = current_rss_mib(pid)
+
+    async def attack() -> tuple[list[grpc.StatusCode], grpc.StatusCode, grpc.StatusCode]:
+        async with grpc.aio.insecure_channel(server.target) as channel:
+            stub = health_pb2_grpc.HealthStub(channel)
+            codes = []
+            for index in range(20):
+                call = stub.Watch(health_pb2.HealthCheckRequest(service=f"{index}" + "x" * 10**7))
+                try:
+                    await call.read()
+                except grpc.aio.AioRpcError as error:
+                    codes.append(error.code())
+            with pytest.raises(grpc.aio.AioRpcError) as long_check:
+                await stub.Check(health_pb2.HealthCheckRequest(service="x" * 257))
+            watches = [stub.Watch(health_pb2.HealthCheckRequest()) for _ in range(1024)]
+            first = await asyncio.gather(*(watch.read() for watch in watches))
+            assert all(reply.status == health_pb2.HealthCheckResponse.SERVING for reply in first)
+            extra = stub.Watch(health_pb2.HealthCheckRequest())
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await extra.read()
+            served = await stub.Check(health_pb2.HealthCheckRequest(), timeout=5)
+            assert served.status == health_pb2.HealthCheckResponse.SERVING
+            for watch in watches:
+                watch.cancel()
+            return codes, long_check.value.code(), refused.value.code()
+
+    codes, long_check, refused = asyncio.run(attack())
+    assert codes == [grpc.StatusCode.INVALID_ARGUMENT] * 20
+    assert long_check == grpc.StatusCode.INVALID_ARGUMENT
+    assert refused == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert settled_rss_mib(pid, baseline + HEADROOM_MIB) <= baseline + HEADROOM_MIB
+    assert health_latency(server.target) < 1
 
 
 # -- 3: unread responses ------------------------------------------------------------------
