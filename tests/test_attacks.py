@@ -453,11 +453,13 @@ def test_silent_metrics_connections_are_bounded_and_closed(
 def test_health_calls_cannot_make_the_server_hold_memory(
     spawn_server: Callable[..., ServerProcess],
 ) -> None:
-    """Health answers everyone, and a Watch stream keeps its request while it is open: 20
-    Watch calls naming 10 MB services grew a process by 840 MiB, and 60,000 small ones by
-    417 MiB. A service name over 256 characters gets INVALID_ARGUMENT, a Watch past 1,024
-    open ones RESOURCE_EXHAUSTED, and the process stays within its memory bound."""
-    server = spawn_server(0, "--processes", "1")
+    """Health answers everyone, outside admission: 40 Check calls naming 10 MB services at
+    once held 1.2 GiB, 20 such Watch calls (a Watch keeps its request while it is open) 840
+    MiB, and 60,000 small Watch calls 417 MiB. Health reads one request at a time, a service
+    name over 256 characters gets INVALID_ARGUMENT, a Watch past 1,024 open ones
+    RESOURCE_EXHAUSTED, a call whose request does not come is ended by the read timeout,
+    and the process stays within its memory bound."""
+    server = spawn_server(0, "--processes", "1", "--read-timeout-seconds", "2")
     pid = server.process.pid
     baseline = current_rss_mib(pid)
 
@@ -473,6 +475,17 @@ def test_health_calls_cannot_make_the_server_hold_memory(
                     codes.append(error.code())
             with pytest.raises(grpc.aio.AioRpcError) as long_check:
                 await stub.Check(health_pb2.HealthCheckRequest(service="x" * 257))
+            large = [
+                stub.Check(health_pb2.HealthCheckRequest(service=f"{index}" + "x" * 10**7))
+                for index in range(40)
+            ]
+            for outcome in await asyncio.gather(*large, return_exceptions=True):
+                assert isinstance(outcome, grpc.aio.AioRpcError)
+                codes.append(outcome.code())
+            silent = channel.stream_stream("/grpc.health.v1.Health/Check")()
+            with pytest.raises(grpc.aio.AioRpcError) as no_request:
+                await asyncio.wait_for(silent.read(), 10)
+            assert no_request.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
             watches = [stub.Watch(health_pb2.HealthCheckRequest()) for _ in range(1024)]
             first = await asyncio.gather(*(watch.read() for watch in watches))
             assert all(reply.status == health_pb2.HealthCheckResponse.SERVING for reply in first)
@@ -486,7 +499,9 @@ def test_health_calls_cannot_make_the_server_hold_memory(
             return codes, long_check.value.code(), refused.value.code()
 
     codes, long_check, refused = asyncio.run(attack())
-    assert codes == [grpc.StatusCode.INVALID_ARGUMENT] * 20
+    assert codes[:20] == [grpc.StatusCode.INVALID_ARGUMENT] * 20
+    assert set(codes[20:]) <= {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED}
+    assert peak_rss_mib(pid) <= baseline + HEADROOM_MIB
     assert long_check == grpc.StatusCode.INVALID_ARGUMENT
     assert refused == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert settled_rss_mib(pid, baseline + HEADROOM_MIB) <= baseline + HEADROOM_MIB

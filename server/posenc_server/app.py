@@ -21,13 +21,16 @@ from typing import Any, TypeVar
 
 import grpc
 import grpc.aio
-from grpc_health.v1 import _async as health_aio  # health.aio, by a name mypy sees
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_health.v1 import health_pb2
 from grpc_reflection.v1alpha import reflection
 
 from posenc_server import auth, metrics, supervisor
 from posenc_server.admission import ByteBudget
 from posenc_server.config import ServerConfig
+from posenc_server.health import METHOD_NAMES as HEALTH_METHOD_NAMES
+from posenc_server.health import SERVICE_NAME as HEALTH_SERVICE_NAME
+from posenc_server.health import Health
+from posenc_server.health import add_to_server as add_health_to_server
 from posenc_server.interceptors import ServingInterceptor
 from posenc_server.service import EncodingService
 from posenc_server.servicer import (
@@ -58,7 +61,7 @@ _READ_PREEMPT_AFTER = 0.5
 # Methods of the health and reflection services: with the posenc ones, every metric label.
 _OTHER_METHODS = frozenset(
     {
-        *health_pb2.DESCRIPTOR.services_by_name["Health"].methods_by_name,
+        *HEALTH_METHOD_NAMES,
         "ServerReflectionInfo",
     }
 )
@@ -66,59 +69,6 @@ _TRIM_AFTER_RELEASED_BYTES = 16 << 20
 # Memory beyond what the process accounts for, kept rather than trimmed (see housekeeping).
 _HEAP_SLACK_BYTES = 32 << 20
 _PAGE_BYTES = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
-# Health: the longest service name asked about (the names served are a few dozen
-# characters), and the most Watch streams open at once in a process.
-_MAX_HEALTH_SERVICE_NAME = 256
-_MAX_HEALTH_WATCHES = 1024
-
-
-class BoundedHealth(health_aio.HealthServicer):  # type: ignore[misc]  # untyped
-    """The standard health service, with bounds on what a caller can make it hold.
-
-    Health answers every caller (it is outside admission and authentication), and a Watch
-    stream keeps its request for as long as it is open: unbounded, 20 Watch calls naming
-    10 MB services held 840 MiB, and 60,000 small ones 417 MiB. A longer name gets
-    INVALID_ARGUMENT, a Watch beyond the limit RESOURCE_EXHAUSTED.
-    """
-
-    def __init__(self) -> None:
-        super().__init__()
-        self._watches = 0
-
-    async def Check(
-        self, request: health_pb2.HealthCheckRequest, context: Any
-    ) -> health_pb2.HealthCheckResponse | None:
-        """The status of ``request.service`` (NOT_FOUND when unknown)."""
-        if len(request.service) > _MAX_HEALTH_SERVICE_NAME:
-            del request  # not kept by the abort's traceback
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, _HEALTH_NAME_TOO_LONG)
-            return None
-        return await super().Check(request, context)
-
-    async def Watch(self, request: health_pb2.HealthCheckRequest, context: Any) -> None:
-        """The status of ``request.service``, then each change of it."""
-        if len(request.service) > _MAX_HEALTH_SERVICE_NAME:
-            del request
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, _HEALTH_NAME_TOO_LONG)
-            return
-        if self._watches >= _MAX_HEALTH_WATCHES:
-            await context.abort(
-                grpc.StatusCode.RESOURCE_EXHAUSTED,
-                f"this server process already serves {_MAX_HEALTH_WATCHES} health Watch "
-                "streams, its limit: use Check, or retry later",
-            )
-        self._watches += 1
-        try:
-            await super().Watch(request, context)
-        finally:
-            self._watches -= 1
-
-
-_HEALTH_NAME_TOO_LONG = (
-    f"service: a health check names a service of at most {_MAX_HEALTH_SERVICE_NAME} characters"
-)
-
-
 _loop: asyncio.AbstractEventLoop | None = None
 _loop_lock = threading.Lock()
 
@@ -180,7 +130,7 @@ class RunningServer:
     port: int
     server: grpc.aio.Server
     service: EncodingService
-    health: BoundedHealth
+    health: Health
     budget: ByteBudget
     pool: futures.ThreadPoolExecutor
     loop: asyncio.AbstractEventLoop
@@ -349,7 +299,10 @@ async def _start(
     if config.auth_token_file:
         token = auth.BearerToken(auth.read_token(config.auth_token_file))
     interceptor = ServingInterceptor(
-        SERVICE_NAME, frozenset(METHOD_NAMES) | _OTHER_METHODS, STREAMING_METHODS, token
+        (SERVICE_NAME, HEALTH_SERVICE_NAME),
+        frozenset(METHOD_NAMES) | _OTHER_METHODS,
+        STREAMING_METHODS,
+        token,
     )
     server = grpc.aio.server(
         interceptors=[interceptor],
@@ -383,10 +336,14 @@ async def _start(
         ],
     )
     add_to_server(servicer, server)
-    health_servicer = BoundedHealth()
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    health_servicer = Health(
+        config.max_receive_message_bytes,
+        config.read_timeout_seconds,
+        config.admission_wait_seconds,
+    )
+    add_health_to_server(health_servicer, server)
     reflection.enable_server_reflection(
-        (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server
+        (SERVICE_NAME, HEALTH_SERVICE_NAME, reflection.SERVICE_NAME), server
     )
     credentials = server_credentials(config)
     try:

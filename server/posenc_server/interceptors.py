@@ -46,7 +46,7 @@ UNKNOWN_METHOD = "unknown"
 
 
 class ServingInterceptor(_Interceptor):
-    """Authenticates every call (with a token), and serves the methods of ``service``
+    """Authenticates every call (with a token), and serves the methods of ``services``
     through ``serve``: metrics and status codes.
 
     Metric labels come from a fixed set, ``methods`` (the short names of every method the
@@ -56,12 +56,12 @@ class ServingInterceptor(_Interceptor):
 
     def __init__(
         self,
-        service: str,
+        services: tuple[str, ...],
         methods: frozenset[str],
         streaming: frozenset[str],
         token: BearerToken | None = None,
     ) -> None:
-        self._prefix = f"/{service}/"
+        self._prefixes = tuple(f"/{service}/" for service in services)
         self._token = token
         self._streaming = streaming
         self._metrics = {name: metrics.MethodMetrics(name) for name in methods}
@@ -80,12 +80,12 @@ class ServingInterceptor(_Interceptor):
             self._method_metrics(method).record("UNAUTHENTICATED", None)
             return _DENY
         handler = await continuation(details)
-        if handler is None or not method.startswith(self._prefix):
+        if handler is None or not method.startswith(self._prefixes):
             return handler  # type: ignore[return-value]  # None: gRPC answers UNIMPLEMENTED
         known = self._wrapped.get(method)
         if known is not None and known[0] is handler:
             return known[1]
-        assert handler.stream_stream is not None, "servicer.add_to_server registers streams"
+        assert handler.stream_stream is not None, "add_to_server registers streams"
         name = method.rsplit("/", 1)[-1]
         behaviour: _Behaviour = handler.stream_stream  # type: ignore[assignment]  # async
         wrapped = grpc.stream_stream_rpc_method_handler(

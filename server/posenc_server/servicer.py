@@ -179,42 +179,14 @@ class PositionalEncodingServicer:
             raise ShuttingDownError(SHUTTING_DOWN)
         largest = admission.READ_COPIES * self._config.max_receive_message_bytes
         async with self._budget.admitted(largest, reading=True) as reservation:
-            raw = await self._read(context, reservation)
+            raw = await read_request(
+                context,
+                reservation,
+                self._config.read_timeout_seconds,
+                self._budget.retry_after_seconds,
+            )
             await reservation.settle(admission.request_cost(raw) + extra)
             yield reservation, raw
-
-    async def _read(
-        self, context: grpc.aio.ServicerContext[bytes, bytes], reservation: Reservation
-    ) -> bytes:
-        """The call's one request message; RequestTimeoutError once the wait is over, or
-        OverloadedError when another call took over the reservation (see ``admission``)."""
-        timeout = self._config.read_timeout_seconds
-        reservation.reader = asyncio.current_task()
-        try:
-            async with asyncio.timeout(timeout):
-                if reservation.preempted:  # before it could start: cancelled nothing
-                    raise asyncio.CancelledError
-                message = await context.read()
-        except TimeoutError:
-            raise RequestTimeoutError(
-                f"the request message did not arrive within {timeout:g} s of the call's "
-                "headers (--read-timeout-seconds)"
-            ) from None
-        except asyncio.CancelledError:
-            if not reservation.preempted or (task := asyncio.current_task()) is None:
-                raise
-            task.uncancel()  # cancelled by the preemption, not by gRPC
-            raise OverloadedError(
-                "the request message did not arrive while other calls waited for memory to "
-                "read theirs: retry",
-                retry_after_seconds=self._budget.retry_after_seconds,
-            ) from None
-        finally:
-            reservation.reader = None
-        if message is grpc.aio.EOF:  # type: ignore[attr-defined]  # not in the stubs
-            raise InvalidRequestError([FieldViolation("request", "the call sent no request")])
-        assert isinstance(message, bytes)
-        return message
 
     def _small_query(self, parse: Callable[[bytes], Any], raw: bytes) -> Query | None:
         """The query of a small request, parsed on the event loop; None for a large one."""
@@ -254,6 +226,43 @@ class PositionalEncodingServicer:
         """``function(*args)`` on the pool: CPU work never runs on the event loop."""
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._pool, functools.partial(function, *args))
+
+
+async def read_request(
+    context: grpc.aio.ServicerContext[bytes, bytes],
+    reservation: Reservation,
+    timeout: float,
+    retry_after: float,
+) -> bytes:
+    """The call's one request message; RequestTimeoutError once ``timeout`` has passed, or
+    OverloadedError (retry after ``retry_after`` s) when another call took over the
+    reservation (see ``admission``)."""
+    reservation.reader = asyncio.current_task()
+    try:
+        async with asyncio.timeout(timeout):
+            if reservation.preempted:  # before it could start: cancelled nothing
+                raise asyncio.CancelledError
+            message = await context.read()
+    except TimeoutError:
+        raise RequestTimeoutError(
+            f"the request message did not arrive within {timeout:g} s of the call's "
+            "headers (--read-timeout-seconds)"
+        ) from None
+    except asyncio.CancelledError:
+        if not reservation.preempted or (task := asyncio.current_task()) is None:
+            raise
+        task.uncancel()  # cancelled by the preemption, not by gRPC
+        raise OverloadedError(
+            "the request message did not arrive while other calls waited for memory to "
+            "read theirs: retry",
+            retry_after_seconds=retry_after,
+        ) from None
+    finally:
+        reservation.reader = None
+    if message is grpc.aio.EOF:  # type: ignore[attr-defined]  # not in the stubs
+        raise InvalidRequestError([FieldViolation("request", "the call sent no request")])
+    assert isinstance(message, bytes)
+    return message
 
 
 def _response_cost(request: Request, chunk_bytes: int | None) -> int:
