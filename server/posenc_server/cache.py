@@ -79,31 +79,21 @@ class BlockCache(Generic[Key, Block]):
     def get(self, key: Key) -> Block | None:
         """The cached block for ``key`` (counted as a hit or a miss), or None."""
         with self._lock:
-            block = self._blocks.get(key)
-            if block is None:
-                self._misses += 1
-                return None
-            self._blocks.move_to_end(key)
-            self._hits += 1
+            block = self._hit(key)
+            self._misses += block is None
             return block
 
     def lookup(self, key: Key) -> Block | None:
         """The cached block for ``key`` (counted as a hit), or None, counted as nothing: the
         caller's computation of it, if any, counts the miss."""
         with self._lock:
-            block = self._blocks.get(key)
-            if block is not None:
-                self._blocks.move_to_end(key)
-                self._hits += 1
-            return block
+            return self._hit(key)
 
     def get_or_compute(self, key: Key, compute: Callable[[], Block]) -> Block:
         """The cached block for ``key``, computing and storing it on a miss."""
         with self._lock:
-            block = self._blocks.get(key)
+            block = self._hit(key)
             if block is not None:
-                self._blocks.move_to_end(key)
-                self._hits += 1
                 return block
             self._misses += 1
             pending = self._pending.get(key)
@@ -128,6 +118,14 @@ class BlockCache(Generic[Key, Block]):
                 if pending.value is not None:
                     self._store(key, pending.value)
             pending.done.set()
+        return block
+
+    def _hit(self, key: Key) -> Block | None:
+        # Called with the lock held: the block, made the most recent and counted, or None.
+        block = self._blocks.get(key)
+        if block is not None:
+            self._blocks.move_to_end(key)
+            self._hits += 1
         return block
 
     def _store(self, key: Key, block: Block) -> None:
