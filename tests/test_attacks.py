@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import os
 import select
+import signal
 import socket
 import threading
 import time
@@ -506,6 +507,27 @@ def test_health_calls_cannot_make_the_server_hold_memory(
     assert refused == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert settled_rss_mib(pid, baseline + HEADROOM_MIB) <= baseline + HEADROOM_MIB
     assert health_latency(server.target) < 1
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(60)
+def test_a_health_watcher_that_never_reads_cannot_hold_up_the_drain(
+    spawn_server: Callable[..., ServerProcess],
+) -> None:
+    """A Watch whose client announces a zero window: gRPC's own health servicer wrote the
+    status while holding the lock that setting a status takes, so the drain's NOT_SERVING
+    waited on that write forever (health stayed SERVING and the process never exited)."""
+    server = spawn_server(0, "--grace-seconds", "5")
+    watcher = RawConnection("127.0.0.1", server.port, window=0)
+    try:
+        watcher.call(
+            "/grpc.health.v1.Health/Watch", health_pb2.HealthCheckRequest().SerializeToString()
+        )
+        watcher.pump(0.5)
+        server.process.send_signal(signal.SIGTERM)
+        assert server.process.wait(timeout=20) == 0
+    finally:
+        watcher.close()
 
 
 # -- 3: unread responses ------------------------------------------------------------------
