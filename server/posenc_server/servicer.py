@@ -118,23 +118,19 @@ class PositionalEncodingServicer:
             steps = self._service.stream(request)
             ahead: asyncio.Future[bytes | None] | None = None
             try:
-                # Steps that compute run on the pool, each started before the previous
-                # message is sent (numpy releases the GIL: a cold stream costs its slower
-                # half, not the sum); cached blocks' messages are taken here, on the loop.
+                # Steps that compute run on the pool, each started before the message in
+                # hand is sent (numpy releases the GIL: a cold stream costs its slower half,
+                # not the sum); cached blocks' messages are taken here, on the loop.
                 message: bytes | None = None
                 while True:
-                    if ahead is not None:
+                    following = _step(steps, may_compute=False)
+                    if following is None:
+                        ahead = loop.run_in_executor(self._pool, _step, steps, True)
+                        if message is not None:
+                            yield message
                         following = await ahead
                         ahead = None
-                    else:
-                        following = _step(steps, may_compute=False)
-                        if following is None:
-                            ahead = loop.run_in_executor(self._pool, _step, steps, True)
-                            if message is not None:
-                                yield message
-                                message = None
-                            continue
-                    if message is not None:
+                    elif message is not None:
                         yield message
                     if following is _END:
                         return
