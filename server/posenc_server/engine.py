@@ -36,12 +36,11 @@ import contextlib
 import functools
 import math
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from decimal import Decimal, localcontext
 from typing import Final, Protocol, runtime_checkable
 
-import ml_dtypes
 import numpy as np
 import numpy.typing as npt
 
@@ -50,13 +49,29 @@ Int64Array = npt.NDArray[np.int64]
 ComplexRows = npt.NDArray[np.complex128]
 Rows = npt.NDArray[np.generic]
 
-DTYPES: Final[dict[str, np.dtype[np.generic]]] = {
-    "float32": np.dtype("<f4"),
-    "float16": np.dtype("<f2"),
-    "bfloat16": np.dtype(ml_dtypes.bfloat16),
-    "float64": np.dtype("<f8"),
-}
-"""Output dtypes by name; all little-endian, as they travel on the wire."""
+
+class _Dtypes(Mapping[str, "np.dtype[np.generic]"]):
+    """Output dtypes by name; all little-endian, as they travel on the wire. bfloat16 is
+    ml_dtypes', imported when first asked for: its import takes most of a second, more
+    than the rest of a server process's start."""
+
+    _SPECS: Final = {"float32": "<f4", "float16": "<f2", "bfloat16": "bfloat16", "float64": "<f8"}
+
+    def __getitem__(self, name: str) -> np.dtype[np.generic]:
+        spec = self._SPECS[name]
+        if name == "bfloat16":
+            import ml_dtypes  # noqa: F401  (registers numpy's "bfloat16")
+        return np.dtype(spec)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._SPECS)
+
+    def __len__(self) -> int:
+        return len(self._SPECS)
+
+
+DTYPES: Final = _Dtypes()
+"""Output dtypes by name (see ``_Dtypes``)."""
 
 TWO_PI: Final = Decimal("6.28318530717958647692528676655900576839433879875021164194989")
 """2pi to 60 significant digits; the engine tests check it against mpmath."""
@@ -560,7 +575,7 @@ def _columns(encoding: Encoding, rows: int) -> Iterator[Callable[[Rows, ComplexR
     time. Both give the same bytes.
     """
     write_columns = encoding.table.write_columns
-    if encoding.dtype != _BFLOAT16:
+    if encoding.dtype.name != "bfloat16":
         yield write_columns
         return
     rows = max(rows, 1)
@@ -579,9 +594,6 @@ def _columns(encoding: Encoding, rows: int) -> Iterator[Callable[[Rows, ComplexR
                 _to_bfloat16(wide[:count], part, single[:count], bits[:count])
 
         yield write
-
-
-_BFLOAT16: Final = DTYPES["bfloat16"]
 
 
 def _to_bfloat16(
@@ -609,7 +621,7 @@ def _to_bfloat16(
     np.bitwise_and(pattern, 0xFFFF, out=bits)
     ties = bits == 0x8000
     if ties.any():
-        out[ties] = values[ties].astype(_BFLOAT16)
+        out[ties] = values[ties].astype(out.dtype)
 
 
 def wave_rows(waves: Waves, positions: Int64Array) -> ComplexRows:
