@@ -530,6 +530,38 @@ def test_a_health_watcher_that_never_reads_cannot_hold_up_the_drain(
         watcher.close()
 
 
+@pytest.mark.slow
+def test_a_reflection_call_whose_request_never_comes_ends(
+    spawn_server: Callable[..., ServerProcess],
+) -> None:
+    """Reflection's calls lasted as long as their connection when no request came; each
+    request message is now due within --read-timeout-seconds, and reflection still works."""
+    from grpc_reflection.v1alpha import reflection_pb2
+
+    server = spawn_server(0, "--read-timeout-seconds", "2")
+
+    async def calls() -> tuple[grpc.StatusCode, list[str]]:
+        async with grpc.aio.insecure_channel(server.target) as channel:
+            info = channel.stream_stream(
+                REFLECTION,
+                request_serializer=reflection_pb2.ServerReflectionRequest.SerializeToString,
+                response_deserializer=reflection_pb2.ServerReflectionResponse.FromString,
+            )
+            silent = info()
+            with pytest.raises(grpc.aio.AioRpcError) as ended:
+                await asyncio.wait_for(silent.read(), 15)
+            asked = info()
+            await asked.write(reflection_pb2.ServerReflectionRequest(list_services=""))
+            reply = await asked.read()
+            await asked.done_writing()
+            names = [service.name for service in reply.list_services_response.service]
+            return ended.value.code(), names
+
+    code, names = asyncio.run(calls())
+    assert code == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert "posenc.v1.PositionalEncodingService" in names
+
+
 # -- 3: unread responses ------------------------------------------------------------------
 
 

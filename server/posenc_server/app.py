@@ -302,6 +302,7 @@ async def _start(
         (SERVICE_NAME, HEALTH_SERVICE_NAME),
         frozenset(METHOD_NAMES) | _OTHER_METHODS,
         STREAMING_METHODS,
+        config.read_timeout_seconds,
         token,
     )
     server = grpc.aio.server(

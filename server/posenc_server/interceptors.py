@@ -47,7 +47,8 @@ UNKNOWN_METHOD = "unknown"
 
 class ServingInterceptor(_Interceptor):
     """Authenticates every call (with a token), and serves the methods of ``services``
-    through ``serve``: metrics and status codes.
+    through ``serve``: metrics and status codes. Other streaming methods (reflection) get
+    each request message within ``read_timeout`` seconds, as ``services`` read theirs.
 
     Metric labels come from a fixed set, ``methods`` (the short names of every method the
     server serves) and ``UNKNOWN_METHOD``: a caller cannot grow the metrics by inventing
@@ -59,9 +60,11 @@ class ServingInterceptor(_Interceptor):
         services: tuple[str, ...],
         methods: frozenset[str],
         streaming: frozenset[str],
+        read_timeout: float,
         token: BearerToken | None = None,
     ) -> None:
         self._prefixes = tuple(f"/{service}/" for service in services)
+        self._read_timeout = read_timeout
         self._token = token
         self._streaming = streaming
         self._metrics = {name: metrics.MethodMetrics(name) for name in methods}
@@ -80,11 +83,21 @@ class ServingInterceptor(_Interceptor):
             self._method_metrics(method).record("UNAUTHENTICATED", None)
             return _DENY
         handler = await continuation(details)
-        if handler is None or not method.startswith(self._prefixes):
+        if handler is None:
             return handler  # type: ignore[return-value]  # None: gRPC answers UNIMPLEMENTED
         known = self._wrapped.get(method)
         if known is not None and known[0] is handler:
             return known[1]
+        if not method.startswith(self._prefixes):
+            if handler.stream_stream is None:
+                return handler
+            wrapped = grpc.stream_stream_rpc_method_handler(
+                _reads_within(handler.stream_stream, self._read_timeout),  # type: ignore[arg-type]
+                request_deserializer=handler.request_deserializer,
+                response_serializer=handler.response_serializer,
+            )
+            self._wrapped[method] = (handler, wrapped)
+            return wrapped
         assert handler.stream_stream is not None, "add_to_server registers streams"
         name = method.rsplit("/", 1)[-1]
         behaviour: _Behaviour = handler.stream_stream  # type: ignore[assignment]  # async
@@ -142,6 +155,33 @@ def _serve(
             # the cyclic collector frees. Raised in the except clause, every refused 10 MB
             # request stayed in memory until that collector ran (64 calls: 370 MiB).
             await context.abort_with_status(failure)  # type: ignore[attr-defined]  # no stubs
+
+    return serve
+
+
+def _reads_within(behaviour: _Behaviour, timeout: float) -> _Behaviour:
+    """``behaviour`` with each request message due within ``timeout`` seconds of the call's
+    start or of the previous message: a call whose request does not come ends with
+    DEADLINE_EXCEEDED instead of lasting as long as its connection."""
+
+    async def serve(requests: AsyncIterator[Any], context: _Context) -> AsyncIterator[Any]:
+        async def timed() -> AsyncIterator[Any]:
+            iterator = aiter(requests)
+            while True:
+                try:
+                    async with asyncio.timeout(timeout):
+                        request = await anext(iterator)
+                except StopAsyncIteration:
+                    return
+                except TimeoutError:
+                    await context.abort(
+                        grpc.StatusCode.DEADLINE_EXCEEDED,
+                        f"no request message within {timeout:g} s (--read-timeout-seconds)",
+                    )
+                yield request
+
+        async for response in behaviour(timed(), context):
+            yield response
 
     return serve
 
