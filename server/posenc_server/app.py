@@ -21,16 +21,11 @@ from typing import Any, TypeVar
 
 import grpc
 import grpc.aio
-from grpc_health.v1 import health_pb2
 from grpc_reflection.v1alpha import reflection
 
-from posenc_server import auth, metrics, supervisor
+from posenc_server import auth, health, metrics, supervisor
 from posenc_server.admission import ByteBudget
 from posenc_server.config import ServerConfig
-from posenc_server.health import METHOD_NAMES as HEALTH_METHOD_NAMES
-from posenc_server.health import SERVICE_NAME as HEALTH_SERVICE_NAME
-from posenc_server.health import Health
-from posenc_server.health import add_to_server as add_health_to_server
 from posenc_server.interceptors import ServingInterceptor
 from posenc_server.service import EncodingService
 from posenc_server.servicer import (
@@ -61,7 +56,7 @@ _READ_PREEMPT_AFTER = 0.5
 # Methods of the health and reflection services: with the posenc ones, every metric label.
 _OTHER_METHODS = frozenset(
     {
-        *HEALTH_METHOD_NAMES,
+        *health.METHOD_NAMES,
         "ServerReflectionInfo",
     }
 )
@@ -130,7 +125,7 @@ class RunningServer:
     port: int
     server: grpc.aio.Server
     service: EncodingService
-    health: Health
+    health: health.Health
     budget: ByteBudget
     pool: futures.ThreadPoolExecutor
     loop: asyncio.AbstractEventLoop
@@ -299,7 +294,7 @@ async def _start(
     if config.auth_token_file:
         token = auth.BearerToken(auth.read_token(config.auth_token_file))
     interceptor = ServingInterceptor(
-        (SERVICE_NAME, HEALTH_SERVICE_NAME),
+        (SERVICE_NAME, health.SERVICE_NAME),
         frozenset(METHOD_NAMES) | _OTHER_METHODS,
         STREAMING_METHODS,
         config.read_timeout_seconds,
@@ -337,14 +332,14 @@ async def _start(
         ],
     )
     add_to_server(servicer, server)
-    health_servicer = Health(
+    health_servicer = health.Health(
         config.max_receive_message_bytes,
         config.read_timeout_seconds,
         config.admission_wait_seconds,
     )
-    add_health_to_server(health_servicer, server)
+    health.add_to_server(health_servicer, server)
     reflection.enable_server_reflection(
-        (SERVICE_NAME, HEALTH_SERVICE_NAME, reflection.SERVICE_NAME), server
+        (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server
     )
     credentials = server_credentials(config)
     try:
@@ -362,7 +357,7 @@ async def _start(
         raise OSError(f"cannot listen on {config.address}")
     await server.start()
     for name in ("", SERVICE_NAME):
-        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+        await health_servicer.set(name, health.SERVING)
     running = RunningServer(config, port, server, service, health_servicer, budget, pool, loop)
     running.publish_metrics()
     return running

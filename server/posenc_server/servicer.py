@@ -279,10 +279,10 @@ def _step(steps: StreamSteps, may_compute: bool) -> bytes | None:
         return _END
 
 
-def _close_when_idle(chunks: StreamSteps) -> None:
+def _close_when_idle(steps: StreamSteps) -> None:
     # A call cancelled while its next chunk was being computed leaves that step running on
     # another thread: close the generator (running its cleanup) once the step is over.
-    close: Callable[[], None] | None = getattr(chunks, "close", None)
+    close: Callable[[], None] | None = getattr(steps, "close", None)
     while close is not None:
         try:
             close()
