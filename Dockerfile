@@ -29,11 +29,14 @@ RUN groupadd --system --gid 10001 posenc \
     && useradd --system --uid 10001 --gid 10001 --no-create-home --home-dir /nonexistent \
        --shell /usr/sbin/nologin posenc
 COPY --from=build /opt/posenc /opt/posenc
+# numba caches the engine's compiled kernel beside its source, which is read-only here: in
+# /tmp instead (writable in the compose and Kubernetes setups), compiled once per container.
 ENV PATH=/opt/posenc/bin:$PATH \
     POSENC_HOST=0.0.0.0 \
     POSENC_METRICS_HOST=0.0.0.0 \
     POSENC_PORT=50051 \
     PYTHONDONTWRITEBYTECODE=1 \
+    NUMBA_CACHE_DIR=/tmp/numba-cache \
     PYTHONUNBUFFERED=1
 USER 10001:10001
 # gRPC, then Prometheus metrics (POSENC_METRICS_PORT).

@@ -1,8 +1,11 @@
-"""The same bytes on every CPU: the engine's output does not depend on numpy's SIMD dispatch.
+"""The same bytes on every CPU: the engine's output does not depend on numpy's SIMD dispatch
+nor on the CPU numba compiles the engine's kernel for.
 
 numpy picks its sin, cos and complex-multiply kernels by CPU feature (AVX2 with FMA,
 AVX-512 with SVML); their last bits differ. ``NPY_DISABLE_CPU_FEATURES`` turns that dispatch
 off in a fresh process, which then stands for an older CPU: every dtype's bytes must match.
+``NUMBA_CPU_NAME=generic`` compiles the kernel for a baseline x86-64 (no AVX, no FMA)
+instead of this machine's CPU: the same.
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ tables = [
 positions = np.random.default_rng(7).integers(-(2**42), 2**42, 2000)
 digests = {}
 for index, table in enumerate(tables):
-    for dtype in ("float64", "float32", "bfloat16"):
+    for dtype in ("float64", "float32", "float16", "bfloat16"):
         encoding = engine.Encoding.prepare(table, dtype)
         digest = hashlib.sha256()
         digest.update(engine.encode_range(encoding, 10**6, 10**6 + 1500).tobytes())
@@ -42,10 +45,11 @@ print(json.dumps(digests))
 """
 
 
-def _digests(disabled: str | None) -> dict[str, str]:
+def _digests(disabled: str | None, **extra: str) -> dict[str, str]:
     env = {key: value for key, value in os.environ.items() if not key.startswith("NPY_")}
     if disabled is not None:
         env["NPY_DISABLE_CPU_FEATURES"] = disabled
+    env.update(extra)
     result = subprocess.run(
         [sys.executable, "-c", _SCRIPT], env=env, capture_output=True, text=True, check=True
     )
@@ -72,3 +76,11 @@ def test_bytes_do_not_depend_on_numpys_simd_dispatch() -> None:
     baseline = _digests(features)
     differing = sorted(key for key in native if native[key] != baseline[key])
     assert not differing, f"bytes differ with NPY_DISABLE_CPU_FEATURES={features!r}: {differing}"
+
+
+@pytest.mark.slow
+def test_bytes_do_not_depend_on_the_cpu_the_kernel_is_compiled_for() -> None:
+    native = _digests(None)
+    generic = _digests(None, NUMBA_CPU_NAME="generic")
+    differing = sorted(key for key in native if native[key] != generic[key])
+    assert not differing, f"bytes differ with the kernel compiled for a generic CPU: {differing}"

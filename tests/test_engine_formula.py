@@ -168,3 +168,25 @@ def test_negative_positions_are_odd_in_sin_and_even_in_cos() -> None:
 
 def test_empty_selection_gives_an_empty_table() -> None:
     assert engine.encode_range(classic(8), 5, 5).shape == (0, 8)
+
+
+def test_a_column_writer_that_does_more_than_copy_is_refused() -> None:
+    """The engine reads a kind's layout off its ``write_columns`` (which value each column
+    copies): a writer that computes (here: scales, or writes a constant) cannot be read so,
+    and is refused rather than given wrong columns."""
+
+    class Scaled(Sinusoidal):
+        def write_columns(self, target: Any, rows: Any) -> None:
+            super().write_columns(target, rows)
+            target *= 2.0
+
+    class Constant(Sinusoidal):
+        def write_columns(self, target: Any, rows: Any) -> None:
+            super().write_columns(target, rows)
+            target[:, -1] = 1.0
+
+    for table in (Scaled(d_model=8), Constant(d_model=8)):
+        with pytest.raises(ValueError, match="must only copy values"):
+            engine.encode_range(engine.Encoding.prepare(table, "float32"), 0, 4)
+    plain = engine.Encoding.prepare(Sinusoidal(d_model=5, layout="split"), "float32")
+    assert plain.columns.tolist() == [0, 2, 4, 1, 3]

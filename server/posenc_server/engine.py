@@ -1,4 +1,4 @@
-"""Exact sinusoidal rows, in pure numpy, for any table kind.
+"""Exact sinusoidal rows, in numpy and one compiled loop, for any table kind.
 
 A table is built from rows ``v(p) = sin(p w) + i cos(p w)`` over its frequencies ``w``.
 Computing ``p * w`` in float64 loses the angle at large positions: at ``p = 2**42`` one
@@ -14,15 +14,17 @@ float64 ulp of the angle is about 1e-3 radians. So the angle is carried in turns
    ``sin(a + da) = sin(a) + cos(a) * da`` folds in the low part, and the quarter turn swaps
    and negates them.
 
-The engine does only IEEE additions, multiplications and ``rint`` in float64, one numpy
-operation each, never numpy's sin, cos or complex multiplication: those dispatch to
-CPU-specific SIMD kernels (SVML, FMA) whose last bits differ between machines, while these
-give the same bytes on every CPU and numpy build (``NPY_DISABLE_CPU_FEATURES`` included).
-
 Only the first position of each aligned block of rows takes this path; the others are one
-complex multiplication away (``wave_rows``, ``wave_blocks``). The float64 result is within
-about 2**-51 of the exact value, which rounds to float32, float16 and bfloat16 within one
-ulp.
+complex multiplication away, by the exact rotation of their offset in the block (``Waves``),
+which ``kernel.rotate_into`` does and writes straight into the table's columns. The float64
+result is within about 2**-51 of the exact value, which rounds to float32, float16 and
+bfloat16 within one ulp.
+
+The engine does only IEEE additions, multiplications and ``rint`` in float64, each rounded
+on its own (numpy operations, and the kernel compiled without FMA or reassociation), never
+numpy's sin, cos or complex multiplication: those dispatch to CPU-specific SIMD kernels
+(SVML, FMA) whose last bits differ between machines, while these give the same bytes on
+every CPU and numpy build (``NPY_DISABLE_CPU_FEATURES`` included).
 
 The engine knows no table kind: a kind (``posenc_server.tables``) says its frequencies, how
 its positions map to rows of the wave table (``PositionMap``) and how a row of ``v`` becomes
@@ -32,7 +34,6 @@ module imports no gRPC and no protobuf: it is the domain core.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import math
 import threading
@@ -84,27 +85,28 @@ _TWO_PI_LO: Final = float(TWO_PI - Decimal(_TWO_PI_HI))
 # Veltkamp's constant 2**27 + 1 splits a float64 into two halves of at most 26 bits each,
 # whose pairwise products are exact.
 _SPLITTER: Final = 134217729.0
-# Elements per numpy pass of the rotation: its four float64 operands stay in the L2 cache.
-_ELEMENTS_PER_PASS: Final = 1 << 15
-# Elements per pass of the extended-precision angle, whose two dozen temporaries are many
-# more: 32 KiB each (at 32768 elements it ran twice as slow).
+# Elements per pass of the extended-precision angle, whose two dozen temporaries stay in the
+# CPU cache: 32 KiB each (at 32768 elements it ran twice as slow).
 _ANGLE_ELEMENTS_PER_PASS: Final = 1 << 12
 # Rows per block: 64 amortize a block's extended-precision angle (about 20 numpy passes)
-# over the 3 passes of each row's rotation. Narrow tables take longer blocks, so that a block
-# (one Python iteration) holds at least _BLOCK_ENTRIES entries (a rotary table of head_dim
-# 128: 256 rows, its rotation table 512 KiB; at 4,096 entries its range ran 25-45% slower);
-# wide ones shorter, so that the rotation table (2 float64 pairs per entry: 32 bytes) stays
-# within _ROTATION_ENTRIES (4 MiB).
+# over its rows' rotations. Narrow tables take longer blocks, so that a block holds at least
+# _BLOCK_ENTRIES entries (a rotary table of head_dim 128: 256 rows, its rotation table 256
+# KiB; at 4,096 entries its range ran 25-45% slower); wide ones shorter, so that the rotation
+# table (a complex128 per entry) stays within _ROTATION_ENTRIES (2 MiB).
 _BLOCK_ROWS: Final = 64
 _BLOCK_ENTRIES: Final = 1 << 14
 _ROTATION_ENTRIES: Final = 1 << 17
-# Up to this many rows of a block are rotated by rotations made for them alone, while the
-# block's rotation table is not made yet.
+# Up to this many distinct rows of a block are rotated by rotations made for them alone,
+# while the block's rotation table is not made yet.
 _FEW_ROTATIONS: Final = 8
 # At most this many block bases (and _BASES_AHEAD_ELEMENTS values) are made ahead of a long
 # range's next blocks: two passes of the extended-precision angle.
 _MAX_BASES_AHEAD: Final = 64
 _BASES_AHEAD_ELEMENTS: Final = 2 * _ANGLE_ELEMENTS_PER_PASS
+# Elements of out per kernel call (its index arrays are 16 bytes a row); float16 and bfloat16
+# rows go through a float64 scratch this size at most, converted while it is in the cache.
+_KERNEL_ELEMENTS: Final = 1 << 20
+_CONVERT_ELEMENTS: Final = 1 << 15
 # Taylor coefficients of sin (x**3 .. x**17) and cos (x**4 .. x**18): on [-pi/4, pi/4] the
 # first term left out is below 2**-63.
 _SIN_TAYLOR: Final = tuple((-1) ** k / math.factorial(2 * k + 1) for k in range(1, 9))
@@ -155,7 +157,8 @@ class Table(Protocol):
         ...
 
     def write_columns(self, target: Rows, rows: ComplexRows) -> None:
-        """Write ``rows`` of ``v = sin + i cos`` into ``target``'s columns (zeros beforehand).
+        """Write ``rows`` of ``v = sin + i cos`` into ``target``'s columns (zeros beforehand),
+        copying values only: the engine reads the layout off it (``Encoding.columns``).
 
         ``rows`` may be a scratch buffer: the method must not keep it.
         """
@@ -180,13 +183,11 @@ class Waves:
     """Exact frequencies, as the block rotation needs them.
 
     ``hi + lo`` is ``inv_freq / 2pi`` in double-double. Rows are ``v(p) = sin(p w) +
-    i cos(p w)``: as complex128 in memory, [sin, cos] pairs, the interleaved layout as it
-    is. ``v(b + j) = v(b) * conj(u(j))`` with ``conj(u(j)) = cos(j w) - i sin(j w)`` for the
-    ``j < block`` rows of one block, each within about 2**-53 of exact; the product is
-    written out in real operations (``_rotate``) over the float64 pairs of the rows and of
-    ``rotate_cos = [cos, cos]`` and ``rotate_sin = [sin, -sin]``. Every table kind builds its
-    rows from one of these (``wave_rows``, ``wave_blocks``), then scales them by
-    ``amplitude``.
+    i cos(p w)``, as complex128. A position ``p`` is its aligned block base ``b = p - j``
+    (``j = p % block``) rotated back by ``j``: ``v(b + j) = v(b) * conj(u(j))`` with
+    ``conj(u(j)) = cos(j w) - i sin(j w)``, both factors through the extended-precision
+    angle, each within about 2**-53 of exact (``kernel.rotate_into`` multiplies them). Every
+    table kind builds its rows from one of these, then scales them by ``amplitude``.
     """
 
     def __init__(self, frequencies: Sequence[Decimal], amplitude: float = 1.0) -> None:
@@ -212,9 +213,9 @@ class Waves:
         self.block = _block_rows(self.count)
         for array in (self.hi, self.lo):
             array.flags.writeable = False
-        # The block's rotation table, made when a range first needs it: a new spec's first
-        # rows (a decode step's few) need only their own rotations, not the whole table.
-        self._rotation: tuple[Float64Array, Float64Array] | None = None
+        # The rotation table (``v(j)`` for every row ``j`` of a block), made when a range
+        # first needs it: a new spec's first rows (a decode step's few) need only their own.
+        self._rotation: ComplexRows | None = None
         self._rotation_lock = threading.Lock()
         # The bases of the next few blocks of a long range, made in one pass (a block's
         # base alone costs as much in numpy calls as a dozen together): (first start, rows).
@@ -222,43 +223,48 @@ class Waves:
         self._ahead_blocks = max(1, min(_MAX_BASES_AHEAD, ahead_blocks))
         self._ahead: tuple[int, ComplexRows] | None = None
 
-    def rotation(self, first: int, last: int) -> tuple[Float64Array, Float64Array]:
-        """``rotate_cos`` and ``rotate_sin`` (see the class) of rows ``first .. last - 1``
-        of a block: from the table, which a span of more than a few rows makes first."""
+    def factors(
+        self, positions: Int64Array, *, ahead: int | None = None
+    ) -> tuple[ComplexRows, Int64Array, ComplexRows, Int64Array]:
+        """The two factors of each position's row, as ``kernel.rotate_into`` takes them:
+        block bases and the index of each position's, rotations and each position's.
+
+        ``ahead`` (a consecutive range's positions only): how many rows after these the
+        caller will ask for next, whose block bases are made now and kept for that call.
+        """
+        offsets = positions % self.block
+        starts = positions - offsets
+        if ahead is not None:  # a range: its blocks are consecutive
+            first = int(starts[0])
+            base_index = (starts - first) // self.block
+            blocks = int(base_index[-1]) + 1
+            end = first + blocks * self.block
+        else:
+            distinct, base_index = np.unique(starts, return_inverse=True)
+        if self._rotation is None and positions.size <= _FEW_ROTATIONS:
+            # A new spec's first rows: their bases and their rotations in one pass.
+            wanted, rotation_index = np.unique(offsets, return_inverse=True)
+            if ahead is not None:
+                distinct = first + self.block * np.arange(blocks, dtype=np.int64)
+            both = self.bases(np.concatenate((distinct, wanted)))
+            return both[: distinct.size], base_index, both[distinct.size :], rotation_index
+        if ahead is not None:
+            bases = self.block_bases(first, blocks, ahead + int(positions[-1]) + 1 - end)
+        else:
+            bases = self.bases(distinct)
+        return bases, base_index, self.rotation_table(), offsets
+
+    def rotation_table(self) -> ComplexRows:
+        """``v(j)`` for every row ``j < block`` of a block (made once, on first use)."""
         table = self._rotation
-        if table is None and last - first <= _FEW_ROTATIONS:
-            return self._rotations(np.arange(first, last, dtype=np.int64))
         if table is None:
             with self._rotation_lock:
                 if self._rotation is None:
-                    whole = self._rotations(np.arange(self.block, dtype=np.int64))
-                    for array in whole:
-                        array.flags.writeable = False
-                    self._rotation = whole
+                    made = self.bases(np.arange(self.block, dtype=np.int64))
+                    made.flags.writeable = False
+                    self._rotation = made
                 table = self._rotation
-        return table[0][first:last], table[1][first:last]
-
-    def rotation_rows(self, offsets: Int64Array) -> tuple[Float64Array, Float64Array]:
-        """``rotate_cos`` and ``rotate_sin`` of the block rows ``offsets`` (any order)."""
-        if self._rotation is None and offsets.size <= _FEW_ROTATIONS:
-            return self._rotations(offsets)
-        cos, sin = self.rotation(0, self.block)
-        return cos[offsets], sin[offsets]
-
-    @property
-    def pass_rows(self) -> int:
-        """Rows of one pass of the block rotation (``wave_blocks`` yields at most these)."""
-        return min(self.block, max(1, _ELEMENTS_PER_PASS // (2 * max(self.count, 1))))
-
-    @property
-    def has_rotation_table(self) -> bool:
-        """Whether the block's rotation table is made."""
-        return self._rotation is not None
-
-    def _rotations(self, offsets: Int64Array) -> tuple[Float64Array, Float64Array]:
-        """The rotation rows of ``offsets``: each a function of its offset alone, the same
-        bytes whether made for the table or on their own."""
-        return rotation_pairs(self.bases(offsets))
+        return table
 
     def bases(self, positions: Int64Array) -> npt.NDArray[np.complex128]:
         """``v(p)`` for each position, through the extended-precision angle."""
@@ -299,7 +305,7 @@ class Waves:
     def nbytes(self) -> int:
         """Bytes held by the frequencies, the rotation table and the bases kept ahead
         (counted whether made yet or not: what a spec may come to hold)."""
-        rotation = 2 * self.block * 2 * self.count * 8
+        rotation = self.block * self.count * 16
         return self.hi.nbytes + self.lo.nbytes + rotation + self._ahead_blocks * self.count * 16
 
 
@@ -327,6 +333,26 @@ class Encoding:
         protocol check costs tens of microseconds, as much as a small block's rows)."""
         return self.table if isinstance(self.table, AxisTable) else None
 
+    @functools.cached_property
+    def columns(self) -> Int64Array:
+        """For each column of the table, which value of a row of ``v``'s ``[sin, cos]``
+        pairs it holds (``2 * count``: a zero column), read off the kind's own
+        ``write_columns`` (its one statement of its layout) by writing rows whose values
+        are their indices."""
+        count = self.waves.count
+        indices = np.arange(2 * count, dtype=np.float64) + 1.0
+        probe = indices.view(np.complex128)[None, :]
+        written = np.zeros((2, self.table.width))
+        self.table.write_columns(written[:1], probe)
+        self.table.write_columns(written[1:], -probe)
+        # A writer that copies gives each index (negated with the probe), or zero.
+        sources = written[0]
+        copied = np.isin(sources, indices) | (sources == 0.0)
+        if not (copied.all() and np.array_equal(written[1], -sources)):
+            raise ValueError(f"{type(self.table).__name__}.write_columns must only copy values")
+        columns: Int64Array = np.where(sources == 0.0, 2 * count + 1, sources).astype(np.int64)
+        return columns - 1
+
     @property
     def row_bytes(self) -> int:
         """Bytes of one row."""
@@ -336,20 +362,6 @@ class Encoding:
     def nbytes(self) -> int:
         """Approximately the memory it holds."""
         return self.waves.nbytes + 512
-
-
-def rotation_pairs(rotations: ComplexRows) -> tuple[Float64Array, Float64Array]:
-    """``rotate_cos`` and ``rotate_sin`` (see ``Waves``) of rows ``v(j)`` of offsets ``j``."""
-    sin, cos = rotations.real, rotations.imag
-    pairs = (rotations.shape[0], rotations.shape[1], 2)
-    rotate_cos = np.empty(pairs, dtype=np.float64)
-    rotate_cos[..., 0] = cos
-    rotate_cos[..., 1] = cos
-    rotate_sin = np.empty(pairs, dtype=np.float64)
-    rotate_sin[..., 0] = sin
-    rotate_sin[..., 1] = -sin
-    shape = (rotations.shape[0], 2 * rotations.shape[1])
-    return rotate_cos.reshape(shape), rotate_sin.reshape(shape)
 
 
 def _split(values: Float64Array) -> tuple[Float64Array, Float64Array]:
@@ -447,33 +459,6 @@ def _horner(z: Float64Array, coefficients: Sequence[float]) -> Float64Array:
     return acc
 
 
-def _rotate(
-    bases: Float64Array,
-    swapped: Float64Array,
-    rotate_cos: Float64Array,
-    rotate_sin: Float64Array,
-    out: Float64Array,
-    scratch: Float64Array,
-) -> None:
-    """``out = v(b) * conj(u(j))`` on float64 pairs: ``[s, c] * [C, C] + [c, s] * [S, -S]``.
-
-    ``bases`` are rows of ``[sin, cos]`` pairs, ``swapped`` the same rows as ``[cos, sin]``;
-    the four products and two sums of a complex product, rounded one by one as on any CPU.
-    """
-    np.multiply(bases, rotate_cos, out=out)
-    np.multiply(swapped, rotate_sin, out=scratch)
-    out += scratch
-
-
-def _pairs(rows: ComplexRows) -> tuple[Float64Array, Float64Array]:
-    """Complex rows as float64 ``[sin, cos]`` pairs, and the same rows as ``[cos, sin]``."""
-    flat = rows.view(np.float64)
-    swapped = np.empty_like(flat)
-    swapped[:, 0::2] = flat[:, 1::2]
-    swapped[:, 1::2] = flat[:, 0::2]
-    return flat, swapped
-
-
 def encode_range(
     encoding: Encoding, start: int, stop: int, out: Rows | None = None, ahead: int = 0
 ) -> Rows:
@@ -491,16 +476,14 @@ def encode_range(
             return rows
         out[...] = rows
         return out
+    if out is None:
+        out = np.empty((max(stop - start, 0), encoding.width), dtype=encoding.dtype)
     position_map = encoding.table.position_map
+    positions = np.arange(start, stop, dtype=np.int64)
     if position_map.keeps_ranges:
-        offset = position_map.offset
-        out = _range_rows(encoding, start + offset, stop + offset, out, ahead)
+        _write_rows(encoding, positions + position_map.offset, out, ahead)
     else:
-        rows = _rows_at(encoding, position_map.apply(np.arange(start, stop, dtype=np.int64)))
-        if out is None:
-            out = rows
-        else:
-            out[...] = rows
+        _write_rows(encoding, position_map.apply(positions), out)
     zero_row = position_map.zero_row
     if zero_row is not None and start <= zero_row < stop:
         out[zero_row - start] = 0
@@ -513,7 +496,8 @@ def encode_positions(encoding: Encoding, positions: npt.ArrayLike) -> Rows:
     if encoding.axis_table is not None:
         return encode_coordinates(encoding, requested)
     position_map = encoding.table.position_map
-    out = _rows_at(encoding, position_map.apply(requested))
+    out = np.empty((requested.size, encoding.width), dtype=encoding.dtype)
+    _write_rows(encoding, position_map.apply(requested), out)
     if position_map.zero_row is not None:
         out[requested == position_map.zero_row] = 0
     return out
@@ -529,71 +513,83 @@ def encode_coordinates(encoding: Encoding, coordinates: Int64Array) -> Rows:
     return table.encode(encoding, coordinates)
 
 
-def _range_rows(
-    encoding: Encoding, first: int, last: int, out: Rows | None = None, ahead: int = 0
-) -> Rows:
-    """Wave-table rows ``first .. last - 1`` in the table's columns, block by block (into
-    ``out`` when given)."""
-    if out is None:
-        out = np.zeros((max(last - first, 0), encoding.width), dtype=encoding.dtype)
-    else:
-        out[...] = 0  # columns a kind leaves unwritten are zeros
-    amplitude = encoding.waves.amplitude
-    with _columns(encoding, min(last - first, encoding.waves.pass_rows)) as write:
-        for offset, rows in wave_blocks(encoding.waves, first, last, ahead):
-            if amplitude != 1.0:
-                rows *= amplitude
-            write(out[offset : offset + len(rows)], rows)
+def wave_rows(waves: Waves, positions: Int64Array) -> ComplexRows:
+    """``v(p) = sin(p w) + i cos(p w)`` for every position (rows) and frequency (columns),
+    each a function of ``p`` alone (see ``Waves``), not scaled by the amplitude."""
+    out = np.empty((positions.size, waves.count), dtype=np.complex128)
+    identity = np.arange(2 * waves.count, dtype=np.int64)
+    _rotate(waves, positions, identity, 1.0, out.view(np.float64), None)
     return out
 
 
-def _rows_at(encoding: Encoding, mapped: Int64Array) -> Rows:
-    """Wave-table rows at ``mapped`` positions, in the table's columns."""
-    if mapped.size and (span := int(mapped.max()) - int(mapped.min()) + 1) <= 4 * mapped.size:
-        # Clustered positions (a decode window, a shuffled or descending range): the
-        # covering range is cheaper than one extended-precision angle per row, and gives
-        # the same rows.
-        low = int(mapped.min())
-        return _range_rows(encoding, low, low + span)[mapped - low]
-    out = np.zeros((mapped.size, encoding.width), dtype=encoding.dtype)
-    rows = wave_rows(encoding.waves, mapped)
-    if encoding.waves.amplitude != 1.0:
-        rows *= encoding.waves.amplitude
-    with _columns(encoding, min(mapped.size, encoding.waves.pass_rows)) as write:
-        write(out, rows)
-    return out
+def _write_rows(
+    encoding: Encoding, positions: Int64Array, out: Rows, ahead: int | None = None
+) -> None:
+    """``out[r]`` = the row of wave-table position ``positions[r]`` in the table's columns;
+    ``ahead``: None unless the positions are consecutive (see ``Waves.factors``).
 
-
-@contextlib.contextmanager
-def _columns(encoding: Encoding, rows: int) -> Iterator[Callable[[Rows, ComplexRows], None]]:
-    """A writer of rows of ``v`` into the table's columns of the encoding's dtype (zeros
-    beforehand): the table's own, or for bfloat16 one through float64 columns and
-    ``_to_bfloat16``, ``rows`` rows at a time in the engine's scratch buffers.
-
-    ml_dtypes' own conversion from float64 to bfloat16 runs a scalar loop, 4 to 5 times
-    slower than the vector passes there, and took most of a cold bfloat16 stream's server
-    time. Both give the same bytes.
+    float32 and float64 rows are written by the kernel; float16 and bfloat16 ones through
+    float64 rows, converted a cache-sized part at a time. ml_dtypes' own conversion from
+    float64 to bfloat16 runs a scalar loop, 4 to 5 times slower than ``_to_bfloat16``'s
+    vector passes, and took most of a cold bfloat16 stream's server time. Both give the same
+    bytes.
     """
-    write_columns = encoding.table.write_columns
-    if encoding.dtype.name != "bfloat16":
-        yield write_columns
+    waves, columns, amplitude = encoding.waves, encoding.columns, encoding.waves.amplitude
+    if out.dtype in (np.float32, np.float64):
+        _rotate(waves, positions, columns, amplitude, out, ahead)
         return
-    rows = max(rows, 1)
-    shape, elements = (rows, encoding.width), rows * encoding.width
-    with _SCRATCH.buffers(elements) as (wide_buffer, single_buffer, bits_buffer, _):
-        wide = wide_buffer[:elements].reshape(shape)
-        wide[...] = 0  # columns a kind leaves unwritten stay zeros
-        single = single_buffer.view(np.float32)[:elements].reshape(shape)
-        bits = bits_buffer.view(np.uint32)[:elements].reshape(shape)
+    step = max(1, _CONVERT_ELEMENTS // max(encoding.width, 1))
+    wide = np.empty((min(step, len(out)), encoding.width))
+    single = np.empty(wide.shape, dtype=np.float32)
+    bits = np.empty(wide.shape, dtype=np.uint32)
+    for first in range(0, len(out), step):
+        part = positions[first : first + step]
+        rows = wide[: part.size]
+        after = None if ahead is None else ahead + positions.size - first - part.size
+        _rotate(waves, part, columns, amplitude, rows, after)
+        if out.dtype.name == "bfloat16":
+            size = part.size
+            _to_bfloat16(rows, out[first : first + size], single[:size], bits[:size])
+        else:
+            np.copyto(out[first : first + part.size], rows, casting="same_kind")
 
-        def write(target: Rows, values: ComplexRows) -> None:
-            for first in range(0, len(values), rows):
-                count = min(rows, len(values) - first)
-                write_columns(wide[:count], values[first : first + count])
-                part = target[first : first + count]
-                _to_bfloat16(wide[:count], part, single[:count], bits[:count])
 
-        yield write
+def _rotate(
+    waves: Waves,
+    positions: Int64Array,
+    columns: Int64Array,
+    amplitude: float,
+    out: Rows,
+    ahead: int | None,
+) -> None:
+    """The kernel over ``positions``, ``_KERNEL_ELEMENTS`` of ``out`` a call (its index
+    arrays are a few bytes a row); ``ahead`` is None unless the positions are consecutive."""
+    rotate_into = _kernel()
+    step = max(1, _KERNEL_ELEMENTS // max(out.shape[1], 1))
+    for first in range(0, positions.size, step):
+        part = positions[first : first + step]
+        after = None if ahead is None else ahead + positions.size - first - part.size
+        if part.size:
+            bases, base_index, rotations, rotation_index = waves.factors(part, ahead=after)
+            target = out[first : first + part.size]
+            rotate_into(bases, base_index, rotations, rotation_index, columns, amplitude, target)
+
+
+@functools.cache
+def _kernel() -> Callable[..., None]:
+    """``kernel.rotate_into``, imported (and compiled, or loaded from numba's cache) on
+    first use: numba's import alone takes a third of a second."""
+    from posenc_server.kernel import rotate_into
+
+    return rotate_into
+
+
+def prepare_kernel() -> None:
+    """Compile (or load) the kernel for every output it writes, on a tiny table: a server
+    calls this at start, off its serving path, so that no request waits for it."""
+    waves = Waves([Decimal(1)])
+    for dtype in (np.float32, np.float64):
+        _rotate(waves, np.arange(2, dtype=np.int64), np.arange(2), 1.0, np.empty((2, 2), dtype), 0)
 
 
 def _to_bfloat16(
@@ -622,139 +618,6 @@ def _to_bfloat16(
     ties = bits == 0x8000
     if ties.any():
         out[ties] = values[ties].astype(out.dtype)
-
-
-def wave_rows(waves: Waves, positions: Int64Array) -> ComplexRows:
-    """``v(p) = sin(p w) + i cos(p w)`` for every position (rows) and frequency (columns).
-
-    Uses the relative-position property of the paper, ``u(b + j) = u(b) * u(j)``: a position
-    is its aligned block base ``b = p - p % block`` (one extended-precision angle, shared by
-    the positions of that block) times the exact rotation of ``j``. Each factor is within
-    2**-53 of exact, so a row is within about 2**-51, and a function of ``p`` alone: the
-    same whichever request, range or list, asks for it.
-    """
-    out = np.empty((positions.size, waves.count), dtype=np.complex128)
-    if waves.count == 0 or positions.size == 0:
-        return out
-    rows_per_pass = max(1, _ELEMENTS_PER_PASS // waves.count)
-    scratch = np.empty((min(rows_per_pass, positions.size), 2 * waves.count))
-    for first in range(0, positions.size, rows_per_pass):
-        chunk = positions[first : first + rows_per_pass]
-        offset = chunk % waves.block
-        bases, base_of_row = np.unique(chunk - offset, return_inverse=True)
-        flat, swapped = _pairs(waves.bases(bases))
-        rotate_cos, rotate_sin = waves.rotation_rows(offset)
-        _rotate(
-            flat[base_of_row],
-            swapped[base_of_row],
-            rotate_cos,
-            rotate_sin,
-            out[first : first + chunk.size].view(np.float64),
-            scratch[: chunk.size],
-        )
-    return out
-
-
-def wave_blocks(
-    waves: Waves, start: int, stop: int, ahead: int = 0
-) -> Iterator[tuple[int, ComplexRows]]:
-    """``wave_rows`` of positions ``start .. stop - 1``, a few rows of one aligned block at
-    a time.
-
-    Yields ``(row offset, rows)``; ``rows`` is a scratch buffer reused for the next rows,
-    so callers copy it out before asking for more. Passes of at most ``_ELEMENTS_PER_PASS``
-    float64 values keep the rotation's operands in the CPU cache, and the buffers outlive
-    the call (``_SCRATCH``): a fresh multi-MiB array per call costs more in page faults than
-    the multiplication (five times more for a 1 MiB block).
-    """
-    if waves.count == 0 or stop <= start:
-        return
-    block = waves.block
-    aligned = start - start % block
-    block_starts = aligned + block * np.arange(-(-(stop - aligned) // block), dtype=np.int64)
-    few: tuple[Float64Array, Float64Array] | None = None
-    if block_starts.size == 1 and stop - start <= _FEW_ROTATIONS and not waves.has_rotation_table:
-        # A new spec's first few rows: their base and their rotations in one pass.
-        offsets = np.arange(start - aligned, stop - aligned, dtype=np.int64)
-        base_and_rotations = waves.bases(np.concatenate((block_starts, offsets)))
-        flat, swapped = _pairs(base_and_rotations[:1])
-        few = rotation_pairs(base_and_rotations[1:])
-    else:  # blocks of a long range, whose next blocks come next
-        end = aligned + block * block_starts.size
-        flat, swapped = _pairs(waves.block_bases(aligned, block_starts.size, ahead + stop - end))
-    yield from _rotated_blocks(waves, start, stop, block_starts, flat, swapped, few)
-
-
-def _rotated_blocks(
-    waves: Waves,
-    start: int,
-    stop: int,
-    block_starts: Int64Array,
-    flat: Float64Array,
-    swapped: Float64Array,
-    few: tuple[Float64Array, Float64Array] | None,
-) -> Iterator[tuple[int, ComplexRows]]:
-    """``wave_blocks``' rows, from its block bases (``few``: the rotations of its rows), a
-    pass at a time in scratch buffers lent for the whole range."""
-    block, pair_columns = waves.block, 2 * waves.count
-    rows_per_pass = waves.pass_rows
-    pass_elements = rows_per_pass * pair_columns
-    with _SCRATCH.buffers(pass_elements) as (buffer, products, base_rows, swapped_rows):
-        for index, block_start in enumerate(block_starts.tolist()):
-            first, last = max(start, block_start), min(stop, block_start + block)
-            rotate_cos, rotate_sin = few or waves.rotation(first - block_start, last - block_start)
-            # The block's base row, repeated over a pass's rows: multiplying by a broadcast
-            # row goes through numpy's buffered loop, which copies it for every row and ran
-            # two to three times slower (block by block, as the service asks) than these
-            # same-shape multiplications plus the one copy per block.
-            span = min(rows_per_pass, last - first)
-            base = base_rows[: span * pair_columns].reshape(span, pair_columns)
-            base[...] = flat[index]
-            base_swapped = swapped_rows[: span * pair_columns].reshape(span, pair_columns)
-            base_swapped[...] = swapped[index]
-            for low in range(first, last, rows_per_pass):
-                high = min(low + rows_per_pass, last)
-                shape = (high - low, pair_columns)
-                rows = buffer[: shape[0] * pair_columns].reshape(shape)
-                _rotate(
-                    base[: shape[0]],
-                    base_swapped[: shape[0]],
-                    rotate_cos[low - first : high - first],
-                    rotate_sin[low - first : high - first],
-                    rows,
-                    products[: shape[0] * pair_columns].reshape(shape),
-                )
-                yield low - start, rows.view(np.complex128)
-
-
-class _ScratchPool:
-    """Groups of four float64 scratch buffers (a pass's worth, or one row of the widest
-    table: at most 2 MiB a group) lent to one computation at a time; at most ``keep``
-    groups are kept between computations, so idle threads hold none."""
-
-    def __init__(self, keep: int) -> None:
-        self._keep = keep
-        self._free: list[tuple[Float64Array, ...]] = []
-        self._lock = threading.Lock()
-
-    @contextlib.contextmanager
-    def buffers(self, elements: int) -> Iterator[tuple[Float64Array, ...]]:
-        """Four buffers of at least ``elements`` values each, until the block ends."""
-        with self._lock:
-            group = self._free.pop() if self._free else None
-        if group is None or group[0].size < elements:
-            size = max(elements, _ELEMENTS_PER_PASS)
-            group = tuple(np.empty(size, dtype=np.float64) for _ in range(4))
-        try:
-            yield group
-        finally:
-            with self._lock:
-                if len(self._free) < self._keep:
-                    self._free.append(group)
-
-
-# Enough for the computations that run at once on a few cores.
-_SCRATCH: Final = _ScratchPool(keep=8)
 
 
 def _block_rows(count: int) -> int:

@@ -90,21 +90,9 @@ class MultiAxis(TableKind):
             for axis, (axis_waves, filled) in enumerate(waves.axes):
                 if filled.size:
                     distinct, inverse = np.unique(part[:, axis], return_inverse=True)
-                    rows[:, filled] = _axis_rows(axis_waves, distinct)[inverse]
+                    rows[:, filled] = engine.wave_rows(axis_waves, distinct)[inverse]
             self.write_columns(out[first : first + len(part)], rows)
         return out
-
-
-def _axis_rows(waves: engine.Waves, distinct: engine.Int64Array) -> engine.ComplexRows:
-    """Wave rows of sorted distinct positions: block by block when they are a run (a grid's
-    cells, a text span), as a range is; else one by one. Both give the same bytes."""
-    first, last = int(distinct[0]), int(distinct[-1]) + 1
-    if last - first != distinct.size:
-        return engine.wave_rows(waves, distinct)
-    out = np.empty((distinct.size, waves.count), dtype=np.complex128)
-    for offset, rows in engine.wave_blocks(waves, first, last):
-        out[offset : offset + len(rows)] = rows
-    return out
 
 
 def _scaled(frequencies: Sequence[Decimal], scale: Decimal) -> list[Decimal]:
