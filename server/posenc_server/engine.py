@@ -35,9 +35,9 @@ module imports no gRPC and no protobuf: it is the domain core.
 from __future__ import annotations
 
 import functools
-import math
 import threading
-from collections.abc import Callable, Iterator, Mapping, Sequence
+import types
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from decimal import Decimal, localcontext
 from typing import Final, Protocol, runtime_checkable
@@ -80,14 +80,6 @@ PRECISION: Final = 50
 """Digits of the frequencies: their relative error stays near 1e-45 even after the 32768
 products of the widest table, far under the 2**-97 that position 2**42 needs."""
 
-_TWO_PI_HI: Final = float(TWO_PI)
-_TWO_PI_LO: Final = float(TWO_PI - Decimal(_TWO_PI_HI))
-# Veltkamp's constant 2**27 + 1 splits a float64 into two halves of at most 26 bits each,
-# whose pairwise products are exact.
-_SPLITTER: Final = 134217729.0
-# Elements per pass of the extended-precision angle, whose two dozen temporaries stay in the
-# CPU cache: 32 KiB each (at 32768 elements it ran twice as slow).
-_ANGLE_ELEMENTS_PER_PASS: Final = 1 << 12
 # Rows per block: 64 amortize a block's extended-precision angle (about 20 numpy passes)
 # over its rows' rotations. Narrow tables take longer blocks, so that a block holds at least
 # _BLOCK_ENTRIES entries (a rotary table of head_dim 128: 256 rows, its rotation table 256
@@ -100,17 +92,13 @@ _ROTATION_ENTRIES: Final = 1 << 17
 # while the block's rotation table is not made yet.
 _FEW_ROTATIONS: Final = 8
 # At most this many block bases (and _BASES_AHEAD_ELEMENTS values) are made ahead of a long
-# range's next blocks: two passes of the extended-precision angle.
+# range's next blocks, in one call.
 _MAX_BASES_AHEAD: Final = 64
-_BASES_AHEAD_ELEMENTS: Final = 2 * _ANGLE_ELEMENTS_PER_PASS
+_BASES_AHEAD_ELEMENTS: Final = 1 << 13
 # Elements of out per kernel call (its index arrays are 16 bytes a row); float16 and bfloat16
 # rows go through a float64 scratch this size at most, converted while it is in the cache.
 _KERNEL_ELEMENTS: Final = 1 << 20
 _CONVERT_ELEMENTS: Final = 1 << 15
-# Taylor coefficients of sin (x**3 .. x**17) and cos (x**4 .. x**18): on [-pi/4, pi/4] the
-# first term left out is below 2**-63.
-_SIN_TAYLOR: Final = tuple((-1) ** k / math.factorial(2 * k + 1) for k in range(1, 9))
-_COS_TAYLOR: Final = tuple((-1) ** k / math.factorial(2 * k) for k in range(2, 10))
 
 
 @dataclass(frozen=True)
@@ -260,29 +248,14 @@ class Waves:
         if table is None:
             with self._rotation_lock:
                 if self._rotation is None:
-                    made = self.bases(np.arange(self.block, dtype=np.int64))
-                    made.flags.writeable = False
-                    self._rotation = made
+                    self._rotation = self.bases(np.arange(self.block, dtype=np.int64))
                 table = self._rotation
         return table
 
     def bases(self, positions: Int64Array) -> npt.NDArray[np.complex128]:
         """``v(p)`` for each position, through the extended-precision angle."""
         out = np.empty((positions.size, self.count), dtype=np.complex128)
-        as_float = positions.astype(np.float64)
-        # A few rows per pass (or a slice of one wide row), so that the pass's two dozen
-        # temporaries stay in the CPU cache.
-        columns = min(self.count, _ANGLE_ELEMENTS_PER_PASS) or 1
-        rows = max(1, _ANGLE_ELEMENTS_PER_PASS // columns)
-        for first in range(0, positions.size, rows):
-            for column in range(0, self.count, columns):
-                last = column + columns
-                sin, cos = _sin_cos_rows(
-                    as_float[first : first + rows], self.hi[column:last], self.lo[column:last]
-                )
-                part = out[first : first + rows, column:last]
-                part.real = sin
-                part.imag = cos
+        _kernels().angles_into(positions.astype(np.int64, copy=False), self.hi, self.lo, out)
         return out
 
     def block_bases(self, first: int, count: int, ahead: int) -> ComplexRows:
@@ -364,101 +337,6 @@ class Encoding:
         return self.waves.nbytes + 512
 
 
-def _split(values: Float64Array) -> tuple[Float64Array, Float64Array]:
-    """Veltkamp split: ``values == high + low`` with both halves at most 26 bits wide."""
-    scaled = values * _SPLITTER
-    high = scaled - (scaled - values)
-    return high, values - high
-
-
-# The two halves of 2pi's high part, for the exact product of the turn fraction with 2pi.
-_TWO_PI_SPLIT: Final = tuple(float(half[0]) for half in _split(np.array([_TWO_PI_HI])))
-
-
-def _sin_cos_rows(
-    positions: Float64Array, freq_hi: Float64Array, freq_lo: Float64Array
-) -> tuple[Float64Array, Float64Array]:
-    """sin and cos of ``2pi * positions[:, None] * (freq_hi + freq_lo)[None, :]`` in float64."""
-    pos = positions[:, None]
-    pos_high, pos_low = _split(positions)
-    freq_high, freq_low = _split(freq_hi)
-    ph, pl = pos_high[:, None], pos_low[:, None]
-
-    # Exact two-product pos * freq_hi = product + product_error (Dekker).
-    product = pos * freq_hi
-    product_error = ph * freq_high - product
-    product_error += ph * freq_low
-    product_error += pl * freq_high
-    product_error += pl * freq_low
-
-    # Dropping whole turns is exact; what is left lies in [-0.5, 0.5].
-    turns = product - np.rint(product)
-    correction = product_error + pos * freq_lo
-    # Two-sum: turns + correction == turns_hi + turns_lo exactly.
-    turns_hi = turns + correction
-    virtual = turns_hi - turns
-    turns_lo = (turns - (turns_hi - virtual)) + (correction - virtual)
-
-    # Less the nearest quarter turn (exact: both are multiples of turns_hi's ulp), within
-    # [-1/8, 1/8] turn.
-    quarter = np.rint(turns_hi * 4.0)
-    turns_hi -= quarter * 0.25
-
-    # angle = (turns_hi + turns_lo) * 2pi as double-double, in [-pi/4, pi/4].
-    angle = turns_hi * _TWO_PI_HI
-    high, low = _split(turns_hi)
-    angle_lo = high * _TWO_PI_SPLIT[0] - angle
-    angle_lo += high * _TWO_PI_SPLIT[1]
-    angle_lo += low * _TWO_PI_SPLIT[0]
-    angle_lo += low * _TWO_PI_SPLIT[1]
-    angle_lo += turns_hi * _TWO_PI_LO + turns_lo * _TWO_PI_HI
-
-    sin, cos = _sin_cos_small(angle)
-    # First-order correction for the low part of the angle (|angle_lo| < 2**-50).
-    sin_exact = sin + cos * angle_lo
-    cos_exact = cos - sin * angle_lo
-    # Quarter turn q: (sin, cos) becomes (cos, -sin), (-sin, -cos), (-cos, sin) for q = 1..3.
-    q = quarter.astype(np.int64) & 3
-    swap = (q & 1).astype(bool)
-    sin = np.where(swap, cos_exact, sin_exact)
-    cos = np.where(swap, sin_exact, cos_exact)
-    sin *= 1 - 2 * (q >> 1)
-    cos *= 1 - 2 * ((q ^ (q >> 1)) & 1)
-    return sin, cos
-
-
-def _sin_cos_small(x: Float64Array) -> tuple[Float64Array, Float64Array]:
-    """sin and cos of ``x`` in [-pi/4, pi/4], each within about 0.7 ulp.
-
-    Taylor polynomials in ``z = x * x``; cos adds ``1 - z / 2`` with its rounding errors
-    (and that of ``z``) carried separately, so that its largest term costs no accuracy.
-    """
-    z = x * x
-    x_high, x_low = _split(x)
-    z_error = (x_high * x_high - z) + 2.0 * x_high * x_low + x_low * x_low
-    sin_tail = _horner(z, _SIN_TAYLOR)
-    sin_tail *= z
-    sin_tail *= x
-    sin = x + sin_tail
-    half = 0.5 * z
-    head = 1.0 - half
-    cos_tail = _horner(z, _COS_TAYLOR)
-    cos_tail *= z
-    cos_tail *= z
-    cos_tail += ((1.0 - head) - half) - 0.5 * z_error
-    cos = head + cos_tail
-    return sin, cos
-
-
-def _horner(z: Float64Array, coefficients: Sequence[float]) -> Float64Array:
-    """``c0 + c1 z + c2 z**2 + ...``, Horner's way."""
-    acc = np.full_like(z, coefficients[-1])
-    for coefficient in reversed(coefficients[:-1]):
-        acc *= z
-        acc += coefficient
-    return acc
-
-
 def encode_range(
     encoding: Encoding, start: int, stop: int, out: Rows | None = None, ahead: int = 0
 ) -> Rows:
@@ -518,6 +396,8 @@ def wave_rows(waves: Waves, positions: Int64Array) -> ComplexRows:
     each a function of ``p`` alone (see ``Waves``), not scaled by the amplitude."""
     out = np.empty((positions.size, waves.count), dtype=np.complex128)
     identity = np.arange(2 * waves.count, dtype=np.int64)
+    if positions.size > _FEW_ROTATIONS:
+        waves.rotation_table()
     _rotate(waves, positions, identity, 1.0, out.view(np.float64), None)
     return out
 
@@ -535,6 +415,8 @@ def _write_rows(
     bytes.
     """
     waves, columns, amplitude = encoding.waves, encoding.columns, encoding.waves.amplitude
+    if positions.size > _FEW_ROTATIONS:
+        waves.rotation_table()  # made now, not worked around part by part below
     if out.dtype in (np.float32, np.float64):
         _rotate(waves, positions, columns, amplitude, out, ahead)
         return
@@ -564,7 +446,7 @@ def _rotate(
 ) -> None:
     """The kernel over ``positions``, ``_KERNEL_ELEMENTS`` of ``out`` a call (its index
     arrays are a few bytes a row); ``ahead`` is None unless the positions are consecutive."""
-    rotate_into = _kernel()
+    rotate_into = _kernels().rotate_into
     step = max(1, _KERNEL_ELEMENTS // max(out.shape[1], 1))
     for first in range(0, positions.size, step):
         part = positions[first : first + step]
@@ -576,17 +458,18 @@ def _rotate(
 
 
 @functools.cache
-def _kernel() -> Callable[..., None]:
-    """``kernel.rotate_into``, imported (and compiled, or loaded from numba's cache) on
-    first use: numba's import alone takes a third of a second."""
-    from posenc_server.kernel import rotate_into
+def _kernels() -> types.ModuleType:
+    """``posenc_server.kernel``, imported (its loops compiled, or loaded from numba's cache)
+    on first use: numba's import alone takes a third of a second."""
+    from posenc_server import kernel
 
-    return rotate_into
+    return kernel
 
 
 def prepare_kernel() -> None:
-    """Compile (or load) the kernel for every output it writes, on a tiny table: a server
-    calls this at start, off its serving path, so that no request waits for it."""
+    """Compile (or load from numba's cache) the kernels for every array type the engine
+    gives them, on a tiny table: a server calls this before it listens, so that no request
+    waits for a compilation."""
     waves = Waves([Decimal(1)])
     for dtype in (np.float32, np.float64):
         _rotate(waves, np.arange(2, dtype=np.int64), np.arange(2), 1.0, np.empty((2, 2), dtype), 0)
