@@ -24,7 +24,7 @@ import grpc
 import grpc.aio
 import numpy as np
 import pytest
-from conftest import ServerProcess, peak_rss_mib
+from conftest import SERVER_HEADROOM_MIB, ServerProcess, peak_rss_mib
 from google.rpc import error_details_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_status import rpc_status
@@ -39,7 +39,7 @@ MIB = 1 << 20
 GET_ENCODING = "/posenc.v1.PositionalEncodingService/GetEncoding"
 REFLECTION = "/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo"
 UNAUTHENTICATED, RESOURCE_EXHAUSTED, DEADLINE_EXCEEDED = 16, 8, 4
-# What every memory test allows: the cache budget plus this.
+# What a memory test allows above the process's own memory at its start.
 HEADROOM_MIB = 128
 
 
@@ -599,7 +599,7 @@ def test_responses_nobody_reads_stay_within_the_budget(
             for s in refused
         )
         assert in_flight_bytes(port) > 0
-        assert peak_rss_mib(server.process.pid) <= cache_mib + HEADROOM_MIB
+        assert peak_rss_mib(server.process.pid) <= cache_mib + SERVER_HEADROOM_MIB
     finally:
         connection.close()
     deadline = time.monotonic() + 10
@@ -642,7 +642,7 @@ def test_64_clients_with_a_million_positions_each_all_succeed_within_the_budget(
         thread.start()
     for thread in threads:
         thread.join()
-    assert peak_rss_mib(server.process.pid) <= cache_mib + HEADROOM_MIB
+    assert peak_rss_mib(server.process.pid) <= cache_mib + SERVER_HEADROOM_MIB
     assert len(results) == 64
     for result in results:
         assert isinstance(result, np.ndarray), result
@@ -724,7 +724,7 @@ def test_64_raw_calls_of_a_million_positions_stay_within_the_budget(
     assert len(outcomes) == 64
     assert set(outcomes) <= {"exact", "RESOURCE_EXHAUSTED with RetryInfo"}, outcomes
     assert "exact" in outcomes
-    assert peak_rss_mib(server.process.pid) <= cache_mib + HEADROOM_MIB
+    assert peak_rss_mib(server.process.pid) <= cache_mib + SERVER_HEADROOM_MIB
     assert settled_rss_mib(server.process.pid, baseline + 64) <= baseline + 64
 
 
@@ -801,7 +801,7 @@ def test_waves_of_attacks_leave_a_decode_loop_served_and_memory_bounded(
         loop.join()
     assert not failures, failures[:3]
     assert len(steps) > 10 and rounds >= 2
-    assert peak_rss_mib(server.process.pid) <= cache_mib + HEADROOM_MIB
+    assert peak_rss_mib(server.process.pid) <= cache_mib + SERVER_HEADROOM_MIB
     settle = time.monotonic() + 10
     while in_flight_bytes(port) > 0 and time.monotonic() < settle:
         time.sleep(0.2)

@@ -236,7 +236,8 @@ def test_the_container_runs_as_10001_on_a_read_only_root(
     assert status["Uid"].split() == ["10001"] * 4 and status["Gid"].split() == ["10001"] * 4
     assert int(status["CapEff"], 16) == 0 and status["NoNewPrivs"] == "1"
     assert podman.out("exec", name, "id", "-un") == "posenc"
-    # Even root cannot write the root filesystem; /tmp is memory, and holds the metrics.
+    # Even root cannot write the root filesystem; /tmp is memory, and holds the metrics
+    # and numba's cache of the engine's kernel.
     denied = podman.run("exec", "--user=0", name, "touch", "/probe", check=False)
     assert denied.returncode != 0 and "Read-only file system" in denied.stderr
     mounts = podman.out("exec", name, "cat", "/proc/mounts").splitlines()
@@ -244,7 +245,8 @@ def test_the_container_runs_as_10001_on_a_read_only_root(
         line.split()[1:3] == ["/", "overlay"] and ",ro" in f",{line.split()[3]}" for line in mounts
     )
     assert any(line.split()[1:3] == ["/tmp", "tmpfs"] for line in mounts)
-    assert podman.out("exec", name, "ls", "/tmp").startswith("posenc-metrics-")
+    written = podman.out("exec", name, "ls", "/tmp").split()
+    assert "numba-cache" in written and any(n.startswith("posenc-metrics-") for n in written)
 
 
 @pytest.mark.slow
@@ -252,8 +254,9 @@ def test_the_image_is_slim_without_a_compiler(podman: Podman, posenc_image: str)
     size = int(podman.out("image", "inspect", "--format", "{{.Size}}", IMAGE))
     base = int(podman.out("image", "inspect", "--format", "{{.Size}}", PYTHON_BASE.tag))
     print(f"image {IMAGE}: {size / 1e6:.0f} MB, of which the base {base / 1e6:.0f} MB")
-    # The virtualenv (grpcio, numpy, protobuf, ...) adds about 100 MB to the base.
-    assert size - base < 150e6
+    # The virtualenv adds about 310 MB to the base: grpcio, numpy, protobuf, ... 100 MB, and
+    # the engine kernel's numba with its LLVM (llvmlite) 210 MB.
+    assert size - base < 400e6
     tools = podman.run(
         "run", "--rm", "--entrypoint=sh", IMAGE, "-c",
         "for tool in gcc cc c++ clang make pip; do command -v $tool; done; true",

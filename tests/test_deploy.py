@@ -32,8 +32,8 @@ VERSIONS = sorted(
     key=lambda v: tuple(map(int, v.split("."))),
 )
 # The README's sizing rule: the cache budget, plus this per server process (Python, gRPC and
-# numpy, the spec table, the calls in flight), plus this for the supervisor.
-PER_PROCESS = 160 * MIB
+# numpy, numba's compiler, the spec table, the calls in flight), plus this for the supervisor.
+PER_PROCESS = 310 * MIB
 SUPERVISOR = 64 * MIB
 
 Doc = dict[str, Any]

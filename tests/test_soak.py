@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import pytest
-from conftest import ServerProcess, peak_rss_mib
+from conftest import SERVER_HEADROOM_MIB, ServerProcess, peak_rss_mib
 from reference import classic
 
 import posenc
@@ -128,7 +128,7 @@ def test_cache_churn_keeps_server_memory_under_the_budget(
     assert info.cache.evictions > 0
     assert info.cache.bytes <= budget
     peak = peak_rss_mib(process.process.pid)
-    assert peak <= budget / MIB + 128, f"server peak RSS {peak:.0f} MiB"
+    assert peak <= budget / MIB + SERVER_HEADROOM_MIB, f"server peak RSS {peak:.0f} MiB"
     print(f"cache churn: {keys} keys, budget {budget // MIB} MiB, server peak RSS {peak:.0f} MiB")
 
 

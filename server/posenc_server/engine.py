@@ -37,7 +37,7 @@ from __future__ import annotations
 import functools
 import threading
 import types
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from decimal import Decimal, localcontext
 from typing import Final, Protocol, runtime_checkable
@@ -95,8 +95,8 @@ _FEW_ROTATIONS: Final = 8
 # range's next blocks, in one call.
 _MAX_BASES_AHEAD: Final = 64
 _BASES_AHEAD_ELEMENTS: Final = 1 << 13
-# Elements of out per kernel call (its index arrays are 16 bytes a row); float16 and bfloat16
-# rows go through a float64 scratch this size at most, converted while it is in the cache.
+# Elements of out per kernel call (its index arrays are 16 bytes a row); float16 rows go
+# through a float64 scratch this size at most, converted while it is in the cache.
 _KERNEL_ELEMENTS: Final = 1 << 20
 _CONVERT_ELEMENTS: Final = 1 << 15
 
@@ -408,32 +408,26 @@ def _write_rows(
     """``out[r]`` = the row of wave-table position ``positions[r]`` in the table's columns;
     ``ahead``: None unless the positions are consecutive (see ``Waves.factors``).
 
-    float32 and float64 rows are written by the kernel; float16 and bfloat16 ones through
-    float64 rows, converted a cache-sized part at a time. ml_dtypes' own conversion from
-    float64 to bfloat16 runs a scalar loop, 4 to 5 times slower than ``_to_bfloat16``'s
-    vector passes, and took most of a cold bfloat16 stream's server time. Both give the same
-    bytes.
+    float32, float64 and bfloat16 rows are written by the kernels; float16 ones through
+    float64 rows, converted by numpy a cache-sized part at a time.
     """
     waves, columns, amplitude = encoding.waves, encoding.columns, encoding.waves.amplitude
     if positions.size > _FEW_ROTATIONS:
         waves.rotation_table()  # made now, not worked around part by part below
-    if out.dtype in (np.float32, np.float64):
+    if out.dtype.name == "bfloat16":
+        bits = out.view(np.uint16)
+        _rotate(waves, positions, columns, amplitude, bits, ahead, _kernels().rotate_into_bfloat16)
+        return
+    if out.dtype != np.float16:
         _rotate(waves, positions, columns, amplitude, out, ahead)
         return
     step = max(1, _CONVERT_ELEMENTS // max(encoding.width, 1))
     wide = np.empty((min(step, len(out)), encoding.width))
-    single = np.empty(wide.shape, dtype=np.float32)
-    bits = np.empty(wide.shape, dtype=np.uint32)
     for first in range(0, len(out), step):
         part = positions[first : first + step]
-        rows = wide[: part.size]
         after = None if ahead is None else ahead + positions.size - first - part.size
-        _rotate(waves, part, columns, amplitude, rows, after)
-        if out.dtype.name == "bfloat16":
-            size = part.size
-            _to_bfloat16(rows, out[first : first + size], single[:size], bits[:size])
-        else:
-            np.copyto(out[first : first + part.size], rows, casting="same_kind")
+        _rotate(waves, part, columns, amplitude, wide[: part.size], after)
+        np.copyto(out[first : first + part.size], wide[: part.size], casting="same_kind")
 
 
 def _rotate(
@@ -443,10 +437,12 @@ def _rotate(
     amplitude: float,
     out: Rows,
     ahead: int | None,
+    kernel: Callable[..., None] | None = None,
 ) -> None:
-    """The kernel over ``positions``, ``_KERNEL_ELEMENTS`` of ``out`` a call (its index
-    arrays are a few bytes a row); ``ahead`` is None unless the positions are consecutive."""
-    rotate_into = _kernels().rotate_into
+    """``kernel`` (``rotate_into`` by default) over ``positions``, ``_KERNEL_ELEMENTS`` of
+    ``out`` a call (its index arrays are a few bytes a row); ``ahead`` is None unless the
+    positions are consecutive."""
+    rotate_into = kernel or _kernels().rotate_into
     step = max(1, _KERNEL_ELEMENTS // max(out.shape[1], 1))
     for first in range(0, positions.size, step):
         part = positions[first : first + step]
@@ -471,36 +467,11 @@ def prepare_kernel() -> None:
     gives them, on a tiny table: a server calls this before it listens, so that no request
     waits for a compilation."""
     waves = Waves([Decimal(1)])
+    positions, columns = np.arange(2, dtype=np.int64), np.arange(2, dtype=np.int64)
     for dtype in (np.float32, np.float64):
-        _rotate(waves, np.arange(2, dtype=np.int64), np.arange(2), 1.0, np.empty((2, 2), dtype), 0)
-
-
-def _to_bfloat16(
-    values: Float64Array,
-    out: Rows,
-    single: npt.NDArray[np.float32],
-    bits: npt.NDArray[np.uint32],
-) -> None:
-    """``out[...] = values`` rounded to the nearest bfloat16 (ties to even), as ml_dtypes
-    rounds; ``single`` and ``bits`` are scratch of the same shape.
-
-    Through float32 (rounded to nearest), then to bfloat16 by rounding its bits: the two
-    roundings give the nearest bfloat16 of the float64 value except where the first made
-    a tie for the second (low 16 bits exactly 0x8000, one value in 65536), and those few
-    are converted from float64 directly.
-    """
-    np.copyto(single, values, casting="same_kind")
-    pattern = single.view(np.uint32)
-    np.right_shift(pattern, 16, out=bits)
-    np.bitwise_and(bits, 1, out=bits)  # ties to even: + 0x8000 when the kept part is odd
-    bits += 0x7FFF
-    bits += pattern
-    bits >>= 16
-    np.copyto(out.view(np.uint16), bits, casting="unsafe")
-    np.bitwise_and(pattern, 0xFFFF, out=bits)
-    ties = bits == 0x8000
-    if ties.any():
-        out[ties] = values[ties].astype(out.dtype)
+        _rotate(waves, positions, columns, 1.0, np.empty((2, 2), dtype), 0)
+    bits = np.empty((2, 2), np.uint16)
+    _rotate(waves, positions, columns, 1.0, bits, 0, _kernels().rotate_into_bfloat16)
 
 
 def _block_rows(count: int) -> int:

@@ -36,26 +36,68 @@ def rotate_into(
 ) -> None:
     """``out[r]`` = the columns of ``v(b) * conj(u(j)) * amplitude``, with ``v(b)`` =
     ``bases[base_index[r]]`` and ``v(j)`` = ``rotations[rotation_index[r]]`` (rows of
-    ``sin + i cos``), for every row ``r`` of ``out``.
+    ``sin + i cos``), for every row ``r`` of ``out`` (float32 or float64).
 
     The product's ``[sin, cos]`` pairs are ``[s C + c S, c C + s (-S)]`` for ``v(b) = s + i c``
     and ``v(j) = S + i C``; column ``k`` of ``out`` is pair value ``columns[k]`` (``2 *
     count``: zero).
     """
-    count = bases.shape[1]
-    row = np.zeros(2 * count + 1)  # the last value stays 0: the zero columns' source
+    row = np.zeros(2 * bases.shape[1] + 1)  # the last value stays 0: the zero columns'
     for r in range(out.shape[0]):
-        base = bases[base_index[r]]
-        rotation = rotations[rotation_index[r]]
-        for i in range(count):
-            s = base[i].real
-            c = base[i].imag
-            rotate_sin = rotation[i].real
-            rotate_cos = rotation[i].imag
-            row[2 * i] = (s * rotate_cos + c * rotate_sin) * amplitude
-            row[2 * i + 1] = (c * rotate_cos + s * -rotate_sin) * amplitude
+        _rotated_row(bases[base_index[r]], rotations[rotation_index[r]], amplitude, row)
         for k in range(columns.size):
             out[r, k] = row[columns[k]]
+
+
+@numba.njit(nogil=True, cache=True, boundscheck=False)
+def rotate_into_bfloat16(
+    bases: npt.NDArray[np.complex128],
+    base_index: npt.NDArray[np.int64],
+    rotations: npt.NDArray[np.complex128],
+    rotation_index: npt.NDArray[np.int64],
+    columns: npt.NDArray[np.int64],
+    amplitude: float,
+    out: npt.NDArray[np.uint16],
+) -> None:
+    """``rotate_into`` for bfloat16 rows, given as their bits (``out``: uint16).
+
+    Each value is rounded to the nearest bfloat16, ties to even (as ml_dtypes rounds):
+    through float32 (rounded to nearest), then its bits, except where the first rounding
+    made a tie for the second (low 16 bits exactly 0x8000 from an inexact float32): there
+    the float64 value says which way.
+    """
+    row = np.zeros(2 * bases.shape[1] + 1)
+    single = np.empty(1, dtype=np.float32)
+    bits = single.view(np.uint32)
+    for r in range(out.shape[0]):
+        _rotated_row(bases[base_index[r]], rotations[rotation_index[r]], amplitude, row)
+        for k in range(columns.size):
+            value = row[columns[k]]
+            single[0] = value
+            pattern = bits[0]
+            if pattern & 0xFFFF == 0x8000 and float(single[0]) != value:
+                # Away from zero when the float64 value is beyond the float32 tie.
+                pattern = (pattern >> 16) + (abs(value) > abs(float(single[0])))
+            else:
+                pattern = (pattern + 0x7FFF + ((pattern >> 16) & 1)) >> 16
+            out[r, k] = pattern
+
+
+@numba.njit(inline="always")
+def _rotated_row(
+    base: npt.NDArray[np.complex128],
+    rotation: npt.NDArray[np.complex128],
+    amplitude: float,
+    row: npt.NDArray[np.float64],
+) -> None:
+    """``row``'s ``[sin, cos]`` pairs: ``v(b) * conj(u(j)) * amplitude`` (``rotate_into``)."""
+    for i in range(base.size):
+        s = base[i].real
+        c = base[i].imag
+        rotate_sin = rotation[i].real
+        rotate_cos = rotation[i].imag
+        row[2 * i] = (s * rotate_cos + c * rotate_sin) * amplitude
+        row[2 * i + 1] = (c * rotate_cos + s * -rotate_sin) * amplitude
 
 
 # The constants of the extended-precision angle (engine: TWO_PI, the Taylor coefficients).
