@@ -140,9 +140,9 @@ def test_range_equals_the_same_positions_listed_and_rows_are_independent() -> No
 
 @pytest.mark.parametrize("d_model", [8, 4096])
 def test_rows_do_not_depend_on_how_the_work_was_split(d_model: int) -> None:
-    # A fresh spec's first rows use rotations made for them alone; a long range computed
-    # block by block makes the next blocks' bases ahead; a whole range does neither. All
-    # give the same bytes, into a new array or into one given.
+    # A fresh spec's first rows use rotations made for them alone; a range computed block by
+    # block, as the service asks, and a whole range use the block's rotation table. All give
+    # the same bytes, into a new array or into one given.
     start = 2**40 + 3
     fresh = classic(d_model, dtype="float64", base=12345.0)
     first_rows = engine.encode_positions(fresh, [start, start + 1])
@@ -152,9 +152,7 @@ def test_rows_do_not_depend_on_how_the_work_was_split(d_model: int) -> None:
     out = np.empty_like(whole)
     for first in range(0, 600, 64):
         last = min(first + 64, 600)
-        engine.encode_range(
-            spec, start + first, start + last, out=out[first:last], ahead=600 - last
-        )
+        engine.encode_range(spec, start + first, start + last, out=out[first:last])
     np.testing.assert_array_equal(out, whole)
 
 

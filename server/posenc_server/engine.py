@@ -91,10 +91,6 @@ _ROTATION_ENTRIES: Final = 1 << 17
 # Up to this many distinct rows of a block are rotated by rotations made for them alone,
 # while the block's rotation table is not made yet.
 _FEW_ROTATIONS: Final = 8
-# At most this many block bases (and _BASES_AHEAD_ELEMENTS values) are made ahead of a long
-# range's next blocks, in one call.
-_MAX_BASES_AHEAD: Final = 64
-_BASES_AHEAD_ELEMENTS: Final = 1 << 13
 # Elements of out per kernel call (its index arrays are 16 bytes a row); float16 rows go
 # through a float64 scratch this size at most, converted while it is in the cache.
 _KERNEL_ELEMENTS: Final = 1 << 20
@@ -205,42 +201,27 @@ class Waves:
         # first needs it: a new spec's first rows (a decode step's few) need only their own.
         self._rotation: ComplexRows | None = None
         self._rotation_lock = threading.Lock()
-        # The bases of the next few blocks of a long range, made in one pass (a block's
-        # base alone costs as much in numpy calls as a dozen together): (first start, rows).
-        ahead_blocks = _BASES_AHEAD_ELEMENTS // max(self.count, 1)
-        self._ahead_blocks = max(1, min(_MAX_BASES_AHEAD, ahead_blocks))
-        self._ahead: tuple[int, ComplexRows] | None = None
 
     def factors(
-        self, positions: Int64Array, *, ahead: int | None = None
+        self, positions: Int64Array, *, consecutive: bool = False
     ) -> tuple[ComplexRows, Int64Array, ComplexRows, Int64Array]:
         """The two factors of each position's row, as ``kernel.rotate_into`` takes them:
         block bases and the index of each position's, rotations and each position's.
-
-        ``ahead`` (a consecutive range's positions only): how many rows after these the
-        caller will ask for next, whose block bases are made now and kept for that call.
-        """
+        ``consecutive``: the positions are a range (its blocks need no sorting)."""
         offsets = positions % self.block
         starts = positions - offsets
-        if ahead is not None:  # a range: its blocks are consecutive
+        if consecutive:
             first = int(starts[0])
             base_index = (starts - first) // self.block
-            blocks = int(base_index[-1]) + 1
-            end = first + blocks * self.block
+            distinct = first + self.block * np.arange(int(base_index[-1]) + 1, dtype=np.int64)
         else:
             distinct, base_index = np.unique(starts, return_inverse=True)
         if self._rotation is None and positions.size <= _FEW_ROTATIONS:
-            # A new spec's first rows: their bases and their rotations in one pass.
+            # A new spec's first rows: their bases and their rotations in one call.
             wanted, rotation_index = np.unique(offsets, return_inverse=True)
-            if ahead is not None:
-                distinct = first + self.block * np.arange(blocks, dtype=np.int64)
             both = self.bases(np.concatenate((distinct, wanted)))
             return both[: distinct.size], base_index, both[distinct.size :], rotation_index
-        if ahead is not None:
-            bases = self.block_bases(first, blocks, ahead + int(positions[-1]) + 1 - end)
-        else:
-            bases = self.bases(distinct)
-        return bases, base_index, self.rotation_table(), offsets
+        return self.bases(distinct), base_index, self.rotation_table(), offsets
 
     def rotation_table(self) -> ComplexRows:
         """``v(j)`` for every row ``j < block`` of a block (made once, on first use)."""
@@ -258,28 +239,11 @@ class Waves:
         _kernels().angles_into(positions.astype(np.int64, copy=False), self.hi, self.lo, out)
         return out
 
-    def block_bases(self, first: int, count: int, ahead: int) -> ComplexRows:
-        """``bases`` of the ``count`` block starts from ``first`` (aligned); ``ahead``: how
-        many rows after these blocks the caller will ask for next, whose block bases are
-        made now with these and kept for those calls (``_ahead_blocks`` at most)."""
-        kept = self._ahead
-        if kept is not None:
-            index, misaligned = divmod(first - kept[0], self.block)
-            if not misaligned and index >= 0 and index + count <= len(kept[1]):
-                return kept[1][index : index + count]
-        extra = max(0, min(self._ahead_blocks - count, ahead // self.block))
-        starts = first + self.block * np.arange(count + extra, dtype=np.int64)
-        rows = self.bases(starts)
-        if extra > 0:
-            self._ahead = (first, rows)  # one assignment: readers see old or new
-        return rows[:count]
-
     @property
     def nbytes(self) -> int:
-        """Bytes held by the frequencies, the rotation table and the bases kept ahead
-        (counted whether made yet or not: what a spec may come to hold)."""
-        rotation = self.block * self.count * 16
-        return self.hi.nbytes + self.lo.nbytes + rotation + self._ahead_blocks * self.count * 16
+        """Bytes held by the frequencies and the rotation table (counted whether made yet
+        or not: what a spec may come to hold)."""
+        return self.hi.nbytes + self.lo.nbytes + self.block * self.count * 16
 
 
 @dataclass(frozen=True, eq=False)
@@ -337,13 +301,9 @@ class Encoding:
         return self.waves.nbytes + 512
 
 
-def encode_range(
-    encoding: Encoding, start: int, stop: int, out: Rows | None = None, ahead: int = 0
-) -> Rows:
+def encode_range(encoding: Encoding, start: int, stop: int, out: Rows | None = None) -> Rows:
     """The rows of positions ``start, start + 1, ..., stop - 1``, C-contiguous: ``out``
     when given (C-contiguous, of the encoding's dtype and shape), written in place.
-    ``ahead``: rows after ``stop`` the caller will ask for next (a long range block by
-    block), for which work may be done now, cheaper in one pass than in several.
 
     Callers validate the table and the positions; this function trusts them. Each row is a
     function of (table, position) alone: the same bytes as ``encode_positions`` gives.
@@ -359,7 +319,7 @@ def encode_range(
     position_map = encoding.table.position_map
     positions = np.arange(start, stop, dtype=np.int64)
     if position_map.keeps_ranges:
-        _write_rows(encoding, positions + position_map.offset, out, ahead)
+        _write_rows(encoding, positions + position_map.offset, out, consecutive=True)
     else:
         _write_rows(encoding, position_map.apply(positions), out)
     zero_row = position_map.zero_row
@@ -398,15 +358,15 @@ def wave_rows(waves: Waves, positions: Int64Array) -> ComplexRows:
     identity = np.arange(2 * waves.count, dtype=np.int64)
     if positions.size > _FEW_ROTATIONS:
         waves.rotation_table()
-    _rotate(waves, positions, identity, 1.0, out.view(np.float64), None)
+    _rotate(waves, positions, identity, 1.0, out.view(np.float64), consecutive=False)
     return out
 
 
 def _write_rows(
-    encoding: Encoding, positions: Int64Array, out: Rows, ahead: int | None = None
+    encoding: Encoding, positions: Int64Array, out: Rows, *, consecutive: bool = False
 ) -> None:
-    """``out[r]`` = the row of wave-table position ``positions[r]`` in the table's columns;
-    ``ahead``: None unless the positions are consecutive (see ``Waves.factors``).
+    """``out[r]`` = the row of wave-table position ``positions[r]`` in the table's columns
+    (``consecutive``: the positions are a range).
 
     float32, float64 and bfloat16 rows are written by the kernels; float16 ones through
     float64 rows, converted by numpy a cache-sized part at a time.
@@ -416,17 +376,17 @@ def _write_rows(
         waves.rotation_table()  # made now, not worked around part by part below
     if out.dtype.name == "bfloat16":
         bits = out.view(np.uint16)
-        _rotate(waves, positions, columns, amplitude, bits, ahead, _kernels().rotate_into_bfloat16)
+        kernel = _kernels().rotate_into_bfloat16
+        _rotate(waves, positions, columns, amplitude, bits, consecutive, kernel)
         return
     if out.dtype != np.float16:
-        _rotate(waves, positions, columns, amplitude, out, ahead)
+        _rotate(waves, positions, columns, amplitude, out, consecutive)
         return
     step = max(1, _CONVERT_ELEMENTS // max(encoding.width, 1))
     wide = np.empty((min(step, len(out)), encoding.width))
     for first in range(0, len(out), step):
         part = positions[first : first + step]
-        after = None if ahead is None else ahead + positions.size - first - part.size
-        _rotate(waves, part, columns, amplitude, wide[: part.size], after)
+        _rotate(waves, part, columns, amplitude, wide[: part.size], consecutive)
         np.copyto(out[first : first + part.size], wide[: part.size], casting="same_kind")
 
 
@@ -436,19 +396,18 @@ def _rotate(
     columns: Int64Array,
     amplitude: float,
     out: Rows,
-    ahead: int | None,
+    consecutive: bool,
     kernel: Callable[..., None] | None = None,
 ) -> None:
     """``kernel`` (``rotate_into`` by default) over ``positions``, ``_KERNEL_ELEMENTS`` of
-    ``out`` a call (its index arrays are a few bytes a row); ``ahead`` is None unless the
-    positions are consecutive."""
+    ``out`` a call (its index arrays are a few bytes a row)."""
     rotate_into = kernel or _kernels().rotate_into
     step = max(1, _KERNEL_ELEMENTS // max(out.shape[1], 1))
     for first in range(0, positions.size, step):
         part = positions[first : first + step]
-        after = None if ahead is None else ahead + positions.size - first - part.size
         if part.size:
-            bases, base_index, rotations, rotation_index = waves.factors(part, ahead=after)
+            factors = waves.factors(part, consecutive=consecutive)
+            bases, base_index, rotations, rotation_index = factors
             target = out[first : first + part.size]
             rotate_into(bases, base_index, rotations, rotation_index, columns, amplitude, target)
 
@@ -469,9 +428,9 @@ def prepare_kernel() -> None:
     waves = Waves([Decimal(1)])
     positions, columns = np.arange(2, dtype=np.int64), np.arange(2, dtype=np.int64)
     for dtype in (np.float32, np.float64):
-        _rotate(waves, positions, columns, 1.0, np.empty((2, 2), dtype), 0)
+        _rotate(waves, positions, columns, 1.0, np.empty((2, 2), dtype), True)
     bits = np.empty((2, 2), np.uint16)
-    _rotate(waves, positions, columns, 1.0, bits, 0, _kernels().rotate_into_bfloat16)
+    _rotate(waves, positions, columns, 1.0, bits, True, _kernels().rotate_into_bfloat16)
 
 
 def _block_rows(count: int) -> int:

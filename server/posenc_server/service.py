@@ -307,12 +307,12 @@ class EncodingService:
         the chunk, else copied from the blocks it spans."""
         for first in range(selection.start, selection.stop, chunk_rows):
             last = min(first + chunk_rows, selection.stop)
-            yield self._range_chunk(spec, first, last, selection.start, selection.stop)
+            yield self._range_chunk(spec, first, last, selection.start)
 
-    def _range_chunk(self, spec: Spec, first: int, last: int, origin: int, end: int) -> Chunk:
-        """Rows ``first .. last - 1`` of the range ``origin .. end - 1``: a cached block's
+    def _range_chunk(self, spec: Spec, first: int, last: int, origin: int) -> Chunk:
+        """Rows ``first .. last - 1`` of the range starting at ``origin``: a cached block's
         rows as they are when one block holds them, else copied from the blocks."""
-        pieces = list(self._block_pieces(spec, first, last, origin, end))
+        pieces = list(self._block_pieces(spec, first, last, origin))
         if len(pieces) == 1:
             return Chunk(first - origin, pieces[0].rows)
         rows = np.empty((last - first, spec.width), dtype=spec.encoding.dtype)
@@ -349,36 +349,32 @@ class EncodingService:
                 while not may_compute:
                     may_compute = yield None
                 if whole:
-                    block = self._block(spec, first // block_rows, origin, selection.stop)
+                    block = self._block(spec, first // block_rows, origin)
                     if block.row_offset == first - origin:
                         message = block.message
                 if message is None:
-                    chunk = self._range_chunk(spec, first, last, origin, selection.stop)
+                    chunk = self._range_chunk(spec, first, last, origin)
                     message = _response(spec, chunk)
             may_compute = yield message
             first = last
 
-    def _block_pieces(
-        self, spec: Spec, start: int, stop: int, origin: int, end: int = 0
-    ) -> Iterator[Chunk]:
+    def _block_pieces(self, spec: Spec, start: int, stop: int, origin: int) -> Iterator[Chunk]:
         """Rows ``start .. stop - 1`` as views of the cached blocks that hold them (blocks
-        computed here carry row offsets from ``origin``, the start of the range asked for,
-        which ends at ``end``)."""
+        computed here carry row offsets from ``origin``, the start of the range asked for)."""
         block_rows = self.block_rows(spec)
         position = start
         while position < stop:
             index = position // block_rows
-            rows = self._block(spec, index, origin, end).rows
+            rows = self._block(spec, index, origin).rows
             block_start = index * block_rows
             piece_end = min(block_start + block_rows, stop)
             yield Chunk(position - start, rows[position - block_start : piece_end - block_start])
             position = piece_end
 
-    def _block(self, spec: Spec, index: int, origin: int = 0, stop: int = 0) -> Block:
+    def _block(self, spec: Spec, index: int, origin: int = 0) -> Block:
         """Block ``index`` of ``spec`` (``block_rows`` rows), from the cache. A block
         computed here is serialized at its row offset in a range starting at ``origin``
-        (0 when before it): the offset a stream of that range sends it at; the range ends
-        at ``stop`` (the engine prepares the next blocks' work with this one's)."""
+        (0 when before it): the offset a stream of that range sends it at."""
 
         block_rows = self.block_rows(spec)
 
@@ -392,8 +388,7 @@ class EncodingService:
 
             def fill(payload: memoryview) -> None:
                 rows = np.frombuffer(payload, dtype=dtype).reshape(shape)
-                end = start + block_rows
-                engine.encode_range(spec.encoding, start, end, out=rows, ahead=stop - end)
+                engine.encode_range(spec.encoding, start, start + block_rows, out=rows)
 
             # The engine writes the rows straight into the message: one write, no copy.
             message = build_tensor_response(
