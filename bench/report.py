@@ -8,6 +8,7 @@ import math
 from pathlib import Path
 from typing import Any
 
+from bench import memory
 from bench.common import MIB, Section, Sizes, Target
 
 
@@ -235,7 +236,8 @@ def plot(sections: list[Section], about: dict[str, Any], path: Path) -> None:
         ax.plot([t for t, _ in timeline], [k / 1024 for _, k in timeline], label="server RSS")
         budget = rss["cache_budget_bytes"] / MIB
         ax.axhline(budget, color="C2", linestyle=":", label="cache budget")
-        ax.axhline(budget + 128, color="C3", linestyle="--", label="budget + 128 MiB")
+        rule = memory.sizing_rule_bytes(rss) / MIB
+        ax.axhline(rule, color="C3", linestyle="--", label="sizing rule")
         ax.set_ylim(bottom=0)
         ax.set_xlabel("seconds")
         ax.set_ylabel("MiB")

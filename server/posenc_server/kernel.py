@@ -1,15 +1,17 @@
-"""The engine's one compiled loop: rows of a table from their block bases and rotations.
+"""The engine's compiled loops: the extended-precision angles of block bases
+(``angles_into``), and rows of a table from their bases and rotations (``rotate_into``,
+``rotate_into_bfloat16``).
 
-numba compiles it once per process (or loads it from its on-disk cache) when the engine
-first needs it, for the host CPU and without fast-math: every operation is one IEEE float64
-multiplication or addition, in the order written, never fused into an FMA or reassociated,
-so its bytes are those of the same operations in numpy, on any CPU. The whole call runs
-without the GIL.
+numba compiles them once per machine (then loads them from its on-disk cache) for the host
+CPU, without fast-math: every operation is one IEEE float64 multiplication or addition, in
+the order written, never fused into an FMA or reassociated, so their bytes are those of the
+same operations in numpy, on any CPU. Each call runs without the GIL.
 
-numpy took three passes over float64 pairs for the complex products, one more for the
-columns, and a Python step per few rows; here each row is computed once into a scratch row
-and copied to its columns, cast on the way: 3 to 4 times faster, and a stream's event loop no
-longer waits for the GIL between a worker's numpy calls.
+numpy took two dozen passes over cache-sized parts for the angles (170 ns an element; here
+7), and for the rows three passes over float64 pairs for the complex products, one more for
+the columns and a Python step per few rows; here each row is computed once into a scratch
+row and copied to its columns, cast on the way. A cold float32 table at d_model 4096 costs
+0.3-0.45 s of CPU per GiB, 1.05 s before.
 """
 
 from __future__ import annotations
