@@ -1,4 +1,4 @@
-"""Exact sinusoidal rows, in numpy and one compiled loop, for any table kind.
+"""Exact sinusoidal rows, in numpy and compiled loops (``kernel``), for any table kind.
 
 A table is built from rows ``v(p) = sin(p w) + i cos(p w)`` over its frequencies ``w``.
 Computing ``p * w`` in float64 loses the angle at large positions: at ``p = 2**42`` one
@@ -80,11 +80,11 @@ PRECISION: Final = 50
 """Digits of the frequencies: their relative error stays near 1e-45 even after the 32768
 products of the widest table, far under the 2**-97 that position 2**42 needs."""
 
-# Rows per block: 64 amortize a block's extended-precision angle (about 20 numpy passes)
-# over its rows' rotations. Narrow tables take longer blocks, so that a block holds at least
-# _BLOCK_ENTRIES entries (a rotary table of head_dim 128: 256 rows, its rotation table 256
-# KiB; at 4,096 entries its range ran 25-45% slower); wide ones shorter, so that the rotation
-# table (a complex128 per entry) stays within _ROTATION_ENTRIES (2 MiB).
+# Rows per block: 64 amortize a block's extended-precision angle (some 60 float64 operations
+# an element) over its rows' rotations (6). Narrow tables take longer blocks, so that a block
+# holds at least _BLOCK_ENTRIES entries (a rotary table of head_dim 128: 256 rows, its
+# rotation table 256 KiB); wide ones shorter, so that the rotation table (a complex128 per
+# entry) stays within _ROTATION_ENTRIES (2 MiB).
 _BLOCK_ROWS: Final = 64
 _BLOCK_ENTRIES: Final = 1 << 14
 _ROTATION_ENTRIES: Final = 1 << 17
