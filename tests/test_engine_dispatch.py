@@ -84,3 +84,13 @@ def test_bytes_do_not_depend_on_the_cpu_the_kernel_is_compiled_for() -> None:
     generic = _digests(None, NUMBA_CPU_NAME="generic")
     differing = sorted(key for key in native if native[key] != generic[key])
     assert not differing, f"bytes differ with the kernel compiled for a generic CPU: {differing}"
+
+
+@pytest.mark.slow
+def test_the_kernel_runs_where_numba_has_no_place_to_cache_it() -> None:
+    """A server installed read-only to its user, whose home is not writable either, leaves
+    numba no place for its cache (``IPythonCacheLocator`` alone finds none outside IPython):
+    the kernel is then compiled in each process, with the same bytes."""
+    native = _digests(None)
+    uncached = _digests(None, NUMBA_CACHE_LOCATOR_CLASSES="IPythonCacheLocator")
+    assert uncached == native

@@ -17,7 +17,9 @@ row and copied to its columns, cast on the way. A cold float32 table at d_model 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from decimal import Decimal
+from typing import TypeVar
 
 import numba
 import numpy as np
@@ -25,8 +27,21 @@ import numpy.typing as npt
 
 from posenc_server import engine
 
+_F = TypeVar("_F", bound=Callable[..., None])
 
-@numba.njit(nogil=True, cache=True, boundscheck=False)
+
+def _compiled(function: _F) -> _F:
+    """``function`` compiled without the GIL, and kept in numba's on-disk cache when numba
+    finds a writable place for it (beside this file, ``NUMBA_CACHE_DIR``, the user's cache
+    directory); where none is (an installation read-only to the server's user, without a
+    home), each process compiles it at start instead of failing to import."""
+    try:
+        return numba.njit(nogil=True, cache=True, boundscheck=False)(function)  # type: ignore[return-value]
+    except RuntimeError:  # "cannot cache function ...: no locator available"
+        return numba.njit(nogil=True, boundscheck=False)(function)  # type: ignore[return-value]
+
+
+@_compiled
 def rotate_into(
     bases: npt.NDArray[np.complex128],
     base_index: npt.NDArray[np.int64],
@@ -51,7 +66,7 @@ def rotate_into(
             out[r, k] = row[columns[k]]
 
 
-@numba.njit(nogil=True, cache=True, boundscheck=False)
+@_compiled
 def rotate_into_bfloat16(
     bases: npt.NDArray[np.complex128],
     base_index: npt.NDArray[np.int64],
@@ -128,7 +143,7 @@ _TWO_PI_SPLIT = (
 )
 
 
-@numba.njit(nogil=True, cache=True, boundscheck=False)
+@_compiled
 def angles_into(
     positions: npt.NDArray[np.int64],
     freq_hi: npt.NDArray[np.float64],
