@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import tracemalloc
 from typing import Any
 
 import ml_dtypes
@@ -10,7 +11,7 @@ import numpy as np
 import pytest
 from reference import LAYOUTS, SCHEDULES, classic, exact
 
-from posenc_server import engine
+from posenc_server import admission, engine
 from posenc_server.tables.rotary import Rotary, Yarn
 from posenc_server.tables.sinusoidal import Sinusoidal
 
@@ -188,3 +189,21 @@ def test_a_column_writer_that_does_more_than_copy_is_refused() -> None:
             engine.encode_range(engine.Encoding.prepare(table, "float32"), 0, 4)
     plain = engine.Encoding.prepare(Sinusoidal(d_model=5, layout="split"), "float32")
     assert plain.columns.tolist() == [0, 2, 4, 1, 3]
+
+
+@pytest.mark.parametrize("d_model", [1, 8, 4096])
+def test_a_block_is_computed_within_the_engines_working_memory(d_model: int) -> None:
+    """The service computes 1 MiB blocks, and admits each computation for at most
+    ``admission.ENGINE_WORKING_BYTES`` (4 MiB) beside its output: a narrow table's block is
+    262,144 rows, whose positions and indices, made whole, took 10 MiB."""
+    spec = classic(d_model, dtype="float32")
+    rows = (1 << 18) // d_model
+    out = np.empty((rows, d_model), dtype=np.float32)
+    engine.encode_range(spec, 0, rows, out=out)  # the spec's rotation table, made once
+    tracemalloc.start()
+    try:
+        engine.encode_range(spec, 10**9, 10**9 + rows, out=out)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak <= admission.ENGINE_WORKING_BYTES // 2, f"{peak / 2**20:.2f} MiB"

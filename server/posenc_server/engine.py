@@ -91,8 +91,11 @@ _ROTATION_ENTRIES: Final = 1 << 17
 # Up to this many distinct rows of a block are rotated by rotations made for them alone,
 # while the block's rotation table is not made yet.
 _FEW_ROTATIONS: Final = 8
-# Elements of out per kernel call (its index arrays are 16 bytes a row); float16 rows go
-# through a float64 scratch this size at most, converted while it is in the cache.
+# Rows and elements of out per kernel call: its positions and index arrays take about 40
+# bytes a row, its bases up to 8 a column (a narrow table's 1 MiB block, 262,144 rows in one
+# call, held 10 MiB of them). float16 rows go through a float64 scratch of at most
+# _CONVERT_ELEMENTS, converted while it is in the cache.
+_KERNEL_ROWS: Final = 1 << 14
 _KERNEL_ELEMENTS: Final = 1 << 20
 _CONVERT_ELEMENTS: Final = 1 << 15
 
@@ -317,11 +320,13 @@ def encode_range(encoding: Encoding, start: int, stop: int, out: Rows | None = N
     if out is None:
         out = np.empty((max(stop - start, 0), encoding.width), dtype=encoding.dtype)
     position_map = encoding.table.position_map
-    positions = np.arange(start, stop, dtype=np.int64)
-    if position_map.keeps_ranges:
-        _write_rows(encoding, positions + position_map.offset, out, consecutive=True)
-    else:
-        _write_rows(encoding, position_map.apply(positions), out)
+    for first in range(start, stop, _KERNEL_ROWS):
+        positions = np.arange(first, min(first + _KERNEL_ROWS, stop), dtype=np.int64)
+        target = out[first - start : first - start + positions.size]
+        if position_map.keeps_ranges:
+            _write_rows(encoding, positions + position_map.offset, target, consecutive=True)
+        else:
+            _write_rows(encoding, position_map.apply(positions), target)
     zero_row = position_map.zero_row
     if zero_row is not None and start <= zero_row < stop:
         out[zero_row - start] = 0
@@ -399,10 +404,10 @@ def _rotate(
     consecutive: bool,
     kernel: Callable[..., None] | None = None,
 ) -> None:
-    """``kernel`` (``rotate_into`` by default) over ``positions``, ``_KERNEL_ELEMENTS`` of
-    ``out`` a call (its index arrays are a few bytes a row)."""
+    """``kernel`` (``rotate_into`` by default) over ``positions``, ``_KERNEL_ROWS`` and
+    ``_KERNEL_ELEMENTS`` of ``out`` at most a call."""
     rotate_into = kernel or _kernels().rotate_into
-    step = max(1, _KERNEL_ELEMENTS // max(out.shape[1], 1))
+    step = max(1, min(_KERNEL_ROWS, _KERNEL_ELEMENTS // max(out.shape[1], 1)))
     for first in range(0, positions.size, step):
         part = positions[first : first + step]
         if part.size:
