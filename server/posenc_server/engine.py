@@ -37,7 +37,7 @@ from __future__ import annotations
 import functools
 import threading
 import types
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from decimal import Decimal, localcontext
 from typing import Final, Protocol, runtime_checkable
@@ -361,8 +361,6 @@ def wave_rows(waves: Waves, positions: Int64Array) -> ComplexRows:
     each a function of ``p`` alone (see ``Waves``), not scaled by the amplitude."""
     out = np.empty((positions.size, waves.count), dtype=np.complex128)
     identity = np.arange(2 * waves.count, dtype=np.int64)
-    if positions.size > _FEW_ROTATIONS:
-        waves.rotation_table()
     _rotate(waves, positions, identity, 1.0, out.view(np.float64), consecutive=False)
     return out
 
@@ -377,16 +375,15 @@ def _write_rows(
     float64 rows, converted by numpy a cache-sized part at a time.
     """
     waves, columns, amplitude = encoding.waves, encoding.columns, encoding.waves.amplitude
-    if positions.size > _FEW_ROTATIONS:
-        waves.rotation_table()  # made now, not worked around part by part below
     if out.dtype.name == "bfloat16":
         bits = out.view(np.uint16)
-        kernel = _kernels().rotate_into_bfloat16
-        _rotate(waves, positions, columns, amplitude, bits, consecutive, kernel)
+        _rotate(waves, positions, columns, amplitude, bits, consecutive, bfloat16=True)
         return
     if out.dtype != np.float16:
         _rotate(waves, positions, columns, amplitude, out, consecutive)
         return
+    if positions.size > _FEW_ROTATIONS:
+        waves.rotation_table()  # made now, not worked around part by part below
     step = max(1, _CONVERT_ELEMENTS // max(encoding.width, 1))
     wide = np.empty((min(step, len(out)), encoding.width))
     for first in range(0, len(out), step):
@@ -402,19 +399,18 @@ def _rotate(
     amplitude: float,
     out: Rows,
     consecutive: bool,
-    kernel: Callable[..., None] | None = None,
+    *,
+    bfloat16: bool = False,
 ) -> None:
-    """``kernel`` (``rotate_into`` by default) over ``positions``, ``_KERNEL_ROWS`` and
-    ``_KERNEL_ELEMENTS`` of ``out`` at most a call."""
-    rotate_into = kernel or _kernels().rotate_into
+    """``kernel.rotate_into`` over ``positions``, ``_KERNEL_ROWS`` and ``_KERNEL_ELEMENTS`` of
+    ``out`` at most a call (``bfloat16``: ``out`` holds bfloat16 bits, as uint16)."""
+    rotate_into = _kernels().rotate_into
     step = max(1, min(_KERNEL_ROWS, _KERNEL_ELEMENTS // max(out.shape[1], 1)))
     for first in range(0, positions.size, step):
         part = positions[first : first + step]
-        if part.size:
-            factors = waves.factors(part, consecutive=consecutive)
-            bases, base_index, rotations, rotation_index = factors
-            target = out[first : first + part.size]
-            rotate_into(bases, base_index, rotations, rotation_index, columns, amplitude, target)
+        factors = waves.factors(part, consecutive=consecutive)
+        target = out[first : first + part.size]
+        rotate_into(*factors, columns, amplitude, target, bfloat16)
 
 
 @functools.cache
@@ -432,10 +428,9 @@ def prepare_kernel() -> None:
     waits for a compilation."""
     waves = Waves([Decimal(1)])
     positions, columns = np.arange(2, dtype=np.int64), np.arange(2, dtype=np.int64)
-    for dtype in (np.float32, np.float64):
-        _rotate(waves, positions, columns, 1.0, np.empty((2, 2), dtype), True)
-    bits = np.empty((2, 2), np.uint16)
-    _rotate(waves, positions, columns, 1.0, bits, True, _kernels().rotate_into_bfloat16)
+    for dtype in (np.float32, np.float64, np.uint16):
+        out = np.empty((2, 2), dtype)
+        _rotate(waves, positions, columns, 1.0, out, True, bfloat16=dtype == np.uint16)
 
 
 def _block_rows(count: int) -> int:

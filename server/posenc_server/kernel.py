@@ -1,6 +1,5 @@
 """The engine's compiled loops: the extended-precision angles of block bases
-(``angles_into``), and rows of a table from their bases and rotations (``rotate_into``,
-``rotate_into_bfloat16``).
+(``angles_into``), and rows of a table from their bases and rotations (``rotate_into``).
 
 numba compiles them once per machine (then loads them from its on-disk cache) for the host
 CPU, without fast-math: every operation is one IEEE float64 multiplication or addition, in
@@ -49,55 +48,46 @@ def rotate_into(
     rotation_index: npt.NDArray[np.int64],
     columns: npt.NDArray[np.int64],
     amplitude: float,
-    out: npt.NDArray[np.floating],
+    out: npt.NDArray[np.generic],
+    bfloat16: bool,
 ) -> None:
     """``out[r]`` = the columns of ``v(b) * conj(u(j)) * amplitude``, with ``v(b)`` =
     ``bases[base_index[r]]`` and ``v(j)`` = ``rotations[rotation_index[r]]`` (rows of
-    ``sin + i cos``), for every row ``r`` of ``out`` (float32 or float64).
+    ``sin + i cos``), for every row ``r`` of ``out``: float32 or float64 values, or with
+    ``bfloat16`` the bits (uint16) of bfloat16 ones.
 
     The product's ``[sin, cos]`` pairs are ``[s C + c S, c C + s (-S)]`` for ``v(b) = s + i c``
     and ``v(j) = S + i C``; column ``k`` of ``out`` is pair value ``columns[k]`` (``2 *
     count``: zero).
     """
     row = np.zeros(2 * bases.shape[1] + 1)  # the last value stays 0: the zero columns'
-    for r in range(out.shape[0]):
-        _rotated_row(bases[base_index[r]], rotations[rotation_index[r]], amplitude, row)
-        for k in range(columns.size):
-            out[r, k] = row[columns[k]]
-
-
-@_compiled
-def rotate_into_bfloat16(
-    bases: npt.NDArray[np.complex128],
-    base_index: npt.NDArray[np.int64],
-    rotations: npt.NDArray[np.complex128],
-    rotation_index: npt.NDArray[np.int64],
-    columns: npt.NDArray[np.int64],
-    amplitude: float,
-    out: npt.NDArray[np.uint16],
-) -> None:
-    """``rotate_into`` for bfloat16 rows, given as their bits (``out``: uint16).
-
-    Each value is rounded to the nearest bfloat16, ties to even (as ml_dtypes rounds):
-    through float32 (rounded to nearest), then its bits, except where the first rounding
-    made a tie for the second (low 16 bits exactly 0x8000 from an inexact float32): there
-    the float64 value says which way.
-    """
-    row = np.zeros(2 * bases.shape[1] + 1)
     single = np.empty(1, dtype=np.float32)
     bits = single.view(np.uint32)
     for r in range(out.shape[0]):
         _rotated_row(bases[base_index[r]], rotations[rotation_index[r]], amplitude, row)
         for k in range(columns.size):
             value = row[columns[k]]
-            single[0] = value
-            pattern = bits[0]
-            if pattern & 0xFFFF == 0x8000 and float(single[0]) != value:
-                # Away from zero when the float64 value is beyond the float32 tie.
-                pattern = (pattern >> 16) + (abs(value) > abs(float(single[0])))
+            if bfloat16:
+                out[r, k] = _bfloat16_bits(value, single, bits)
             else:
-                pattern = (pattern + 0x7FFF + ((pattern >> 16) & 1)) >> 16
-            out[r, k] = pattern
+                out[r, k] = value
+
+
+@numba.njit(inline="always")
+def _bfloat16_bits(
+    value: float, single: npt.NDArray[np.float32], bits: npt.NDArray[np.uint32]
+) -> int:
+    """The bits of ``value`` rounded to the nearest bfloat16, ties to even (as ml_dtypes
+    rounds): through float32 (rounded to nearest), then its bits, except where the first
+    rounding made a tie for the second (low 16 bits exactly 0x8000 from an inexact float32):
+    there the float64 value says which way. ``single`` and ``bits``: one float32, two views.
+    """
+    single[0] = value
+    pattern = bits[0]
+    if pattern & 0xFFFF == 0x8000 and float(single[0]) != value:
+        # Away from zero when the float64 value is beyond the float32 tie.
+        return int((pattern >> 16) + (abs(value) > abs(float(single[0]))))
+    return int((pattern + 0x7FFF + ((pattern >> 16) & 1)) >> 16)
 
 
 @numba.njit(inline="always")
