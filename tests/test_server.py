@@ -87,6 +87,26 @@ def test_unary_and_stream_and_list_agree_with_the_engine(
     assert b"".join(message.chunk.data for message in streamed) == expected.tobytes()
 
 
+@pytest.mark.parametrize(
+    "dtype", [pb.DTYPE_FLOAT32, pb.DTYPE_FLOAT64, pb.DTYPE_FLOAT16, pb.DTYPE_BFLOAT16]
+)
+def test_a_long_cold_range_streams_the_engines_rows_in_every_dtype(
+    stub: posenc_pb2_grpc.PositionalEncodingServiceStub, dtype: int
+) -> None:
+    # Dozens of blocks: after the first, a lone stream computes them on the event loop.
+    wire = classic(384, dtype, base=20000.0)
+    start, stop = -(2**41) - 1234, -(2**41) + 30_000
+    streamed = stub.StreamEncoding(
+        pb.StreamEncodingRequest(spec=wire, range=pb.PositionRange(start=start, stop=stop))
+    )
+    offsets, data = [], []
+    for message in streamed:
+        offsets.append(message.chunk.row_offset)
+        data.append(message.chunk.data)
+    assert offsets == sorted(offsets) and len(offsets) > 20
+    assert b"".join(data) == engine_range(wire, start, stop).tobytes()
+
+
 def test_a_repeated_request_is_served_from_the_cache(
     stub: posenc_pb2_grpc.PositionalEncodingServiceStub,
 ) -> None:
@@ -151,6 +171,49 @@ def test_health_and_reflection_are_served(server: RunningServer) -> None:
         )
         names = {s.name for r in responses for s in r.list_services_response.service}
         assert {"posenc.v1.PositionalEncodingService", "grpc.health.v1.Health"} <= names
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_health_and_decode_calls_answer_at_once_while_a_lone_cold_stream_computes(
+    spawn_server: Callable[..., ServerProcess],
+) -> None:
+    # A lone stream computes its blocks on the event loop, one block a step: the loop's
+    # other calls wait at most a step, never the stream.
+    process = spawn_server(0)
+    spec = classic(4096)
+    with grpc.insecure_channel(process.target) as channel:
+        stub = posenc_pb2_grpc.PositionalEncodingServiceStub(channel)
+        health = health_pb2_grpc.HealthStub(channel)
+        step = pb.GetEncodingRequest(spec=spec, positions=pb.PositionList(positions=[7, 70]))
+        stub.GetEncoding(step)  # the decode step's block, cached
+        done = threading.Event()
+        rows = []
+
+        def stream() -> None:
+            try:  # 1 GiB: seconds of computing
+                request = pb.StreamEncodingRequest(spec=spec, range=pb.PositionRange(stop=65536))
+                rows.extend(message.chunk.rows for message in stub.StreamEncoding(request))
+            finally:
+                done.set()
+
+        thread = threading.Thread(target=stream)
+        thread.start()
+        latencies = []
+        while not done.is_set():
+            for call in (
+                lambda: health.Check(health_pb2.HealthCheckRequest()),
+                lambda: stub.GetEncoding(step),
+            ):
+                started = time.perf_counter()
+                call()
+                latencies.append(time.perf_counter() - started)
+            time.sleep(0.002)
+        thread.join()
+    assert sum(rows) == 65536
+    assert len(latencies) >= 50
+    print(len(latencies), np.median(latencies), sorted(latencies)[-5:])
+    assert max(latencies) < 0.25, f"slowest call {max(latencies) * 1e3:.0f} ms"
 
 
 @pytest.mark.slow

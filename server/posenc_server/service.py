@@ -186,6 +186,11 @@ class EncodingService:
             self._draining = True
 
     @property
+    def streams(self) -> int:
+        """Streams in flight (admitted, not yet finished)."""
+        return self._streams
+
+    @property
     def draining(self) -> bool:
         """Whether new encoding calls are refused (a drain began)."""
         return self._draining
