@@ -61,32 +61,27 @@ def rotate_into(
     count``: zero).
     """
     row = np.zeros(2 * bases.shape[1] + 1)  # the last value stays 0: the zero columns'
-    single = np.empty(1, dtype=np.float32)
-    bits = single.view(np.uint32)
     for r in range(out.shape[0]):
         _rotated_row(bases[base_index[r]], rotations[rotation_index[r]], amplitude, row)
         for k in range(columns.size):
             value = row[columns[k]]
             if bfloat16:
-                out[r, k] = _bfloat16_bits(value, single, bits)
+                out[r, k] = _bfloat16_bits(value)
             else:
                 out[r, k] = value
 
 
 @numba.njit(inline="always")
-def _bfloat16_bits(
-    value: float, single: npt.NDArray[np.float32], bits: npt.NDArray[np.uint32]
-) -> int:
+def _bfloat16_bits(value: float) -> int:
     """The bits of ``value`` rounded to the nearest bfloat16, ties to even (as ml_dtypes
     rounds): through float32 (rounded to nearest), then its bits, except where the first
     rounding made a tie for the second (low 16 bits exactly 0x8000 from an inexact float32):
-    there the float64 value says which way. ``single`` and ``bits``: one float32, two views.
-    """
-    single[0] = value
-    pattern = bits[0]
-    if pattern & 0xFFFF == 0x8000 and float(single[0]) != value:
+    there the float64 value says which way."""
+    single = np.float32(value)
+    pattern = single.view(np.uint32)
+    if pattern & 0xFFFF == 0x8000 and float(single) != value:
         # Away from zero when the float64 value is beyond the float32 tie.
-        return int((pattern >> 16) + (abs(value) > abs(float(single[0]))))
+        return int((pattern >> 16) + (abs(value) > abs(float(single))))
     return int((pattern + 0x7FFF + ((pattern >> 16) & 1)) >> 16)
 
 
