@@ -10,7 +10,7 @@ numpy took two dozen passes over cache-sized parts for the angles (170 ns an ele
 7), and for the rows three passes over float64 pairs for the complex products, one more for
 the columns and a Python step per few rows; here each row is computed once into a scratch
 row and copied to its columns, cast on the way. A cold float32 table at d_model 4096 costs
-0.3-0.45 s of CPU per GiB, 1.05 s before.
+0.15-0.25 s of CPU per GiB, 1.05 s before.
 """
 
 from __future__ import annotations
@@ -61,8 +61,17 @@ def rotate_into(
     count``: zero).
     """
     row = np.zeros(2 * bases.shape[1] + 1)  # the last value stays 0: the zero columns'
+    # Where each column copies the row's value of its own index (the interleaved
+    # sinusoidal layout), the copy is a straight pass that the compiler vectorizes.
+    straight = not bfloat16
+    for k in range(columns.size):
+        straight = straight and columns[k] == k
     for r in range(out.shape[0]):
         _rotated_row(bases[base_index[r]], rotations[rotation_index[r]], amplitude, row)
+        if straight:
+            for k in range(columns.size):
+                out[r, k] = row[k]
+            continue
         for k in range(columns.size):
             value = row[columns[k]]
             if bfloat16:
