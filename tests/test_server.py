@@ -180,7 +180,8 @@ def test_calls_answer_at_once_while_a_cold_stream_computes(
     spawn_server: Callable[..., ServerProcess], with_decode_steps: bool
 ) -> None:
     # Health checks alone leave a lone stream computing its blocks on the event loop, a
-    # block a step: they wait at most a step. Decode steps send its steps to the pool.
+    # block a step: each of their turns on the loop waits for a step at most, never for
+    # the stream. Decode steps send the stream's steps to the pool.
     process = spawn_server(0)
     spec = classic(4096)
     with grpc.insecure_channel(process.target) as channel:
