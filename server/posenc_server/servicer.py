@@ -60,8 +60,8 @@ T = TypeVar("T")
 _INLINE_REQUEST_BYTES = 4096
 _INLINE_RESULT_BYTES = 1 << 20
 # A range's stream step may run on the event loop while each takes at most this much CPU
-# (see _computes_here): a block of float32 or float64 rows takes 0.3-0.8 ms there, of
-# bfloat16 0.5-1, of float16 1-2; on the pool often twice that.
+# (see _computes_here): a block takes at most a few milliseconds in any dtype (float16,
+# the slowest, 1-2), and often twice as long measured on the pool.
 _INLINE_STEP_SECONDS = 0.005
 _QUIET_SECONDS = 0.1
 _GET_ENCODING = convert.tolerant_parser(pb.GetEncodingRequest)
@@ -113,13 +113,13 @@ class PositionalEncodingServicer:
         metadata naming this process (a client spreads a large range's parts by it)."""
         await context.send_initial_metadata(self._server_id_metadata)
         async with self._admitted(context, 0) as (reservation, raw):
+            started = self._last_call  # this call's, before any other can come (no await)
             # A known spec's small request is parsed here: a warm stream then needs no
             # worker at all, however busy they are.
             query = self._small_query(_STREAM_ENCODING, raw)
             request = None if query is None else self._specs.known(query)
             if request is None:
                 request = await self._run(self._resolve, _STREAM_ENCODING, raw, query)
-            started = self._last_call
             chunk_bytes = request.max_chunk_bytes or self._config.max_chunk_bytes
             await reservation.grow(_response_cost(request, chunk_bytes))
             loop = asyncio.get_running_loop()
@@ -229,12 +229,10 @@ class PositionalEncodingServicer:
         itself: no other stream in flight, no other call for ``_QUIET_SECONDS``.
 
         Computing on the pool costs a cold stream more than the computing itself: the trip
-        there and back, and rows written on one core then sent from another (1.2-1.5 s of
-        server CPU per cold float32 GiB, against 1.0-1.1 s computed here, where the stream
-        ran 1.2-1.4x faster). But a call that comes meanwhile waits for a step at each of
-        its turns on the loop (twice the latency of a decode step beside a cold stream): so
-        other calls send the stream's steps back to the pool, whose threads also compute
-        several streams on several cores.
+        there and back, and rows written on one core then sent from another. But a call
+        that comes meanwhile waits for a step at each of its turns on the loop: so other
+        calls send the stream's steps back to the pool, whose threads also compute several
+        streams on several cores.
         """
         last_call = self._last_call
         return (
