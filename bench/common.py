@@ -39,6 +39,7 @@ class Sizes:
     e2e_repeats: int = 12  # in all, e2e_runs runs of equal size
     # c. latency
     latency_rounds: int = 1000
+    latency_runs: int = 3  # the measured rounds: latency_runs consecutive runs of equal size
     latency_warmup: int = 100
     latency_cpu_calls: int = 1000
     # d. concurrency

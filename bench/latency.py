@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 
 import posenc
-from bench.common import Section, Sizes, Table, Target, cpu_seconds, median, percentile, ratio
+from bench.common import Section, Sizes, Table, cpu_seconds, median, percentile, ratio, runs_target
 from bench.floor import FloorClient
 from posenc._rows import LEAD_STEPS
 
@@ -39,6 +39,9 @@ def run(
 ) -> Section:
     one_bytes = D_MODEL * 4
     batch_bytes = BATCH * D_MODEL * 4
+    runs = sizes.latency_runs
+    per_run = max(1, sizes.latency_rounds // runs)
+    measured = runs * per_run
     section = Section(
         "c",
         "Decode-step latency",
@@ -65,7 +68,10 @@ def run(
             f"empty (b'' -> b''), and pre-built payloads of the results' sizes ({one_bytes // 1024}"
             f" KiB, {batch_bytes // 1024} KiB) copied into a numpy array. One call of each kind "
             f"per round, in a random order each round; {sizes.latency_warmup} warm-up rounds, then "
-            f"{sizes.latency_rounds} measured rounds. Client in the harness process. CPU per "
+            f"{measured} measured rounds. In each phase the measured rounds form {runs} "
+            f"consecutive runs of {per_run} rounds each: the table gives figures over all "
+            "measured rounds, the targets the median run (min - max of the runs), each run's "
+            "ratio one of its own p50s or p99s. Client in the harness process. CPU per "
             "call: user + system CPU of the server's processes and of the harness process "
             f"(all its threads) over {sizes.latency_cpu_calls} further calls of each kind, run "
             "one kind after the other."
@@ -125,7 +131,7 @@ def run(
             # A fresh random order each round: no kind always follows the same other kind
             # (a call right after a heavy one finds the CPUs and caches busier).
             rng = np.random.default_rng(3)
-            total = sizes.latency_warmup + sizes.latency_rounds
+            total = sizes.latency_warmup + measured
             for round_index in range(total):
                 step[0] = round_index
                 for kind in rng.permutation(kinds).tolist():
@@ -210,7 +216,7 @@ def run(
         )
     section.tables.append(
         Table(
-            f"d_model {D_MODEL}, float32, {sizes.latency_rounds} calls each",
+            f"d_model {D_MODEL}, float32, {measured} calls each",
             [
                 "call",
                 "p50 us",
@@ -226,76 +232,115 @@ def run(
         )
     )
 
-    def info(name: str, value: float) -> Target:
-        return Target(name, value, "", 0.0)
+    # The samples of each kind in round order: run i is the same slice of every kind's.
+    parts = [slice(index * per_run, (index + 1) * per_run) for index in range(runs)]
 
-    section.targets += [
-        Target(
+    def stat(values: list[float], q: int) -> float:
+        return median(values) if q == 50 else percentile(values, q)
+
+    def per_run_ratio(kind: str, reference: str, q: int = 50, reference_q: int = 50) -> list[float]:
+        """Each run's p``q`` of ``kind`` over its p``reference_q`` of ``reference``."""
+        return [
+            ratio(stat(samples[kind][part], q), stat(samples[reference][part], reference_q))
+            for part in parts
+        ]
+
+    measured_targets: list[tuple[str, list[float], str, float]] = [
+        (
             f"p50 get_positions(1) / p50 empty unary (decode loop, {MODEL_SECONDS * 1e3:.0f} ms "
             "model)",
-            ratio(p50[kinds[0]], empty),
+            per_run_ratio(kinds[0], "empty unary"),
             "<=",
             1.3,
         ),
-        Target(
+        (
             f"p50 get_positions({BATCH}) / p50 empty unary (decode loop, "
             f"{MODEL_SECONDS * 1e3:.0f} ms model)",
-            ratio(p50[kinds[1]], empty),
+            per_run_ratio(kinds[1], "empty unary"),
             "<=",
             1.6,
         ),
-        Target(
+        (
             f"p50 get_positions({BATCH}) / p50 empty unary beside it (decode loop, model not "
             "waiting for read-ahead)",
-            ratio(p50[free_running[1]], p50[beside[1]]),
+            per_run_ratio(free_running[1], beside[1]),
             "<=",
             1.0,
         ),
-        Target(
+        (
             f"p99 get_positions({BATCH}) / p99 empty unary beside it (model not waiting)",
-            ratio(p99[free_running[1]], p99[beside[1]]),
+            per_run_ratio(free_running[1], beside[1], 99, 99),
             "<=",
             2.0,
         ),
-        Target(
+        (
             "p99 get_positions(1) / p99 empty unary beside it (model not waiting)",
-            ratio(p99[free_running[0]], p99[beside[0]]),
+            per_run_ratio(free_running[0], beside[0], 99, 99),
             "<=",
             1.0,
         ),
-        info(
+        (
             f"p99 get_positions({BATCH}) / p50 empty unary beside it (model not waiting)",
-            ratio(p99[free_running[1]], p50[beside[1]]),
+            per_run_ratio(free_running[1], beside[1], 99, 50),
+            "",
+            0.0,
         ),
-        info(
+        (
             "p99 get_positions(1) / p50 empty unary beside it (model not waiting)",
-            ratio(p99[free_running[0]], p50[beside[0]]),
+            per_run_ratio(free_running[0], beside[0], 99, 50),
+            "",
+            0.0,
         ),
-        info("p99 get_positions(1) / p99 empty unary", ratio(p99[kinds[0]], p99["empty unary"])),
-        info(
+        (
+            "p99 get_positions(1) / p99 empty unary",
+            per_run_ratio(kinds[0], "empty unary", 99, 99),
+            "",
+            0.0,
+        ),
+        (
             f"p99 get_positions({BATCH}) / p99 empty unary",
-            ratio(p99[kinds[1]], p99["empty unary"]),
+            per_run_ratio(kinds[1], "empty unary", 99, 99),
+            "",
+            0.0,
         ),
-        info(
+        (
             "p50 get_positions(1), back to back / p50 empty unary",
-            ratio(p50[back_to_back[0]], empty),
+            per_run_ratio(back_to_back[0], "empty unary"),
+            "",
+            0.0,
         ),
-        info(
+        (
             f"p50 get_positions({BATCH}), back to back / p50 empty unary",
-            ratio(p50[back_to_back[1]], empty),
+            per_run_ratio(back_to_back[1], "empty unary"),
+            "",
+            0.0,
         ),
-        info("p50 get_positions(1), row cache off / p50 empty unary", ratio(p50[kinds[2]], empty)),
-        info(
+        (
+            "p50 get_positions(1), row cache off / p50 empty unary",
+            per_run_ratio(kinds[2], "empty unary"),
+            "",
+            0.0,
+        ),
+        (
             f"p50 get_positions({BATCH}), row cache off / p50 empty unary",
-            ratio(p50[kinds[3]], empty),
+            per_run_ratio(kinds[3], "empty unary"),
+            "",
+            0.0,
         ),
-        info(
+        (
             "p50 unary 1 MiB (the bytes of one 64-position step, no work) / p50 empty unary",
-            ratio(p50["unary 1 MiB"], empty),
+            per_run_ratio("unary 1 MiB", "empty unary"),
+            "",
+            0.0,
         ),
+    ]
+    section.targets += [
+        runs_target(name, values, op, threshold) for name, values, op, threshold in measured_targets
     ]
     section.data = {
         "calls": {kind: len(v) for kind, v in samples.items()},
+        "runs": {name: values for name, values, _, _ in measured_targets},
+        "rounds_per_run": per_run,
         "p50_s": p50,
         "p90_s": {kind: percentile(v, 90) for kind, v in samples.items()},
         "p99_s": p99,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -12,7 +13,7 @@ import numpy as np
 
 import posenc
 from bench import procs
-from bench.common import MIB, Section, Sizes, Table, Target, cpu_seconds, median, ratio
+from bench.common import MIB, Section, Sizes, Table, cpu_seconds, median, ratio, runs_target
 
 D_MODEL = 1024
 # 256 rows of 1024 float32 columns: 1 MiB, one unary call, one block computed per call.
@@ -56,6 +57,23 @@ def _scattered_call(client: posenc.Client, index: int) -> int:
     return SCATTERED_ROWS
 
 
+def _workers(server: procs.ServerProcess) -> list[int]:
+    """The worker processes of a server started with ``--processes`` > 1: the children of
+    its supervisor (the process the harness started), which serves no calls itself."""
+    children: list[int] = []
+    try:
+        tasks = os.listdir(f"/proc/{server.pid}/task")
+    except (FileNotFoundError, ProcessLookupError):
+        return children
+    for task in tasks:
+        try:
+            with open(f"/proc/{server.pid}/task/{task}/children") as listed:
+                children.extend(int(child) for child in listed.read().split())
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+    return sorted(set(children))
+
+
 def _throughput(
     client: posenc.Client,
     workload: Workload,
@@ -83,6 +101,7 @@ def _throughput(
 
 def run(sizes: Sizes) -> Section:
     window = WINDOW[sizes.quick]
+    cores = len(os.sched_getaffinity(0))
     section = Section(
         "p",
         "One client, several server processes",
@@ -97,10 +116,21 @@ def run(sizes: Sizes) -> Section:
             "one per server process the client's connections reach). Against a server of 1 "
             "process and one of 2 (`--processes`), each started for this section: the client "
             "with its default connections, and with `connections=1` (one HTTP/2 connection, "
-            f"so one server process). {window:g} s per measurement, the kinds interleaved, "
-            f"{sizes.repeats} repetitions; medians. Server CPU = CPU seconds of the "
-            "server's processes per second. The client runs in the harness process, on "
-            "the same machine (2 cores here, shared with the servers)."
+            f"so one server process). {window:g} s per measurement, the kinds interleaved "
+            f"(order rotated), in {sizes.repeats} repetitions: the repetitions are the runs. "
+            "The table gives the median (min, max) over the repetitions; the targets the "
+            "median repetition (min - max of the repetitions), each repetition's ratio one of "
+            "its own measurements. Server CPU = CPU seconds of the server's processes (a "
+            "2-process server's supervisor included) per second; client CPU = CPU seconds of "
+            "the harness process (all its threads: the client's) per second. The client runs "
+            f"in the harness process, on the same machine ({cores} usable cores, shared with "
+            "the servers). Cores busy with 1 process = (server CPU + client CPU) of the "
+            f"1-process measurement / the {cores} usable cores (`os.sched_getaffinity`): "
+            "near 1 (or above), a second server process finds little CPU left to use. The "
+            "less busy process's share = the CPU seconds of the 2-process server's less busy "
+            "worker process over both workers' (/proc/PID/stat of each; the supervisor not "
+            "counted), default connections: 0.5 when one client's calls reach both "
+            "processes evenly, 0 when they reach one."
         ),
     )
     servers = {n: procs.start_posenc(["--processes", str(n)]) for n in (1, 2)}
@@ -116,6 +146,12 @@ def run(sizes: Sizes) -> Section:
     }
     samples: dict[tuple[str, str], list[float]] = {(w, k): [] for w in workloads for k in kinds}
     server_cpu: dict[tuple[str, str], list[float]] = {key: [] for key in samples}
+    client_cpu: dict[tuple[str, str], list[float]] = {key: [] for key in samples}
+    # 2-process kinds: each worker's CPU seconds per second, and the smaller worker's share.
+    worker_cpu: dict[tuple[str, str], list[list[float]]] = {
+        key: [] for key in samples if kinds[key[1]][0] == 2
+    }
+    worker_share: dict[tuple[str, str], list[float]] = {key: [] for key in worker_cpu}
     starts = itertools.count(FIRST_START // ROWS)
     try:
         for server in servers.values():
@@ -134,12 +170,31 @@ def run(sizes: Sizes) -> Section:
                 order = order[repeat % len(order) :] + order[: repeat % len(order)]
                 for workload, work in workloads.items():
                     for kind in order:
-                        pids = servers[kinds[kind][0]].pids
-                        before, t0 = cpu_seconds(pids()), time.monotonic()
+                        server = servers[kinds[kind][0]]
+                        workers = _workers(server) if (workload, kind) in worker_cpu else []
+                        before = cpu_seconds(server.pids())
+                        workers_before = [cpu_seconds([pid]) for pid in workers]
+                        client_before, t0 = time.process_time(), time.monotonic()
                         rate = _throughput(clients[kind], work, starts, window)
-                        used = cpu_seconds(pids()) - before
+                        client_used = time.process_time() - client_before
+                        used = cpu_seconds(server.pids()) - before
+                        workers_used = [
+                            cpu_seconds([pid]) - start
+                            for pid, start in zip(workers, workers_before, strict=True)
+                        ]
+                        elapsed = time.monotonic() - t0
                         samples[workload, kind].append(rate)
-                        server_cpu[workload, kind].append(used / (time.monotonic() - t0))
+                        server_cpu[workload, kind].append(used / elapsed)
+                        client_cpu[workload, kind].append(client_used / elapsed)
+                        if (workload, kind) in worker_cpu:
+                            worker_cpu[workload, kind].append([u / elapsed for u in workers_used])
+                            # Two workers, the same before and after: else no share is known.
+                            same = len(workers) == 2 and _workers(server) == workers
+                            worker_share[workload, kind].append(
+                                ratio(min(workers_used), sum(workers_used))
+                                if same
+                                else float("nan")
+                            )
         finally:
             for client in clients.values():
                 client.close()
@@ -151,7 +206,7 @@ def run(sizes: Sizes) -> Section:
         Table(
             f"cold calls, one client ({THREADS} threads; large ranges: 1), ranges: MiB/s, "
             "scattered: rows/s",
-            ["calls", "server", "median", "min", "max", "server CPU"],
+            ["calls", "server", "median", "min", "max", "server CPU", "client CPU"],
             [
                 [
                     workload,
@@ -160,33 +215,75 @@ def run(sizes: Sizes) -> Section:
                     f"{_shown(workload, min(samples[workload, kind])):.0f}",
                     f"{_shown(workload, max(samples[workload, kind])):.0f}",
                     f"{median(server_cpu[workload, kind]):.2f}",
+                    f"{median(client_cpu[workload, kind]):.2f}",
                 ]
                 for workload in workloads
                 for kind in kinds
             ],
         )
     )
+
+    def per_repetition(workload: str, kind: str) -> list[float]:
+        """Each repetition's throughput of ``kind`` over that of 1 process."""
+        return [
+            ratio(rate, one)
+            for rate, one in zip(
+                samples[workload, kind], samples[workload, "1 process"], strict=True
+            )
+        ]
+
+    measured_targets: list[tuple[str, list[float], str, float, str]] = []
     for workload in workloads:
-        section.targets += [
-            Target(
+        busy = [
+            (server_s + client_s) / cores
+            for server_s, client_s in zip(
+                server_cpu[workload, "1 process"], client_cpu[workload, "1 process"], strict=True
+            )
+        ]
+        measured_targets += [
+            (
                 f"one client's cold throughput ({workload}), 2 server processes / 1",
-                ratio(medians[workload, "2 processes"], medians[workload, "1 process"]),
+                per_repetition(workload, "2 processes"),
                 ">=",
                 1.3,
+                "x",
             ),
-            Target(
+            (
                 f"the same with connections=1 ({workload}), 2 server processes / 1",
-                ratio(
-                    medians[workload, "2 processes, connections=1"],
-                    medians[workload, "1 process"],
-                ),
+                per_repetition(workload, "2 processes, connections=1"),
                 "",
                 0.0,
+                "x",
+            ),
+            (
+                f"cores busy with 1 server process ({workload}): (server + client CPU seconds "
+                f"per second) / {cores} usable cores",
+                busy,
+                "",
+                0.0,
+                "",
+            ),
+            (
+                f"2 server processes ({workload}): the less busy process's share of their CPU "
+                "(0.5 = even)",
+                worker_share[workload, "2 processes"],
+                "",
+                0.0,
+                "",
             ),
         ]
+    section.targets += [
+        runs_target(name, values, op, threshold, unit)
+        for name, values, op, threshold, unit in measured_targets
+    ]
     section.data = {
         "rows_per_s": {f"{w}, {kind}": v for (w, kind), v in samples.items()},
         "server_cpu_per_s": {f"{w}, {kind}": v for (w, kind), v in server_cpu.items()},
+        "client_cpu_per_s": {f"{w}, {kind}": v for (w, kind), v in client_cpu.items()},
+        "worker_cpu_per_s": {f"{w}, {kind}": v for (w, kind), v in worker_cpu.items()},
+        "smaller_worker_share": {f"{w}, {kind}": v for (w, kind), v in worker_share.items()},
+        "usable_cores": cores,
+        "runs": {name: values for name, values, *_ in measured_targets},
         "threads": THREADS,
         "window_s": window,
     }
