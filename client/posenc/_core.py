@@ -297,6 +297,8 @@ class Core:
         self.rows = rows
         self.widths = Widths()
         self.servers = Servers(settings.connections)
+        # Whether a call that keeps to a connection has had the connections surveyed (once).
+        self._surveyed = settings.connections == 1
         self._new_token = new_token
         self._contact = Contact(settings.target)
         # Set by the clients' close(); every call starts at budget(), so one check refuses all.
@@ -524,8 +526,15 @@ class Core:
             size = query.rows * query.dtype.itemsize
         if query.rows <= 0 or size <= unary_max:
             try:
+                affinity = _affinity(query)
+                if affinity is not None and not self._surveyed:
+                    # Calls that keep to a connection take turns over the processes only
+                    # once the client knows which process each connection reaches (see
+                    # Servers.keep); unary responses do not say: learn it now, once.
+                    self._surveyed = True
+                    yield from self._survey(query, budget)
                 request = query.unary_request()
-                tensor = yield from self._call("get_encoding", request, budget, _affinity(query))
+                tensor = yield from self._call("get_encoding", request, budget, affinity)
                 rows = decode_unary(tensor, query)
                 self.widths.learn(query.spec_key, rows.shape[1])
                 return rows
