@@ -61,17 +61,16 @@ def rotate_into(
     count``: zero).
     """
     row = np.zeros(2 * bases.shape[1] + 1)  # the last value stays 0: the zero columns'
-    # Where each column copies the row's value of its own index (the interleaved
-    # sinusoidal layout), the copy is a straight pass that the compiler vectorizes.
+    # Where each column is the row's value of its own index (the interleaved sinusoidal
+    # layout), the values go straight to their columns, with no pass through ``row``.
     straight = not bfloat16
     for k in range(columns.size):
         straight = straight and columns[k] == k
     for r in range(out.shape[0]):
-        _rotated_row(bases[base_index[r]], rotations[rotation_index[r]], amplitude, row)
         if straight:
-            for k in range(columns.size):
-                out[r, k] = row[k]
+            _rotated_columns(bases[base_index[r]], rotations[rotation_index[r]], amplitude, out[r])
             continue
+        _rotated_row(bases[base_index[r]], rotations[rotation_index[r]], amplitude, row)
         for k in range(columns.size):
             value = row[columns[k]]
             if bfloat16:
@@ -109,6 +108,38 @@ def _rotated_row(
         rotate_cos = rotation[i].imag
         row[2 * i] = (s * rotate_cos + c * rotate_sin) * amplitude
         row[2 * i + 1] = (c * rotate_cos + s * -rotate_sin) * amplitude
+
+
+@numba.njit(inline="always")
+def _rotated_columns(
+    base: npt.NDArray[np.complex128],
+    rotation: npt.NDArray[np.complex128],
+    amplitude: float,
+    out: npt.NDArray[np.generic],
+) -> None:
+    """``out[k]`` = value ``k`` of ``_rotated_row``'s row, for every column ``k`` of ``out``
+    (the same float64 value, cast as it is stored), without the row in between."""
+    pairs = min(base.size, out.size // 2)
+    for i in range(pairs):
+        s = base[i].real
+        c = base[i].imag
+        rotate_sin = rotation[i].real
+        rotate_cos = rotation[i].imag
+        out[2 * i] = (s * rotate_cos + c * rotate_sin) * amplitude
+        out[2 * i + 1] = (c * rotate_cos + s * -rotate_sin) * amplitude
+    for k in range(2 * pairs, out.size):  # an odd width's last sin, or the zero column
+        i = k // 2
+        if i >= base.size:
+            out[k] = 0.0
+            continue
+        s = base[i].real
+        c = base[i].imag
+        rotate_sin = rotation[i].real
+        rotate_cos = rotation[i].imag
+        if k % 2 == 0:
+            out[k] = (s * rotate_cos + c * rotate_sin) * amplitude
+        else:
+            out[k] = (c * rotate_cos + s * -rotate_sin) * amplitude
 
 
 # The constants of the extended-precision angle (engine: TWO_PI, the Taylor coefficients).
