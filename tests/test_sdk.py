@@ -29,11 +29,12 @@ from google.rpc import error_details_pb2, status_pb2
 from prometheus_client import REGISTRY
 
 import posenc
-from posenc._channel import channel_options
+from posenc._channel import Servers, channel_options
 from posenc._retry import map_rpc_error
 from posenc.errors import error_class_for_code
 from posenc.v1 import posenc_pb2 as pb
 from posenc.v1 import posenc_pb2_grpc as pb_grpc
+from posenc.wire import SERVER_ID_METADATA
 from posenc_server.app import RunningServer
 
 
@@ -601,6 +602,30 @@ def test_a_large_range_is_computed_by_every_server_process(
         whole = one.get_range(10**9, 10**9 + rows, table)
     assert spread.shape == (rows, 512)  # cos and sin
     assert same_bits(spread, whole)
+
+
+@pytest.mark.parametrize("reached", [(7, 1), (4, 4), (2, 3, 3)])
+def test_new_affinities_take_the_processes_in_turn_however_the_connections_fell(
+    reached: tuple[int, ...],
+) -> None:
+    """The kernel gives connections to processes at random (7 of 8 on one happens): new
+    decode loops (affinities) still take the processes in turn, each process's
+    connections in turn, and an affinity keeps its connection."""
+    servers = Servers(sum(reached))
+    channel = 0
+    for process, count in enumerate(reached):
+        for _ in range(count):
+            servers.learn(channel, [(SERVER_ID_METADATA, f"process-{process}")])
+            channel += 1
+    owner = [process for process, count in enumerate(reached) for _ in range(count)]
+    kept = [servers.keep(affinity) for affinity in range(6 * len(reached))]
+    per_process = [sum(owner[c] == p for c in kept) for p in range(len(reached))]
+    assert per_process == [6] * len(reached)
+    # Within a process, its connections in turn: as many distinct as it has, up to 6.
+    for process, count in enumerate(reached):
+        used = {c for c in kept if owner[c] == process}
+        assert len(used) == min(count, 6)
+    assert [servers.keep(affinity) for affinity in range(6 * len(reached))] == kept
 
 
 @pytest.mark.slow  # starts a server of two processes

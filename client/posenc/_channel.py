@@ -343,22 +343,25 @@ class Servers:
 
     def keep(self, affinity: int) -> int:
         """The channel that calls of ``affinity`` keep to. Once every channel's process is
-        known, each new affinity takes the next channel in an order that alternates between
-        the processes, so that the decode loops of a few threads spread over them evenly
-        (each keeping to its own process, whose cache holds its blocks); until then,
-        ``affinity`` picks one (a partly known map would crowd them on the known ones)."""
+        known, new affinities take the processes in turn (and each process's channels in
+        turn), however unevenly the connections fell on them, so that the decode loops of a
+        few threads spread over the processes evenly (each keeping to its own process, whose
+        cache holds its blocks); until then, ``affinity`` picks one (a partly known map
+        would crowd them on the known ones)."""
         channel = self._kept.get(affinity)  # a decode step's path: no lock to find it
         if channel is not None:
             return channel
         if None in self._of:
             return affinity % len(self._of)
-        groups = self._groups().values()
-        order = [c for turn in itertools.zip_longest(*groups) for c in turn if c is not None]
-        order = order or list(range(len(self._of)))
+        groups = list(self._groups().values()) or [list(range(len(self._of)))]
         with self._lock:
-            channel = self._kept.setdefault(affinity, order[next(self._turns) % len(order)])
-            if len(self._kept) > self.MAX_KEPT:
-                del self._kept[next(iter(self._kept))]  # the first kept
+            channel = self._kept.get(affinity)
+            if channel is None:
+                turn = next(self._turns)
+                group = groups[turn % len(groups)]
+                channel = self._kept[affinity] = group[turn // len(groups) % len(group)]
+                if len(self._kept) > self.MAX_KEPT:
+                    del self._kept[next(iter(self._kept))]  # the first kept
         return channel
 
     def channel(self, part: int) -> int:
