@@ -35,10 +35,13 @@ class CacheStats:
 
 
 class _Pending(Generic[Block]):
-    """A computation in progress that other threads asking for the same key wait on."""
+    """A computation in progress that other threads asking for the same key wait on: its
+    ``running`` lock is held until it is over (a lock, not an Event: one is made for every
+    block computed, and an Event is several Python objects)."""
 
     def __init__(self) -> None:
-        self.done = threading.Event()
+        self.running = threading.Lock()
+        self.running.acquire()
         self.value: Block | None = None
         self.error: BaseException | None = None
 
@@ -99,9 +102,11 @@ class BlockCache(Generic[Key, Block]):
             pending = self._pending.get(key)
             owner = pending is None
             if pending is None:
-                pending = self._pending[key] = _Pending[Block]()
+                # Not _Pending[Block](): a subscript at run time costs a typing cache lookup.
+                pending = self._pending[key] = _Pending()
         if not owner:
-            pending.done.wait()
+            with pending.running:  # until the computation is over
+                pass
             if pending.error is not None:
                 raise pending.error
             assert pending.value is not None
@@ -117,7 +122,7 @@ class BlockCache(Generic[Key, Block]):
                 del self._pending[key]
                 if pending.value is not None:
                     self._store(key, pending.value)
-            pending.done.set()
+            pending.running.release()
         return block
 
     def _hit(self, key: Key) -> Block | None:
