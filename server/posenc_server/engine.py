@@ -220,12 +220,17 @@ class Waves:
             distinct = first + self.block * np.arange(int(base_index[-1]) + 1, dtype=np.int64)
         else:
             distinct, base_index = np.unique(starts, return_inverse=True)
-        if self._rotation is None and positions.size <= _FEW_ROTATIONS:
+        if not self.rotates(positions.size):
             # A new spec's first rows: their bases and their rotations in one call.
             wanted, rotation_index = np.unique(offsets, return_inverse=True)
             both = self.bases(np.concatenate((distinct, wanted)))
             return both[: distinct.size], base_index, both[distinct.size :], rotation_index
         return self.bases(distinct), base_index, self.rotation_table(), offsets
+
+    def rotates(self, rows: int) -> bool:
+        """Whether ``rows`` rows are rotated by the rotation table (made now if not yet),
+        rather than by rotations made for them alone (see ``factors``)."""
+        return self._rotation is not None or rows > _FEW_ROTATIONS
 
     def rotation_table(self) -> ComplexRows:
         """``v(j)`` for every row ``j < block`` of a block (made once, on first use)."""
@@ -407,13 +412,20 @@ def _rotate(
 ) -> None:
     """``kernel.rotate_into`` over ``positions``, ``_KERNEL_ROWS`` and ``_KERNEL_ELEMENTS`` of
     ``out`` at most a call (``bfloat16``: ``out`` holds bfloat16 bits, as uint16)."""
-    rotate_into = _kernels().rotate_into
+    kernels = _kernels()
     step = max(1, min(_KERNEL_ROWS, _KERNEL_ELEMENTS // max(out.shape[1], 1)))
     for first in range(0, positions.size, step):
         part = positions[first : first + step]
-        factors = waves.factors(part, consecutive=consecutive)
         target = out[first : first + part.size]
-        rotate_into(*factors, columns, amplitude, target, bfloat16)
+        if consecutive and waves.rotates(part.size):
+            # A range: one kernel call makes its blocks' bases too (the same bytes).
+            rotations = waves.rotation_table()
+            kernels.range_into(
+                int(part[0]), waves.hi, waves.lo, rotations, columns, amplitude, target, bfloat16
+            )
+            continue
+        factors = waves.factors(part, consecutive=consecutive)
+        kernels.rotate_into(*factors, columns, amplitude, target, bfloat16)
 
 
 @functools.cache
@@ -433,7 +445,11 @@ def prepare_kernel() -> None:
     positions, columns = np.arange(2, dtype=np.int64), np.arange(2, dtype=np.int64)
     for dtype in (np.float32, np.float64, np.uint16):
         out = np.empty((2, 2), dtype)
-        _rotate(waves, positions, columns, 1.0, out, True, bfloat16=dtype == np.uint16)
+        bfloat16 = dtype == np.uint16
+        _rotate(waves, positions, columns, 1.0, out, False, bfloat16=bfloat16)  # rotate_into
+        waves.rotation_table()
+        _rotate(waves, positions, columns, 1.0, out, True, bfloat16=bfloat16)  # range_into
+        waves = Waves([Decimal(1)])
 
 
 def _block_rows(count: int) -> int:

@@ -61,22 +61,74 @@ def rotate_into(
     count``: zero).
     """
     row = np.zeros(2 * bases.shape[1] + 1)  # the last value stays 0: the zero columns'
-    # Where each column is the row's value of its own index (the interleaved sinusoidal
-    # layout), the values go straight to their columns, with no pass through ``row``.
+    straight = _straight(columns, bfloat16)
+    for r in range(out.shape[0]):
+        base, rotation = bases[base_index[r]], rotations[rotation_index[r]]
+        _write_row(base, rotation, columns, amplitude, out[r], row, straight, bfloat16)
+
+
+@_compiled
+def range_into(
+    first: int,
+    freq_hi: npt.NDArray[np.float64],
+    freq_lo: npt.NDArray[np.float64],
+    rotations: npt.NDArray[np.complex128],
+    columns: npt.NDArray[np.int64],
+    amplitude: float,
+    out: npt.NDArray[np.generic],
+    bfloat16: bool,
+) -> None:
+    """``out[r]`` = the row of position ``first + r`` as ``rotate_into`` writes it, for
+    every row ``r`` of ``out``: its block base ``b`` (a multiple of ``len(rotations)``)
+    made here by ``angles_into`` when the range enters the block, its rotation
+    ``rotations[first + r - b]``. One call for a range, where ``rotate_into`` takes its
+    bases and indices made by numpy, a dozen small arrays a block."""
+    block = rotations.shape[0]
+    row = np.zeros(2 * freq_hi.size + 1)
+    base = np.empty((1, freq_hi.size), dtype=np.complex128)
+    position = np.empty(1, dtype=np.int64)
+    straight = _straight(columns, bfloat16)
+    for r in range(out.shape[0]):
+        offset = (first + r) % block
+        if r == 0 or offset == 0:
+            position[0] = first + r - offset
+            angles_into(position, freq_hi, freq_lo, base)
+        _write_row(base[0], rotations[offset], columns, amplitude, out[r], row, straight, bfloat16)
+
+
+@numba.njit(inline="always")
+def _straight(columns: npt.NDArray[np.int64], bfloat16: bool) -> bool:
+    """Whether each column is the row's value of its own index (the interleaved sinusoidal
+    layout): the values then go straight to their columns, with no pass through a row."""
     straight = not bfloat16
     for k in range(columns.size):
         straight = straight and columns[k] == k
-    for r in range(out.shape[0]):
-        if straight:
-            _rotated_columns(bases[base_index[r]], rotations[rotation_index[r]], amplitude, out[r])
-            continue
-        _rotated_row(bases[base_index[r]], rotations[rotation_index[r]], amplitude, row)
-        for k in range(columns.size):
-            value = row[columns[k]]
-            if bfloat16:
-                out[r, k] = _bfloat16_bits(value)
-            else:
-                out[r, k] = value
+    return straight
+
+
+@numba.njit(inline="always")
+def _write_row(
+    base: npt.NDArray[np.complex128],
+    rotation: npt.NDArray[np.complex128],
+    columns: npt.NDArray[np.int64],
+    amplitude: float,
+    out: npt.NDArray[np.generic],
+    row: npt.NDArray[np.float64],
+    straight: bool,
+    bfloat16: bool,
+) -> None:
+    """One row of ``rotate_into``: ``out``'s columns of ``v(b) * conj(u(j)) * amplitude``,
+    through the scratch ``row`` unless ``straight``."""
+    if straight:
+        _rotated_columns(base, rotation, amplitude, out)
+        return
+    _rotated_row(base, rotation, amplitude, row)
+    for k in range(columns.size):
+        value = row[columns[k]]
+        if bfloat16:
+            out[k] = _bfloat16_bits(value)
+        else:
+            out[k] = value
 
 
 @numba.njit(inline="always")
