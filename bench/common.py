@@ -212,25 +212,31 @@ def proc_status_kib(pid: int | str, key: str) -> int:
     return 0
 
 
+def children(pid: int) -> list[int]:
+    """The child processes of ``pid`` (none once it is gone), from /proc/PID/task/*/children."""
+    found: list[int] = []
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except (FileNotFoundError, ProcessLookupError):
+        return found
+    for task in tasks:
+        try:
+            with open(f"/proc/{pid}/task/{task}/children") as listed:
+                found.extend(int(child) for child in listed.read().split())
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+    return found
+
+
 def process_tree(pid: int) -> list[int]:
-    """``pid`` and all its descendants, from /proc/PID/task/*/children."""
+    """``pid`` and all its descendants."""
     seen: list[int] = []
     todo = [pid]
     while todo and len(seen) < 4096:
         current = todo.pop()
-        if current in seen:
-            continue
-        seen.append(current)
-        try:
-            tasks = os.listdir(f"/proc/{current}/task")
-        except (FileNotFoundError, ProcessLookupError):
-            continue
-        for task in tasks:
-            try:
-                with open(f"/proc/{current}/task/{task}/children") as children:
-                    todo.extend(int(child) for child in children.read().split())
-            except (FileNotFoundError, ProcessLookupError):
-                continue
+        if current not in seen:
+            seen.append(current)
+            todo.extend(children(current))
     return seen
 
 

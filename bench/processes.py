@@ -13,7 +13,17 @@ import numpy as np
 
 import posenc
 from bench import procs
-from bench.common import MIB, Section, Sizes, Table, cpu_seconds, median, ratio, runs_target
+from bench.common import (
+    MIB,
+    Section,
+    Sizes,
+    Table,
+    children,
+    cpu_seconds,
+    median,
+    ratio,
+    runs_target,
+)
 
 D_MODEL = 1024
 # 256 rows of 1024 float32 columns: 1 MiB, one unary call, one block computed per call.
@@ -60,18 +70,7 @@ def _scattered_call(client: posenc.Client, index: int) -> int:
 def _workers(server: procs.ServerProcess) -> list[int]:
     """The worker processes of a server started with ``--processes`` > 1: the children of
     its supervisor (the process the harness started), which serves no calls itself."""
-    children: list[int] = []
-    try:
-        tasks = os.listdir(f"/proc/{server.pid}/task")
-    except (FileNotFoundError, ProcessLookupError):
-        return children
-    for task in tasks:
-        try:
-            with open(f"/proc/{server.pid}/task/{task}/children") as listed:
-                children.extend(int(child) for child in listed.read().split())
-        except (FileNotFoundError, ProcessLookupError):
-            continue
-    return sorted(set(children))
+    return sorted(set(children(server.pid)))
 
 
 def _throughput(
