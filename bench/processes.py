@@ -129,7 +129,8 @@ def run(sizes: Sizes) -> Section:
             "less busy process's share = the CPU seconds of the 2-process server's less busy "
             "worker process over both workers' (/proc/PID/stat of each; the supervisor not "
             "counted), default connections: 0.5 when one client's calls reach both "
-            "processes evenly, 0 when they reach one."
+            "processes evenly, 0 when they reach one; wanted >= 0.3 (every process does its "
+            "part of one client's work)."
         ),
     )
     servers = {n: procs.start_posenc(["--processes", str(n)]) for n in (1, 2)}
@@ -264,10 +265,10 @@ def run(sizes: Sizes) -> Section:
             ),
             (
                 f"2 server processes ({workload}): the less busy process's share of their CPU "
-                "(0.5 = even)",
+                "(0.5 = even; 0.25 = 3 threads' calls of 4 on one process)",
                 worker_share[workload, "2 processes"],
-                "",
-                0.0,
+                ">=",
+                0.3,
                 "",
             ),
         ]
