@@ -442,14 +442,12 @@ def prepare_kernel() -> None:
     gives them, on a tiny table: a server calls this before it listens, so that no request
     waits for a compilation."""
     waves = Waves([Decimal(1)])
+    waves.rotation_table()
     positions, columns = np.arange(2, dtype=np.int64), np.arange(2, dtype=np.int64)
     for dtype in (np.float32, np.float64, np.uint16):
         out = np.empty((2, 2), dtype)
-        bfloat16 = dtype == np.uint16
-        _rotate(waves, positions, columns, 1.0, out, False, bfloat16=bfloat16)  # rotate_into
-        waves.rotation_table()
-        _rotate(waves, positions, columns, 1.0, out, True, bfloat16=bfloat16)  # range_into
-        waves = Waves([Decimal(1)])
+        for consecutive in (False, True):  # rotate_into, range_into
+            _rotate(waves, positions, columns, 1.0, out, consecutive, bfloat16=dtype == np.uint16)
 
 
 def _block_rows(count: int) -> int:
