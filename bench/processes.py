@@ -40,6 +40,12 @@ SCATTERED_D_MODEL = 256
 # server process the client's connections reach.
 LARGE_ROWS = 65536
 LARGE_D_MODEL = 256
+# A second server process speeds one client up only with cores to spare: the client runs on
+# this machine too, and one process already computes several calls on several cores (the
+# kernels release the GIL). The throughput bar is judged from this many usable cores; below
+# that it is reported (with the cores busy with 1 process, which bound what a second adds).
+JUDGED_FROM_CORES = 4
+THROUGHPUT_BAR = 1.3
 
 
 #: A workload: its call (a client and a call index; the rows fetched) and its threads.
@@ -125,7 +131,11 @@ def run(sizes: Sizes) -> Section:
             f"in the harness process, on the same machine ({cores} usable cores, shared with "
             "the servers). Cores busy with 1 process = (server CPU + client CPU) of the "
             f"1-process measurement / the {cores} usable cores (`os.sched_getaffinity`): "
-            "near 1 (or above), a second server process finds little CPU left to use. The "
+            "near 1 (or above), a second server process finds little CPU left to use. A "
+            f"second process's throughput against 1 is wanted >= {THROUGHPUT_BAR:g}x from "
+            f"{JUDGED_FROM_CORES} usable cores; with fewer, where the client and both "
+            "processes share them, it is reported, not judged (1 process over cores busy "
+            "of b gains at most 1 / b). The "
             "less busy process's share = the CPU seconds of the 2-process server's less busy "
             "worker process over both workers' (/proc/PID/stat of each; the supervisor not "
             "counted), default connections: 0.5 when one client's calls reach both "
@@ -240,12 +250,14 @@ def run(sizes: Sizes) -> Section:
                 server_cpu[workload, "1 process"], client_cpu[workload, "1 process"], strict=True
             )
         ]
+        judged = cores >= JUDGED_FROM_CORES
         measured_targets += [
             (
-                f"one client's cold throughput ({workload}), 2 server processes / 1",
+                f"one client's cold throughput ({workload}), 2 server processes / 1"
+                + ("" if judged else f" (judged from {JUDGED_FROM_CORES} usable cores)"),
                 per_repetition(workload, "2 processes"),
-                ">=",
-                1.3,
+                ">=" if judged else "",
+                THROUGHPUT_BAR if judged else 0.0,
                 "x",
             ),
             (
