@@ -42,6 +42,14 @@ def test_python_examples_run(index: int, server: RunningServer) -> None:
     exec(compile(code, f"README.md python block {index}", "exec"), {"__name__": "readme"})
 
 
+def test_each_section_appears_once() -> None:
+    # A section pasted twice, one copy stale, reads as two sections contradicting each other.
+    prose = re.sub(r"```.*?```", "", README, flags=re.DOTALL)
+    headings = re.findall(r"^#{1,3} .+$", prose, flags=re.MULTILINE)
+    repeated = sorted({heading for heading in headings if headings.count(heading) > 1})
+    assert not repeated, f"README sections that appear more than once: {repeated}"
+
+
 # What each CLI example of the README writes: (start, stop, table, dtype), as the SDK asks.
 CLI_OUTPUTS: dict[str, tuple[int, int, int | posenc.Spec, str]] = {
     "table.npy": (0, 1_000_000, 256, "float32"),
