@@ -207,19 +207,12 @@ class Waves:
         self._rotation_lock = threading.Lock()
 
     def factors(
-        self, positions: Int64Array, *, consecutive: bool = False
+        self, positions: Int64Array
     ) -> tuple[ComplexRows, Int64Array, ComplexRows, Int64Array]:
         """The two factors of each position's row, as ``kernel.rotate_into`` takes them:
-        block bases and the index of each position's, rotations and each position's.
-        ``consecutive``: the positions are a range (its blocks need no sorting)."""
+        block bases and the index of each position's, rotations and each position's."""
         offsets = positions % self.block
-        starts = positions - offsets
-        if consecutive:
-            first = int(starts[0])
-            base_index = (starts - first) // self.block
-            distinct = first + self.block * np.arange(int(base_index[-1]) + 1, dtype=np.int64)
-        else:
-            distinct, base_index = np.unique(starts, return_inverse=True)
+        distinct, base_index = np.unique(positions - offsets, return_inverse=True)
         if not self.rotates(positions.size):
             # A new spec's first rows: their bases and their rotations in one call.
             wanted, rotation_index = np.unique(offsets, return_inverse=True)
@@ -228,8 +221,8 @@ class Waves:
         return self.bases(distinct), base_index, self.rotation_table(), offsets
 
     def rotates(self, rows: int) -> bool:
-        """Whether ``rows`` rows are rotated by the rotation table (made now if not yet),
-        rather than by rotations made for them alone (see ``factors``)."""
+        """Whether ``rows`` rows are rotated by the rotation table (which the first such
+        rows make), rather than by rotations made for them alone (see ``factors``)."""
         return self._rotation is not None or rows > _FEW_ROTATIONS
 
     def rotation_table(self) -> ComplexRows:
@@ -410,22 +403,23 @@ def _rotate(
     *,
     bfloat16: bool = False,
 ) -> None:
-    """``kernel.rotate_into`` over ``positions``, ``_KERNEL_ROWS`` and ``_KERNEL_ELEMENTS`` of
-    ``out`` at most a call (``bfloat16``: ``out`` holds bfloat16 bits, as uint16)."""
+    """The rows of ``positions`` into ``out`` (``bfloat16``: ``out`` holds bfloat16 bits, as
+    uint16): a range (``consecutive``) in one ``kernel.range_into`` call, which makes its
+    blocks' bases itself; other positions, or a new spec's first few rows, by
+    ``kernel.rotate_into``, ``_KERNEL_ROWS`` and ``_KERNEL_ELEMENTS`` of ``out`` at most a
+    call (the factors numpy makes for each call take memory in proportion)."""
     kernels = _kernels()
+    if consecutive and positions.size and waves.rotates(positions.size):
+        rotations = waves.rotation_table()
+        kernels.range_into(
+            int(positions[0]), waves.hi, waves.lo, rotations, columns, amplitude, out, bfloat16
+        )
+        return
     step = max(1, min(_KERNEL_ROWS, _KERNEL_ELEMENTS // max(out.shape[1], 1)))
     for first in range(0, positions.size, step):
         part = positions[first : first + step]
-        target = out[first : first + part.size]
-        if consecutive and waves.rotates(part.size):
-            # A range: one kernel call makes its blocks' bases too (the same bytes).
-            rotations = waves.rotation_table()
-            kernels.range_into(
-                int(part[0]), waves.hi, waves.lo, rotations, columns, amplitude, target, bfloat16
-            )
-            continue
-        factors = waves.factors(part, consecutive=consecutive)
-        kernels.rotate_into(*factors, columns, amplitude, target, bfloat16)
+        factors = waves.factors(part)
+        kernels.rotate_into(*factors, columns, amplitude, out[first : first + part.size], bfloat16)
 
 
 @functools.cache
