@@ -104,6 +104,7 @@ def _flood(port: int, count: int) -> list[RawConnection]:
     return connections
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(60)
 def test_connections_past_the_limit_are_closed_as_they_come(
     spawn_server: Callable[..., ServerProcess],
@@ -215,6 +216,7 @@ def test_512_stalled_calls_starve_neither_health_nor_real_calls(
             connection.close()
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(60)
 def test_a_request_that_never_arrives_is_cancelled(
     spawn_server: Callable[..., ServerProcess],
@@ -378,6 +380,7 @@ def test_made_up_methods_do_not_grow_the_metrics(
     assert not any("Made" in str(labels) for _, labels in samples)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(60)
 def test_metrics_listen_on_their_own_host_and_serve_only_metrics(
     spawn_server: Callable[..., ServerProcess],

@@ -316,6 +316,7 @@ def test_version() -> None:
     assert result.stdout.strip() == f"posenc {posenc.__version__}"
 
 
+@pytest.mark.slow
 def test_fetch_shows_a_progress_bar_on_a_terminal_only(
     server: RunningServer, tmp_path: Path
 ) -> None:
@@ -350,6 +351,7 @@ def test_fetch_shows_a_progress_bar_on_a_terminal_only(
     np.testing.assert_array_equal(np.load(tmp_path / "tty.npy"), np.load(tmp_path / "pipe.npy"))
 
 
+@pytest.mark.slow
 def test_fetch_of_a_refused_range_says_why_and_creates_no_file(
     server: RunningServer, tmp_path: Path
 ) -> None:
@@ -445,6 +447,7 @@ def test_serve_names_the_missing_module_and_the_matching_install_command() -> No
     assert f"'{Path(posenc.__file__).parents[2]}[server]'" in result.stderr, result.stderr
 
 
+@pytest.mark.slow
 def test_the_sdk_and_cli_import_ml_dtypes_only_for_bfloat16(server: RunningServer) -> None:
     # Importing ml_dtypes takes most of a second: a health check (compose runs `posenc
     # health` every 10 s) or a float32 client should not pay it; a bfloat16 result does.

@@ -147,6 +147,7 @@ def test_concurrent_streams_over_the_cap_get_resource_exhausted(
                 time.sleep(0.05)
 
 
+@pytest.mark.slow
 def test_the_sdk_waits_at_the_stream_cap_as_the_server_asks(
     server_factory: Callable[..., RunningServer],
 ) -> None:
@@ -167,6 +168,7 @@ def test_the_sdk_waits_at_the_stream_cap_as_the_server_asks(
         assert time.monotonic() - started >= 0.9  # it waited for the held stream to go
 
 
+@pytest.mark.slow
 def test_a_cancelled_stream_stops_computing(server: RunningServer) -> None:
     rows_total = 1 << 20  # 4 GiB at d_model 1024
     with posenc.Client(server.target) as client:
@@ -184,6 +186,7 @@ def test_a_cancelled_stream_stops_computing(server: RunningServer) -> None:
     assert computed < 64 * 1024, computed
 
 
+@pytest.mark.slow
 def test_deadlines_are_honoured_by_server_and_sdk(server: RunningServer) -> None:
     with posenc.Client(server.target, max_retries=0) as client:
         started = time.monotonic()
@@ -235,6 +238,7 @@ def test_server_info_counts_every_worker(spawn_server: Callable[..., ServerProce
             time.sleep(0.1)
 
 
+@pytest.mark.slow
 def test_a_server_process_loads_ml_dtypes_only_for_bfloat16(
     spawn_server: Callable[..., ServerProcess],
 ) -> None:

@@ -35,7 +35,14 @@ def test_readme_opens_with_the_two_commands() -> None:
     assert README.index("make run") < README.index("```python")
 
 
-@pytest.mark.parametrize("index", range(len(blocks("python"))))
+# The examples that build a transformers model take seconds: outside the fast set.
+@pytest.mark.parametrize(
+    "index",
+    [
+        pytest.param(index, marks=pytest.mark.slow) if "import transformers" in code else index
+        for index, code in enumerate(blocks("python"))
+    ],
+)
 @pytest.mark.timeout(120)
 def test_python_examples_run(index: int, server: RunningServer) -> None:
     code = blocks("python")[index].replace(README_TARGET, server.target)

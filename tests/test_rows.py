@@ -385,6 +385,7 @@ def test_closing_a_client_ends_its_read_ahead(server: RunningServer) -> None:
     assert not thread.is_alive()
 
 
+@pytest.mark.slow
 def test_read_ahead_past_the_position_limit_falls_back_to_the_callers_call(
     server: RunningServer,
 ) -> None:
@@ -452,6 +453,7 @@ def test_the_async_client_reads_ahead_too(server: RunningServer) -> None:
     assert [a.tobytes() for a in got] == [b.tobytes() for b in want]
 
 
+@pytest.mark.slow
 def test_threads_sharing_a_client_each_get_their_exact_rows(server: RunningServer) -> None:
     steps = 200
     counter = CallCounter()

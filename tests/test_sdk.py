@@ -461,6 +461,7 @@ def test_health_of_nothing_raises_unavailable() -> None:
 # -- retries and balancing ---------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_retries_exhausted_raise_unavailable(spawn_server: Callable[..., ServerProcess]) -> None:
     server = spawn_server()
     with posenc.Client(server.target, max_retries=2, retry_backoff=0.01) as client:
@@ -488,6 +489,7 @@ def test_no_server_at_the_target_is_said_at_once(caplog: pytest.LogCaptureFixtur
     assert not any("retrying" in record.message for record in caplog.records)
 
 
+@pytest.mark.slow
 def test_retry_waits_for_a_server_that_answered_before(
     spawn_server: Callable[..., ServerProcess], caplog: pytest.LogCaptureFixture
 ) -> None:

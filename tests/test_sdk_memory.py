@@ -21,6 +21,7 @@ import posenc
 MIB = 1 << 20
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_iter_range_memory_is_bounded_by_the_chunk_not_the_result(
     spawn_server: Callable[..., ServerProcess],
@@ -41,6 +42,7 @@ def test_iter_range_memory_is_bounded_by_the_chunk_not_the_result(
     assert peak < 8 * MIB, f"iter_range peaked at {peak / MIB:.1f} MiB"
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_get_range_holds_about_one_copy_of_the_result(
     spawn_server: Callable[..., ServerProcess],
@@ -60,6 +62,7 @@ def test_get_range_holds_about_one_copy_of_the_result(
     )
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_a_growing_table_extends_into_its_new_buffer_without_another_copy(
     spawn_server: Callable[..., ServerProcess],
@@ -84,6 +87,7 @@ def _resident_bytes() -> int:
         return int(statm.read().split()[1]) * resource.getpagesize()
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_a_dropped_large_result_is_the_memory_of_the_next_one(
     spawn_server: Callable[..., ServerProcess], monkeypatch: pytest.MonkeyPatch
@@ -136,6 +140,7 @@ def test_kept_result_memory_goes_back_to_the_system_when_no_result_takes_it(
             time.sleep(0.5)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float64"])
 def test_large_results_have_their_dtype_and_rows(

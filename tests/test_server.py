@@ -279,6 +279,7 @@ def test_sigterm_drains_streams_in_flight_and_refuses_new_calls(
     assert process.logs()[-1]["drained"] is True
 
 
+@pytest.mark.slow
 def test_startup_logs_one_line_with_address_version_and_limits(
     spawn_server: Callable[..., ServerProcess],
 ) -> None:
