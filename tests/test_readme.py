@@ -70,6 +70,7 @@ CLI_OUTPUTS: dict[str, tuple[int, int, int | posenc.Spec, str]] = {
         posenc.Spec(
             "rotary",
             head_dim=128,
+            rope_theta=500000.0,
             scaling="llama3",
             factor=8.0,
             original_max_position_embeddings=8192,

@@ -307,6 +307,20 @@ def test_client_side_argument_checks(
     assert [f for f, _ in caught.value.field_violations] == [field]
 
 
+@pytest.mark.parametrize(
+    ("d_model", "description"),
+    [(-5, "must not be negative, got -5"), (1 << 32, "must be at most 4294967295, got 4294967296")],
+)
+def test_integers_the_wire_cannot_carry_name_only_the_bound_they_cross(
+    client: posenc.Client, d_model: int, description: str
+) -> None:
+    # The SDK checks only what the wire type carries: naming its whole range ("between 0
+    # and 4294967295") read as if 0 were accepted, which the server refuses.
+    with pytest.raises(posenc.InvalidArgumentError) as caught:
+        client.get_range(0, 3, d_model)
+    assert caught.value.field_violations == [("spec.sinusoidal.d_model", description)]
+
+
 def test_chunk_smaller_than_a_row_is_refused_by_the_server(client: posenc.Client) -> None:
     with pytest.raises(posenc.InvalidArgumentError) as caught:
         list(client.iter_range(0, 10, 64, chunk_bytes=100))

@@ -166,9 +166,12 @@ def _scalar(field: FieldDescriptor, value: object, path: str) -> Any:
         except TypeError:
             raise bad_argument(path, f"must be an integer, got {type(value).__name__}") from None
         low, high = _INTEGER_RANGES[cpp_type]
-        if not low <= number <= high:
-            # What the wire type cannot carry; the server judges the rest.
-            raise bad_argument(path, f"must be between {low} and {high}, got {number}")
+        # What the wire type cannot carry; the server judges the rest (its own ranges).
+        if number < low:
+            bound = "must not be negative" if low == 0 else f"must be at least {low}"
+            raise bad_argument(path, f"{bound}, got {number}")
+        if number > high:
+            raise bad_argument(path, f"must be at most {high}, got {number}")
         return number
     if cpp_type in _REALS:
         if not isinstance(value, numbers.Real):
