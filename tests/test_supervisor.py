@@ -84,6 +84,38 @@ def test_sigterm_drains_every_worker_and_exits_zero(
     assert messages[-2:] == ["draining", "stopped"]
 
 
+@pytest.mark.parametrize("processes", [1, 2])
+@pytest.mark.timeout(120)
+def test_ctrl_c_drains_and_a_second_ctrl_c_stops_at_once(
+    spawn_server: Callable[..., ServerProcess], processes: int
+) -> None:
+    """Ctrl-C signals every process of the terminal's group: once, the server drains (a
+    stream in flight goes on); twice, it stops at once, well within the 30 s grace."""
+    process = spawn_server(0, "--processes", str(processes), "--grace-seconds", "30")
+    group = [process.process.pid, *worker_pids(process.process.pid)]
+    with posenc.Client(process.target, max_retries=0) as client:
+        # 4 GiB, read a few chunks at a time: in flight for as long as the test lasts.
+        stream = client.iter_range(0, 1 << 20, 1024, chunk_bytes=64 * 1024)
+        next(stream)
+        for pid in group:
+            os.kill(pid, signal.SIGINT)
+        time.sleep(1.0)
+        for _ in range(32):
+            next(stream)  # still streaming: one Ctrl-C drains
+        assert process.process.poll() is None
+        started = time.monotonic()
+        for pid in group:
+            with contextlib.suppress(ProcessLookupError):  # a worker with nothing in flight
+                os.kill(pid, signal.SIGINT)  # has drained and exited already
+        assert process.process.wait(15) == 0
+        assert time.monotonic() - started < 10
+        with pytest.raises(posenc.PosencError):
+            for _ in stream:  # what the transport still held, then the cut
+                pass
+    assert not any(alive(pid) for pid in group)
+    assert any(entry["message"].startswith("stopping now") for entry in process.logs())
+
+
 @pytest.mark.timeout(120)
 def test_workers_die_with_a_killed_supervisor_and_free_the_port(
     spawn_server: Callable[..., ServerProcess],

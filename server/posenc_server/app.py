@@ -53,6 +53,8 @@ _ADMISSION_RETRY_AFTER = 0.2
 # request on a network a decode loop would use (10 MB at 400 Mbit/s), and short enough that
 # calls which never send their request cannot keep others waiting.
 _READ_PREEMPT_AFTER = 0.5
+# How often a drain looks for a second signal (which cuts it short).
+_HURRY_CHECK_SECONDS = 0.1
 # Methods of the health and reflection services: with the posenc ones, every metric label.
 _OTHER_METHODS = frozenset(
     {
@@ -157,18 +159,27 @@ class RunningServer:
         host = f"[{host}]" if ":" in host else host
         return f"{host}:{self.port}"
 
-    def shutdown(self, grace: float | None = None) -> bool:
+    def shutdown(self, grace: float | None = None, hurry: threading.Event | None = None) -> bool:
         """Drain, then stop. Returns True when every in-flight call finished within the grace.
 
         Health turns NOT_SERVING first, so balancers and probes move traffic away; new encoding
-        calls get UNAVAILABLE; calls in flight (streams included) get ``grace`` seconds to end.
+        calls get UNAVAILABLE; calls in flight (streams included) get ``grace`` seconds to end,
+        or until ``hurry`` is set (a second signal): then they are cancelled at once.
         """
         grace = self.config.grace_seconds if grace is None else grace
         deadline = time.monotonic() + grace
         self.not_serving()
         self.service.begin_drain()
-        drained = self.service.wait_idle(grace)
-        self.stop(max(0.0, deadline - time.monotonic()))
+        drained = False
+        while not drained and not (hurry is not None and hurry.is_set()):
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                break
+            drained = self.service.wait_idle(min(remaining, _HURRY_CHECK_SECONDS))
+        hurried = hurry is not None and hurry.is_set()
+        if hurried:
+            log.info("stopping now: a second signal came during the drain")
+        self.stop(0.0 if hurried else max(0.0, deadline - time.monotonic()))
         return drained
 
 
@@ -390,16 +401,21 @@ def run(argv: Sequence[str] | None = None) -> int:
     worker = supervisor.worker_index()
     configure_logging(config.log_level, None if worker is None else {"worker": worker})
     stop = threading.Event()
+    hurry = threading.Event()  # a second signal: stop now, cancelling the calls in flight
     signals: list[str] = []
 
     def on_signal(signum: int, frame: FrameType | None) -> None:
         signals.append(signal.Signals(signum).name)
+        if stop.is_set():
+            hurry.set()
         stop.set()
 
     signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
+    # A worker takes its signals from its supervisor (SIGTERM, a second one to hurry): Ctrl-C
+    # reaches every process of the terminal's group, and would count twice.
+    signal.signal(signal.SIGINT, on_signal if worker is None else signal.SIG_IGN)
     if worker is None and config.process_count > 1:
-        return supervisor.supervise(config, argv, stop, signals)
+        return supervisor.supervise(config, argv, stop, hurry, signals)
     if worker is not None:
         supervisor.die_with_supervisor()
     try:
@@ -423,13 +439,15 @@ def run(argv: Sequence[str] | None = None) -> int:
         daemon=True,
     ).start()
     fields = startup_fields(config, running.port, metrics_port)
+    if worker is not None:  # its supervisor serves the workers' metrics, and says where
+        del fields["metrics_port"], fields["metrics_host"]
     log.info("listening" if worker is None else supervisor.WORKER_READY, extra={"fields": fields})
     # Any thread may receive the signal, and then a blocked main thread is not woken: poll, so
     # that the Python handler (which only runs on the main thread) runs within a moment.
     while not stop.wait(0.2):
         pass
     log.info("draining", extra={"fields": {"signal": signals[0], "grace": config.grace_seconds}})
-    drained = running.shutdown()
+    drained = running.shutdown(hurry=hurry)
     running.publish_metrics()
     log.info("stopped", extra={"fields": {"drained": drained}})
     return 0

@@ -49,6 +49,10 @@ _RESTART_DELAY = 1.0
 _HEALTH_INTERVAL = 1.0
 _HEALTH_TIMEOUT = 1.0
 _HEALTH_FAILURES = 3
+# A worker still running this long after its grace (or after a second signal) is killed.
+_KILL_AFTER_GRACE = 5.0
+# How often the drain looks for a second signal.
+_HURRY_CHECK_SECONDS = 0.1
 
 
 class PortInUseError(OSError):
@@ -195,9 +199,14 @@ def _forward_logs(worker: _Worker) -> None:
 
 
 def supervise(
-    config: ServerConfig, argv: Sequence[str], stop: threading.Event, signals: list[str]
+    config: ServerConfig,
+    argv: Sequence[str],
+    stop: threading.Event,
+    hurry: threading.Event,
+    signals: list[str],
 ) -> int:
-    """Run ``config.process_count`` workers until ``stop`` is set, then drain them."""
+    """Run ``config.process_count`` workers until ``stop`` is set, then drain them (at once
+    when ``hurry`` is set too: a second signal)."""
     count = config.process_count
     try:
         port_holder = _reserve_port(config)
@@ -287,7 +296,7 @@ def supervise(
             },
         )
     finally:
-        drained = _stop_workers(workers, config.grace_seconds)
+        drained = _stop_workers(workers, config.grace_seconds, hurry)
         port_holder.close()
         metrics_dir.cleanup()
     log.info("stopped", extra={"fields": {"drained": drained}})
@@ -310,18 +319,33 @@ def _watch_health(workers: list[_Worker], stop: threading.Event) -> None:
                 worker.process.kill()
 
 
-def _stop_workers(workers: list[_Worker], grace: float) -> bool:
-    """SIGTERM every worker (each drains), SIGKILL what is left after the grace."""
-    for worker in workers:
-        if worker.process.poll() is None:
-            worker.process.send_signal(signal.SIGTERM)
-    deadline = time.monotonic() + grace + 5.0
+def _stop_workers(workers: list[_Worker], grace: float, hurry: threading.Event) -> bool:
+    """SIGTERM every worker (each drains), SIGKILL what is left after the grace. Once
+    ``hurry`` is set, each worker gets a second SIGTERM, which stops it at once."""
+
+    def signal_all() -> None:
+        for worker in workers:
+            if worker.process.poll() is None:
+                worker.process.send_signal(signal.SIGTERM)
+
+    signal_all()
+    hurried = False
+    deadline = time.monotonic() + grace + _KILL_AFTER_GRACE
     drained = True
     for worker in workers:
-        try:
-            drained &= worker.process.wait(max(0.0, deadline - time.monotonic())) == 0
-        except subprocess.TimeoutExpired:
-            worker.process.kill()
-            worker.process.wait()
-            drained = False
-    return drained
+        while True:
+            if hurry.is_set() and not hurried:
+                hurried = True
+                signal_all()
+                deadline = min(deadline, time.monotonic() + _KILL_AFTER_GRACE)
+            try:
+                drained &= worker.process.wait(_HURRY_CHECK_SECONDS) == 0
+                break
+            except subprocess.TimeoutExpired:
+                if time.monotonic() < deadline:
+                    continue
+                worker.process.kill()
+                worker.process.wait()
+                drained = False
+                break
+    return drained and not hurried
