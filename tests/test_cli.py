@@ -31,7 +31,7 @@ def test_fetch_writes_npy_equal_to_get_range(
 ) -> None:
     out = tmp_path / "table.npy"
     argv = ["fetch", "-100", "20000", "--d-model", "128", "-o", str(out)]
-    assert main([*argv, "--target", server.target, "--chunk-bytes", "50000"]) == 0
+    assert main([*argv, "--target", server.target, "--chunk-bytes", "48KiB"]) == 0
     with posenc.Client(server.target) as client:
         expected = client.get_range(-100, 20000, 128)
     table = np.load(out)
@@ -102,6 +102,7 @@ def test_fetch_usage_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) 
         (["fetch", "0", "10", "--param", "factor=2", "--d-model", "4", "-o", out], "factor"),
         (["fetch", "0", "10", "--table", "fairseq", "--param", "padding_idx", "-o", out], "NAME"),
         (["fetch", "0", "10", "--table", "nope", "-o", out], "--table"),
+        (["fetch", "0", "10", "--d-model", "4", "--chunk-bytes", "1GB!", "-o", out], "256KiB"),
     ]:
         with pytest.raises(SystemExit) as exited:
             main(argv)

@@ -29,6 +29,7 @@ from numpy.lib.format import open_memmap
 from tqdm import tqdm
 
 from posenc._channel import DEFAULT_TARGET, is_uri
+from posenc._checks import integer
 from posenc._client import Client
 from posenc._query import DTYPE_NAMES, as_positions, named_dtype
 from posenc.errors import PosencError
@@ -81,6 +82,16 @@ def _targets(args: argparse.Namespace) -> list[str]:
         else:
             targets.extend(part.strip() for part in value.split(",") if part.strip())
     return targets
+
+
+def _size(text: str) -> int:
+    """A size as the server's settings take it: ``262144``, ``2**18``, ``256KiB``."""
+    try:
+        return integer(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected a size in bytes (262144, 2**18, 256KiB, 1MiB), got {text!r}"
+        ) from None
 
 
 def _position(text: str) -> int:
@@ -340,7 +351,10 @@ def _build_parser() -> argparse.ArgumentParser:
 
     parser = argparse.ArgumentParser(
         prog="posenc",
-        description="Exact sinusoidal positional-encoding tables from a posenc gRPC server.",
+        description=(
+            "Exact positional-encoding tables (sinusoidal, rotary, M-RoPE, sin-cos grids) "
+            "from a posenc gRPC server."
+        ),
     )
     parser.add_argument("--version", action="version", version=f"posenc {__version__}")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
@@ -381,7 +395,10 @@ def _build_parser() -> argparse.ArgumentParser:
         help=f"the file to write; its suffix chooses the format: {', '.join(_FORMATS)}",
     )
     fetch.add_argument(
-        "--chunk-bytes", type=int, metavar="BYTES", help="stream chunk size (server default)"
+        "--chunk-bytes",
+        type=_size,
+        metavar="BYTES",
+        help="stream chunk size: 262144, 256KiB, 1MiB (the server's default)",
     )
     fetch.add_argument(
         "--no-progress", action="store_true", help="no progress bar (shown on a terminal)"

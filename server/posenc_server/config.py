@@ -11,10 +11,11 @@ import argparse
 import dataclasses
 import math
 import os
-import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final
+
+from posenc._checks import integer
 
 MIB = 1 << 20
 DEFAULT_METRICS_PORT: Final = 9464
@@ -28,19 +29,6 @@ MESSAGE_OVERHEAD = 16 * 1024
 MAX_VARINT_BYTES = 10
 # The largest connection age gRPC can take: 2**31 - 1 milliseconds, about 24 days.
 _MAX_CONNECTION_AGE_SECONDS = 2_000_000
-# Size suffixes of integer settings: 512MiB, 1GiB, 64KiB (binary), 1MB, 2GB (decimal).
-_SIZE_SUFFIXES = {
-    "": 1,
-    "kib": 1 << 10,
-    "mib": 1 << 20,
-    "gib": 1 << 30,
-    "tib": 1 << 40,
-    "kb": 10**3,
-    "mb": 10**6,
-    "gb": 10**9,
-    "tb": 10**12,
-}
-_SIZE = re.compile(r"^(?P<number>[0-9][0-9_]*)\s*(?P<suffix>[a-z]*)$")
 
 
 @dataclass(frozen=True)
@@ -300,19 +288,6 @@ def _env_name(name: str) -> str:
 
 def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
-
-
-def integer(raw: str) -> int:
-    """An integer setting: ``1048576``, ``1_048_576``, ``0x100000``, ``2**20``, ``1MiB``."""
-    text = raw.strip().replace("_", "")
-    if "**" in text:
-        base, exponent = (int(part, 0) for part in text.split("**", 1))
-        if not 0 <= exponent <= 64:
-            raise ValueError(f"exponent must be in 0..64, got {exponent}")
-        return int(base**exponent)
-    if (match := _SIZE.match(text.lower())) and match["suffix"] in _SIZE_SUFFIXES:
-        return int(match["number"]) * _SIZE_SUFFIXES[match["suffix"]]
-    return int(text, 0)
 
 
 def _convert(type_name: object, raw: object) -> object:
