@@ -476,6 +476,20 @@ def test_bad_parameters_get_invalid_argument_naming_the_field(
     assert f"{field}:" in raised.value.details()
 
 
+def test_a_required_number_left_out_is_said_to_be_perhaps_unset(
+    stub: posenc_pb2_grpc.PositionalEncodingServiceStub,
+) -> None:
+    # proto3 cannot tell a factor left out from 0.0: "got 0.0" alone blamed a value the
+    # caller never gave.
+    spec = posenc.Spec("rotary", head_dim=64, scaling="linear").to_proto()
+    request = pb.GetEncodingRequest(spec=spec, range=pb.PositionRange(start=0, stop=4))
+    with pytest.raises(grpc.RpcError) as raised:
+        stub.GetEncoding(request)
+    assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "spec.rotary.linear.factor:" in raised.value.details()
+    assert "got 0.0 (or not set)" in raised.value.details()
+
+
 def test_defaults_are_not_judged_against_other_limits(server_factory: Any) -> None:
     # At the largest position limit no offset fits, yet kinds left at their defaults work.
     server = server_factory(max_abs_position=1 << 52)

@@ -503,6 +503,23 @@ def test_no_server_at_the_target_is_said_at_once(caplog: pytest.LogCaptureFixtur
     assert not any("retrying" in record.message for record in caplog.records)
 
 
+@pytest.mark.timeout(60)
+def test_a_target_whose_name_does_not_resolve_is_said_at_once(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.INFO, logger="posenc")
+    # .invalid never resolves (a reserved name).
+    with (
+        posenc.Client("posenc.invalid:50051") as client,
+        pytest.raises(posenc.UnavailableError) as raised,
+    ):
+        client.get_range(0, 10, 8)
+    assert "no posenc server at posenc.invalid:50051: its name does not resolve" in str(
+        raised.value
+    )
+    assert not any("retrying" in record.message for record in caplog.records)
+
+
 @pytest.mark.slow
 def test_retry_waits_for_a_server_that_answered_before(
     spawn_server: Callable[..., ServerProcess], caplog: pytest.LogCaptureFixture

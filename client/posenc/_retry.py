@@ -37,6 +37,8 @@ _DETAILS_KEY: Final = "grpc-status-details-bin"
 # What gRPC says of a call cancelled by its own client (cancel(), or the channel's close()).
 _LOCAL_CANCELLATIONS: Final = frozenset({"Locally cancelled by application!", "Channel closed!"})
 _TRANSPORT_CODES: Final = frozenset({grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN})
+# How gRPC's resolvers (native, c-ares) say a name does not resolve.
+_UNRESOLVED: Final = ("errors resolving", "dns resolution failed")
 
 
 def _rich_status(error: grpc.RpcError) -> status_pb2.Status | None:
@@ -167,16 +169,21 @@ class CallBudget:
     def on_error(self, error: grpc.RpcError) -> float:
         """Returns how long to sleep before retrying, or raises the mapped exception."""
         mapped = map_rpc_error(error)
-        if (
-            mapped.code == grpc.StatusCode.UNAVAILABLE
-            and not self._contact.answered
-            and "connection refused" in mapped.details.lower()
-        ):
-            raise UnavailableError(
-                f"no posenc server at {self._contact.target} (connection refused): "
-                f"is it running? ({mapped.details})",
-                code=mapped.code,
-            ) from error
+        if mapped.code == grpc.StatusCode.UNAVAILABLE and not self._contact.answered:
+            # Said at once, not after the whole retry budget: nothing ever answered there.
+            details = mapped.details.lower()
+            if "connection refused" in details:
+                raise UnavailableError(
+                    f"no posenc server at {self._contact.target} (connection refused): "
+                    f"is it running? ({mapped.details})",
+                    code=mapped.code,
+                ) from error
+            if any(words in details for words in _UNRESOLVED):
+                raise UnavailableError(
+                    f"no posenc server at {self._contact.target}: its name does not resolve "
+                    f"({mapped.details})",
+                    code=mapped.code,
+                ) from error
         if not is_transient(mapped) or self._failures >= self._max_retries:
             if self._failures:
                 mapped.details += f" (after {self._failures + 1} attempts)"

@@ -667,7 +667,10 @@ def _write(
                 table[first : first + len(rows)] = rows
                 bar.update(len(rows))
                 bar.set_postfix_str(_human_bytes(bar.n * row_bytes), refresh=False)
-        mapped.flush()
+            # Writing the mapped file's pages out can take seconds after the last row: the
+            # bar says so, and its clock runs until it is done.
+            bar.set_postfix_str(f"{_human_bytes(bar.n * row_bytes)}, writing to disk")
+            mapped.flush()
         del table, mapped  # unmaps the file before it is renamed
         os.replace(partial, output)
     except BaseException as error:

@@ -153,7 +153,9 @@ class Checker:
             return True
         relation = ">" if strict else ">="
         upper = "" if high == math.inf else f" and <= {number(high)}"
-        self.add(name, f"must be finite, {relation} {number(low)}{upper}, got {value!r}")
+        # proto3 sends an unset number as 0: the caller may not have given it at all.
+        got = f"{value!r} (or not set)" if value == 0 else repr(value)
+        self.add(name, f"must be finite, {relation} {number(low)}{upper}, got {got}")
         return False
 
     def between(
