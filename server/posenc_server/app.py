@@ -53,8 +53,6 @@ _ADMISSION_RETRY_AFTER = 0.2
 # request on a network a decode loop would use (10 MB at 400 Mbit/s), and short enough that
 # calls which never send their request cannot keep others waiting.
 _READ_PREEMPT_AFTER = 0.5
-# How often a drain looks for a second signal (which cuts it short).
-_HURRY_CHECK_SECONDS = 0.1
 # Methods of the health and reflection services: with the posenc ones, every metric label.
 _OTHER_METHODS = frozenset(
     {
@@ -175,7 +173,7 @@ class RunningServer:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 break
-            drained = self.service.wait_idle(min(remaining, _HURRY_CHECK_SECONDS))
+            drained = self.service.wait_idle(min(remaining, supervisor.HURRY_CHECK_SECONDS))
         hurried = hurry is not None and hurry.is_set()
         if hurried:
             log.info("stopping now: a second signal came during the drain")

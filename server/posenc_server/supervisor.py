@@ -26,6 +26,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Final
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -51,8 +52,8 @@ _HEALTH_TIMEOUT = 1.0
 _HEALTH_FAILURES = 3
 # A worker still running this long after its grace (or after a second signal) is killed.
 _KILL_AFTER_GRACE = 5.0
-# How often the drain looks for a second signal.
-_HURRY_CHECK_SECONDS = 0.1
+#: How often a drain looks for a second signal (which cuts it short).
+HURRY_CHECK_SECONDS: Final = 0.1
 
 
 class PortInUseError(OSError):
@@ -339,7 +340,7 @@ def _stop_workers(workers: list[_Worker], grace: float, hurry: threading.Event) 
                 signal_all()
                 deadline = min(deadline, time.monotonic() + _KILL_AFTER_GRACE)
             try:
-                drained &= worker.process.wait(_HURRY_CHECK_SECONDS) == 0
+                drained &= worker.process.wait(HURRY_CHECK_SECONDS) == 0
                 break
             except subprocess.TimeoutExpired:
                 if time.monotonic() < deadline:
