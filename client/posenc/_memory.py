@@ -81,9 +81,8 @@ def keep_bytes() -> int:
 
 class _Map:
     """One anonymous private map and its address, in transparent huge pages where the
-    kernel has them, as numpy asks for its own large arrays: a 256 MiB map's pages were
-    mapped in 36-41 ms instead of 135-163, and 1 MiB copies filled it in 31-37 ms instead
-    of 37-42 (fewer TLB misses)."""
+    kernel has them, as numpy asks for its own large arrays: 2 MiB pages take fewer faults
+    to map and fewer TLB misses to copy into."""
 
     def __init__(self, size: int) -> None:
         self.size = size

@@ -37,8 +37,12 @@ _DETAILS_KEY: Final = "grpc-status-details-bin"
 # What gRPC says of a call cancelled by its own client (cancel(), or the channel's close()).
 _LOCAL_CANCELLATIONS: Final = frozenset({"Locally cancelled by application!", "Channel closed!"})
 _TRANSPORT_CODES: Final = frozenset({grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN})
-# How gRPC's resolvers (native, c-ares) say a name does not resolve.
-_UNRESOLVED: Final = ("errors resolving", "dns resolution failed")
+# Why no server can be at a target, by what gRPC says of a call that never reached one (its
+# resolvers, native and c-ares, say a name does not resolve in two ways).
+_NOBODY_THERE: Final = (
+    (("connection refused",), " (connection refused): is it running?"),
+    (("errors resolving", "dns resolution failed"), ": its name does not resolve"),
+)
 
 
 def _rich_status(error: grpc.RpcError) -> status_pb2.Status | None:
@@ -172,18 +176,12 @@ class CallBudget:
         if mapped.code == grpc.StatusCode.UNAVAILABLE and not self._contact.answered:
             # Said at once, not after the whole retry budget: nothing ever answered there.
             details = mapped.details.lower()
-            if "connection refused" in details:
-                raise UnavailableError(
-                    f"no posenc server at {self._contact.target} (connection refused): "
-                    f"is it running? ({mapped.details})",
-                    code=mapped.code,
-                ) from error
-            if any(words in details for words in _UNRESOLVED):
-                raise UnavailableError(
-                    f"no posenc server at {self._contact.target}: its name does not resolve "
-                    f"({mapped.details})",
-                    code=mapped.code,
-                ) from error
+            for signs, why in _NOBODY_THERE:
+                if any(sign in details for sign in signs):
+                    raise UnavailableError(
+                        f"no posenc server at {self._contact.target}{why} ({mapped.details})",
+                        code=mapped.code,
+                    ) from error
         if not is_transient(mapped) or self._failures >= self._max_retries:
             if self._failures:
                 mapped.details += f" (after {self._failures + 1} attempts)"

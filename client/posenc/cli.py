@@ -29,7 +29,7 @@ from numpy.lib.format import open_memmap
 from tqdm import tqdm
 
 from posenc._channel import DEFAULT_TARGET, is_uri
-from posenc._checks import integer
+from posenc._checks import exact_integer, integer
 from posenc._client import Client
 from posenc._query import DTYPE_NAMES, as_positions, named_dtype
 from posenc.errors import PosencError
@@ -100,13 +100,8 @@ def _position(text: str) -> int:
     cleaned = text.strip().replace("_", "")
     try:
         sign, body = (-1, cleaned[1:]) if cleaned.startswith("-") else (1, cleaned)
-        if "**" in body:
-            base, exponent = (int(part, 0) for part in body.split("**", 1))
-            if not 0 <= exponent <= 64:
-                raise ValueError
-            return sign * int(base**exponent)
         try:
-            return sign * int(body, 0)
+            return sign * exact_integer(body)
         except ValueError:
             number = float(body)
             if not number.is_integer() or abs(number) >= 2**53:

@@ -165,16 +165,14 @@ class RunningServer:
         or until ``hurry`` is set (a second signal): then they are cancelled at once.
         """
         grace = self.config.grace_seconds if grace is None else grace
+        hurry = hurry or threading.Event()
         deadline = time.monotonic() + grace
         self.not_serving()
         self.service.begin_drain()
         drained = False
-        while not drained and not (hurry is not None and hurry.is_set()):
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                break
-            drained = self.service.wait_idle(min(remaining, supervisor.HURRY_CHECK_SECONDS))
-        hurried = hurry is not None and hurry.is_set()
+        while not drained and not hurry.is_set() and (left := deadline - time.monotonic()) > 0:
+            drained = self.service.wait_idle(min(left, supervisor.HURRY_CHECK_SECONDS))
+        hurried = hurry.is_set()
         if hurried:
             log.info("stopping now: a second signal came during the drain")
         self.stop(0.0 if hurried else max(0.0, deadline - time.monotonic()))
@@ -372,13 +370,13 @@ async def _start(
     return running
 
 
-def startup_fields(config: ServerConfig, port: int, metrics_port: int) -> dict[str, object]:
-    """What the startup log line says: address, version and limits."""
-    return {
-        "address": f"{config.host}:{port}",
-        "port": port,
-        "metrics_port": metrics_port,
-        "metrics_host": config.metrics_host,
+def startup_fields(config: ServerConfig, port: int, metrics_port: int | None) -> dict[str, object]:
+    """What the startup log line says: address, version, limits, and the metrics port
+    (None: a worker's, whose supervisor serves the metrics and names the port)."""
+    fields: dict[str, object] = {"address": f"{config.host}:{port}", "port": port}
+    if metrics_port is not None:
+        fields.update(metrics_port=metrics_port, metrics_host=config.metrics_host)
+    return fields | {
         "version": version(),
         "limits": config.public_limits(),
         "cache_bytes": config.cache_bytes,
@@ -417,7 +415,7 @@ def run(argv: Sequence[str] | None = None) -> int:
     if worker is not None:
         supervisor.die_with_supervisor()
     try:
-        metrics_port = -1
+        metrics_port: int | None = None  # a worker's: its supervisor serves them
         if worker is None:
             # Both ports are checked before either listens: nothing serves half-started.
             # (A supervisor's workers share its port, and it serves their metrics.)
@@ -437,8 +435,6 @@ def run(argv: Sequence[str] | None = None) -> int:
         daemon=True,
     ).start()
     fields = startup_fields(config, running.port, metrics_port)
-    if worker is not None:  # its supervisor serves the workers' metrics, and says where
-        del fields["metrics_port"], fields["metrics_host"]
     log.info("listening" if worker is None else supervisor.WORKER_READY, extra={"fields": fields})
     # Any thread may receive the signal, and then a blocked main thread is not woken: poll, so
     # that the Python handler (which only runs on the main thread) runs within a moment.
