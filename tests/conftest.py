@@ -18,12 +18,20 @@ from typing import IO, Any
 import grpc
 import numpy as np
 import pytest
+from hypothesis import settings
 
 from posenc.v1 import posenc_pb2_grpc
 from posenc_server.app import RunningServer, start_server
 from posenc_server.config import ServerConfig
 
 ROOT = Path(__file__).resolve().parent.parent
+
+# Property tests draw the same examples in every `make test` run (a failure there is a bug, not
+# a roll of the dice) and explore new ones in `make soak`; what either finds becomes an
+# @example of its test.
+settings.register_profile("fixed", derandomize=True, database=None, print_blob=True)
+settings.register_profile("explore", print_blob=True)
+settings.load_profile("explore" if os.environ.get("POSENC_SOAK") == "1" else "fixed")
 
 
 def free_port() -> int:

@@ -189,7 +189,8 @@ def rope_frequencies(rope: Rope) -> tuple[list[mpmath.mpf], mpmath.mpf]:
         beta_fast, beta_slow = rope.beta_fast or 32, rope.beta_slow or 1
 
         def correction_dim(rotations: float) -> mpmath.mpf:
-            return (dim * mpmath.log(original / (rotations * 2 * mpmath.pi))) / (
+            # mpf first: a huge float beta times 2 would overflow to infinity as a float.
+            return (dim * mpmath.log(original / (mpmath.mpf(rotations) * 2 * mpmath.pi))) / (
                 2 * mpmath.log(theta)
             )
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Callable, Iterator
 
 import grpc
@@ -248,40 +247,34 @@ def test_a_list_over_thousands_of_blocks_reads_the_cached_ones_and_computes_the_
 
 @pytest.mark.slow
 def test_a_warm_stream_needs_no_worker(server_factory: Callable[..., RunningServer]) -> None:
-    # Both worker threads kept busy, each by a list of a million scattered positions
-    # (seconds of engine work in one call); a range of a known spec whose blocks are all
-    # cached streams meanwhile: its request is parsed and its messages taken from the cache
-    # on the event loop, none of it queued for a worker.
-    server = Server(
-        server_factory(
-            workers=2, max_concurrent_streams=1, max_unary_bytes=64 << 20, in_flight_bytes=1 << 30
-        )
-    )
+    # Every thread of the server's pool is held by a task that waits for the test's gate; a
+    # range of a known spec whose blocks are all cached must stream meanwhile: its request is
+    # parsed and its messages taken from the cache on the event loop, none of it queued for a
+    # worker. Had it needed one, it could not finish before the gate opens, and the gate only
+    # opens after it finished or missed its deadline: no ordering of clock readings decides.
+    running = server_factory(workers=2, max_concurrent_streams=1)
+    server = Server(running)
     start = 7_000_000 * BLOCK
     warm = pb.StreamEncodingRequest(
         spec=SPEC, range=pb.PositionRange(start=start, stop=start + 32 * BLOCK)
     )
     expected = b"".join(response.chunk.data for response in server.stub.StreamEncoding(warm))
-    heavy_spec = pb.EncodingSpec(sinusoidal=pb.SinusoidalTable(d_model=16))
-    positions = np.random.default_rng(3).integers(-(2**42), 2**42, 1 << 20).tolist()
-    heavy = pb.GetEncodingRequest(spec=heavy_spec, positions=pb.PositionList(positions=positions))
-    done: list[float] = []
+    gate = threading.Event()
+    holding = threading.Semaphore(0)
 
-    def busy() -> None:
-        server.stub.GetEncoding(heavy, timeout=120)
-        done.append(time.monotonic())
+    def hold() -> None:
+        holding.release()
+        gate.wait()
 
-    workers = [threading.Thread(target=busy) for _ in range(2)]
-    for worker in workers:
-        worker.start()
-    time.sleep(0.5)  # both requests sent and taken by the workers (their rows take seconds)
+    held = [running.pool.submit(hold) for _ in range(2)]
     try:
-        assert not done, "the busy calls must outlast the warm stream"
-        responses = list(server.stub.StreamEncoding(warm, timeout=60))
-        finished = time.monotonic()
+        for _ in held:
+            assert holding.acquire(timeout=30), "a pool thread never took its task"
+        responses = list(server.stub.StreamEncoding(warm, timeout=30))
+        assert not any(future.done() for future in held), "the pool was free during the stream"
         assert len(responses) == 32
         assert b"".join(response.chunk.data for response in responses) == expected
     finally:
-        for worker in workers:
-            worker.join()
-    assert len(done) == 2 and finished < min(done), "the warm stream waited for a worker"
+        gate.set()
+        for future in held:
+            future.result(timeout=30)

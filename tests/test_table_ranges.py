@@ -21,7 +21,7 @@ from typing import Any
 import mpmath
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, assume, event, given, settings
+from hypothesis import HealthCheck, assume, event, example, given, settings
 from hypothesis import strategies as st
 from reference import within_contract
 from reference_tables import Rope, Sin, rope_exact, sinusoidal_exact
@@ -191,6 +191,20 @@ def ropes(draw: st.DrawFn) -> Rope:
     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
 )
 @given(rope=ropes(), dtype=st.sampled_from(["float32", "float64", "float16", "bfloat16"]))
+# A ramp whose far end (beta_slow at the largest float) lies below column 0: the reference
+# once turned beta_slow * 2 into infinity and disagreed with the (correct) server.
+@example(
+    rope=Rope(
+        2,
+        "yarn",
+        rope_theta=2.0,
+        factor=2.0,
+        original_max_position_embeddings=202,
+        beta_slow=1.7976931348623157e308,
+        truncate=False,
+    ),
+    dtype="float32",
+)
 def test_every_rotary_spec_is_served_within_contract_or_refused(
     client: posenc.Client, rope: Rope, dtype: str
 ) -> None:
