@@ -835,3 +835,25 @@ def test_a_closed_client_raises_a_posenc_error(server: RunningServer) -> None:
     ):
         with pytest.raises(posenc.ClientClosedError, match="the client is closed"):
             call()
+
+
+# More coordinate rows than one request carries (65,536 positions): the list travels in parts
+# split by rows, each row keeping its axes together.
+MROPE = posenc.Spec("mrope", head_dim=16, mrope_section=[2, 3, 3])
+
+
+def mrope_coordinates(rows: int) -> np.ndarray[Any, Any]:
+    """``rows`` distinct (t, h, w) coordinates."""
+    index = np.arange(rows, dtype=np.int64)
+    return np.stack([index, index // 7, -(index // 13)], axis=1)
+
+
+def test_more_coordinate_rows_than_one_request_carries(client: posenc.Client) -> None:
+    coordinates = mrope_coordinates(70_000)
+    table = client.get_positions(coordinates, MROPE)
+    assert table.shape == (70_000, 32)  # cos and sin
+    # Each row is its own coordinates' row, also across the parts' borders.
+    for rows in (slice(0, 5), slice(21_840, 21_850), slice(65_530, 65_540), slice(69_990, None)):
+        assert same_bits(table[rows], client.get_positions(coordinates[rows], MROPE))
+    streamed = np.concatenate([rows for _, rows in client.iter_positions(coordinates, MROPE)])
+    assert same_bits(streamed, table)

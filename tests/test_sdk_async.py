@@ -246,3 +246,20 @@ def test_a_closed_client_raises_a_posenc_error(server: RunningServer) -> None:
             await client.server_info()
 
     asyncio.run(main())
+
+
+def test_more_coordinate_rows_than_one_request_carries(server: RunningServer) -> None:
+    spec = posenc.Spec("mrope", head_dim=16, mrope_section=[2, 3, 3])
+    index = np.arange(70_000, dtype=np.int64)
+    coordinates = np.stack([index, index // 7, -(index // 13)], axis=1)
+
+    async def fetch(client: posenc.AsyncClient) -> tuple[Any, Any, Any]:
+        whole = await client.get_positions(coordinates, spec)
+        tail = await client.get_positions(coordinates[-10:], spec)
+        streamed = [rows async for _, rows in client.iter_positions(coordinates, spec)]
+        return whole, tail, np.concatenate(streamed)
+
+    whole, tail, streamed = run(fetch, server.target)
+    assert whole.shape == (70_000, 32)  # cos and sin
+    assert same_bits(whole[-10:], tail)
+    assert same_bits(streamed, whole)

@@ -30,10 +30,10 @@ _DTYPE_ENUMS: Final[Mapping[str, int]] = enum_names(pb.Dtype.DESCRIPTOR)
 _CLASSIC: Final = "sinusoidal"
 # Widths learned from responses, per spec: more than any process uses at once.
 _WIDTHS_KEPT: Final = 256
-#: Positions one request carries at most: longer lists travel in several calls. A request
-#: of this many positions is at most 640 KiB, so a server holds little for each call while
-#: reading it (gRPC reads a request whole before admitting it against its memory budget),
-#: and the calls of many clients at once stay small.
+#: Positions one request carries at most (a coordinate is one position of its row): longer
+#: lists travel in several calls. A request of this many positions is at most 640 KiB, so a
+#: server holds little for each call while reading it (gRPC reads a request whole before
+#: admitting it against its memory budget), and the calls of many clients at once stay small.
 MAX_POSITIONS_PER_REQUEST: Final = 1 << 16
 
 
@@ -191,22 +191,27 @@ class Query:
             return {"coordinates": pb.CoordinateList(axes=self.axes, coordinates=coordinates)}
         return {"positions": pb.PositionList(positions=self.positions[first_row:stop].tolist())}
 
+    @property
+    def rows_per_request(self) -> int:
+        """Rows one request carries at most: ``MAX_POSITIONS_PER_REQUEST`` positions, a
+        several-axis table's row being ``axes`` of them."""
+        return max(MAX_POSITIONS_PER_REQUEST // self.axes, 1)
+
     def request_stop(self, first_row: int) -> int:
         """The row after the last one a request starting at ``first_row`` asks for."""
         if self.positions is None:
             return self.rows
-        return min(self.rows, first_row + MAX_POSITIONS_PER_REQUEST)
+        return min(self.rows, first_row + self.rows_per_request)
 
     def parts(self) -> list[Query]:
-        """The query as queries of at most ``MAX_POSITIONS_PER_REQUEST`` positions each."""
-        if self.positions is None or self.rows <= MAX_POSITIONS_PER_REQUEST:
+        """The query as queries of at most :attr:`rows_per_request` rows each (split by
+        rows: a several-axis table's ``positions`` are ``[rows, axes]``)."""
+        step = self.rows_per_request
+        if self.positions is None or self.rows <= step:
             return [self]
         return [
-            dataclasses.replace(self, rows=part.size, positions=part)
-            for part in np.split(
-                self.positions,
-                range(MAX_POSITIONS_PER_REQUEST, self.rows, MAX_POSITIONS_PER_REQUEST),
-            )
+            dataclasses.replace(self, rows=len(part), positions=part)
+            for part in np.split(self.positions, range(step, self.rows, step))
         ]
 
     def unary_request(self) -> pb.GetEncodingRequest:
