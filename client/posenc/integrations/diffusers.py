@@ -1,0 +1,323 @@
+"""One call that makes a diffusers transformer take posenc's exact sin-cos grids.
+
+::
+
+    from posenc.integrations.diffusers import patch
+
+    with posenc.Client(target) as client, patch(pipeline, client):
+        image = pipeline(prompt, height=1024, width=768).images[0]
+
+diffusers builds the sin-cos grid of a patch embedding from float32 positions
+(``i / (n / base_size) / interpolation_scale``), and builds it again at every forward whose
+latent size differs from the training size (DiT at 512 px, each PixArt aspect-ratio bucket,
+SD3's crops, a longer CogVideoX video). Where those positions are not exact in float32 (a
+third, a fifth: SD3's ``i / 3``, most PixArt buckets, CogVideoX's spatial scale 1.875), the
+grid drifts from the model's definition. :func:`patch` makes each patch embedding take
+posenc's grid instead, whose positions are exact rationals:
+
+- ``PatchEmbed`` (DiT, PixArt-alpha and -sigma, SD3 and every model built on it): the grid of
+  each latent size the model is run at; SD3's crop of its ``pos_embed_max_size`` grid as the
+  coordinates of the crop;
+- ``CogVideoXPatchEmbed`` with sin-cos positions (CogVideoX-2b): the 3D grid of each video
+  size, after its text tokens' zero rows.
+
+Each size's grid is fetched once and reused by every denoising step at that size. Learned
+position embeddings (CogVideoX-5b-I2V) are weights, not tables: they are left alone and
+named in :attr:`Patch.skipped`. The returned :class:`Patch` restores the model.
+Importing this module imports torch, not diffusers: modules are recognised by their
+attributes.
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from collections.abc import Callable
+from importlib import metadata
+from types import TracebackType
+from typing import Any, Final
+
+import numpy as np
+import torch
+from torch import nn
+
+import posenc
+from posenc._output import as_tensor
+
+__all__ = ["Patch", "patch"]
+
+log = logging.getLogger(__name__)
+
+#: The diffusers releases whose modules this integration is tested against.
+SUPPORTED_DIFFUSERS: Final = ((0, 42), (0, 42))
+# A grid compared with the module's own at its training size when patching: diffusers'
+# float32 positions are within a few float32 ulps of exact there, so a larger difference
+# means a misread module, not rounding.
+_VERIFY_TOLERANCE: Final = 1e-4
+
+
+class Patch:
+    """What :func:`patch` changed in a model: undone by :meth:`undo` or on leaving a ``with``.
+
+    Attributes:
+        specs: The grid spec of each patched module at its training size, by module name.
+        skipped: Modules holding positions posenc leaves alone, by name, with the reason.
+        fetches: How many grids were fetched (one per spec: later forwards reuse them).
+    """
+
+    def __init__(self, client: posenc.Client) -> None:
+        self.client = client
+        self.specs: dict[str, posenc.Spec] = {}
+        self.skipped: dict[str, str] = {}
+        self.fetches = 0
+        self._grids: dict[posenc.Spec, torch.Tensor] = {}
+        self._undo: list[Callable[[], None]] = []
+
+    def grid(self, spec: posenc.Spec) -> torch.Tensor:
+        """The float32 rows of a grid spec, ``[cells, embed_dim]`` in row-major cell order,
+        fetched once."""
+        rows = self._grids.get(spec)
+        if rows is None:
+            grid = self.client.get_grid(spec, dtype="float32")
+            rows = as_tensor(np.ascontiguousarray(grid.reshape(-1, grid.shape[-1])))
+            self._grids[spec] = rows
+            self.fetches += 1
+        return rows
+
+    def undo(self) -> None:
+        """Restores every patched module as it was."""
+        while self._undo:
+            self._undo.pop()()
+        self._grids.clear()
+
+    def __enter__(self) -> Patch:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        self.undo()
+
+    def __repr__(self) -> str:
+        return f"Patch({', '.join(self.specs) or 'nothing'})"
+
+    def _override(self, module: nn.Module, name: str, value: Any) -> None:
+        """Sets an instance attribute that shadows the class's method."""
+        object.__setattr__(module, name, value)
+        self._undo.append(lambda: module.__dict__.pop(name, None))
+
+    def _set(self, module: nn.Module, name: str, value: Any) -> None:
+        """Sets a buffer or plain attribute, restoring the original on undo."""
+        original = getattr(module, name)
+        setattr(module, name, value)
+        self._undo.append(lambda: setattr(module, name, original))
+
+
+def patch(model: Any, client: posenc.Client, *, verify: bool = True) -> Patch:
+    """Makes every forward of a diffusers transformer take posenc's exact sin-cos grids.
+
+    Args:
+        model: A diffusers model (``DiTTransformer2DModel``, ``PixArtTransformer2DModel``,
+            ``SD3Transformer2DModel``, ``CogVideoXTransformer3DModel``, any ``nn.Module``
+            holding their patch embeddings) or a pipeline (its ``transformer`` is patched).
+        client: The :class:`posenc.Client` grids are fetched with; it must stay open while
+            the model runs patched.
+        verify: Compare each module's grid at its training size with the module's own
+            before replacing it, refusing (``ValueError``) a difference beyond float32
+            rounding: the sign of a module read differently from diffusers.
+
+    Returns:
+        The :class:`Patch`: ``undo()`` (or use it as a context manager) restores the model.
+
+    Raises:
+        ValueError: The model holds no sin-cos grid posenc serves, or (``verify``) a grid
+            differs from the module's own.
+    """
+    _check_release()
+    module = getattr(model, "transformer", model)
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"expected a diffusers model or pipeline, got {type(model).__name__}")
+    handle = Patch(client)
+    try:
+        for name, child in module.named_modules():
+            kind = type(child).__name__
+            if _is_patch_embed(child):
+                _PatchEmbed(handle, name, child).install(verify)
+            elif _is_cogvideox_embed(child):
+                if child.use_learned_positional_embeddings:
+                    handle.skipped[name] = "learned position embeddings (weights, not a table)"
+                else:
+                    _CogVideoXEmbed(handle, name, child).install(verify)
+            elif kind.endswith(("RotaryPosEmbed", "PosEmbed")) and kind != "PatchEmbed":
+                handle.skipped[name] = f"{kind}: rotary positions are not served yet"
+    except BaseException:
+        handle.undo()
+        raise
+    for name, reason in handle.skipped.items():
+        log.info("posenc left %s alone: %s", name or type(module).__name__, reason)
+    if not handle.specs:
+        raise ValueError(f"{type(module).__name__} holds no sin-cos grid posenc serves")
+    return handle
+
+
+def _check_release() -> None:
+    """Warns when the installed diffusers is outside the tested releases: the modules are
+    recognised by their attributes and each grid is verified (``verify``), but a release
+    may build its grids differently at sizes other than the training one."""
+    try:
+        version = metadata.version("diffusers")
+    except metadata.PackageNotFoundError:
+        return  # a model built without the package (a copy of its modules): nothing to say
+    release = tuple(int(part) for part in version.split(".")[:2] if part.isdigit())
+    oldest, newest = SUPPORTED_DIFFUSERS
+    if not oldest <= release <= newest:
+        warnings.warn(
+            f"posenc.integrations.diffusers is tested with diffusers "
+            f"{'.'.join(map(str, oldest))} to {'.'.join(map(str, newest))}.x, not {version}",
+            stacklevel=3,
+        )
+
+
+# -- recognising modules ------------------------------------------------------------------
+
+
+def _is_patch_embed(module: nn.Module) -> bool:
+    # diffusers' PatchEmbed: a conv projection and a sin-cos pos_embed of base_size cells.
+    # Looked up in the instance's own attributes: a diffusers model answers unknown names
+    # from its config, with a deprecation warning.
+    attributes = vars(module)
+    return {
+        "pos_embed_max_size",
+        "base_size",
+        "interpolation_scale",
+    } <= attributes.keys() and module._buffers.get("pos_embed") is not None
+
+
+def _is_cogvideox_embed(module: nn.Module) -> bool:
+    attributes = vars(module)
+    return (
+        {"max_text_seq_length", "spatial_interpolation_scale"} <= attributes.keys()
+        and hasattr(module, "_get_positional_embeddings")
+        and bool(attributes.get("use_positional_embeddings"))
+    )
+
+
+def _check(name: str, spec: posenc.Spec, ours: torch.Tensor, theirs: torch.Tensor) -> None:
+    theirs = theirs.detach().to("cpu", torch.float32).reshape(ours.shape)
+    difference = float((ours - theirs).abs().max()) if ours.numel() else 0.0
+    if not difference <= _VERIFY_TOLERANCE:
+        raise ValueError(
+            f"{name or 'the model'}: posenc's {spec.kind} differs from the module's own grid by "
+            f"{difference:.3g} at its training size: the module was read wrongly "
+            "(patch(..., verify=False) skips this check)"
+        )
+
+
+# -- the patch embeddings -----------------------------------------------------------------
+
+
+class _PatchEmbed:
+    """diffusers' ``PatchEmbed``: a 2D grid per latent size, or SD3's crop of one grid."""
+
+    def __init__(self, handle: Patch, name: str, module: Any) -> None:
+        self.handle, self.name, self.module = handle, name, module
+        self.embed_dim = int(module.pos_embed.shape[-1])
+
+    def spec(self, height: int, width: int) -> posenc.Spec:
+        # diffusers' position of index i on an axis of n cells: i / (n / base_size) / scale.
+        return posenc.Spec(
+            "sincos_grid_2d",
+            embed_dim=self.embed_dim,
+            grid_height=height,
+            grid_width=width,
+            base_size=float(self.module.base_size),
+            interpolation_scale=float(self.module.interpolation_scale),
+        )
+
+    def install(self, verify: bool) -> None:
+        module = self.module
+        if module.pos_embed_max_size:
+            size = int(module.pos_embed_max_size)
+            spec = self.spec(size, size)
+            if verify:
+                _check(self.name, spec, self.handle.grid(spec), module.pos_embed)
+            self.handle.specs[self.name] = spec
+            self.handle._override(module, "cropped_pos_embed", self.cropped)
+            return
+        spec = self.spec(int(module.height), int(module.width))
+        if verify:
+            _check(self.name, spec, self.handle.grid(spec), module.pos_embed)
+        self.handle.specs[self.name] = spec
+        # forward uses the pos_embed buffer when the latent's grid is (height, width), and
+        # rebuilds the grid in float32 otherwise: before each forward, the buffer becomes
+        # posenc's grid of the latent's size, and (height, width) that size.
+        self.handle._set(module, "pos_embed", module.pos_embed)
+        self.handle._set(module, "height", module.height)
+        self.handle._set(module, "width", module.width)
+        hook = module.register_forward_pre_hook(self.before_forward)
+        self.handle._undo.append(hook.remove)
+
+    def before_forward(self, module: Any, args: tuple[Any, ...]) -> None:
+        latent = args[0]
+        height = latent.shape[-2] // module.patch_size
+        width = latent.shape[-1] // module.patch_size
+        grid = self.handle.grid(self.spec(height, width))
+        module.pos_embed = grid.to(latent.device).unsqueeze(0)
+        module.height, module.width = height, width
+
+    def cropped(self, height: int, width: int) -> torch.Tensor:
+        """SD3's crop: the centred ``height x width`` patches of the largest grid."""
+        module = self.module
+        size = int(module.pos_embed_max_size)
+        height, width = height // module.patch_size, width // module.patch_size
+        if height > size or width > size:
+            raise ValueError(
+                f"a latent of {height} x {width} patches exceeds pos_embed_max_size {size}"
+            )
+        top, left = (size - height) // 2, (size - width) // 2
+        grid = self.handle.grid(self.spec(size, size)).reshape(size, size, -1)
+        crop = grid[top : top + height, left : left + width].reshape(1, -1, self.embed_dim)
+        return crop.to(module.pos_embed.device)
+
+
+class _CogVideoXEmbed:
+    """CogVideoX's patch embedding with sin-cos positions: the 3D grid of each video size,
+    after ``max_text_seq_length`` zero rows for the text tokens."""
+
+    def __init__(self, handle: Patch, name: str, module: Any) -> None:
+        self.handle, self.name, self.module = handle, name, module
+
+    def spec(self, height: int, width: int, frames: int) -> posenc.Spec:
+        module = self.module
+        return posenc.Spec(
+            "sincos_grid_3d",
+            embed_dim=int(module.embed_dim),
+            grid_frames=(frames - 1) // module.temporal_compression_ratio + 1,
+            grid_height=height // module.patch_size,
+            grid_width=width // module.patch_size,
+            spatial_interpolation_scale=float(module.spatial_interpolation_scale),
+            temporal_interpolation_scale=float(module.temporal_interpolation_scale),
+        )
+
+    def install(self, verify: bool) -> None:
+        module = self.module
+        size = (module.sample_height, module.sample_width, module.sample_frames)
+        spec = self.spec(*size)
+        ours = self.joint(*size)
+        if verify:
+            _check(self.name, spec, ours, module.pos_embedding)
+        self.handle.specs[self.name] = spec
+        self.handle._set(module, "pos_embedding", ours.to(module.pos_embedding.device))
+        self.handle._override(module, "_get_positional_embeddings", self.joint)
+
+    def joint(
+        self, height: int, width: int, frames: int, device: torch.device | None = None
+    ) -> torch.Tensor:
+        """``[1, text + cells, embed_dim]``: zero rows for the text, then the grid."""
+        grid = self.handle.grid(self.spec(height, width, frames))
+        text = grid.new_zeros(int(self.module.max_text_seq_length), grid.shape[1])
+        joint = torch.cat([text, grid]).unsqueeze(0)
+        return joint if device is None else joint.to(device)

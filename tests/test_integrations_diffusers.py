@@ -1,0 +1,471 @@
+"""``posenc.integrations.diffusers.patch`` on diffusers' own transformers, whole.
+
+Tiny random-initialised models (one layer, two heads) built from configs with the published
+models' grid settings (patch size, ``interpolation_scale``, SD3's ``pos_embed_max_size`` at
+three times its training grid, CogVideoX's spatial scale 1.875 and temporal compression), at
+sample sizes shrunk so that a float64 forward at four times the training resolution runs on
+a CPU in seconds. Nothing is downloaded.
+
+Each model runs three ways on the same inputs: native float32 (diffusers' grids, from
+float32 positions), patched float32 (posenc's grids), and a float64 reference (the same
+weights in float64, diffusers' own grid functions fed float64 positions). At the training
+size patched equals native within float32 noise; at every other size the patched output is
+at least as close to the reference as the native one. At these sizes a tiny model's own
+float32 arithmetic (about 1e-6 of its outputs) hides the grids' drift, so the grids
+themselves are compared too, at the published models' full sizes: there diffusers' grids are
+off by 9e-7 to 1.8e-6 (their float32 positions are not exact: a third, a fifth of an
+integer), posenc's by one float32 rounding (3e-8).
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+
+import posenc
+from posenc_server.app import RunningServer
+
+torch = pytest.importorskip("torch", reason="the conformance extra (make test installs it)")
+diffusers = pytest.importorskip("diffusers")
+embeddings = pytest.importorskip("diffusers.models.embeddings")
+from posenc.integrations.diffusers import patch  # noqa: E402  (needs torch)
+
+pytestmark = pytest.mark.slow
+
+# Largest difference between patched and native outputs at the training size: both grids are
+# within a few float32 ulps of exact there, and the model's float32 arithmetic adds its own.
+SAME_SIZE_TOLERANCE = 2e-5
+
+
+@pytest.fixture
+def client(server: RunningServer) -> Iterator[posenc.Client]:
+    with posenc.Client(server.target) as c:
+        yield c
+
+
+# -- the float64 reference: diffusers' grid functions with float64 positions -------------------
+
+
+def _exact_2d(
+    embed_dim: int,
+    grid_size: Any,
+    cls_token: bool = False,
+    extra_tokens: int = 0,
+    interpolation_scale: float = 1.0,
+    base_size: int = 16,
+    device: Any = None,
+    output_type: str = "pt",
+) -> Any:
+    """diffusers' get_2d_sincos_pos_embed, positions in float64."""
+    if isinstance(grid_size, int):
+        grid_size = (grid_size, grid_size)
+    f64 = torch.float64
+    grid_h = torch.arange(grid_size[0], dtype=f64) * base_size / grid_size[0] / interpolation_scale
+    grid_w = torch.arange(grid_size[1], dtype=f64) * base_size / grid_size[1] / interpolation_scale
+    grid = torch.stack(torch.meshgrid(grid_w, grid_h, indexing="xy"), dim=0)
+    grid = grid.reshape([2, 1, grid_size[1], grid_size[0]])
+    return embeddings.get_2d_sincos_pos_embed_from_grid(embed_dim, grid).to(device)
+
+
+def _exact_3d(
+    embed_dim: int,
+    spatial_size: Any,
+    temporal_size: int,
+    spatial_interpolation_scale: float = 1.0,
+    temporal_interpolation_scale: float = 1.0,
+    device: Any = None,
+    output_type: str = "pt",
+) -> Any:
+    """diffusers' get_3d_sincos_pos_embed, positions in float64."""
+    f64 = torch.float64
+    grid_h = torch.arange(spatial_size[1], dtype=f64) / spatial_interpolation_scale
+    grid_w = torch.arange(spatial_size[0], dtype=f64) / spatial_interpolation_scale
+    grid = torch.stack(torch.meshgrid(grid_w, grid_h, indexing="xy"), dim=0)
+    grid = grid.reshape([2, 1, spatial_size[1], spatial_size[0]])
+    spatial = embeddings.get_2d_sincos_pos_embed_from_grid(3 * embed_dim // 4, grid)
+    grid_t = torch.arange(temporal_size, dtype=f64) / temporal_interpolation_scale
+    temporal = embeddings.get_1d_sincos_pos_embed_from_grid(embed_dim // 4, grid_t)
+    cells = spatial_size[0] * spatial_size[1]
+    spatial = spatial[None].repeat_interleave(temporal_size, dim=0)
+    temporal = temporal[:, None].repeat_interleave(cells, dim=1)
+    return torch.concat([temporal, spatial], dim=-1).to(device)
+
+
+def _reference(model: Any, monkeypatch: pytest.MonkeyPatch) -> Any:
+    """``model`` in float64, building every grid from float64 positions at every forward."""
+    exact = copy.deepcopy(model).double()
+    monkeypatch.setattr(embeddings, "get_2d_sincos_pos_embed", _exact_2d)
+    monkeypatch.setattr(embeddings, "get_3d_sincos_pos_embed", _exact_3d)
+    for module in exact.modules():
+        if type(module).__name__ == "PatchEmbed":
+            if module.pos_embed_max_size:  # SD3 crops its one grid: make that grid exact
+                size = module.pos_embed_max_size
+                grid = _exact_2d(
+                    module.pos_embed.shape[-1],
+                    size,
+                    base_size=module.base_size,
+                    interpolation_scale=module.interpolation_scale,
+                )
+                module.pos_embed = grid.unsqueeze(0)
+            else:
+                module.height = module.width = -1  # never the latent's: always rebuilt
+        if type(module).__name__ == "CogVideoXPatchEmbed":
+            module.sample_height = -1
+    return exact
+
+
+def _run(model: Any, inputs: dict[str, Any]) -> Any:
+    with torch.no_grad():
+        return model(**inputs, return_dict=False)[0].double()
+
+
+def _compare(
+    model: Any,
+    client: posenc.Client,
+    monkeypatch: pytest.MonkeyPatch,
+    sizes: dict[str, Callable[[Any], dict[str, Any]]],
+) -> dict[str, tuple[float, float, float]]:
+    """Per size: the largest error of native and of patched float32 against the float64
+    reference, and the largest difference between native and patched."""
+    model = model.eval()
+    reference = _reference(model, monkeypatch)
+    inputs = {}
+    for name, make in sizes.items():
+        torch.manual_seed(1)
+        inputs[name] = make(torch.float32)
+    native = {name: _run(model, inputs[name]) for name in sizes}
+    with patch(model, client) as patched:
+        assert patched.specs, "nothing was patched"
+        ours = {name: _run(model, inputs[name]) for name in sizes}
+        fetches = patched.fetches
+        for name in sizes:  # a size met again is not fetched again
+            _run(model, inputs[name])
+        assert patched.fetches == fetches
+    errors = {}
+    for name in sizes:
+        exact = _run(reference, {k: _double(v) for k, v in inputs[name].items()})
+        errors[name] = (
+            float((native[name] - exact).abs().max()),
+            float((ours[name] - exact).abs().max()),
+            float((ours[name] - native[name]).abs().max()),
+        )
+    # Undone: the model is native again.
+    again = _run(model, inputs[next(iter(sizes))])
+    assert torch.equal(again, native[next(iter(sizes))])
+    return errors
+
+
+def _double(value: Any) -> Any:
+    return (
+        value.double() if isinstance(value, torch.Tensor) and value.is_floating_point() else value
+    )
+
+
+def _report(errors: dict[str, tuple[float, float, float]]) -> str:
+    return "; ".join(
+        f"{name}: native {n:.3g}, posenc {p:.3g} ({n / max(p, 1e-300):.1f}x)"
+        for name, (n, p, _) in errors.items()
+    )
+
+
+def _assert_no_worse(errors: dict[str, tuple[float, float, float]]) -> None:
+    """Equal to native at the training size; elsewhere no further from the reference (a
+    quarter of slack: the float32 arithmetic's own noise, a few 1e-7, dominates)."""
+    assert errors["training"][2] <= SAME_SIZE_TOLERANCE, _report(errors)
+    for name, (native, ours, _) in errors.items():
+        assert ours <= 1.25 * native + 1e-7, (name, _report(errors))
+
+
+# -- the models --------------------------------------------------------------------------------
+
+
+def _dit() -> Any:
+    from diffusers import DiTTransformer2DModel
+
+    torch.manual_seed(0)
+    # DiT-XL/2's grid settings (patch 2, no interpolation scale), sample 16 latents.
+    return DiTTransformer2DModel(
+        num_attention_heads=2,
+        attention_head_dim=32,
+        in_channels=4,
+        out_channels=4,
+        num_layers=1,
+        norm_num_groups=32,
+        sample_size=16,
+        patch_size=2,
+    )
+
+
+def _dit_inputs(latent: int) -> Callable[[Any], dict[str, Any]]:
+    def make(dtype: Any) -> dict[str, Any]:
+        return {
+            "hidden_states": torch.randn(1, 4, latent, latent, dtype=dtype),
+            "timestep": torch.tensor([500]),
+            "class_labels": torch.tensor([3]),
+        }
+
+    return make
+
+
+def test_dit_is_exact_at_every_resolution(client: posenc.Client, monkeypatch: Any) -> None:
+    errors = _compare(
+        _dit(),
+        client,
+        monkeypatch,
+        {"training": _dit_inputs(16), "2x": _dit_inputs(32), "4x": _dit_inputs(64)},
+    )
+    # DiT's positions i / 1, i / 2, i / 4 are exact in float32: both grids are exact, and
+    # the outputs agree at every size.
+    for name, (_, _, difference) in errors.items():
+        assert difference <= SAME_SIZE_TOLERANCE, (name, _report(errors))
+    _assert_no_worse(errors)
+
+
+def _pixart() -> Any:
+    from diffusers import PixArtTransformer2DModel
+
+    torch.manual_seed(0)
+    # PixArt-alpha 1024's grid settings (patch 2, interpolation_scale 2), sample 16 latents.
+    return PixArtTransformer2DModel(
+        num_attention_heads=2,
+        attention_head_dim=32,
+        in_channels=4,
+        out_channels=8,
+        num_layers=1,
+        cross_attention_dim=64,
+        caption_channels=16,
+        sample_size=16,
+        patch_size=2,
+        interpolation_scale=2,
+    )
+
+
+def _pixart_inputs(height: int, width: int) -> Callable[[Any], dict[str, Any]]:
+    def make(dtype: Any) -> dict[str, Any]:
+        return {
+            "hidden_states": torch.randn(1, 4, height, width, dtype=dtype),
+            "encoder_hidden_states": torch.randn(1, 6, 16, dtype=dtype),
+            "timestep": torch.tensor([500]),
+            "added_cond_kwargs": {"resolution": None, "aspect_ratio": None},
+        }
+
+    return make
+
+
+def test_pixart_buckets_take_exact_grids(client: posenc.Client, monkeypatch: Any) -> None:
+    # Aspect-ratio buckets: a grid of n cells has positions i * 8 / n / 2, a third or a
+    # fifth of an integer for n = 12, 20, 24, 40.
+    errors = _compare(
+        _pixart(),
+        client,
+        monkeypatch,
+        {
+            "training": _pixart_inputs(16, 16),
+            "bucket 24x40": _pixart_inputs(24, 40),
+            "2x bucket 48x80": _pixart_inputs(48, 80),
+            "4x": _pixart_inputs(64, 64),
+        },
+    )
+    _assert_no_worse(errors)
+
+
+def _sd3() -> Any:
+    from diffusers import SD3Transformer2DModel
+
+    torch.manual_seed(0)
+    # SD3's grid settings: patch 2, pos_embed_max_size three times the training grid (its
+    # positions i / 3), sample 16 latents.
+    return SD3Transformer2DModel(
+        sample_size=16,
+        patch_size=2,
+        in_channels=4,
+        out_channels=4,
+        num_layers=1,
+        attention_head_dim=32,
+        num_attention_heads=2,
+        joint_attention_dim=32,
+        caption_projection_dim=64,
+        pooled_projection_dim=16,
+        pos_embed_max_size=24,
+    )
+
+
+def _sd3_inputs(height: int, width: int) -> Callable[[Any], dict[str, Any]]:
+    def make(dtype: Any) -> dict[str, Any]:
+        return {
+            "hidden_states": torch.randn(1, 4, height, width, dtype=dtype),
+            "encoder_hidden_states": torch.randn(1, 6, 32, dtype=dtype),
+            "pooled_projections": torch.randn(1, 16, dtype=dtype),
+            "timestep": torch.tensor([500]),
+        }
+
+    return make
+
+
+def test_sd3_crops_an_exact_grid(client: posenc.Client, monkeypatch: Any) -> None:
+    # SD3 cannot run past pos_embed_max_size: 3x its training grid is its largest.
+    errors = _compare(
+        _sd3(),
+        client,
+        monkeypatch,
+        {
+            "training": _sd3_inputs(16, 16),
+            "2x": _sd3_inputs(32, 32),
+            "3x": _sd3_inputs(48, 48),
+            "crop 48x20": _sd3_inputs(48, 20),
+        },
+    )
+    _assert_no_worse(errors)
+
+
+def _cogvideox() -> Any:
+    from diffusers import CogVideoXTransformer3DModel
+
+    torch.manual_seed(0)
+    # CogVideoX-2b's grid settings: patch 2, temporal compression 4, spatial scale 1.875,
+    # sin-cos positions; 8 x 8 latents of 5 frames, 8 text tokens.
+    return CogVideoXTransformer3DModel(
+        num_attention_heads=2,
+        attention_head_dim=32,
+        in_channels=4,
+        out_channels=4,
+        time_embed_dim=32,
+        text_embed_dim=16,
+        num_layers=1,
+        sample_width=8,
+        sample_height=8,
+        sample_frames=5,
+        patch_size=2,
+        temporal_compression_ratio=4,
+        max_text_seq_length=8,
+        spatial_interpolation_scale=1.875,
+        temporal_interpolation_scale=1.0,
+    )
+
+
+def _cogvideox_inputs(frames: int, size: int) -> Callable[[Any], dict[str, Any]]:
+    def make(dtype: Any) -> dict[str, Any]:
+        return {
+            "hidden_states": torch.randn(1, frames, 4, size, size, dtype=dtype),
+            "encoder_hidden_states": torch.randn(1, 8, 16, dtype=dtype),
+            "timestep": torch.tensor([500]),
+        }
+
+    return make
+
+
+def test_cogvideox_takes_an_exact_3d_grid(client: posenc.Client, monkeypatch: Any) -> None:
+    # Latent frames (5 - 1) // 4 + 1 = 2 at training; twice the frames and 2x, 4x the size.
+    errors = _compare(
+        _cogvideox(),
+        client,
+        monkeypatch,
+        {
+            "training": _cogvideox_inputs(2, 8),
+            "2x frames": _cogvideox_inputs(4, 8),
+            "2x": _cogvideox_inputs(2, 16),
+            "4x": _cogvideox_inputs(2, 32),
+        },
+    )
+    _assert_no_worse(errors)
+
+
+# -- the grids at the published models' full sizes ----------------------------------------------
+
+# The drift is a function of the positions, not of the width: 64 columns (frequencies 1 down
+# to 10000 ** -15/16) stand for each model's.
+# name: (embed_dim, (height, width) in patches, base_size, interpolation_scale, crop of a
+# larger grid (SD3: its pos_embed_max_size grid, centred) or None)
+_GRIDS_2D = {
+    # PixArt-alpha 1024 (base 64 patches, scale 2), its 768 x 1344 px aspect-ratio bucket.
+    "pixart-1024 bucket 768x1344": (64, (48, 84), 64, 2.0, None),
+    # SD3 medium: a 1024 x 1024 px image is the centred 64 x 64 crop of its 192 x 192 grid.
+    "sd3 1024x1024": (64, (64, 64), 64, 1.0, 192),
+    "sd3 1536x1024": (64, (96, 64), 64, 1.0, 192),
+}
+
+
+def _cropped(grid: Any, size: int, height: int, width: int) -> Any:
+    top, left = (size - height) // 2, (size - width) // 2
+    return grid.reshape(size, size, -1)[top : top + height, left : left + width].reshape(
+        height * width, -1
+    )
+
+
+@pytest.mark.parametrize("case", list(_GRIDS_2D))
+def test_published_2d_grids_drift_where_posenc_does_not(client: posenc.Client, case: str) -> None:
+    embed_dim, (height, width), base_size, scale, crop = _GRIDS_2D[case]
+    size = (crop, crop) if crop else (height, width)
+    native = embeddings.get_2d_sincos_pos_embed(
+        embed_dim, size, base_size=base_size, interpolation_scale=scale
+    ).float()
+    exact = _exact_2d(embed_dim, size, base_size=base_size, interpolation_scale=scale)
+    spec = posenc.Spec(
+        "sincos_grid_2d",
+        embed_dim=embed_dim,
+        grid_height=size[0],
+        grid_width=size[1],
+        base_size=base_size,
+        interpolation_scale=scale,
+    )
+    ours = torch.from_numpy(client.get_grid(spec, dtype="float32").reshape(-1, embed_dim))
+    if crop:
+        native, exact, ours = (_cropped(g, crop, height, width) for g in (native, exact, ours))
+    _assert_drift(native, ours, exact)
+
+
+@pytest.mark.parametrize(("height", "width", "frames"), [(480, 720, 49), (960, 1440, 97)])
+def test_published_3d_grid_drifts_where_posenc_does_not(
+    client: posenc.Client, height: int, width: int, frames: int
+) -> None:
+    # CogVideoX-2b at 720 x 480 px and 49 frames (45 x 30 patches, 13 latent frames), and at
+    # twice that in every axis; spatial positions i / 1.875; 64 columns as above.
+    grid_w, grid_h, grid_t = width // 16, height // 16, (frames - 1) // 4 + 1
+    native = embeddings.get_3d_sincos_pos_embed(64, (grid_w, grid_h), grid_t, 1.875, 1.0)
+    exact = _exact_3d(64, (grid_w, grid_h), grid_t, 1.875, 1.0)
+    spec = posenc.Spec(
+        "sincos_grid_3d",
+        embed_dim=64,
+        grid_frames=grid_t,
+        grid_height=grid_h,
+        grid_width=grid_w,
+        spatial_interpolation_scale=1.875,
+    )
+    ours = torch.from_numpy(client.get_grid(spec, dtype="float32").reshape(-1, 64))
+    _assert_drift(native.reshape(-1, 64).float(), ours, exact.reshape(-1, 64))
+
+
+def _assert_drift(native: Any, ours: Any, exact: Any) -> None:
+    """posenc's float32 grid within one float32 rounding of exact (3e-8 at most here);
+    diffusers' at least 16 times further off (9e-7 to 1.8e-6 here)."""
+    ours_error = float((ours.double() - exact).abs().max())
+    native_error = float((native.double() - exact).abs().max())
+    assert ours_error <= 2.0**-24, ours_error
+    assert native_error >= 16 * ours_error, (native_error, ours_error)
+
+
+def test_a_pipeline_is_patched_through_its_transformer(client: posenc.Client) -> None:
+    from types import SimpleNamespace
+
+    model = _dit()
+    with patch(SimpleNamespace(transformer=model), client) as patched:
+        assert list(patched.specs) == ["pos_embed"]
+        assert patched.specs["pos_embed"].kind == "sincos_grid_2d"
+
+
+def test_a_grid_read_wrongly_is_refused_and_nothing_is_patched(client: posenc.Client) -> None:
+    model = _dit()
+    module = model.pos_embed
+    module.interpolation_scale = 2.0  # not what its buffer was built with
+    hooks = dict(module._forward_pre_hooks)
+    with pytest.raises(ValueError, match="differs from the module's own grid"):
+        patch(model, client)
+    assert dict(module._forward_pre_hooks) == hooks
+
+
+def test_a_model_without_a_grid_is_refused(client: posenc.Client) -> None:
+    with pytest.raises(ValueError, match="holds no sin-cos grid"):
+        patch(torch.nn.Linear(2, 2), client)
