@@ -470,3 +470,33 @@ def test_the_sdk_and_cli_import_ml_dtypes_only_for_bfloat16(server: RunningServe
         check=True,
     )
     assert result.stdout.splitlines()[-2:] == ["False", "True bfloat16"]
+
+
+def posenc_cli(*args: str, **options: object) -> subprocess.CompletedProcess[str]:
+    """The installed ``posenc`` command, in a subprocess (a guard timeout only)."""
+    return subprocess.run(
+        [str(BIN / "posenc"), *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        **options,  # type: ignore[call-overload]
+    )
+
+
+def test_a_hostile_rope_config_is_a_one_line_error(tmp_path: Path) -> None:
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({"head_dim": -300, "rotary_dim": 55}))
+    result = posenc_cli(
+        "fetch",
+        "0",
+        "10",
+        "--rope-config",
+        str(config),
+        "-o",
+        str(tmp_path / "t.npy"),
+        "--target",
+        f"127.0.0.1:{free_port()}",
+    )
+    assert result.returncode == 1
+    assert result.stderr.count("\n") == 1, result.stderr
+    assert "INVALID_ARGUMENT: config.head_dim" in result.stderr

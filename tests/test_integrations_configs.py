@@ -20,6 +20,8 @@ from typing import Any
 
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, example, given, settings
+from hypothesis import strategies as st
 
 import posenc
 
@@ -236,6 +238,141 @@ def test_unserved_rope_type_and_missing_width_are_refused() -> None:
         posenc.Spec.from_config(
             {"head_dim": 8, "rope_parameters": {"full_attention": {"rope_type": "default"}}}
         )
+
+
+# -- hostile configs ------------------------------------------------------------------------------
+
+# Whatever a config holds, from_config returns a Spec or raises InvalidArgumentError: never
+# another exception, never a loop.
+_ANY = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(),
+    st.integers(min_value=-2, max_value=300),
+    st.floats(),
+    st.text(max_size=4),
+    st.lists(st.one_of(st.integers(-5, 100), st.floats(), st.text(max_size=2)), max_size=4),
+    st.dictionaries(st.text(max_size=3), st.integers(), max_size=2),
+)
+_TOP_KEYS = (
+    "head_dim",
+    "qk_rope_head_dim",
+    "hidden_size",
+    "n_embd",
+    "d_model",
+    "num_attention_heads",
+    "n_head",
+    "rope_theta",
+    "rotary_emb_base",
+    "partial_rotary_factor",
+    "rotary_pct",
+    "rotary_dim",
+    "max_position_embeddings",
+    "n_positions",
+    "original_max_position_embeddings",
+    "pad_token_id",
+    "sinusoidal_embeddings",
+)
+_ROPE_KEYS = (
+    "rope_theta",
+    "partial_rotary_factor",
+    "factor",
+    "original_max_position_embeddings",
+    "beta_fast",
+    "beta_slow",
+    "mscale",
+    "mscale_all_dim",
+    "truncate",
+    "attention_factor",
+    "short_factor",
+    "long_factor",
+    "low_freq_factor",
+    "high_freq_factor",
+    "mrope_section",
+    "mrope_interleaved",
+)
+_ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "longrope", "llama3", "mrope", "su")
+_MODEL_TYPES = (
+    "llama",
+    "gptj",
+    "gpt_neox",
+    "phi3",
+    "qwen2_vl",
+    "qwen3_vl_text",
+    "whisper",
+    "m2m_100",
+    "marian",
+    "xlm",
+)
+_ROPE = st.one_of(
+    _ANY,
+    st.fixed_dictionaries(
+        {},
+        optional={
+            "rope_type": st.one_of(st.sampled_from(_ROPE_TYPES), _ANY),
+            "type": st.sampled_from(_ROPE_TYPES),
+            **dict.fromkeys(_ROPE_KEYS, _ANY),
+        },
+    ),
+)
+_CONFIGS = st.fixed_dictionaries(
+    {},
+    optional={
+        "model_type": st.one_of(st.sampled_from(_MODEL_TYPES), _ANY),
+        "rope_scaling": _ROPE,
+        "rope_parameters": _ROPE,
+        **dict.fromkeys(_TOP_KEYS, _ANY),
+    },
+)
+
+
+@pytest.mark.timeout(120)
+@settings(max_examples=1500, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    config=_CONFIGS,
+    seq_len=st.one_of(st.none(), _ANY),
+    layout=st.one_of(st.none(), st.sampled_from(["vllm", "gptj"]), _ANY),
+)
+@example(config={"head_dim": -300, "rotary_dim": 55}, seq_len=None, layout=None)
+@example(config={"head_dim": 64, "rotary_dim": -1}, seq_len=None, layout=None)
+@example(config={"hidden_size": 64, "num_attention_heads": 5e-324}, seq_len=None, layout=None)
+@example(config={"head_dim": math.inf}, seq_len=None, layout=None)
+@example(config={"head_dim": math.nan}, seq_len=None, layout=None)
+@example(config={"head_dim": [1, 2]}, seq_len=None, layout=None)
+@example(config={"head_dim": 64, "rope_theta": 10**400}, seq_len=None, layout=None)
+@example(config={"head_dim": 64, "rope_theta": "x"}, seq_len=None, layout=None)
+@example(
+    config={"head_dim": 64, "rope_scaling": {"rope_type": "longrope"}}, seq_len=9000, layout=None
+)
+@example(
+    config={"head_dim": 64, "max_position_embeddings": "x", "rope_scaling": {"type": "dynamic"}},
+    seq_len=9000,
+    layout=None,
+)
+@example(config={"head_dim": 64, "rope_scaling": {"mrope_section": 5}}, seq_len=None, layout=None)
+@example(
+    config={"head_dim": 64, "rope_scaling": {"mrope_section": ["a"]}}, seq_len=None, layout=None
+)
+@example(config={"model_type": "whisper", "d_model": "x"}, seq_len=None, layout=None)
+@example(config={"head_dim": 64}, seq_len=-1.5, layout=None)
+def test_any_config_gives_a_spec_or_invalid_argument(
+    config: dict[str, Any], seq_len: Any, layout: Any
+) -> None:
+    try:
+        spec = posenc.Spec.from_config(config, seq_len=seq_len, layout=layout)
+    except posenc.InvalidArgumentError as error:
+        assert error.field_violations, error
+    else:
+        assert isinstance(spec, posenc.Spec)
+
+
+def test_a_config_object_whose_to_dict_is_not_a_mapping_is_refused() -> None:
+    class Odd:
+        def to_dict(self) -> list[int]:
+            return [1]
+
+    with pytest.raises(posenc.InvalidArgumentError, match="to_dict"):
+        posenc.Spec.from_config(Odd())
 
 
 # -- sinusoidal families --------------------------------------------------------------------------

@@ -17,12 +17,14 @@ as it is, and keys a scaling does not take are ignored, as transformers ignores 
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Mapping
 from typing import Any, Final
 
 from google.protobuf.descriptor import FieldDescriptor
 
 from posenc._checks import bad_argument
+from posenc.errors import InvalidArgumentError
 from posenc.spec import Spec
 from posenc.v1 import posenc_pb2 as pb
 
@@ -82,8 +84,36 @@ def config_dict(config: object) -> dict[str, Any]:
     if not callable(to_dict):
         raise bad_argument("config", f"must be a mapping or a model config, got {type(config)}")
     values = to_dict()
-    assert isinstance(values, dict)
-    return values
+    if not isinstance(values, Mapping):
+        raise bad_argument("config", f"to_dict() must return a mapping, got {type(values)}")
+    return dict(values)
+
+
+def _integer(value: object, path: str, *, positive: bool = False) -> int:
+    """A config's integer: an int, or a float with an integral value (JSON writes some
+    integers as 4096.0); InvalidArgumentError naming ``path`` otherwise."""
+    if isinstance(value, numbers.Integral) and not isinstance(value, bool):
+        number = int(value)
+    elif isinstance(value, numbers.Real) and not isinstance(value, bool):
+        real = _real(value, path)
+        if not (math.isfinite(real) and real.is_integer()):
+            raise bad_argument(path, f"must be an integer, got {value!r}")
+        number = int(real)
+    else:
+        raise bad_argument(path, f"must be an integer, got {type(value).__name__}")
+    if positive and number <= 0:
+        raise bad_argument(path, f"must be positive, got {number}")
+    return number
+
+
+def _real(value: object, path: str) -> float:
+    """A config's real number; InvalidArgumentError naming ``path`` otherwise."""
+    if not isinstance(value, numbers.Real) or isinstance(value, bool):
+        raise bad_argument(path, f"must be a number, got {type(value).__name__}")
+    try:
+        return float(value)
+    except OverflowError:
+        raise bad_argument(path, f"is too large for a float64, got {value!r}") from None
 
 
 def _first(config: Mapping[str, Any], names: tuple[str, ...]) -> Any:
@@ -96,22 +126,27 @@ def _first(config: Mapping[str, Any], names: tuple[str, ...]) -> Any:
 def _head_dim(config: Mapping[str, Any]) -> int:
     # DeepSeek-V2/V3 (multi-head latent attention) rotate only qk_rope_head_dim columns of a
     # head; their config classes set head_dim to it.
-    if config.get("qk_rope_head_dim"):
-        return int(config["qk_rope_head_dim"])
-    if config.get("head_dim"):
-        return int(config["head_dim"])
+    for name in ("qk_rope_head_dim", "head_dim"):
+        if config.get(name):
+            return _integer(config[name], f"config.{name}", positive=True)
     hidden, heads = _first(config, _HIDDEN), _first(config, _HEADS)
     if not hidden or not heads:
         raise bad_argument(
             "config", "needs head_dim, or hidden_size (n_embd) and num_attention_heads (n_head)"
         )
-    return int(hidden) // int(heads)
+    hidden = _integer(hidden, "config.hidden_size", positive=True)
+    return hidden // _integer(heads, "config.num_attention_heads", positive=True)
 
 
 def _partial_factor(rotary_dim: int, head_dim: int) -> float:
     """A partial_rotary_factor f with int(head_dim * f) == rotary_dim, as the server computes
     it: rotary_dim / head_dim, nudged up when it rounds below (e.g. 32 / 96)."""
+    if not 0 < rotary_dim <= head_dim:
+        raise bad_argument(
+            "config.rotary_dim", f"must be in 1..head_dim ({head_dim}), got {rotary_dim}"
+        )
     factor = rotary_dim / head_dim
+    # At most a few steps: the quotient is within a few units in the last place.
     while int(head_dim * factor) < rotary_dim:
         factor = math.nextafter(factor, math.inf)
     return factor
@@ -139,7 +174,26 @@ def spec_from_config(
     seq_len: int | None = None,
     layer_type: str | None = None,
 ) -> Spec:
-    """:meth:`posenc.Spec.from_config` (its docstring says what is read, and how)."""
+    """:meth:`posenc.Spec.from_config` (its docstring says what is read, and how).
+
+    Every config it cannot read is an InvalidArgumentError: the values are checked where
+    they are read, and a failure of Python's own conversions on a value of a shape no check
+    foresaw is reported as the config's too, never as a ValueError, TypeError, KeyError,
+    OverflowError or ZeroDivisionError of this module's code.
+    """
+    try:
+        return _spec_from_config(config, layout=layout, seq_len=seq_len, layer_type=layer_type)
+    except InvalidArgumentError:
+        raise
+    except (ArithmeticError, LookupError, TypeError, ValueError) as error:
+        raise bad_argument("config", f"cannot be read ({type(error).__name__}: {error})") from None
+
+
+def _spec_from_config(
+    config: object, *, layout: str | None, seq_len: int | None, layer_type: str | None
+) -> Spec:
+    if seq_len is not None:
+        seq_len = _integer(seq_len, "seq_len", positive=True)
     values = config_dict(config)
     model_type = str(values.get("model_type") or "")
     if model_type in SINUSOIDAL_FAMILIES:
@@ -152,16 +206,19 @@ def spec_from_config(
 
     theta = _first(rope, ("rope_theta",)) or _first(values, ("rope_theta", "rotary_emb_base"))
     if theta is not None:
-        parameters["rope_theta"] = float(theta)
+        parameters["rope_theta"] = _real(theta, "config.rope_theta")
     factor = _first(rope, ("partial_rotary_factor",))
     if factor is None:
         factor = _first(values, ("partial_rotary_factor", "rotary_pct"))
     if factor is None and values.get("rotary_dim"):
-        factor = _partial_factor(int(values["rotary_dim"]), head_dim)
+        rotary_dim = _integer(values["rotary_dim"], "config.rotary_dim")
+        factor = _partial_factor(rotary_dim, head_dim)
     if factor is None and model_type == "gpt_neox":
         factor = _GPT_NEOX_ROTARY_PCT
-    if factor is not None and float(factor) != 1.0:
-        parameters["partial_rotary_factor"] = float(factor)
+    if factor is not None:
+        factor = _real(factor, "config.partial_rotary_factor")
+        if factor != 1.0:
+            parameters["partial_rotary_factor"] = factor
 
     rope_type = str(rope.get("rope_type") or rope.get("type") or "default")
     family = model_type.removesuffix("_text")
@@ -190,10 +247,15 @@ def _mrope(
     interleaved = rope.get("mrope_interleaved")
     if interleaved is None:
         interleaved = interleaved_default
+    given = rope.get("mrope_section") or sections
+    if not isinstance(given, list | tuple):
+        raise bad_argument(
+            "config.mrope_section", f"must be a list of integers, got {type(given).__name__}"
+        )
     return Spec(
         "mrope",
         **parameters,
-        mrope_section=[int(count) for count in rope.get("mrope_section") or sections],
+        mrope_section=[_integer(count, "config.mrope_section") for count in given],
         interleaved=bool(interleaved),
     )
 
@@ -247,29 +309,38 @@ def _normalise_seq_len(rope_type: str, fields: Mapping[str, Any], seq_len: int) 
     the model's initial table."""
     if rope_type == "dynamic":
         limit = fields.get("max_position_embeddings")
-        return None if limit is not None and seq_len <= limit else seq_len
+        if limit is None:
+            return seq_len
+        return None if seq_len <= _integer(limit, "config.max_position_embeddings") else seq_len
     if rope_type == "longrope":
-        original = int(fields["original_max_position_embeddings"])
+        name = "original_max_position_embeddings"
+        if fields.get(name) is None:
+            raise bad_argument(
+                f"config.{name}",
+                "longrope with seq_len needs it (or max_position_embeddings)",
+            )
+        original = _integer(fields[name], f"config.{name}")
         return original + 1 if seq_len > original else None
     return seq_len
 
 
 def _sinusoidal(model_type: str, config: Mapping[str, Any]) -> Spec:
-    d_model = _first(config, _HIDDEN)
-    if not d_model:
+    given = _first(config, _HIDDEN)
+    if not given:
         raise bad_argument("config", f"a {model_type} config needs d_model")
+    d_model = _integer(given, "config.d_model", positive=True)
     if model_type == "whisper":
-        return Spec("whisper", d_model=int(d_model))
+        return Spec("whisper", d_model=d_model)
     if model_type in ("m2m_100", "speech_to_text"):
         padding_idx = config.get("pad_token_id")
         return Spec(
-            "fairseq", d_model=int(d_model), padding_idx=1 if padding_idx is None else padding_idx
+            "fairseq", d_model=d_model, padding_idx=1 if padding_idx is None else padding_idx
         )
     if model_type in ("marian", "pegasus"):
-        return Spec("sinusoidal", d_model=int(d_model), layout="split")
+        return Spec("sinusoidal", d_model=d_model, layout="split")
     # XLM: create_sinusoidal_embeddings, interleaved; only when the model uses it.
     if not config.get("sinusoidal_embeddings"):
         raise bad_argument(
             "config.sinusoidal_embeddings", "this XLM config learns its position embeddings"
         )
-    return Spec("sinusoidal", d_model=int(d_model))
+    return Spec("sinusoidal", d_model=d_model)
