@@ -489,18 +489,62 @@ def test_retries_exhausted_raise_unavailable(spawn_server: Callable[..., ServerP
 
 
 @pytest.mark.timeout(60)
-def test_no_server_at_the_target_is_said_at_once(caplog: pytest.LogCaptureFixture) -> None:
+def test_no_server_at_the_target_is_said_after_the_retry_budget(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     caplog.set_level(logging.INFO, logger="posenc")
     port = free_port()
     for target in (f"127.0.0.1:{port}", [f"127.0.0.1:{port}", f"localhost:{port}"]):
-        with posenc.Client(target) as client, pytest.raises(posenc.UnavailableError) as raised:
+        with (
+            posenc.Client(target, max_retries=2, retry_backoff=0.01) as client,
+            pytest.raises(posenc.UnavailableError) as raised,
+        ):
             client.get_range(0, 10, 8)
         message = str(raised.value)
         assert f"no posenc server at {client.target}" in message
         assert "(connection refused): is it running?" in message
-    # Said at once: no waiting through the retry budget (about 5 s) for a server that never
-    # answered.
-    assert not any("retrying" in record.message for record in caplog.records)
+        assert message.endswith("(after 3 attempts)")
+    # A new client retries a refused connection as an established one does: its server may
+    # be restarting.
+    assert sum("retrying" in record.message for record in caplog.records) == 4
+
+
+@pytest.mark.slow  # starts a server twice
+@pytest.mark.timeout(120)
+def test_a_new_client_waits_for_a_server_restarting_during_its_first_call(
+    spawn_server: Callable[..., ServerProcess],
+) -> None:
+    port = free_port()
+    spawn_server(port).kill()  # the server is gone when the client's first call begins
+    retried = threading.Event()
+
+    class Retries(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if record.getMessage().startswith("retrying"):
+                retried.set()
+
+    handler = Retries()
+    logger = logging.getLogger("posenc")
+    logger.addHandler(handler)
+    level = logger.level
+    logger.setLevel(logging.INFO)
+    try:
+        # A budget of about 20 s: a server start takes 1-3 s, more on a loaded machine.
+        with (
+            posenc.Client(f"127.0.0.1:{port}", max_retries=15) as client,
+            ThreadPoolExecutor(1) as pool,
+        ):
+            call = pool.submit(client.get_range, 0, 100, 16)
+            while not retried.wait(0.05):
+                if call.done():
+                    call.result()  # raises: the first call gave up without retrying
+                    raise AssertionError("the first call returned without a server")
+            spawn_server(port)  # the restart, while the new client's first call retries
+            table = call.result(timeout=60)
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+    assert same_bits(table, on_the_wire(f"127.0.0.1:{port}", 16, 0, 100))
 
 
 @pytest.mark.timeout(60)

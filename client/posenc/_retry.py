@@ -38,10 +38,13 @@ _DETAILS_KEY: Final = "grpc-status-details-bin"
 _LOCAL_CANCELLATIONS: Final = frozenset({"Locally cancelled by application!", "Channel closed!"})
 _TRANSPORT_CODES: Final = frozenset({grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN})
 # Why no server can be at a target, by what gRPC says of a call that never reached one (its
-# resolvers, native and c-ares, say a name does not resolve in two ways).
+# resolvers, native and c-ares, say a name does not resolve in two ways), and whether that is
+# said at once. A refused connection is retried within the call's budget even by a client
+# no server answered yet: a new client (every ``posenc fetch``) may start while its server
+# restarts. A name that does not resolve is said at once.
 _NOBODY_THERE: Final = (
-    (("connection refused",), " (connection refused): is it running?"),
-    (("errors resolving", "dns resolution failed"), ": its name does not resolve"),
+    (("connection refused",), " (connection refused): is it running?", False),
+    (("errors resolving", "dns resolution failed"), ": its name does not resolve", True),
 )
 
 
@@ -127,9 +130,10 @@ def is_transient(error: PosencError) -> bool:
 class Contact:
     """Whether a server of this client's target has ever answered it.
 
-    A refused connection to a server that answered before is a restart, worth the retry
-    budget; to a target that never answered, it is a server not running or a wrong address,
-    and the caller hears so at once.
+    A refused connection is retried within the call's budget either way (a new client may
+    start while its server restarts); once the budget is spent, a target that never answered
+    is said to have no server ("is it running?") rather than only UNAVAILABLE. A name that
+    does not resolve, at a target that never answered, is said at once.
     """
 
     def __init__(self, target: str) -> None:
@@ -170,18 +174,26 @@ class CallBudget:
         self._failures = 0
         self._contact.answered = True
 
+    def _nobody_there(self, mapped: PosencError) -> tuple[UnavailableError | None, bool]:
+        """The error that says no server was ever at the target, when nothing answered this
+        client and ``mapped`` says why (see ``_NOBODY_THERE``), and whether it is said at
+        once; else None."""
+        if mapped.code != grpc.StatusCode.UNAVAILABLE or self._contact.answered:
+            return None, False
+        details = mapped.details.lower()
+        for signs, why, at_once in _NOBODY_THERE:
+            if any(sign in details for sign in signs):
+                attempts = f" (after {self._failures + 1} attempts)" if self._failures else ""
+                message = f"no posenc server at {self._contact.target}{why} ({mapped.details})"
+                return UnavailableError(message + attempts, code=mapped.code), at_once
+        return None, False
+
     def on_error(self, error: grpc.RpcError) -> float:
         """Returns how long to sleep before retrying, or raises the mapped exception."""
         mapped = map_rpc_error(error)
-        if mapped.code == grpc.StatusCode.UNAVAILABLE and not self._contact.answered:
-            # Said at once, not after the whole retry budget: nothing ever answered there.
-            details = mapped.details.lower()
-            for signs, why in _NOBODY_THERE:
-                if any(sign in details for sign in signs):
-                    raise UnavailableError(
-                        f"no posenc server at {self._contact.target}{why} ({mapped.details})",
-                        code=mapped.code,
-                    ) from error
+        nobody, at_once = self._nobody_there(mapped)
+        if nobody is not None and (at_once or self._failures >= self._max_retries):
+            raise nobody from error
         if not is_transient(mapped) or self._failures >= self._max_retries:
             if self._failures:
                 mapped.details += f" (after {self._failures + 1} attempts)"
@@ -197,6 +209,8 @@ class CallBudget:
         # clients that failed together do not all come back in the same millisecond.
         delay *= 1.0 + 0.2 * random.random()
         if self._deadline is not None and time.monotonic() + delay >= self._deadline:
+            if nobody is not None:
+                raise nobody from error
             raise DeadlineExceededError(
                 f"deadline of {self.timeout} s exceeded while retrying: {mapped}"
             ) from error
