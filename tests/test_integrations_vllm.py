@@ -1,39 +1,53 @@
-"""posenc.integrations.vllm builds the cos_sin_cache of vLLM's rotary classes.
+"""posenc.integrations.vllm against vLLM 0.33's own rotary classes.
 
-vLLM is a CUDA install and cannot run here, so each class's ``_compute_cos_sin_cache`` (and
-the ``_compute_inv_freq`` it calls) is transcribed below line by line, from
-github.com/vllm-project/vllm, ``vllm/model_executor/layers/rotary_embedding/``:
+The classes are vLLM's code: its published wheel, downloaded once into pytest's cache and
+imported on CPU with small stand-ins for its platform glue (tests/vllm_wheel.py,
+tests/vllm_stubs.py). Without the network these tests fail with pip's reason;
+``POSENC_SKIP_VLLM=1`` skips them.
 
-- ``base.py`` @ 04458da0: ``RotaryEmbedding``
-- ``linear_scaling_rope.py`` @ 0f17ee06: ``LinearScalingRotaryEmbedding``
-- ``dynamic_ntk_scaling_rope.py`` @ 3cfbaf33: ``DynamicNTKScalingRotaryEmbedding``
-- ``yarn_scaling_rope.py`` @ 0cd57848 and ``common.py`` @ 002d181a (``yarn_*`` helpers):
-  ``YaRNScalingRotaryEmbedding``; the class passes ``truncate`` to
-  ``yarn_find_correction_range``, which floors/ceils only when it is true (as transformers)
-- ``llama3_rope.py`` @ 045d7575: ``Llama3RotaryEmbedding``
-- ``phi3_long_rope_scaled_rope.py`` @ 17d618b0: ``Phi3LongRoPEScaledRotaryEmbedding``
-- ``__init__.py`` @ 07b12f1b: ``get_rope`` (which class, with which max position)
-
-The transcriptions take a ``dtype``: float32 is vLLM's arithmetic, float64 the same formulas
-without its rounding. posenc's cache has vLLM's exact shape, matches the float64 run within
-float32 rounding, and the float32 run (vLLM itself) within float32's angle error.
+Each case builds its module with vLLM's ``get_rope`` twice: in float32, as vLLM does, and
+with the same code's arithmetic in float64 (``torch.float`` and ``torch.float32`` read as
+float64 inside vLLM's rotary modules, ``dtype=torch.float64``): the reference. posenc's float32
+cache has the module's shape, installs into the float32 module (``install`` checks it
+against vLLM's own values first) and is within float32 rounding of the reference.
 """
 
 from __future__ import annotations
 
-import math
+import os
+import sys
+import tomllib
+import types
 from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
-import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch", reason="the conformance extra (make test installs it)")
 
+import vllm_stubs  # noqa: E402
+import vllm_wheel  # noqa: E402
+
 import posenc  # noqa: E402
 from posenc.integrations import vllm as pv  # noqa: E402
 
+ROPE = "vllm.model_executor.layers.rotary_embedding"
 EPS32 = 2.0**-24
+
+
+@pytest.fixture(scope="module")
+def rope(request: pytest.FixtureRequest) -> Iterator[types.ModuleType]:
+    """vLLM 0.33's ``rotary_embedding`` package (``get_rope`` and the classes), in
+    ``sys.modules`` for this file's tests only."""
+    if os.environ.get(vllm_wheel.SKIP_ENV) == "1":
+        pytest.skip(f"{vllm_wheel.SKIP_ENV}=1: vLLM's own classes not tested")
+    root = vllm_wheel.unpacked(Path(request.config.cache.mkdir(f"vllm-{vllm_wheel.VERSION}")))
+    try:
+        yield vllm_stubs.load(root)
+    finally:
+        vllm_stubs.unload()
 
 
 @pytest.fixture
@@ -42,307 +56,146 @@ def client(server: Any) -> Iterator[posenc.Client]:
         yield client
 
 
-# -- the transcriptions ---------------------------------------------------------------------------
+class _Float64Torch(types.ModuleType):
+    """torch, with the float32 dtypes vLLM's rotary code names meaning float64."""
+
+    float = torch.float64
+    float32 = torch.float64
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(torch, name)
 
 
-class Base:
-    """RotaryEmbedding (base.py)."""
-
-    def __init__(self, head_size: int, rotary_dim: int, max_position_embeddings: int,
-                 base: float, dtype: Any) -> None:  # fmt: skip
-        self.head_size = head_size
-        self.rotary_dim = rotary_dim
-        self.max_position_embeddings = max_position_embeddings
-        self.base = base
-        self.float = dtype  # vLLM: torch.float
-
-    def _compute_inv_freq(self, base: float) -> Any:
-        inv_freq = 1.0 / (
-            base ** (torch.arange(0, self.rotary_dim, 2, dtype=self.float) / self.rotary_dim)
-        )
-        return inv_freq
-
-    def _compute_cos_sin_cache(self) -> Any:
-        inv_freq = self._compute_inv_freq(self.base)
-        t = torch.arange(self.max_position_embeddings, dtype=self.float)
-
-        freqs = torch.einsum("i,j -> ij", t, inv_freq)
-        cos = freqs.cos()
-        sin = freqs.sin()
-        cache = torch.cat((cos, sin), dim=-1)
-        return cache
+@contextmanager
+def float64_arithmetic() -> Iterator[None]:
+    modules = [m for n, m in sys.modules.items() if n.startswith(ROPE) and m is not None]
+    patched = [m for m in modules if getattr(m, "torch", None) is torch]
+    proxy = _Float64Torch("torch")
+    for module in patched:
+        module.torch = proxy  # type: ignore[attr-defined]
+    try:
+        yield
+    finally:
+        for module in patched:
+            module.torch = torch  # type: ignore[attr-defined]
 
 
-class Linear(Base):
-    """LinearScalingRotaryEmbedding (linear_scaling_rope.py)."""
-
-    def __init__(self, *args: Any, scaling_factors: list[float], **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.scaling_factors = scaling_factors
-
-    def _compute_cos_sin_cache(self) -> Any:
-        inv_freq = self._compute_inv_freq(self.base)
-        cache_list = []
-        for scaling_factor in self.scaling_factors:
-            max_len = self.max_position_embeddings * scaling_factor
-            t = torch.arange(max_len, dtype=self.float)
-            t = t / scaling_factor
-
-            freqs = torch.einsum("i,j -> ij", t, inv_freq)
-            cos = freqs.cos()
-            sin = freqs.sin()
-            cache = torch.cat((cos, sin), dim=-1)
-            cache_list.append(cache)
-        return torch.cat(cache_list, dim=0)
+def build(
+    rope: types.ModuleType,
+    head_size: int,
+    max_position: int,
+    parameters: dict[str, Any],
+    dtype: Any = None,
+) -> Any:
+    """vLLM's module from its ``get_rope``: in float32, or with ``float64`` its arithmetic."""
+    rope._ROPE_DICT.clear()
+    if dtype is torch.float64:
+        with float64_arithmetic():
+            return rope.get_rope(head_size, max_position, rope_parameters=parameters, dtype=dtype)
+    dtype = dtype or torch.float32
+    return rope.get_rope(head_size, max_position, rope_parameters=parameters, dtype=dtype)
 
 
-class DynamicNTK(Base):
-    """DynamicNTKScalingRotaryEmbedding (dynamic_ntk_scaling_rope.py)."""
-
-    def __init__(self, *args: Any, scaling_factor: float, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.scaling_factor = scaling_factor
-
-    def _compute_cos_sin_cache(self) -> Any:
-        max_len = self.max_position_embeddings * self.scaling_factor
-        base = self.base * (
-            (max_len / self.max_position_embeddings) - (self.scaling_factor - 1)
-        ) ** (self.rotary_dim / (self.rotary_dim - 2))
-        inv_freq = self._compute_inv_freq(base)
-        t = torch.arange(max_len, dtype=self.float)
-
-        freqs = torch.einsum("i,j -> ij", t, inv_freq)
-        cos = freqs.cos()
-        sin = freqs.sin()
-        cache = torch.cat((cos, sin), dim=-1)
-        return cache
+def cache_of(module: Any) -> Any:
+    if hasattr(module, "long_short_cos_sin_cache"):
+        return module.long_short_cos_sin_cache
+    return module.cos_sin_cache
 
 
-def yarn_find_correction_dim(num_rotations: float, dim: int, base: float,
-                             max_position_embeddings: int) -> float:  # fmt: skip
-    return (dim * math.log(max_position_embeddings / (num_rotations * 2 * math.pi))) / (
-        2 * math.log(base)
-    )
+LONGROPE = {
+    "rope_type": "longrope",
+    "rope_theta": 10000.0,
+    "original_max_position_embeddings": 1024,
+    "short_factor": [1.0 + 0.03 * i for i in range(48)],
+    "long_factor": [1.0 + 1.3 * i for i in range(48)],
+}
 
-
-def yarn_find_correction_range(low_rot: float, high_rot: float, dim: int, base: float,
-                               max_position_embeddings: int,
-                               truncate: bool) -> tuple[Any, Any]:  # fmt: skip
-    low = yarn_find_correction_dim(low_rot, dim, base, max_position_embeddings)
-    high = yarn_find_correction_dim(high_rot, dim, base, max_position_embeddings)
-    if truncate:
-        low = math.floor(low)
-        high = math.ceil(high)
-    return max(low, 0), min(high, dim - 1)
-
-
-def yarn_linear_ramp_mask(low: float, high: float, dim: int, dtype: Any) -> Any:
-    if low == high:
-        high += 0.001  # Prevent singularity
-
-    linear_func = (torch.arange(dim, dtype=dtype) - low) / (high - low)
-    ramp_func = torch.clamp(linear_func, 0, 1)
-    return ramp_func
-
-
-def yarn_get_mscale(scale: float = 1, mscale: float = 1) -> float:
-    if scale <= 1:
-        return 1.0
-    return 0.1 * mscale * math.log(scale) + 1.0
-
-
-class YaRN(Base):
-    """YaRNScalingRotaryEmbedding (yarn_scaling_rope.py)."""
-
-    def __init__(self, *args: Any, scaling_factor: float, beta_fast: float = 32,
-                 beta_slow: float = 1, mscale: float | None = None,
-                 mscale_all_dim: float | None = None, attention_factor: float | None = None,
-                 truncate: bool = True, **kwargs: Any) -> None:  # fmt: skip
-        self.scaling_factor = scaling_factor
-        self.beta_fast = beta_fast
-        self.beta_slow = beta_slow
-        self.truncate = truncate
-        if attention_factor is not None:
-            self.mscale = float(attention_factor)
-        elif mscale and mscale_all_dim:
-            self.mscale = float(
-                yarn_get_mscale(self.scaling_factor, mscale)
-                / yarn_get_mscale(self.scaling_factor, mscale_all_dim)
-            )
-        else:
-            self.mscale = float(yarn_get_mscale(self.scaling_factor))
-        super().__init__(*args, **kwargs)
-
-    def _compute_inv_freq(self, scaling_factor: float) -> Any:
-        pos_freqs = self.base ** (
-            torch.arange(0, self.rotary_dim, 2, dtype=self.float) / self.rotary_dim
-        )
-        inv_freq_extrapolation = 1.0 / pos_freqs
-        inv_freq_interpolation = 1.0 / (scaling_factor * pos_freqs)
-
-        low, high = yarn_find_correction_range(
-            self.beta_fast,
-            self.beta_slow,
-            self.rotary_dim,
-            self.base,
-            self.max_position_embeddings,
-            self.truncate,
-        )
-        inv_freq_mask = 1 - yarn_linear_ramp_mask(low, high, self.rotary_dim // 2, dtype=self.float)
-        inv_freq = inv_freq_interpolation * (1 - inv_freq_mask) + inv_freq_extrapolation * (
-            inv_freq_mask
-        )
-        return inv_freq
-
-    def _compute_cos_sin_cache(self) -> Any:
-        inv_freq = self._compute_inv_freq(self.scaling_factor)
-        num_positions = math.ceil(self.max_position_embeddings * self.scaling_factor)
-        t = torch.arange(num_positions, dtype=self.float)
-        freqs = torch.einsum("i,j -> ij", t, inv_freq)
-        cos = freqs.cos() * self.mscale
-        sin = freqs.sin() * self.mscale
-        cache = torch.cat((cos, sin), dim=-1)
-        return cache
-
-
-class Llama3(Base):
-    """Llama3RotaryEmbedding (llama3_rope.py)."""
-
-    def __init__(self, *args: Any, scaling_factor: float, low_freq_factor: float,
-                 high_freq_factor: float, orig_max_position: int,
-                 **kwargs: Any) -> None:  # fmt: skip
-        self.scaling_factor = scaling_factor
-        self.low_freq_factor = low_freq_factor
-        self.high_freq_factor = high_freq_factor
-        self.orig_max_position = orig_max_position
-        super().__init__(*args, **kwargs)
-
-    def _compute_inv_freq(self, base: float) -> Any:
-        inv_freqs = super()._compute_inv_freq(base)
-        low_freq_wavelen = self.orig_max_position / self.low_freq_factor
-        high_freq_wavelen = self.orig_max_position / self.high_freq_factor
-
-        wave_len = 2 * math.pi / inv_freqs
-        if self.low_freq_factor != self.high_freq_factor:
-            smooth = (self.orig_max_position / wave_len - self.low_freq_factor) / (
-                self.high_freq_factor - self.low_freq_factor
-            )
-        else:
-            smooth = 0
-        new_freqs = torch.where(
-            wave_len < high_freq_wavelen,
-            inv_freqs,
-            torch.where(
-                wave_len > low_freq_wavelen,
-                inv_freqs / self.scaling_factor,
-                (1 - smooth) * inv_freqs / self.scaling_factor + smooth * inv_freqs,
-            ),
-        )
-        return new_freqs
-
-
-class Phi3LongRoPE:
-    """Phi3LongRoPEScaledRotaryEmbedding (phi3_long_rope_scaled_rope.py)."""
-
-    def __init__(self, head_size: int, rotary_dim: int, max_position_embeddings: int,
-                 original_max_position_embeddings: int, base: float, short_factor: list[float],
-                 long_factor: list[float], dtype: Any) -> None:  # fmt: skip
-        self.rotary_dim = rotary_dim
-        self.head_size = head_size
-        self.max_position_embeddings = max_position_embeddings
-        self.original_max_position_embeddings = original_max_position_embeddings
-        self.base = base
-        self.float = dtype
-        scale = self.max_position_embeddings / self.original_max_position_embeddings
-        if scale <= 1.0:
-            scaling_factor = 1.0
-        else:
-            scaling_factor = math.sqrt(
-                1 + math.log(scale) / math.log(self.original_max_position_embeddings)
-            )
-        short_cache = self._compute_cos_sin_cache(
-            original_max_position_embeddings, short_factor, scaling_factor
-        )
-        long_cache = self._compute_cos_sin_cache(
-            max_position_embeddings, long_factor, scaling_factor
-        )
-        self.long_short_cos_sin_cache = torch.cat([short_cache, long_cache], dim=0)
-
-    def _compute_inv_freq(self, rescale_factors: list[float]) -> Any:
-        factors = torch.tensor(rescale_factors, dtype=self.float)
-        inv_freq = 1.0 / (
-            factors
-            * (
-                self.base
-                ** (torch.arange(0, self.rotary_dim, 2, dtype=self.float) / self.rotary_dim)
-            )
-        )
-        return inv_freq
-
-    def _compute_cos_sin_cache(self, max_position_embeddings: int, rescale_factors: list[float],
-                               mscale: float) -> Any:  # fmt: skip
-        inv_freq = self._compute_inv_freq(rescale_factors)
-        t = torch.arange(max_position_embeddings, dtype=self.float)
-        freqs = torch.einsum("i,j -> ij", t, inv_freq)
-        cos = freqs.cos() * mscale
-        sin = freqs.sin() * mscale
-        cache = torch.cat((cos, sin), dim=-1)
-        return cache
-
-
-def vllm_cache(head_size: int, max_position: int, rope: dict[str, Any], dtype: Any) -> Any:
-    """get_rope's dispatch (``__init__.py``): the class and its arguments, its cache."""
-    base = rope.get("rope_theta", 10000)
-    kind = rope.get("rope_type", "default")
-    rotary_dim = int(head_size * rope.get("partial_rotary_factor", 1.0))
-    args = (head_size, rotary_dim)
-    if kind == "default":
-        return Base(*args, max_position, base, dtype)._compute_cos_sin_cache()
-    if kind == "linear":
-        factors = rope["factor"] if isinstance(rope["factor"], list) else [rope["factor"]]
-        module = Linear(*args, max_position, base, dtype, scaling_factors=factors)
-        return module._compute_cos_sin_cache()
-    if kind == "dynamic":
-        module = DynamicNTK(*args, max_position, base, dtype, scaling_factor=rope["factor"])
-        return module._compute_cos_sin_cache()
-    if kind == "llama3":
-        return Llama3(
-            *args,
-            max_position,
-            base,
-            dtype,
-            scaling_factor=rope["factor"],
-            low_freq_factor=rope["low_freq_factor"],
-            high_freq_factor=rope["high_freq_factor"],
-            orig_max_position=rope["original_max_position_embeddings"],
-        )._compute_cos_sin_cache()
-    if kind == "yarn":
-        extra = {
-            k: v
-            for k, v in rope.items()
-            if k in ("beta_fast", "beta_slow", "mscale", "mscale_all_dim", "truncate")
-        }
-        original = rope["original_max_position_embeddings"]
-        module = YaRN(*args, original, base, dtype, scaling_factor=rope["factor"], **extra)
-        return module._compute_cos_sin_cache()
-    assert kind == "longrope"
-    return Phi3LongRoPE(
-        *args,
-        max_position,
-        rope["original_max_position_embeddings"],
-        base,
-        rope["short_factor"],
-        rope["long_factor"],
-        dtype,
-    ).long_short_cos_sin_cache
-
-
-CASES: dict[str, tuple[int, int, dict[str, Any]]] = {
-    "default": (128, 4096, {"rope_theta": 10000.0}),
-    "default-partial": (80, 2048, {"rope_theta": 10000.0, "partial_rotary_factor": 0.4}),
-    "linear": (128, 2048, {"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0}),
-    "linear-lora": (64, 1024, {"rope_type": "linear", "rope_theta": 10000.0, "factor": [1.0, 2.5]}),
-    "dynamic": (128, 2048, {"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0}),
+# name: head_size, max_position, rope_parameters, the class get_rope builds.
+CASES: dict[str, tuple[int, int, dict[str, Any], str]] = {
+    "default": (128, 4096, {"rope_theta": 10000.0}, "RotaryEmbedding"),
+    "partial": (
+        80,
+        2048,
+        {"rope_theta": 10000.0, "partial_rotary_factor": 0.4},
+        "RotaryEmbedding",
+    ),
+    "rope_dim": (128, 4096, {"rope_theta": 10000.0, "rope_dim": 64}, "RotaryEmbedding"),
+    "linear": (
+        128,
+        2048,
+        {"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0},
+        "LinearScalingRotaryEmbedding",
+    ),
+    "linear-factor-list": (
+        64,
+        1024,
+        {"rope_type": "linear", "rope_theta": 10000.0, "factor": [1.0, 2.5, 4.0]},
+        "LinearScalingRotaryEmbedding",
+    ),
+    "dynamic": (
+        128,
+        4096,
+        {"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0},
+        "DynamicNTKScalingRotaryEmbedding",
+    ),
+    "dynamic-max_trained_positions": (
+        128,
+        8192,
+        {
+            "rope_type": "dynamic",
+            "rope_theta": 10000.0,
+            "factor": 2.0,
+            "max_trained_positions": 2048,
+        },
+        "DynamicNTKScalingRotaryEmbedding",
+    ),
+    "dynamic-alpha": (
+        128,
+        4096,
+        {"rope_type": "dynamic", "rope_theta": 10000.0, "alpha": 1000.0},
+        "DynamicNTKAlphaRotaryEmbedding",
+    ),
+    "yarn": (
+        128,
+        32768,
+        {
+            "rope_type": "yarn",
+            "rope_theta": 1000000.0,
+            "factor": 4.0,
+            "original_max_position_embeddings": 4096,
+        },
+        "YaRNScalingRotaryEmbedding",
+    ),
+    "yarn-mscale": (
+        64,
+        163840,
+        {
+            "rope_type": "yarn",
+            "rope_theta": 10000.0,
+            "factor": 40.0,
+            "original_max_position_embeddings": 256,
+            "beta_fast": 32,
+            "beta_slow": 1,
+            "mscale": 1.0,
+            "mscale_all_dim": 0.707,
+        },
+        "YaRNScalingRotaryEmbedding",
+    ),
+    "yarn-attention_factor": (
+        64,
+        131072,
+        {
+            "rope_type": "yarn",
+            "rope_theta": 150000.0,
+            "factor": 32.0,
+            "original_max_position_embeddings": 256,
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+            "attention_factor": 1.2,
+            "truncate": False,
+        },
+        "YaRNScalingRotaryEmbedding",
+    ),
     "llama3": (
         128,
         8192,
@@ -354,102 +207,188 @@ CASES: dict[str, tuple[int, int, dict[str, Any]]] = {
             "high_freq_factor": 4.0,
             "original_max_position_embeddings": 1024,
         },
+        "Llama3RotaryEmbedding",
     ),
-    "yarn": (
+    "longrope": (96, 8192, LONGROPE, "Phi3LongRoPEScaledRotaryEmbedding"),
+    "longrope-mscale": (
+        96,
+        8192,
+        {**LONGROPE, "short_mscale": 1.1, "long_mscale": 1.25},
+        "Phi3LongRoPEScaledRotaryEmbedding",
+    ),
+    "mrope": (
+        128,
+        4096,
+        {"rope_type": "default", "rope_theta": 1000000.0, "mrope_section": [16, 24, 24]},
+        "MRotaryEmbedding",
+    ),
+    "mrope-interleaved": (
+        128,
+        2048,
+        {
+            "rope_type": "default",
+            "rope_theta": 5000000.0,
+            "mrope_section": [24, 20, 20],
+            "mrope_interleaved": True,
+        },
+        "MRotaryEmbedding",
+    ),
+    "mrope-yarn": (
         128,
         32768,
         {
             "rope_type": "yarn",
             "rope_theta": 1000000.0,
             "factor": 2.0,
-            "original_max_position_embeddings": 2048,
-        },
-    ),
-    "yarn-deepseek": (
-        64,
-        163840,
-        {
-            "rope_type": "yarn",
-            "rope_theta": 10000.0,
-            "factor": 1.5,
-            "original_max_position_embeddings": 2048,
-            "beta_fast": 32,
-            "beta_slow": 1,
-            "mscale": 0.707,
-            "mscale_all_dim": 0.707,
-        },
-    ),
-    "yarn-untruncated": (
-        64,
-        8192,
-        {
-            "rope_type": "yarn",
-            "rope_theta": 10000.0,
-            "factor": 2.5,
-            "original_max_position_embeddings": 1000,
-            "truncate": False,
-        },
-    ),
-    "longrope": (
-        96,
-        8192,
-        {
-            "rope_type": "longrope",
-            "rope_theta": 10000.0,
             "original_max_position_embeddings": 1024,
-            "short_factor": [1.0 + 0.03 * i for i in range(48)],
-            "long_factor": [1.0 + 1.3 * i for i in range(48)],
+            "mrope_section": [16, 24, 24],
         },
+        "MRotaryEmbedding",
     ),
 }
 
 
-def row_positions(name: str, rows: int) -> Any:
-    """The position of each cache row (longrope: the short table, then the long one)."""
-    if name == "longrope":
-        original = CASES[name][2]["original_max_position_embeddings"]
-        return np.concatenate([np.arange(original), np.arange(rows - original)])
-    if name == "linear-lora":
-        return np.concatenate([np.arange(1024), np.arange(rows - 1024) / 2.5])
-    if name == "linear":
-        return np.arange(rows) / 2.0
-    return np.arange(rows, dtype=np.float64)
-
-
 @pytest.mark.parametrize("name", list(CASES))
-def test_cache_is_vllms(name: str, client: posenc.Client) -> None:
-    head_size, max_position, rope = CASES[name]
-    ours = pv.cos_sin_cache(client, head_size, max_position, rope)
-    vllm = vllm_cache(head_size, max_position, rope, torch.float32)
-    exact = vllm_cache(head_size, max_position, rope, torch.float64).numpy()
-    assert ours.shape == vllm.shape and ours.dtype == vllm.dtype == torch.float32
-    scale = float(np.abs(exact).max())
-    # The same formulas without float32: posenc is within float32 rounding of them.
-    np.testing.assert_allclose(ours.numpy(), exact, rtol=0, atol=4 * EPS32 * scale)
-    # vLLM's own float32 cache: off by float32's angle error, |p| * 2^-24 a few times over.
-    positions = row_positions(name, len(exact))[:, None]
-    allowed = scale * (8 * EPS32 + 4 * EPS32 * positions)
-    assert (np.abs(ours.numpy() - vllm.numpy().astype(np.float64)) <= allowed).all()
+def test_cache_installs_and_is_exact(
+    name: str, rope: types.ModuleType, client: posenc.Client
+) -> None:
+    head_size, max_position, parameters, cls = CASES[name]
+    module = build(rope, head_size, max_position, parameters)
+    assert type(module).__name__ == cls
+    vllm = cache_of(module).clone()
+    reference = cache_of(build(rope, head_size, max_position, parameters, torch.float64))
+    assert reference.dtype == torch.float64 and reference.shape == vllm.shape
+
+    ours = pv.cos_sin_cache(client, head_size, max_position, parameters)
+    assert ours.shape == vllm.shape and ours.dtype == torch.float32
+    pv.install(module, ours)
+    assert torch.equal(cache_of(module), ours)
+
+    # Within float32 rounding of the float64 run: half an ulp of the largest value.
+    scale = float(reference.abs().max())
+    error = float((ours.double() - reference).abs().max())
+    assert error <= EPS32 * scale, f"{error / (EPS32 * scale):.3f} x 2^-24 of the scale"
+    # The reference is vLLM's arithmetic: its float32 run is off by float32's angle error,
+    # which grows with the row's position (at most its row index).
+    rows = torch.arange(len(vllm), dtype=torch.float64)[:, None]
+    assert ((vllm.double() - reference).abs() <= scale * EPS32 * (4 + 8 * rows)).all()
 
 
-def test_dtype_device_and_install(client: posenc.Client) -> None:
-    head_size, max_position, rope = CASES["llama3"]
-    cache = pv.cos_sin_cache(client, head_size, max_position, rope, dtype=torch.bfloat16)
-    assert cache.dtype == torch.bfloat16
-    exact = vllm_cache(head_size, max_position, rope, torch.float64)
-    # Computed in bfloat16 by the server: within one bfloat16 ulp (of values below 1) of the
-    # float64 run, as the accuracy contract says; vLLM rounds float32 values a second time.
-    assert float((cache.double() - exact).abs().max()) <= 2.0**-8
-    module = torch.nn.Module()
-    module.register_buffer("cos_sin_cache", torch.zeros(max_position, 128, dtype=torch.bfloat16))
-    pv.install(module, cache)
-    assert torch.equal(module.cos_sin_cache, cache)
-    with pytest.raises(posenc.InvalidArgumentError):
-        pv.install(module, cache[:10])
+def test_bfloat16_module(rope: types.ModuleType, client: posenc.Client) -> None:
+    """A bfloat16 model's module (vLLM's dtype is the model's) takes a bfloat16 cache."""
+    head_size, max_position, parameters, _ = CASES["llama3"]
+    module = build(rope, head_size, max_position, parameters, torch.bfloat16)
+    reference = cache_of(build(rope, head_size, max_position, parameters, torch.float64))
+    ours = pv.cos_sin_cache(client, head_size, max_position, parameters, dtype=torch.bfloat16)
+    assert ours.dtype == module.cos_sin_cache.dtype == torch.bfloat16
+    pv.install(module, ours)
+    assert torch.equal(module.cos_sin_cache, ours)
+    # Correctly rounded: half a bfloat16 ulp of values below 1.
+    assert float((ours.double() - reference).abs().max()) <= 2.0**-9
+
+
+def test_second_bfloat16_buffer_is_refreshed(rope: types.ModuleType, client: posenc.Client) -> None:
+    """ROCm's AITER path keeps cos_sin_cache_bf16 beside the cache: install rewrites both."""
+    head_size, max_position, parameters, _ = CASES["default"]
+    vllm_stubs.aiter.enabled = True
+    try:
+        module = build(rope, head_size, max_position, parameters)
+    finally:
+        vllm_stubs.aiter.enabled = False
+    assert module.cos_sin_cache_bf16 is not None
+    module.cos_sin_cache_bf16.zero_()
+    ours = pv.cos_sin_cache(client, head_size, max_position, parameters)
+    pv.install(module, ours)
+    assert torch.equal(module.cos_sin_cache, ours)
+    assert torch.equal(module.cos_sin_cache_bf16, ours.to(torch.bfloat16))
+
+
+@pytest.mark.parametrize("name", ["llama3", "longrope", "mrope"])
+def test_installed_module_rotates_as_float64(
+    name: str, rope: types.ModuleType, client: posenc.Client
+) -> None:
+    """The module's own forward with posenc's cache: float32 rounding of the float64 run's
+    rotation, where vLLM's float32 cache is off by its angle error at far positions."""
+    head_size, max_position, parameters, _ = CASES[name]
+    module = build(rope, head_size, max_position, parameters)
+    exact = build(rope, head_size, max_position, parameters, torch.float64)
+    positions = torch.tensor([0, 1, 77, 1023, 1024, max_position - 1])
+    generator = torch.Generator().manual_seed(0)
+    query = torch.randn(len(positions), 4 * head_size, generator=generator)
+    key = torch.randn(len(positions), 2 * head_size, generator=generator)
+
+    def rotate(rotary: Any, dtype: Any) -> Any:
+        q, k = rotary(positions, query.to(dtype), key.to(dtype))
+        return torch.cat([q, k], dim=-1).double()
+
+    expected = rotate(exact, torch.float64)
+    native = float((rotate(module, torch.float32) - expected).abs().max())
+    pv.install(module, pv.cos_sin_cache(client, head_size, max_position, parameters))
+    ours = float((rotate(module, torch.float32) - expected).abs().max())
+    assert ours <= 1e-5 < native, (ours, native)
+
+
+def test_wrong_table_is_refused(rope: types.ModuleType, client: posenc.Client) -> None:
+    head_size, max_position, parameters, _ = CASES["dynamic-max_trained_positions"]
+    module = build(rope, head_size, max_position, parameters)
+    before = module.cos_sin_cache.clone()
+    # Without max_trained_positions the base is not rescaled: the same shape, other values.
+    untrained = {k: v for k, v in parameters.items() if k != "max_trained_positions"}
+    wrong = pv.cos_sin_cache(client, head_size, max_position, untrained)
+    with pytest.raises(posenc.InvalidArgumentError, match="not the table this module"):
+        pv.install(module, wrong)
+    # Another rope_theta.
+    wrong = pv.cos_sin_cache(client, head_size, max_position, {**parameters, "rope_theta": 5e5})
+    with pytest.raises(posenc.InvalidArgumentError, match="not the table this module"):
+        pv.install(module, wrong)
+    assert torch.equal(module.cos_sin_cache, before)
+    # Older vLLM's convention, max_position * factor rows: refused by its shape.
+    older = torch.zeros(max_position * 2, head_size)
+    with pytest.raises(posenc.InvalidArgumentError, match="has shape"):
+        pv.install(module, older)
+    pv.install(module, wrong, verify=False)
+    assert torch.equal(module.cos_sin_cache, wrong)
+
+
+def test_missing_rope_theta_is_refused(rope: types.ModuleType) -> None:
+    """vLLM's get_rope takes 10000 for a missing rope_theta; posenc asks for it."""
+    for parameters in (None, {}, {"rope_type": "llama3", "factor": 8.0}):
+        with pytest.raises(posenc.InvalidArgumentError, match="rope_theta"):
+            pv.specs(128, 4096, parameters)
+    assert pv.specs(128, 4096, {"rope_theta": 10000.0})
 
 
 def test_unserved_rope_types_are_refused() -> None:
-    with pytest.raises(posenc.InvalidArgumentError, match="mrope"):
-        pv.specs(128, 4096, {"rope_type": "default", "mrope_section": [16, 24, 24]})
-    with pytest.raises(posenc.InvalidArgumentError, match="deepseek_yarn"):
-        pv.specs(128, 4096, {"rope_type": "deepseek_yarn", "factor": 40.0})
+    cases = {
+        "deepseek_yarn": {"rope_type": "deepseek_yarn", "factor": 40.0},
+        "ntk": {"rope_type": "ntk", "factor": 2.0},
+        "use_fope": {"rope_type": "default", "use_fope": True},
+        "rope_type": {"type": "linear", "factor": 2.0},
+    }
+    for match, parameters in cases.items():
+        with pytest.raises(posenc.InvalidArgumentError, match=match):
+            pv.specs(128, 4096, {"rope_theta": 10000.0, **parameters})
+
+
+@pytest.mark.parametrize("version", ["0.32.1", "0.34.0", "1.0.0", "unknown"])
+def test_other_vllm_releases_are_refused(
+    version: str, rope: types.ModuleType, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    head_size, max_position, parameters, _ = CASES["default"]
+    module = build(rope, head_size, max_position, parameters)
+    monkeypatch.setattr(sys.modules["vllm"], "__version__", version)
+    with pytest.raises(pv.UnsupportedVLLMError, match=f"runs vLLM {version}"):
+        pv.install(module, module.cos_sin_cache.clone())
+    with pytest.raises(pv.UnsupportedVLLMError, match=r">=0\.33,<0\.34"):
+        pv.cos_sin_cache(None, head_size, max_position, parameters)  # type: ignore[arg-type]
+
+
+def test_supported_range_is_the_extras() -> None:
+    """pyproject.toml's vllm extra declares the range the SDK checks, which includes the
+    release these tests run."""
+    with open(Path(__file__).resolve().parent.parent / "pyproject.toml", "rb") as file:
+        extras = tomllib.load(file)["project"]["optional-dependencies"]
+    (low_major, low_minor), (high_major, high_minor) = pv.SUPPORTED_VLLM
+    assert f"vllm>={low_major}.{low_minor},<{high_major}.{high_minor}" in extras["vllm"]
+    tested = tuple(int(part) for part in vllm_wheel.VERSION.split(".")[:2])
+    assert pv.SUPPORTED_VLLM[0] <= tested < pv.SUPPORTED_VLLM[1]

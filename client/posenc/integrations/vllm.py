@@ -3,28 +3,40 @@
 vLLM's rotary embedding classes hold a table of ``[cos | sin]`` halves (``rotary_dim``
 columns, one row per position up to the class's own maximum), computed in float32 at
 start-up. :func:`cos_sin_cache` builds the same tensor -- same shape, same rows -- with
-every value correctly rounded, for the arguments of vLLM's ``get_rope``::
+every value correctly rounded, for the arguments of vLLM's ``get_rope``, and :func:`install`
+copies it into the module after checking it is that module's table::
 
     from posenc.integrations import vllm as pv
 
-    cache = pv.cos_sin_cache(client, head_size=128, max_position=131072,
+    rotary = model.model.layers[0].self_attn.rotary_emb   # get_rope shares it between layers
+    cache = pv.cos_sin_cache(client, head_size=rotary.head_size,
+                             max_position=hf_config.max_position_embeddings,
                              rope_parameters=hf_config.rope_parameters, dtype=torch.bfloat16)
-    pv.install(model.model.layers[0].self_attn.rotary_emb, cache)   # or every layer's
+    pv.install(rotary, cache)
 
-Covered, as vLLM builds them (``get_rope`` dispatch on ``rope_type``): ``default``
-(``RotaryEmbedding``), ``linear`` (``LinearScalingRotaryEmbedding``, one cache per factor,
-concatenated), ``dynamic`` (``DynamicNTKScalingRotaryEmbedding``), ``yarn``
-(``YaRNScalingRotaryEmbedding``), ``llama3`` (``Llama3RotaryEmbedding``) and ``longrope``
-(``Phi3LongRoPEScaledRotaryEmbedding``: its ``long_short_cos_sin_cache``, the short table's
-``original_max_position_embeddings`` rows then the long table's ``max_position`` rows).
+Supported: vLLM 0.33 (:data:`SUPPORTED_VLLM`, the ``vllm`` extra). Both functions refuse a
+process running another vLLM: the classes' row counts and formulas change between releases.
+Covered, as 0.33's ``get_rope`` builds them: ``default`` (``RotaryEmbedding``; with
+``mrope_section``, ``MRotaryEmbedding``'s plain cache of ``max_position *
+mrope_positions_factor`` rows), ``partial_rotary_factor`` and ``rope_dim``, ``linear``
+(``LinearScalingRotaryEmbedding``, one cache per factor, concatenated), ``dynamic``
+(``DynamicNTKScalingRotaryEmbedding``: ``max_position`` rows at the base rescaled by
+``max_trained_positions``; ``DynamicNTKAlphaRotaryEmbedding`` with ``alpha``), ``yarn``
+(``YaRNScalingRotaryEmbedding``, and ``MRotaryEmbedding`` with ``mrope_section``),
+``llama3`` (``Llama3RotaryEmbedding``) and ``longrope`` (``Phi3LongRoPEScaledRotaryEmbedding``:
+its ``long_short_cos_sin_cache``, the short table's ``original_max_position_embeddings`` rows
+then the long table's ``max_position`` rows).
 """
 
 from __future__ import annotations
 
 import math
+import re
+import sys
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import grpc
 import numpy as np
 import torch
 
@@ -32,7 +44,28 @@ import posenc
 from posenc._output import as_tensor
 from posenc._query import numpy_dtype
 
-__all__ = ["cos_sin_cache", "install", "rows_of", "specs"]
+__all__ = [
+    "SUPPORTED_VLLM",
+    "UnsupportedVLLMError",
+    "cos_sin_cache",
+    "install",
+    "rows_of",
+    "specs",
+]
+
+#: The vLLM releases whose rotary caches this module reproduces: ``>= 0.33, < 0.34`` as
+#: (major, minor) bounds, the range of pyproject.toml's ``vllm`` extra.
+SUPPORTED_VLLM: tuple[tuple[int, int], tuple[int, int]] = ((0, 33), (0, 34))
+
+# install() compares this many leading rows with the module's own cache (vLLM's float32
+# values: their angle error grows with the position, about |p| * 2^-22 at most).
+_VERIFY_ROWS = 16384
+
+
+class UnsupportedVLLMError(posenc.PosencError, RuntimeError):
+    """The process runs a vLLM release outside :data:`SUPPORTED_VLLM` (FAILED_PRECONDITION)."""
+
+    default_code = grpc.StatusCode.FAILED_PRECONDITION
 
 
 def _violation(field: str, description: str) -> posenc.InvalidArgumentError:
@@ -41,106 +74,143 @@ def _violation(field: str, description: str) -> posenc.InvalidArgumentError:
     )
 
 
+def _check_vllm_version() -> None:
+    """Refuses a loaded vLLM outside the supported range (nothing to check if none is)."""
+    vllm = sys.modules.get("vllm")
+    if vllm is None:
+        return
+    version = str(getattr(vllm, "__version__", ""))
+    match = re.match(r"(\d+)\.(\d+)", version)
+    (low_major, low_minor), (high_major, high_minor) = SUPPORTED_VLLM
+    if match is None or not (
+        (low_major, low_minor) <= (int(match[1]), int(match[2])) < (high_major, high_minor)
+    ):
+        raise UnsupportedVLLMError(
+            f"posenc.integrations.vllm reproduces the rotary caches of vLLM "
+            f">={low_major}.{low_minor},<{high_major}.{high_minor} and this process runs vLLM "
+            f"{version or '(version unknown)'}, whose caches may have other rows or values; "
+            f"install a supported vLLM (pip install 'posenc[vllm]')"
+        )
+
+
 def rows_of(length: float) -> int:
     """Rows of ``torch.arange(length)``, as vLLM sizes its caches (``max_position * factor``
     may be a float: arange counts up to its ceiling)."""
     return math.ceil(length)
 
 
-def specs(
-    head_size: int, max_position: int, rope_parameters: Mapping[str, Any] | None = None
-) -> list[tuple[posenc.Spec, int]]:
-    """The posenc tables (vLLM layout) that make up vLLM's cache, each with its row count,
-    in the order vLLM concatenates them."""
-    rope = dict(rope_parameters or {})
-    kind = str(rope.get("rope_type") or rope.get("type") or "default")
-    common: dict[str, Any] = {"head_dim": head_size, "layout": "vllm"}
-    common["rope_theta"] = float(rope.get("rope_theta", 10000))
+def _rotary_dim(head_size: int, rope: Mapping[str, Any]) -> int:
+    """get_rope's rotary_dim: ``rope_dim`` when set, else head_size * partial factor."""
+    if rope.get("rope_dim"):
+        return int(rope["rope_dim"])
     factor = float(rope.get("partial_rotary_factor", 1.0))
     if not 0.0 < factor <= 1.0:
         raise _violation("partial_rotary_factor", f"must be in (0, 1], got {factor}")
-    if factor != 1.0:
-        common["partial_rotary_factor"] = factor
-    if "mrope_section" in rope or "alpha" in rope:
-        raise _violation("rope_parameters", "vLLM's mrope and NTK-alpha caches are not served")
+    return int(head_size * factor)
+
+
+def specs(
+    head_size: int,
+    max_position: int,
+    rope_parameters: Mapping[str, Any] | None = None,
+    *,
+    mrope_positions_factor: int = 4,
+) -> list[tuple[posenc.Spec, int]]:
+    """The posenc tables (vLLM layout) that make up vLLM's cache, each with its row count,
+    in the order vLLM concatenates them. Arguments as :func:`cos_sin_cache`'s."""
+    rope = dict(rope_parameters or {})
+    if "rope_theta" not in rope:
+        raise _violation(
+            "rope_parameters.rope_theta",
+            "is not set: vLLM's get_rope then takes 10000, which is not most models' base; "
+            "pass the model's (vLLM puts the config's rope_theta into "
+            "hf_config.rope_parameters), 10000.0 if that is really its base",
+        )
+    if "type" in rope and "rope_type" not in rope:
+        raise _violation(
+            "rope_parameters.type",
+            "get_rope reads rope_type only (vLLM's config loading renames 'type'): pass "
+            "hf_config.rope_parameters as vLLM loaded it",
+        )
+    kind = str(rope.get("rope_type", "default"))
+    theta = float(rope["rope_theta"])
+    dim = _rotary_dim(head_size, rope)
+
+    def rotary(rows: int, base: float = theta, **scaling: Any) -> tuple[posenc.Spec, int]:
+        spec = posenc.Spec("rotary", head_dim=dim, rope_theta=base, layout="vllm", **scaling)
+        return spec, rows
+
+    mrope = "mrope_section" in rope
+    if kind == "default" and rope.get("use_fope") and not mrope:
+        raise _violation("rope_parameters.use_fope", "FourierRotaryEmbedding is not served")
     if kind == "default":
-        return [(posenc.Spec("rotary", **common), max_position)]
+        # MRotaryEmbedding's cache is the plain one, over max_position * positions_factor.
+        return [rotary(max_position * (mrope_positions_factor if mrope else 1))]
     if kind == "linear":
         factors = rope["factor"]
         listed: Sequence[float] = factors if isinstance(factors, Sequence) else [factors]
         return [
-            (
-                posenc.Spec("rotary", **common, scaling="linear", factor=float(f)),
-                rows_of(max_position * f),
-            )
-            for f in listed
+            rotary(rows_of(max_position * f), scaling="linear", factor=float(f)) for f in listed
         ]
     if kind == "dynamic":
-        # vLLM's "dynamic" cache is static: the NTK base at max_position * factor, which is
-        # transformers' dynamic table at its initial seq_len (the base is unchanged there).
-        f = float(rope["factor"])
-        spec = posenc.Spec(
-            "rotary", **common, scaling="dynamic", factor=f, max_position_embeddings=max_position
-        )
-        return [(spec, rows_of(max_position * f))]
+        # The base once at start-up, as the class computes it (in double), then a plain table
+        # of max_position rows.
+        exponent = dim / (dim - 2)
+        if "alpha" in rope:
+            return [rotary(max_position, theta * float(rope["alpha"]) ** exponent)]
+        if "factor" in rope:
+            f = float(rope["factor"])
+            trained = int(rope.get("max_trained_positions", max_position))
+            base = theta * ((f * max_position / trained) - (f - 1)) ** exponent
+            return [rotary(max_position, base)]
+        raise _violation("rope_parameters", "dynamic scaling needs 'alpha' or 'factor'")
     if kind == "llama3":
-        spec = posenc.Spec(
-            "rotary",
-            **common,
-            scaling="llama3",
-            factor=float(rope["factor"]),
-            original_max_position_embeddings=int(rope["original_max_position_embeddings"]),
-            low_freq_factor=float(rope["low_freq_factor"]),
-            high_freq_factor=float(rope["high_freq_factor"]),
-        )
-        return [(spec, max_position)]
+        return [
+            rotary(
+                max_position,
+                scaling="llama3",
+                factor=float(rope["factor"]),
+                original_max_position_embeddings=int(rope["original_max_position_embeddings"]),
+                low_freq_factor=float(rope["low_freq_factor"]),
+                high_freq_factor=float(rope["high_freq_factor"]),
+            )
+        ]
     if kind == "yarn":
-        return [_yarn(common, rope)]
+        # With mrope_section, MRotaryEmbedding: YaRN over original * positions_factor.
+        original = int(rope["original_max_position_embeddings"])
+        original *= mrope_positions_factor if mrope else 1
+        f = float(rope["factor"])
+        fields: dict[str, Any] = {"factor": f, "original_max_position_embeddings": original}
+        for name in ("beta_fast", "beta_slow", "truncate", "attention_factor"):
+            if rope.get(name) is not None:
+                fields[name] = rope[name]
+        if (
+            rope.get("attention_factor") is None
+            and rope.get("mscale")
+            and rope.get("mscale_all_dim")
+        ):
+            # vLLM takes the mscale ratio only when both are set and non-zero.
+            fields["mscale"] = float(rope["mscale"])
+            fields["mscale_all_dim"] = float(rope["mscale_all_dim"])
+        return [rotary(rows_of(original * f), scaling="yarn", **fields)]
     if kind == "longrope":
-        return _longrope(common, rope, max_position)
-    raise _violation("rope_parameters.rope_type", f"{kind!r} is not served")
-
-
-def _yarn(common: dict[str, Any], rope: Mapping[str, Any]) -> tuple[posenc.Spec, int]:
-    f = float(rope["factor"])
-    original = int(rope["original_max_position_embeddings"])
-    if float(rope.get("extrapolation_factor", 1.0)) != 1.0:
-        raise _violation("rope_parameters.extrapolation_factor", "only 1 is served")
-    fields: dict[str, Any] = {"factor": f, "original_max_position_embeddings": original}
-    for name in ("beta_fast", "beta_slow", "mscale", "mscale_all_dim", "truncate"):
-        if rope.get(name) is not None:
-            fields[name] = rope[name]
-    if rope.get("attention_factor") is not None:
-        fields["attention_factor"] = float(rope["attention_factor"])
-    elif rope.get("attn_factor") is not None:
-        # Older vLLM: the cos/sin scale is yarn_get_mscale(factor) * attn_factor.
-        scale = 1.0 if f <= 1 else 0.1 * math.log(f) + 1.0
-        fields["attention_factor"] = scale * float(rope["attn_factor"])
-    spec = posenc.Spec("rotary", **common, scaling="yarn", **fields)
-    # YaRNScalingRotaryEmbedding: ceil(original_max_position * factor) rows.
-    return spec, rows_of(original * f)
-
-
-def _longrope(
-    common: dict[str, Any], rope: Mapping[str, Any], max_position: int
-) -> list[tuple[posenc.Spec, int]]:
-    original = int(rope["original_max_position_embeddings"])
-    fields: dict[str, Any] = {
-        "original_max_position_embeddings": original,
-        # vLLM derives the scale from max_position / original, whatever rope["factor"] says.
-        "max_position_embeddings": max_position,
-        "short_factor": list(rope["short_factor"]),
-        "long_factor": list(rope["long_factor"]),
-    }
-    short, long = dict(fields), dict(fields, seq_len=original + 1)
-    if rope.get("short_mscale") is not None:
-        short["attention_factor"] = float(rope["short_mscale"])
-    if rope.get("long_mscale") is not None:
-        long["attention_factor"] = float(rope["long_mscale"])
-    return [
-        (posenc.Spec("rotary", **common, scaling="longrope", **short), original),
-        (posenc.Spec("rotary", **common, scaling="longrope", **long), max_position),
-    ]
+        original = int(rope["original_max_position_embeddings"])
+        common: dict[str, Any] = {
+            "scaling": "longrope",
+            "original_max_position_embeddings": original,
+            # vLLM derives the scale from max_position / original, whatever rope["factor"] says.
+            "max_position_embeddings": max_position,
+            "short_factor": list(rope["short_factor"]),
+            "long_factor": list(rope["long_factor"]),
+        }
+        short, long = dict(common), dict(common, seq_len=original + 1)
+        if rope.get("short_mscale") is not None:
+            short["attention_factor"] = float(rope["short_mscale"])
+        if rope.get("long_mscale") is not None:
+            long["attention_factor"] = float(rope["long_mscale"])
+        return [rotary(original, **short), rotary(max_position, **long)]
+    served = "default, linear, dynamic, yarn, llama3, longrope"
+    raise _violation("rope_parameters.rope_type", f"{kind!r} is not served (served: {served})")
 
 
 def cos_sin_cache(
@@ -149,6 +219,7 @@ def cos_sin_cache(
     max_position: int,
     rope_parameters: Mapping[str, Any] | None = None,
     *,
+    mrope_positions_factor: int = 4,
     dtype: torch.dtype | str = torch.float32,
     device: torch.device | str | None = None,
 ) -> Any:
@@ -156,18 +227,28 @@ def cos_sin_cache(
 
     Args:
         client: The client the rows are fetched with.
-        head_size: ``head_size`` of ``get_rope`` (rotary_dim = head_size * partial factor).
+        head_size: ``head_size`` of ``get_rope`` (rotary_dim is ``rope_dim`` when set, else
+            head_size * ``partial_rotary_factor``).
         max_position: ``max_position`` of ``get_rope`` (the model's
             ``max_position_embeddings``).
         rope_parameters: ``rope_parameters`` of ``get_rope`` (``rope_type``, ``rope_theta``,
-            ``partial_rotary_factor``, ``factor``, ...); ``None`` is the default rope.
+            ``partial_rotary_factor``, ``factor``, ...). ``rope_theta`` is required: vLLM's
+            silent default (10000) is refused rather than served.
+        mrope_positions_factor: ``get_rope``'s, for ``mrope_section`` (M-RoPE) caches.
         dtype: The cache's dtype (vLLM: the model's), computed by the server in it.
         device: Where the tensor goes (default CPU).
 
     Returns:
         ``[rows, rotary_dim]``: ``[cos | sin]`` halves, the rows of the class's cache.
+
+    Raises:
+        posenc.InvalidArgumentError: Parameters vLLM 0.33 builds no served cache from.
+        UnsupportedVLLMError: The process has imported a vLLM outside the supported range.
     """
-    parts = specs(head_size, max_position, rope_parameters)
+    _check_vllm_version()
+    parts = specs(
+        head_size, max_position, rope_parameters, mrope_positions_factor=mrope_positions_factor
+    )
     if len(parts) == 1:
         ((spec, rows),) = parts
         return client.get_range(0, rows, spec, dtype=dtype, device=device or "cpu")
@@ -183,17 +264,67 @@ def cos_sin_cache(
     return as_tensor(cache, device)
 
 
-def install(rotary_emb: torch.nn.Module, cache: torch.Tensor) -> None:
-    """Copies ``cache`` into a vLLM rotary module's buffer (``cos_sin_cache``, or the Phi-3
-    class's ``long_short_cos_sin_cache``), in place: same shape required, its dtype and
-    device kept."""
-    name = (
-        "long_short_cos_sin_cache"
-        if hasattr(rotary_emb, "long_short_cos_sin_cache")
-        else "cos_sin_cache"
+def _verify(name: str, buffer: torch.Tensor, cache: torch.Tensor) -> None:
+    """Refuses a cache that is not the module's table: its leading rows must equal the
+    module's own within both dtypes' rounding and vLLM's float32 angle error."""
+    rows = min(len(buffer), _VERIFY_ROWS)
+    if rows == 0:
+        return
+    theirs = buffer[:rows].detach().to("cpu", torch.float64)
+    ours = cache[:rows].detach().to("cpu", torch.float64)
+    scale = float(theirs.abs().max())
+    slack = torch.finfo(buffer.dtype).eps + torch.finfo(cache.dtype).eps
+    positions = torch.arange(1, rows + 1, dtype=torch.float64)[:, None]
+    allowed = scale * (slack + 2.0**-20 * positions)
+    bad = ~((ours - theirs).abs() <= allowed)
+    if bool(bad.any()):
+        row, column = divmod(int(bad.flatten().nonzero()[0]), ours.shape[1])
+        raise _violation(
+            name,
+            f"row {row}, column {column} is {float(ours[row, column]):.6g} in the cache and "
+            f"{float(theirs[row, column]):.6g} in the module: the cache is not the table this "
+            "module was built with (check rope_theta, the scaling and max_position against "
+            "its get_rope call); verify=False installs it anyway",
+        )
+
+
+def install(rotary_emb: torch.nn.Module, cache: torch.Tensor, *, verify: bool = True) -> None:
+    """Copies ``cache`` into a vLLM rotary module in place, its buffers' dtype and device kept.
+
+    The buffer is ``cos_sin_cache`` (``long_short_cos_sin_cache`` on Phi-3's class), which
+    must have the cache's shape. A platform's second copy is refreshed too: ROCm's AITER path
+    keeps ``cos_sin_cache_bf16`` beside a float32 or float16 cache (bfloat16, rounded from
+    ``cache``). Layers that share one module (``get_rope`` caches them) need one call.
+
+    Args:
+        rotary_emb: The module, e.g. ``model.model.layers[0].self_attn.rotary_emb``.
+        cache: :func:`cos_sin_cache`'s tensor for the ``get_rope`` arguments of the module.
+        verify: Compare the leading rows with the module's own cache first and refuse a
+            different table (wrong ``rope_theta``, scaling or row convention). False skips it,
+            for a module whose buffer no longer holds vLLM's own values.
+
+    Raises:
+        posenc.InvalidArgumentError: No such buffer, another shape, or (``verify``) another
+            table.
+        UnsupportedVLLMError: The process runs a vLLM outside the supported range.
+    """
+    _check_vllm_version()
+    name = next(
+        (n for n in ("long_short_cos_sin_cache", "cos_sin_cache") if hasattr(rotary_emb, n)),
+        None,
     )
-    buffer = getattr(rotary_emb, name)
+    buffer = getattr(rotary_emb, name) if name else None
+    if name is None or not isinstance(buffer, torch.Tensor):
+        raise _violation(
+            "rotary_emb",
+            f"{type(rotary_emb).__name__} holds no cos_sin_cache or long_short_cos_sin_cache",
+        )
     if tuple(buffer.shape) != tuple(cache.shape):
         raise _violation(name, f"has shape {tuple(buffer.shape)}, the cache {tuple(cache.shape)}")
+    if verify:
+        _verify(name, buffer, cache)
     with torch.no_grad():
         buffer.copy_(cache)
+        second = getattr(rotary_emb, "cos_sin_cache_bf16", None)
+        if isinstance(second, torch.Tensor) and tuple(second.shape) == tuple(cache.shape):
+            second.copy_(cache)
