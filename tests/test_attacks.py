@@ -462,7 +462,8 @@ def test_health_calls_cannot_make_the_server_hold_memory(
     MiB, and 60,000 small Watch calls 417 MiB. Health reads one request at a time, a service
     name over 256 characters gets INVALID_ARGUMENT, a Watch past 1,024 open ones
     RESOURCE_EXHAUSTED, a call whose request does not come is ended by the read timeout,
-    and the process stays within its memory bound."""
+    and the process stays within its memory bound (a Check that finds the read taken answers
+    without reading its request)."""
     server = spawn_server(0, "--processes", "1", "--read-timeout-seconds", "2")
     pid = server.process.pid
     baseline = current_rss_mib(pid)
@@ -484,8 +485,12 @@ def test_health_calls_cannot_make_the_server_hold_memory(
                 for index in range(40)
             ]
             for outcome in await asyncio.gather(*large, return_exceptions=True):
-                assert isinstance(outcome, grpc.aio.AioRpcError)
-                codes.append(outcome.code())
+                # Refused once read, or answered unread while another read (the server's
+                # status: see health.Health.Check).
+                if isinstance(outcome, grpc.aio.AioRpcError):
+                    codes.append(outcome.code())
+                else:
+                    assert outcome.status == health_pb2.HealthCheckResponse.SERVING
             silent = channel.stream_stream("/grpc.health.v1.Health/Check")()
             with pytest.raises(grpc.aio.AioRpcError) as no_request:
                 await asyncio.wait_for(silent.read(), 10)
@@ -809,3 +814,55 @@ def test_waves_of_attacks_leave_a_decode_loop_served_and_memory_bounded(
     while in_flight_bytes(port) > 0 and time.monotonic() < settle:
         time.sleep(0.2)
     assert in_flight_bytes(port) == 0
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_a_flood_of_stalled_health_checks_starves_no_probe_and_kills_no_worker(
+    spawn_server: Callable[..., ServerProcess],
+) -> None:
+    """Health Checks that send their headers and never their request, 50 a second: they
+    held health's one read at a time in turn, so outside probes failed (RESOURCE_EXHAUSTED)
+    and the supervisor's own checks queued behind them until it killed both healthy workers.
+    Now a probe never waits for that read, and the supervisor asks each worker on a line of
+    its own: every probe answers SERVING, and no worker is replaced."""
+    server = spawn_server(0, "--processes", "2")
+    workers = sorted(int(pid) for pid in _children(server.process.pid))
+    stop = threading.Event()
+    opened = [0]
+
+    def flood() -> None:
+        connections = [RawConnection("127.0.0.1", server.port) for _ in range(8)]
+        try:
+            while not stop.is_set():
+                for connection in connections:
+                    if not connection.closed:
+                        connection.call("/grpc.health.v1.Health/Check", None, end=False)
+                        opened[0] += 1
+                    connection.pump(0.02)
+        finally:
+            for connection in connections:
+                connection.close()
+
+    flooder = threading.Thread(target=flood, daemon=True)
+    flooder.start()
+    statuses = []
+    try:
+        # The supervisor replaces a worker after 3 failed checks, one a second: 8 s of
+        # flood gave it every chance to.
+        deadline = time.monotonic() + 8
+        while time.monotonic() < deadline:
+            with grpc.insecure_channel(server.target) as channel:  # a kubelet's fresh probe
+                check = health_pb2_grpc.HealthStub(channel).Check
+                try:
+                    statuses.append(check(health_pb2.HealthCheckRequest(), timeout=3).status)
+                except grpc.RpcError as error:
+                    statuses.append(error.code())
+            time.sleep(0.25)
+    finally:
+        stop.set()
+        flooder.join(10)
+    assert opened[0] >= 200, "the flood did not flood"
+    assert statuses and set(statuses) == {health_pb2.HealthCheckResponse.SERVING}, statuses
+    assert sorted(int(pid) for pid in _children(server.process.pid)) == workers
+    assert not any("health checks" in str(entry["message"]) for entry in server.logs())

@@ -11,13 +11,17 @@ import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 
+import grpc
 import numpy as np
 import pytest
 from conftest import ServerProcess
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 from reference import classic
 
 import posenc
-from posenc_server import engine
+from posenc.v1 import posenc_pb2 as pb
+from posenc.v1 import posenc_pb2_grpc
+from posenc_server import engine, supervisor
 
 # Every test here starts server processes and waits on them.
 pytestmark = pytest.mark.slow
@@ -274,3 +278,70 @@ def test_a_hung_worker_is_replaced(spawn_server: Callable[..., ServerProcess]) -
         with posenc.Client(process.target, timeout=5) as client:
             assert client.health() == "SERVING"
             assert client.get_range(0, 4, 8).shape == (4, 8)
+
+
+def _worker_environ(pid: int) -> dict[str, str]:
+    with open(f"/proc/{pid}/environ", "rb") as environ:
+        entries = environ.read().split(b"\0")
+    return dict(entry.decode().partition("=")[::2] for entry in entries if b"=" in entry)
+
+
+@pytest.mark.timeout(120)
+def test_the_workers_private_line_serves_health_alone_to_the_servers_user(
+    spawn_server: Callable[..., ServerProcess],
+) -> None:
+    """Each worker's line to its supervisor is a socket file in a directory only the
+    server's user may enter, and serves health alone: an abstract socket, which any process
+    of the network namespace finds in /proc/net/unix and opens, served the whole API in
+    plaintext, without the TLS or token the TCP port requires."""
+    process = spawn_server(0, "--processes", "2")
+    for pid in worker_pids(process.process.pid):
+        address = _worker_environ(pid)[supervisor.HEALTH_SOCKET_ENV]
+        assert address.startswith("unix:/"), address
+        path = Path(address.removeprefix("unix:"))
+        assert path.is_socket()
+        assert path.parent.stat().st_mode & 0o077 == 0  # no one else may enter
+        with grpc.insecure_channel(address) as channel:
+            check = health_pb2_grpc.HealthStub(channel).Check
+            reply = check(health_pb2.HealthCheckRequest(), timeout=10)
+            assert reply.status == health_pb2.HealthCheckResponse.SERVING
+            stub = posenc_pb2_grpc.PositionalEncodingServiceStub(channel)
+            request = pb.GetEncodingRequest(
+                spec=pb.EncodingSpec(sinusoidal=pb.SinusoidalTable(d_model=8)),
+                range=pb.PositionRange(start=0, stop=4),
+            )
+            with pytest.raises(grpc.RpcError) as raised:
+                stub.GetEncoding(request, timeout=10)
+            assert raised.value.code() == grpc.StatusCode.UNIMPLEMENTED
+            with pytest.raises(grpc.RpcError) as raised:
+                list(health_pb2_grpc.HealthStub(channel).Watch(health_pb2.HealthCheckRequest()))
+            assert raised.value.code() == grpc.StatusCode.UNIMPLEMENTED
+    with open("/proc/net/unix") as sockets:
+        assert "@posenc" not in sockets.read()
+
+
+@pytest.mark.timeout(120)
+def test_sigterm_to_the_process_group_drains(
+    spawn_server: Callable[..., ServerProcess],
+) -> None:
+    """SIGTERM to the whole process group (a shell's, CI's or `timeout`'s way) reaches each
+    worker twice: from the group and from the supervisor. The second must not be taken for
+    a second signal: a stream in flight goes on to its end, and the server says it drained."""
+    process = spawn_server(0, "--processes", "2", "--grace-seconds", "60")
+    group = [process.process.pid, *worker_pids(process.process.pid)]
+    rows = 1 << 18
+    with posenc.Client(process.target, max_retries=0) as client:
+        # 1 GiB: in flight well after the signals arrive.
+        stream = client.iter_range(0, rows, 1024, chunk_bytes=64 * 1024)
+        received = len(next(stream)[1])
+        for pid in group:
+            os.kill(pid, signal.SIGTERM)
+        # Past the moment both signals reached each worker (the supervisor's forwarded one
+        # follows the group's within its 0.2 s poll); the stream is still in flight.
+        time.sleep(1.0)
+        received += sum(len(chunk) for _, chunk in stream)
+    assert received == rows
+    assert process.process.wait(60) == 0
+    assert not any(entry["message"].startswith("stopping now") for entry in process.logs())
+    stopped = [entry for entry in process.logs() if entry["message"] == "stopped"]
+    assert stopped and all(entry["drained"] for entry in stopped)

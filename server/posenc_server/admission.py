@@ -162,6 +162,10 @@ class ByteBudget:
             self.stop_reading(reservation)
             self.give_back(reservation, reservation.nbytes)
 
+    def fits_now(self, nbytes: int) -> bool:
+        """Whether a call of ``nbytes`` would be admitted at once, waiting for no one."""
+        return not self._waiters and (self.used + nbytes <= self.capacity or self.used == 0)
+
     def stop_reading(self, reservation: Reservation) -> None:
         """``reservation`` is no longer preemptible."""
         self._readers.discard(reservation)

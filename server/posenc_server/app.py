@@ -130,6 +130,8 @@ class RunningServer:
     pool: futures.ThreadPoolExecutor
     loop: asyncio.AbstractEventLoop
     publisher: metrics.ServicePublisher = field(default_factory=metrics.ServicePublisher)
+    private: grpc.aio.Server | None = None
+    """A worker's private health line for its supervisor (``health.serve_private``)."""
 
     def publish_metrics(self) -> None:
         """Bring the cache and computation metrics up to date (called now and then: on
@@ -148,6 +150,8 @@ class RunningServer:
     def stop(self, grace: float | None) -> None:
         """Stop serving: calls in flight get ``grace`` seconds, then are cancelled."""
         self.call(self.server.stop(grace))
+        if self.private is not None:
+            self.call(self.private.stop(0))
         self.pool.shutdown(wait=False, cancel_futures=True)
 
     @property
@@ -349,11 +353,13 @@ async def _start(
         (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server
     )
     credentials = server_credentials(config)
+    private = None
     try:
         if address := os.environ.get(supervisor.HEALTH_SOCKET_ENV):
             # The supervisor's private line for health checks: it reaches this worker, not
-            # whichever worker the kernel hands a TCP connection on the shared port.
-            server.add_insecure_port(address)
+            # whichever worker the kernel hands a TCP connection on the shared port, and
+            # serves health alone, on a socket only the server's user can open.
+            private = await health.serve_private(health_servicer, address)
         if credentials is None:
             port = server.add_insecure_port(config.address)
         else:
@@ -365,7 +371,9 @@ async def _start(
     await server.start()
     for name in ("", SERVICE_NAME):
         await health_servicer.set(name, health.SERVING)
-    running = RunningServer(config, port, server, service, health_servicer, budget, pool, loop)
+    running = RunningServer(
+        config, port, server, service, health_servicer, budget, pool, loop, private=private
+    )
     running.publish_metrics()
     return running
 
@@ -402,14 +410,18 @@ def run(argv: Sequence[str] | None = None) -> int:
 
     def on_signal(signum: int, frame: FrameType | None) -> None:
         signals.append(signal.Signals(signum).name)
-        if stop.is_set():
+        if signum == supervisor.HURRY_SIGNAL or (stop.is_set() and worker is None):
             hurry.set()
         stop.set()
 
+    # A worker takes its signals from its supervisor: SIGTERM to drain, HURRY_SIGNAL to stop
+    # at once. A signal to the whole process group (Ctrl-C; SIGTERM from a shell, CI or
+    # `timeout`) reaches the worker too, and would count twice: so a worker ignores SIGINT,
+    # and a SIGTERM during its drain changes nothing.
     signal.signal(signal.SIGTERM, on_signal)
-    # A worker takes its signals from its supervisor (SIGTERM, a second one to hurry): Ctrl-C
-    # reaches every process of the terminal's group, and would count twice.
     signal.signal(signal.SIGINT, on_signal if worker is None else signal.SIG_IGN)
+    if worker is not None:
+        signal.signal(supervisor.HURRY_SIGNAL, on_signal)
     if worker is None and config.process_count > 1:
         return supervisor.supervise(config, argv, stop, hurry, signals)
     if worker is not None:

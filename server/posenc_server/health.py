@@ -7,7 +7,10 @@ that it always answers; what a caller can make it hold is bounded here instead:
   at a time (a probe's request is read in microseconds), within the read timeout, and a read
   stalled half a second gives its room up to a call that waits for it, as encoding calls'
   reads do. Read as gRPC reads a unary request, 40 health calls naming 10 MB services held
-  1.2 GiB at once;
+  1.2 GiB at once. A Check that finds the read slot busy does not wait for it: it answers
+  the whole server's status without reading its request (every service served shares that
+  status). Calls that send headers and never their request, 20 a second, queued the probes
+  behind them until they failed, and the supervisor's checks with them;
 - a service name is at most ``MAX_SERVICE_NAME`` characters (the names served are a few
   dozen), so a Watch stream, which keeps its name while it is open, keeps little;
 - at most ``MAX_WATCHES`` Watch streams are open at once (60,000 held 417 MiB).
@@ -70,6 +73,8 @@ class Health:
         self._changed = asyncio.Condition()
         self._shutting_down = False
         self._watches = 0
+        self.unread_checks = 0
+        """Checks answered without reading their request (the read slot was busy)."""
 
     async def set(
         self, service: str, status: health_pb2.HealthCheckResponse.ServingStatus.ValueType
@@ -79,6 +84,10 @@ class Health:
             async with self._changed:
                 self._statuses[service] = status
                 self._changed.notify_all()
+
+    def status(self, service: str) -> health_pb2.HealthCheckResponse.ServingStatus.ValueType | None:
+        """``service``'s status; None for a service not served."""
+        return self._statuses.get(service)
 
     async def enter_graceful_shutdown(self) -> None:
         """Every service NOT_SERVING, for good."""
@@ -91,7 +100,17 @@ class Health:
     async def Check(
         self, requests: AsyncIterator[bytes], context: _Context
     ) -> AsyncIterator[bytes]:
-        """The status of the service asked about; NOT_FOUND for one not served."""
+        """The status of the service asked about; NOT_FOUND for one not served.
+
+        While another call reads its request (one at a time), Check answers without
+        reading its own: the status of the whole server, which every service served shares.
+        Calls that send headers and never their request would otherwise queue probes behind
+        them, however fast they come (see the module's docstring).
+        """
+        if not self._budget.fits_now(self._largest):
+            self.unread_checks += 1
+            yield health_pb2.HealthCheckResponse(status=self._statuses[""]).SerializeToString()
+            return
         service = await self._service_asked(context)
         status = self._statuses.get(service)
         if status is None:
@@ -150,6 +169,54 @@ class Health:
             return await read_request(
                 context, reservation, self._read_timeout, _RETRY_AFTER_SECONDS
             )
+
+
+# The private line's requests: a Check naming a service (the supervisor names none).
+_PRIVATE_MAX_REQUEST_BYTES: Final = 1024
+
+
+async def _private_check(
+    health: Health, request: health_pb2.HealthCheckRequest, context: _Context
+) -> health_pb2.HealthCheckResponse:
+    status = health.status(request.service)
+    if status is None:
+        await context.abort(grpc.StatusCode.NOT_FOUND, "no such service here")
+    return health_pb2.HealthCheckResponse(status=status)
+
+
+async def serve_private(health: Health, address: str) -> grpc.aio.Server:
+    """Serve ``health``'s Check alone on ``address`` (a unix socket in a directory only the
+    server's user may enter): the supervisor's line to this one worker.
+
+    Nothing else is served there, and its requests are at most
+    ``_PRIVATE_MAX_REQUEST_BYTES``: gRPC reads them whole before the handler runs, with
+    no admission to wait for, so the supervisor's check never queues behind the callers of
+    the public port, however many of them stall.
+    """
+    server = grpc.aio.server(
+        options=[
+            ("grpc.max_receive_message_length", _PRIVATE_MAX_REQUEST_BYTES),
+            ("grpc.max_concurrent_streams", 4),
+        ]
+    )
+
+    async def check(
+        request: health_pb2.HealthCheckRequest, context: _Context
+    ) -> health_pb2.HealthCheckResponse:
+        return await _private_check(health, request, context)
+
+    handler = grpc.unary_unary_rpc_method_handler(
+        check,
+        request_deserializer=health_pb2.HealthCheckRequest.FromString,
+        response_serializer=health_pb2.HealthCheckResponse.SerializeToString,
+    )
+    server.add_generic_rpc_handlers(
+        (grpc.method_handlers_generic_handler(SERVICE_NAME, {"Check": handler}),)
+    )
+    if server.add_insecure_port(address) == 0:
+        raise OSError(f"cannot listen on {address}")
+    await server.start()
+    return server
 
 
 def add_to_server(health: Health, server: grpc.aio.Server) -> None:

@@ -10,11 +10,12 @@ budget holds for the whole server.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
+import itertools
 import logging
 import os
-import secrets
 import shutil
 import signal
 import socket
@@ -39,9 +40,16 @@ log = logging.getLogger("posenc_server")
 # Set in a worker's environment by its supervisor: the worker's index and the supervisor's pid.
 WORKER_INDEX_ENV = "POSENC_WORKER_INDEX"
 SUPERVISOR_PID_ENV = "POSENC_SUPERVISOR_PID"
-# Set in a worker's environment: a unix socket where it also serves, so that the supervisor
-# can ask that one worker for its health (the shared port reaches a worker the kernel picks).
+# Set in a worker's environment: a unix socket where it serves health alone, so that the
+# supervisor can ask that one worker (the shared port reaches a worker the kernel picks). The
+# socket is a file in a directory only the server's user may enter (0700): an abstract socket
+# is open to every process of the network namespace, which then had a plaintext side door.
 HEALTH_SOCKET_ENV = "POSENC_WORKER_HEALTH_SOCKET"
+#: What a supervisor sends a draining worker to stop it at once (a second SIGTERM, which a
+#: signal to the whole process group also delivers, changes nothing in a worker).
+HURRY_SIGNAL: Final = signal.SIGUSR1
+# A unix socket's path must fit sockaddr_un's 108 bytes.
+_MAX_SOCKET_PATH = 100
 WORKER_READY = "worker listening"
 _START_TIMEOUT = 60.0
 _RESTART_DELAY = 1.0
@@ -110,13 +118,21 @@ def serve_metrics(config: ServerConfig, multiprocess_dir: str | None = None) -> 
 
 
 _METRICS_DIR_PREFIX = "posenc-metrics-"
+_HEALTH_DIR_PREFIX = "posenc-health-"
 
 
 def _remove_orphaned_metrics_dirs() -> None:
-    """Remove the metrics directories of supervisors that died without cleaning up (SIGKILL,
-    OOM kill): each is named after its supervisor's pid, and a dead pid's is an orphan."""
-    for path in Path(tempfile.gettempdir()).glob(f"{_METRICS_DIR_PREFIX}*-*"):
-        pid = path.name.removeprefix(_METRICS_DIR_PREFIX).partition("-")[0]
+    """Remove the metrics and health directories of supervisors that died without cleaning
+    up (SIGKILL, OOM kill): each is named after its supervisor's pid, and a dead pid's is an
+    orphan."""
+    paths = [
+        path
+        for prefix in (_METRICS_DIR_PREFIX, _HEALTH_DIR_PREFIX)
+        for parent in {tempfile.gettempdir(), "/tmp"}
+        for path in Path(parent).glob(f"{prefix}*-*")
+    ]
+    for path in paths:
+        pid = path.name.split("-")[2]
         if not pid.isdigit() or _alive(int(pid)):
             continue
         shutil.rmtree(path, ignore_errors=True)
@@ -131,6 +147,20 @@ def _alive(pid: int) -> bool:
     except PermissionError:
         return True  # another user's process
     return True
+
+
+def _private_directory(preferred: str) -> str:
+    """A new directory only this user may enter (0700), for the workers' health sockets:
+    in ``preferred``'s directory when a socket path there fits sockaddr_un, else in /tmp."""
+    parent = os.path.dirname(preferred)
+    if len(parent) + 40 > _MAX_SOCKET_PATH:
+        parent = "/tmp"
+    return tempfile.mkdtemp(prefix=f"{_HEALTH_DIR_PREFIX}{os.getpid()}-", dir=parent)
+
+
+def _remove_socket(address: str) -> None:
+    with contextlib.suppress(OSError):
+        os.unlink(address.removeprefix("unix:"))
 
 
 def worker_index() -> int | None:
@@ -235,12 +265,14 @@ def supervise(
         *("--cache-bytes", str(config.cache_bytes // count)),
     ]
 
-    run_token = secrets.token_hex(4)
+    health_dir = _private_directory(metrics_dir.name)
+    generations = itertools.count()
 
     def start(index: int) -> _Worker:
-        # An abstract socket: no file to clean up, and no path-length limit (a long TMPDIR).
-        # Unique to this supervisor; a replacement worker takes over its predecessor's name.
-        health_socket = f"unix-abstract:posenc-{os.getpid()}-{run_token}-worker-{index}"
+        # In a directory only this user may enter; a new name for every worker started, so
+        # that a replacement never meets its predecessor's socket file.
+        path = os.path.join(health_dir, f"worker-{index}-{next(generations)}.sock")
+        health_socket = f"unix:{path}"
         process = subprocess.Popen(
             [sys.executable, "-m", "posenc_server", *worker_argv],
             env={
@@ -288,6 +320,7 @@ def supervise(
                         },
                     )
                     metrics.forget_worker(worker.index, metrics_dir.name)
+                    _remove_socket(worker.health_socket)
                     time.sleep(_RESTART_DELAY)
                     workers[position] = start(worker.index)
         log.info(
@@ -300,6 +333,7 @@ def supervise(
         drained = _stop_workers(workers, config.grace_seconds, hurry)
         port_holder.close()
         metrics_dir.cleanup()
+        shutil.rmtree(health_dir, ignore_errors=True)
     log.info("stopped", extra={"fields": {"drained": drained}})
     return 0
 
@@ -322,14 +356,14 @@ def _watch_health(workers: list[_Worker], stop: threading.Event) -> None:
 
 def _stop_workers(workers: list[_Worker], grace: float, hurry: threading.Event) -> bool:
     """SIGTERM every worker (each drains), SIGKILL what is left after the grace. Once
-    ``hurry`` is set, each worker gets a second SIGTERM, which stops it at once."""
+    ``hurry`` is set, each worker gets ``HURRY_SIGNAL``, which stops it at once."""
 
-    def signal_all() -> None:
+    def signal_all(signum: int) -> None:
         for worker in workers:
             if worker.process.poll() is None:
-                worker.process.send_signal(signal.SIGTERM)
+                worker.process.send_signal(signum)
 
-    signal_all()
+    signal_all(signal.SIGTERM)
     hurried = False
     deadline = time.monotonic() + grace + _KILL_AFTER_GRACE
     drained = True
@@ -337,7 +371,7 @@ def _stop_workers(workers: list[_Worker], grace: float, hurry: threading.Event) 
         while True:
             if hurry.is_set() and not hurried:
                 hurried = True
-                signal_all()
+                signal_all(HURRY_SIGNAL)
                 deadline = min(deadline, time.monotonic() + _KILL_AFTER_GRACE)
             try:
                 drained &= worker.process.wait(HURRY_CHECK_SECONDS) == 0
