@@ -6,12 +6,13 @@ import fcntl
 import json
 import os
 import pty
+import shutil
 import struct
 import subprocess
 import sys
 import termios
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import ml_dtypes
@@ -500,3 +501,58 @@ def test_a_hostile_rope_config_is_a_one_line_error(tmp_path: Path) -> None:
     assert result.returncode == 1
     assert result.stderr.count("\n") == 1, result.stderr
     assert "INVALID_ARGUMENT: config.head_dim" in result.stderr
+
+
+@pytest.fixture
+def small_disk(tmp_path: Path) -> Iterator[Path]:
+    """A file system of 1 MiB (a tmpfs mounted for the test; root only)."""
+    mount = tmp_path / "disk"
+    mount.mkdir()
+    result = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount)],
+        capture_output=True,
+        text=True,
+    )
+    if result.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs: {result.stderr.strip()}")
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", "-l", str(mount)], check=True)
+
+
+def test_fetch_to_a_full_disk_is_a_one_line_error_and_leaves_nothing(
+    server: RunningServer, small_disk: Path
+) -> None:
+    free = shutil.disk_usage(small_disk).free
+    assert free % 1024 == 0
+    # The rows fill the disk exactly: the file's header no longer fits.
+    for output in ("table.npy", "table.safetensors"):
+        result = posenc_cli(
+            "fetch",
+            "0",
+            str(free // 1024),
+            "--d-model",
+            "256",
+            "-o",
+            str(small_disk / output),
+            "--target",
+            server.target,
+        )
+        assert result.returncode == 1, result
+        assert result.stderr == (
+            f"posenc fetch: cannot write {small_disk / output}: No space left on device\n"
+        )
+        assert list(small_disk.iterdir()) == []
+        assert shutil.disk_usage(small_disk).free == free
+
+
+def test_fetch_takes_the_longest_legal_file_name(server: RunningServer, tmp_path: Path) -> None:
+    output = tmp_path / ("t" * 251 + ".npy")  # 255 bytes, the usual limit
+    result = posenc_cli(
+        "fetch", "0", "10", "--d-model", "8", "-o", str(output), "--target", server.target
+    )
+    assert result.returncode == 0, result.stderr
+    with posenc.Client(server.target) as client:
+        assert np.array_equal(np.load(output), client.get_range(0, 10, 8))
+    assert [p.name for p in tmp_path.iterdir()] == [output.name]
