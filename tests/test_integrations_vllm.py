@@ -261,13 +261,16 @@ def test_cache_installs_and_is_exact(
 
     ours = pv.cos_sin_cache(client, head_size, max_position, parameters)
     assert ours.shape == vllm.shape and ours.dtype == torch.float32
+    # The same from the built module's attributes, as install_model does in a worker.
+    of_module = pv.cos_sin_cache_of(client, module)
     pv.install(module, ours)
     assert torch.equal(cache_of(module), ours)
 
     # Within float32 rounding of the float64 run: half an ulp of the largest value.
     scale = float(reference.abs().max())
-    error = float((ours.double() - reference).abs().max())
-    assert error <= EPS32 * scale, f"{error / (EPS32 * scale):.3f} x 2^-24 of the scale"
+    for cache in (ours, of_module):
+        error = float((cache.double() - reference).abs().max())
+        assert error <= EPS32 * scale, f"{error / (EPS32 * scale):.3f} x 2^-24 of the scale"
     # The reference is vLLM's arithmetic: its float32 run is off by float32's angle error,
     # which grows with the row's position (at most its row index).
     rows = torch.arange(len(vllm), dtype=torch.float64)[:, None]
@@ -326,6 +329,43 @@ def test_installed_module_rotates_as_float64(
     pv.install(module, pv.cos_sin_cache(client, head_size, max_position, parameters))
     ours = float((rotate(module, torch.float32) - expected).abs().max())
     assert ours <= 1e-5 < native, (ours, native)
+
+
+def test_install_model(rope: types.ModuleType, client: posenc.Client) -> None:
+    """install_model on a model as vLLM builds it: layers sharing get_rope's modules, two
+    rope settings (sliding and global layers), and a rotary class posenc does not serve
+    (left alone)."""
+    local = {"rope_theta": 10000.0}
+    scaled = {"rope_type": "linear", "rope_theta": 1000000.0, "factor": 8.0}
+    deepseek = {
+        "rope_type": "deepseek_yarn",
+        "rope_theta": 10000.0,
+        "factor": 4.0,
+        "original_max_position_embeddings": 512,
+    }
+    layers = torch.nn.ModuleList()
+    for parameters in (local, local, scaled, local, scaled):
+        attention = torch.nn.Module()
+        attention.rotary_emb = rope.get_rope(128, 2048, rope_parameters=parameters)
+        layer = torch.nn.Module()
+        layer.self_attn = attention
+        layers.append(layer)
+    model = torch.nn.Module()
+    model.layers = layers
+    model.other = rope.get_rope(64, 2048, rope_parameters=deepseek)
+    assert type(model.other).__name__ == "DeepseekScalingRotaryEmbedding"
+    other = model.other.cos_sin_cache.clone()
+    installed = pv.install_model(client, model)
+    assert torch.equal(model.other.cos_sin_cache, other)
+    assert installed == ["layers.0.self_attn.rotary_emb", "layers.2.self_attn.rotary_emb"]
+    for name, parameters in (("layers.0", local), ("layers.2", scaled)):
+        rotary = model.get_submodule(f"{name}.self_attn.rotary_emb")
+        expected = pv.cos_sin_cache(client, 128, 2048, parameters)
+        assert torch.equal(rotary.cos_sin_cache, expected)
+    with pytest.raises(posenc.InvalidArgumentError, match="holds no rotary module"):
+        pv.install_model(client, torch.nn.Sequential(model.other))
+    with pytest.raises(posenc.InvalidArgumentError, match="DeepseekScalingRotaryEmbedding"):
+        pv.cos_sin_cache_of(client, model.other)
 
 
 def test_wrong_table_is_refused(rope: types.ModuleType, client: posenc.Client) -> None:

@@ -3,20 +3,21 @@
 vLLM's rotary embedding classes hold a table of ``[cos | sin]`` halves (``rotary_dim``
 columns, one row per position up to the class's own maximum), computed in float32 at
 start-up. :func:`cos_sin_cache` builds the same tensor -- same shape, same rows -- with
-every value correctly rounded, for the arguments of vLLM's ``get_rope``, and :func:`install`
-copies it into the module after checking it is that module's table::
+every value correctly rounded, for the arguments of vLLM's ``get_rope``;
+:func:`cos_sin_cache_of` does it from a built module's own attributes, and :func:`install`
+copies a cache into its module in place after checking it is that module's table. In a
+vLLM worker, :func:`install_model` does all of it for every rotary module of the model::
 
-    from posenc.integrations import vllm as pv
+    def use_posenc(model):  # runs in each worker: LLM.apply_model(use_posenc)
+        import posenc
+        from posenc.integrations import vllm as pv
 
-    rotary = model.model.layers[0].self_attn.rotary_emb   # get_rope shares it between layers
-    cache = pv.cos_sin_cache(client, head_size=rotary.head_size,
-                             max_position=hf_config.max_position_embeddings,
-                             rope_parameters=hf_config.rope_parameters, dtype=torch.bfloat16)
-    pv.install(rotary, cache)
+        with posenc.Client("posenc.internal:50051") as client:
+            return pv.install_model(client, model)
 
-Supported: vLLM 0.33 (:data:`SUPPORTED_VLLM`, the ``vllm`` extra). Both functions refuse a
-process running another vLLM: the classes' row counts and formulas change between releases.
-Covered, as 0.33's ``get_rope`` builds them: ``default`` (``RotaryEmbedding``; with
+Supported: vLLM 0.33 (:data:`SUPPORTED_VLLM`, the ``vllm`` extra); every function refuses
+a process running another vLLM: row counts and formulas change between releases. Covered,
+as 0.33's ``get_rope`` builds them: ``default`` (``RotaryEmbedding``; with
 ``mrope_section``, ``MRotaryEmbedding``'s plain cache of ``max_position *
 mrope_positions_factor`` rows), ``partial_rotary_factor`` and ``rope_dim``, ``linear``
 (``LinearScalingRotaryEmbedding``, one cache per factor, concatenated), ``dynamic``
@@ -30,6 +31,7 @@ then the long table's ``max_position`` rows).
 
 from __future__ import annotations
 
+import logging
 import math
 import re
 import sys
@@ -48,10 +50,15 @@ __all__ = [
     "SUPPORTED_VLLM",
     "UnsupportedVLLMError",
     "cos_sin_cache",
+    "cos_sin_cache_of",
+    "get_rope_arguments",
     "install",
+    "install_model",
     "rows_of",
     "specs",
 ]
+
+_log = logging.getLogger(__name__)
 
 #: The vLLM releases whose rotary caches this module reproduces: ``>= 0.33, < 0.34`` as
 #: (major, minor) bounds, the range of pyproject.toml's ``vllm`` extra.
@@ -213,6 +220,91 @@ def specs(
     raise _violation("rope_parameters.rope_type", f"{kind!r} is not served (served: {served})")
 
 
+# 0.33's classes served, by name: what get_rope arguments rebuild each one's cache.
+_SERVED_CLASSES = (
+    "RotaryEmbedding",
+    "MRotaryEmbedding",
+    "LinearScalingRotaryEmbedding",
+    "DynamicNTKScalingRotaryEmbedding",
+    "DynamicNTKAlphaRotaryEmbedding",
+    "YaRNScalingRotaryEmbedding",
+    "Llama3RotaryEmbedding",
+    "Phi3LongRoPEScaledRotaryEmbedding",
+)
+
+
+def get_rope_arguments(rotary_emb: torch.nn.Module) -> tuple[int, int, dict[str, Any]]:
+    """``(head_size, max_position, rope_parameters)`` that rebuild the cache of a vLLM rotary
+    module from the module's own attributes (its ``base``, ``rotary_dim``, factors and
+    row count), for :func:`specs` and :func:`cos_sin_cache` (``mrope_positions_factor=1``:
+    an M-RoPE module's row count is already multiplied).
+
+    Raises:
+        posenc.InvalidArgumentError: A class posenc does not serve.
+    """
+    m: Any = rotary_emb
+    kind = type(m).__name__
+    if kind not in _SERVED_CLASSES:
+        raise _violation(
+            "rotary_emb", f"{kind} is not served (served: {', '.join(_SERVED_CLASSES)})"
+        )
+    rows = int(m.max_position_embeddings)
+    rope: dict[str, Any] = {"rope_theta": float(m.base)}
+    yarn = kind == "YaRNScalingRotaryEmbedding" or (
+        kind == "MRotaryEmbedding" and m.scaling_factor is not None
+    )
+    if yarn:
+        rope.update(
+            rope_type="yarn",
+            factor=float(m.scaling_factor),
+            original_max_position_embeddings=rows,
+            beta_fast=m.beta_fast,
+            beta_slow=m.beta_slow,
+            truncate=bool(m.truncate),
+            attention_factor=float(m.mscale),
+        )
+    elif kind == "LinearScalingRotaryEmbedding":
+        rope.update(rope_type="linear", factor=[float(f) for f in m.scaling_factors])
+    elif kind == "DynamicNTKScalingRotaryEmbedding":
+        rope.update(
+            rope_type="dynamic",
+            factor=float(m.scaling_factor),
+            max_trained_positions=int(m.max_trained_positions),
+        )
+    elif kind == "DynamicNTKAlphaRotaryEmbedding":
+        rope.update(rope_type="dynamic", alpha=float(m.scaling_alpha))
+    elif kind == "Llama3RotaryEmbedding":
+        rope.update(
+            rope_type="llama3",
+            factor=float(m.scaling_factor),
+            low_freq_factor=float(m.low_freq_factor),
+            high_freq_factor=float(m.high_freq_factor),
+            original_max_position_embeddings=int(m.orig_max_position),
+        )
+    elif kind == "Phi3LongRoPEScaledRotaryEmbedding":
+        rope.update(
+            rope_type="longrope",
+            original_max_position_embeddings=int(m.original_max_position_embeddings),
+            short_factor=[float(f) for f in m.short_factor],
+            long_factor=[float(f) for f in m.long_factor],
+            short_mscale=float(m.short_mscale),
+            long_mscale=float(m.long_mscale),
+        )
+    return int(m.rotary_dim), rows, rope
+
+
+def _buffer(rotary_emb: torch.nn.Module) -> tuple[str, torch.Tensor]:
+    """The module's cache: ``cos_sin_cache``, or Phi-3's ``long_short_cos_sin_cache``."""
+    for name in ("long_short_cos_sin_cache", "cos_sin_cache"):
+        buffer = getattr(rotary_emb, name, None)
+        if isinstance(buffer, torch.Tensor):
+            return name, buffer
+    raise _violation(
+        "rotary_emb",
+        f"{type(rotary_emb).__name__} holds no cos_sin_cache or long_short_cos_sin_cache",
+    )
+
+
 def cos_sin_cache(
     client: posenc.Client,
     head_size: int,
@@ -288,6 +380,71 @@ def _verify(name: str, buffer: torch.Tensor, cache: torch.Tensor) -> None:
         )
 
 
+def cos_sin_cache_of(
+    client: posenc.Client,
+    rotary_emb: torch.nn.Module,
+    *,
+    dtype: torch.dtype | str | None = None,
+    device: torch.device | str | None = None,
+) -> Any:
+    """:func:`cos_sin_cache` for a vLLM rotary module, from its own attributes
+    (:func:`get_rope_arguments`): its buffer's shape, dtype and device unless told."""
+    _check_vllm_version()
+    head_size, max_position, rope = get_rope_arguments(rotary_emb)
+    _, buffer = _buffer(rotary_emb)
+    return cos_sin_cache(
+        client,
+        head_size,
+        max_position,
+        rope,
+        mrope_positions_factor=1,
+        dtype=dtype or buffer.dtype,
+        device=device or buffer.device,
+    )
+
+
+def install_model(
+    client: posenc.Client, model: torch.nn.Module, *, verify: bool = True
+) -> list[str]:
+    """Installs posenc's cache into every rotary module of a vLLM model it serves.
+
+    In a vLLM worker, e.g. through ``LLM.apply_model``. Each distinct module (``get_rope``
+    shares one between layers with the same arguments) gets :func:`cos_sin_cache_of` its
+    own attributes, through :func:`install`. Modules of classes posenc does not serve are
+    left alone and logged.
+
+    Returns:
+        The name of each module installed (the first, for a module shared by several).
+
+    Raises:
+        posenc.InvalidArgumentError: The model holds no served rotary module, or
+            (``verify``) a cache differs from a module's own.
+        UnsupportedVLLMError: The process runs a vLLM outside the supported range.
+    """
+    _check_vllm_version()
+    installed: list[str] = []
+    skipped: list[str] = []
+    for name, module in model.named_modules():
+        if not any(
+            isinstance(getattr(module, n, None), torch.Tensor)
+            for n in ("cos_sin_cache", "long_short_cos_sin_cache")
+        ):
+            continue
+        if type(module).__name__ not in _SERVED_CLASSES:
+            skipped.append(f"{name} ({type(module).__name__})")
+            continue
+        install(module, cos_sin_cache_of(client, module), verify=verify)
+        installed.append(name)
+    if not installed:
+        raise _violation("model", f"{type(model).__name__} holds no rotary module posenc serves")
+    _log.info(
+        "posenc installed %s; left alone: %s",
+        ", ".join(installed),
+        ", ".join(skipped) or "nothing",
+    )
+    return installed
+
+
 def install(rotary_emb: torch.nn.Module, cache: torch.Tensor, *, verify: bool = True) -> None:
     """Copies ``cache`` into a vLLM rotary module in place, its buffers' dtype and device kept.
 
@@ -309,16 +466,7 @@ def install(rotary_emb: torch.nn.Module, cache: torch.Tensor, *, verify: bool = 
         UnsupportedVLLMError: The process runs a vLLM outside the supported range.
     """
     _check_vllm_version()
-    name = next(
-        (n for n in ("long_short_cos_sin_cache", "cos_sin_cache") if hasattr(rotary_emb, n)),
-        None,
-    )
-    buffer = getattr(rotary_emb, name) if name else None
-    if name is None or not isinstance(buffer, torch.Tensor):
-        raise _violation(
-            "rotary_emb",
-            f"{type(rotary_emb).__name__} holds no cos_sin_cache or long_short_cos_sin_cache",
-        )
+    name, buffer = _buffer(rotary_emb)
     if tuple(buffer.shape) != tuple(cache.shape):
         raise _violation(name, f"has shape {tuple(buffer.shape)}, the cache {tuple(cache.shape)}")
     if verify:
