@@ -106,7 +106,9 @@ class _RopeLayout:
 class _RopeLayoutEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_RopeLayout.ValueType], _builtins.type):
     DESCRIPTOR: _descriptor.EnumDescriptor
     ROPE_LAYOUT_UNSPECIFIED: _RopeLayout.ValueType  # 0
-    """Treated as ROPE_LAYOUT_TRANSFORMERS."""
+    """The kind's default: ROPE_LAYOUT_TRANSFORMERS, but ROPE_LAYOUT_GPTJ for
+    rotary_axes.
+    """
     ROPE_LAYOUT_TRANSFORMERS: _RopeLayout.ValueType  # 1
     """transformers' (cos, sin), halves duplicated: [cos_0 .. cos_{h-1},
     cos_0 .. cos_{h-1} | sin_0 .. sin_{h-1}, sin_0 .. sin_{h-1}];
@@ -127,7 +129,9 @@ class RopeLayout(_RopeLayout, metaclass=_RopeLayoutEnumTypeWrapper):
     """
 
 ROPE_LAYOUT_UNSPECIFIED: RopeLayout.ValueType  # 0
-"""Treated as ROPE_LAYOUT_TRANSFORMERS."""
+"""The kind's default: ROPE_LAYOUT_TRANSFORMERS, but ROPE_LAYOUT_GPTJ for
+rotary_axes.
+"""
 ROPE_LAYOUT_TRANSFORMERS: RopeLayout.ValueType  # 1
 """transformers' (cos, sin), halves duplicated: [cos_0 .. cos_{h-1},
 cos_0 .. cos_{h-1} | sin_0 .. sin_{h-1}, sin_0 .. sin_{h-1}];
@@ -162,6 +166,7 @@ class EncodingSpec(_message.Message):
     MROPE_FIELD_NUMBER: _builtins.int
     SINCOS_GRID_2D_FIELD_NUMBER: _builtins.int
     SINCOS_GRID_3D_FIELD_NUMBER: _builtins.int
+    ROTARY_AXES_FIELD_NUMBER: _builtins.int
     dtype: Global___Dtype.ValueType
     @_builtins.property
     def sinusoidal(self) -> Global___SinusoidalTable: ...
@@ -181,6 +186,8 @@ class EncodingSpec(_message.Message):
     def sincos_grid_2d(self) -> Global___SinCosGrid2dTable: ...
     @_builtins.property
     def sincos_grid_3d(self) -> Global___SinCosGrid3dTable: ...
+    @_builtins.property
+    def rotary_axes(self) -> Global___RotaryAxesTable: ...
     def __init__(
         self,
         *,
@@ -194,12 +201,13 @@ class EncodingSpec(_message.Message):
         mrope: Global___MRopeTable | None = ...,
         sincos_grid_2d: Global___SinCosGrid2dTable | None = ...,
         sincos_grid_3d: Global___SinCosGrid3dTable | None = ...,
+        rotary_axes: Global___RotaryAxesTable | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["fairseq", b"fairseq", "mrope", b"mrope", "rotary", b"rotary", "sincos_grid_2d", b"sincos_grid_2d", "sincos_grid_3d", b"sincos_grid_3d", "sinusoidal", b"sinusoidal", "table", b"table", "tensor2tensor", b"tensor2tensor", "transformer_xl", b"transformer_xl", "whisper", b"whisper"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["fairseq", b"fairseq", "mrope", b"mrope", "rotary", b"rotary", "rotary_axes", b"rotary_axes", "sincos_grid_2d", b"sincos_grid_2d", "sincos_grid_3d", b"sincos_grid_3d", "sinusoidal", b"sinusoidal", "table", b"table", "tensor2tensor", b"tensor2tensor", "transformer_xl", b"transformer_xl", "whisper", b"whisper"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["dtype", b"dtype", "fairseq", b"fairseq", "mrope", b"mrope", "rotary", b"rotary", "sincos_grid_2d", b"sincos_grid_2d", "sincos_grid_3d", b"sincos_grid_3d", "sinusoidal", b"sinusoidal", "table", b"table", "tensor2tensor", b"tensor2tensor", "transformer_xl", b"transformer_xl", "whisper", b"whisper"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["dtype", b"dtype", "fairseq", b"fairseq", "mrope", b"mrope", "rotary", b"rotary", "rotary_axes", b"rotary_axes", "sincos_grid_2d", b"sincos_grid_2d", "sincos_grid_3d", b"sincos_grid_3d", "sinusoidal", b"sinusoidal", "table", b"table", "tensor2tensor", b"tensor2tensor", "transformer_xl", b"transformer_xl", "whisper", b"whisper"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_table: _TypeAlias = _typing.Literal["sinusoidal", "tensor2tensor", "whisper", "fairseq", "transformer_xl", "rotary", "mrope", "sincos_grid_2d", "sincos_grid_3d"]  # noqa: Y015
+    _WhichOneofReturnType_table: _TypeAlias = _typing.Literal["sinusoidal", "tensor2tensor", "whisper", "fairseq", "transformer_xl", "rotary", "mrope", "sincos_grid_2d", "sincos_grid_3d", "rotary_axes"]  # noqa: Y015
     _WhichOneofArgType_table: _TypeAlias = _typing.Literal["table", b"table"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_table) -> _WhichOneofReturnType_table | None: ...
 
@@ -906,6 +914,51 @@ class SinCosGrid3dTable(_message.Message):
     def WhichOneof(self, oneof_group: _WhichOneofArgType__temporal_interpolation_scale) -> _WhichOneofReturnType__temporal_interpolation_scale | None: ...
 
 Global___SinCosGrid3dTable: _TypeAlias = SinCosGrid3dTable  # noqa: Y015
+
+@_typing.final
+class RotaryAxesTable(_message.Message):
+    """An N-axis rotary table (diffusion transformers: Flux, HunyuanVideo, Wan,
+    CogVideoX's 3D rotary, Lumina; diffusers' get_1d_rotary_pos_embed per axis,
+    concatenated): axis a has axes_dim[a] / 2 frequencies rope_theta **
+    (-2k / axes_dim[a]) and takes its angles from coordinate a. A row is the
+    cos/sin of every axis's frequencies in axis order, in the rotary layout:
+    gptj (the default here) is diffusers' repeat_interleave_real (cos then sin,
+    each [c0, c0, c1, c1, ...]: 2 * sum(axes_dim) columns). Its coordinates are
+    (a0, a1, a2) triples (Flux: (text, h, w); video: (t, h, w)); a
+    PositionRange or PositionList position p is the triple (p, p, p).
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    AXES_DIM_FIELD_NUMBER: _builtins.int
+    ROPE_THETA_FIELD_NUMBER: _builtins.int
+    LAYOUT_FIELD_NUMBER: _builtins.int
+    rope_theta: _builtins.float
+    """Finite and > 1. Unset means 10000."""
+    layout: Global___RopeLayout.ValueType
+    """Unset means gptj (diffusers' interleaved pairs)."""
+    @_builtins.property
+    def axes_dim(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """The rotary width of each of the three axes, each even; 0 leaves an axis
+        out (a 2D model); at least one is positive.
+        """
+
+    def __init__(
+        self,
+        *,
+        axes_dim: _abc.Iterable[_builtins.int] | None = ...,
+        rope_theta: _builtins.float | None = ...,
+        layout: Global___RopeLayout.ValueType = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_rope_theta", b"_rope_theta", "rope_theta", b"rope_theta"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_rope_theta", b"_rope_theta", "axes_dim", b"axes_dim", "layout", b"layout", "rope_theta", b"rope_theta"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__rope_theta: _TypeAlias = _typing.Literal["rope_theta"]  # noqa: Y015
+    _WhichOneofArgType__rope_theta: _TypeAlias = _typing.Literal["_rope_theta", b"_rope_theta"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__rope_theta) -> _WhichOneofReturnType__rope_theta | None: ...
+
+Global___RotaryAxesTable: _TypeAlias = RotaryAxesTable  # noqa: Y015
 
 @_typing.final
 class PositionRange(_message.Message):

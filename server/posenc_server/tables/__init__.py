@@ -6,6 +6,7 @@ its position map and its width, and validates its own parameters (``base.TableKi
 
 from __future__ import annotations
 
+from posenc_server.tables.axes import RotaryAxes
 from posenc_server.tables.base import Doc, Documented, Limits, TableKind
 from posenc_server.tables.multiaxis import MRope, SinCosGrid2d, SinCosGrid3d
 from posenc_server.tables.rotary import Rotary
@@ -29,6 +30,7 @@ KINDS: dict[str, type[TableKind]] = {
         MRope,
         SinCosGrid2d,
         SinCosGrid3d,
+        RotaryAxes,
     )
 }
 """The table kinds by ``EncodingSpec.table`` field name."""

@@ -1,0 +1,101 @@
+"""The N-axis rotary table of diffusion transformers (Flux, HunyuanVideo, Wan, CogVideoX's 3D
+rotary, Lumina): each axis a rotary table of its own width, its frequencies taking their
+angles from one coordinate of a row, the axes' cos/sin concatenated in axis order.
+
+It is a several-axis kind like M-RoPE (``multiaxis.MultiAxis``): each axis's frequencies are
+an ``engine.Waves`` of their own, so every axis keeps a one-axis table's accuracy up to the
+position limit.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from decimal import Decimal
+from typing import ClassVar
+
+import numpy as np
+
+from posenc_server import engine
+from posenc_server.errors import FieldViolation
+from posenc_server.tables.base import Checker, Doc, Limits
+from posenc_server.tables.multiaxis import MultiAxis
+from posenc_server.tables.rotary import LAYOUTS, Rotary
+
+
+@dataclass(frozen=True)
+class RotaryAxes(MultiAxis):
+    """Rotary over three coordinate axes, each with its own width (``axes_dim``)."""
+
+    NAME: ClassVar[str] = "rotary_axes"
+    DESCRIPTION: ClassVar[str] = (
+        "N-axis rotary cos/sin (diffusers' get_1d_rotary_pos_embed per axis, concatenated: "
+        "Flux, HunyuanVideo, Wan, CogVideoX, Lumina): axis a has the frequencies "
+        "rope_theta ** (-2k / axes_dim[a]) at coordinate a"
+    )
+    PARAMETERS: ClassVar = {
+        "axes_dim": Doc("the rotary width of each of the 3 axes, each even (0: left out)"),
+        "rope_theta": Doc("frequency base, finite and > 1", "10000"),
+        "layout": Doc(
+            "gptj (diffusers' interleaved pairs, 2 * sum(axes_dim) columns), transformers "
+            "(2 * sum(axes_dim)) or vllm (sum(axes_dim))",
+            "gptj",
+        ),
+    }
+    AXES: ClassVar[int] = 3
+
+    axes_dim: tuple[int, ...] = ()
+    rope_theta: float = 10000.0
+    layout: str = "gptj"
+
+    @property
+    def slots(self) -> int:
+        """The frequencies of every axis: ``sum(axes_dim) / 2``."""
+        return sum(self.axes_dim) // 2
+
+    @property
+    def width(self) -> int:
+        """Columns of a row in this layout."""
+        return self.slots * (2 if self.layout == "vllm" else 4)
+
+    def axis_frequencies(self) -> list[tuple[list[Decimal], list[int]]]:
+        """Each axis's rotary frequencies, filling consecutive slots in axis order."""
+        out: list[tuple[list[Decimal], list[int]]] = []
+        first = 0
+        for dim in self.axes_dim:
+            count = dim // 2
+            frequencies = []
+            if count:
+                frequencies = (
+                    Rotary(head_dim=dim, rope_theta=self.rope_theta).frequencies().inv_freq
+                )
+            out.append((frequencies, list(range(first, first + count))))
+            first += count
+        return out
+
+    def coordinates(self, positions: engine.Int64Array) -> engine.Int64Array:
+        """A one-axis position p is the coordinates (p, p, p)."""
+        return np.repeat(positions.reshape(-1, 1), self.AXES, axis=1)
+
+    def write_columns(self, target: engine.Rows, rows: engine.ComplexRows) -> None:
+        """cos and sin (``v = sin + i cos``) in the rotary layout's order."""
+        LAYOUTS[self.layout](target, rows.imag, rows.real)
+
+    def validate(self, path: str, limits: Limits) -> list[FieldViolation]:
+        """Three even widths, not all zero, the row within max_d_model; theta; layout."""
+        check = Checker(path)
+        check.real("rope_theta", self.rope_theta, 1.0)
+        check.one_of("layout", self.layout, LAYOUTS)
+        if len(self.axes_dim) != self.AXES:
+            check.add("axes_dim", f"must be 3 widths, got {len(self.axes_dim)} values")
+        elif any(dim % 2 for dim in self.axes_dim) or not any(self.axes_dim):
+            check.add(
+                "axes_dim",
+                f"each width must be even and at least one positive, got {list(self.axes_dim)}",
+            )
+        elif self.width > limits.max_d_model:
+            check.add(
+                "axes_dim",
+                f"the row width {self.width} (layout {self.layout}) is over the server's "
+                f"max_d_model {limits.max_d_model}",
+            )
+        return check.violations
