@@ -424,17 +424,19 @@ def install_model(
     _check_vllm_version()
     installed: list[str] = []
     skipped: list[str] = []
+    written: set[int] = set()  # the installed buffers' memory
     for name, module in model.named_modules():
-        if not any(
-            isinstance(getattr(module, n, None), torch.Tensor)
-            for n in ("cos_sin_cache", "long_short_cos_sin_cache")
-        ):
+        try:
+            _, buffer = _buffer(module)
+        except posenc.InvalidArgumentError:
             continue
-        if type(module).__name__ not in _SERVED_CLASSES:
+        if type(module).__name__ in _SERVED_CLASSES:
+            install(module, cos_sin_cache_of(client, module), verify=verify)
+            installed.append(name)
+            written.add(buffer.data_ptr())
+        elif buffer.data_ptr() not in written:
+            # Not a view of an installed cache (a fused kernel's module may hold one).
             skipped.append(f"{name} ({type(module).__name__})")
-            continue
-        install(module, cos_sin_cache_of(client, module), verify=verify)
-        installed.append(name)
     if not installed:
         raise _violation("model", f"{type(model).__name__} holds no rotary module posenc serves")
     _log.info(
