@@ -901,3 +901,58 @@ def test_more_coordinate_rows_than_one_request_carries(client: posenc.Client) ->
         assert same_bits(table[rows], client.get_positions(coordinates[rows], MROPE))
     streamed = np.concatenate([rows for _, rows in client.iter_positions(coordinates, MROPE)])
     assert same_bits(streamed, table)
+
+
+@pytest.mark.slow  # starts a server of two processes
+@pytest.mark.timeout(180)
+def test_a_range_over_the_stream_limit_is_refused_whatever_the_process_count(
+    spawn_server: Callable[..., ServerProcess],
+) -> None:
+    """16 MiB against a stream limit of 12 MiB: refused by one stream, and by a client that
+    would fetch it in parts (each under the limit) from a server of two processes."""
+    server = spawn_server(0, "--processes", "2", "--max-stream-bytes", str(12 << 20))
+    assert len(worker_pids(server.process.pid)) == 2
+    rows, table = 1 << 16, 64  # 256 bytes a row
+    for connections in (1, 16):
+        with posenc.Client(server.target, connections=connections) as client:
+            with pytest.raises(posenc.ResourceExhaustedError, match="stream limit"):
+                client.get_range(0, rows, table)
+            # The width is known now: refused before any call.
+            with pytest.raises(posenc.ResourceExhaustedError, match="stream limit"):
+                client.get_range(0, rows, table)
+            # Under the limit, the parts are fetched; an iterator goes past it in pieces.
+            assert client.get_range(0, rows // 2, table).shape == (rows // 2, table)
+            assert sum(len(part) for _, part in client.iter_range(0, rows, table)) == rows
+
+    async def fetch() -> None:
+        async with posenc.AsyncClient(server.target, connections=16) as client:
+            with pytest.raises(posenc.ResourceExhaustedError, match="stream limit"):
+                await client.get_range(0, rows, table)
+
+    asyncio.run(fetch())
+
+
+@pytest.mark.timeout(120)
+def test_a_range_larger_than_memory_is_refused_before_it_is_allocated(
+    server_factory: Callable[..., RunningServer],
+) -> None:
+    server = server_factory(max_stream_bytes=1 << 50)
+    spec = posenc.Spec("sinusoidal", d_model=65536)
+    rows = (posenc_memory_limit() // (65536 * 8)) + 1  # float64 rows: one over the memory
+    with posenc.Client(server.target, connections=1) as client:
+        with pytest.raises(posenc.ResourceExhaustedError, match="more than this machine"):
+            client.get_range(0, rows, spec, dtype="float64")
+        # Known width: refused before any call.
+        with pytest.raises(posenc.ResourceExhaustedError, match="more than this machine"):
+            client.get_range(0, rows, spec, dtype="float64")
+
+
+def posenc_memory_limit() -> int:
+    """This machine's memory, as /proc/meminfo says (or the control group's limit)."""
+    with open("/proc/meminfo") as meminfo:
+        total = next(int(line.split()[1]) * 1024 for line in meminfo if line.startswith("MemTotal"))
+    try:
+        with open("/sys/fs/cgroup/memory.max") as limit:
+            return min(total, int(limit.read()))
+    except (OSError, ValueError):
+        return total

@@ -299,6 +299,8 @@ class Core:
         self.servers = Servers(settings.connections)
         # Whether a call that keeps to a connection has had the connections surveyed (once).
         self._surveyed = settings.connections == 1
+        # The server's stream limit, asked before the first range fetched in parts.
+        self._max_stream_bytes: int | None = None
         self._new_token = new_token
         self._contact = Contact(settings.target)
         # Set by the clients' close(); every call starts at budget(), so one check refuses all.
@@ -515,11 +517,16 @@ class Core:
             for part in parts:
                 tables.append((yield from self._fetch(part, budget, unary_max_bytes)))
             return np.concatenate(tables)
+        if query.columns is not None:
+            query.check_size(query.columns)  # the width is known: refused before any call
         if self._large_range(query):
             if self.servers.unknown():
                 yield from self._survey(query, budget)
             if (spread := self._parts(query)) > 1:
-                return (yield from self._spread(query, budget, spread))
+                limit = yield from self._stream_limit(budget)
+                if query.columns is not None:
+                    query.check_size(query.columns, limit)
+                return (yield from self._spread(query, budget, spread, limit))
         unary_max = self.settings.unary_max_bytes if unary_max_bytes is None else unary_max_bytes
         size = query.nbytes
         if size is None:
@@ -594,19 +601,30 @@ class Core:
 
         yield from _together([hello(channel) for channel in self.servers.unknown()])
 
-    def _spread(self, query: Query, budget: CallBudget, parts: int) -> Steps[Rows]:
+    def _stream_limit(self, budget: CallBudget) -> Steps[int]:
+        """The server's stream limit (``max_stream_bytes``), asked once per client."""
+        if self._max_stream_bytes is None:
+            info = yield from self._server_info(budget)
+            self._max_stream_bytes = info.limits.max_stream_bytes
+        return self._max_stream_bytes
+
+    def _spread(self, query: Query, budget: CallBudget, parts: int, limit: int) -> Steps[Rows]:
         """A large range fetched in ``parts`` streams at once, each over a channel to a
         different server process (see :class:`posenc._channel.Servers`), into one result.
 
         One stream is computed by one server process, at most one core of it; parts going
         to two processes are computed by two cores. Each part's rows are copied into their
         place in the result (allocated when the first chunk tells the width), and an
-        interrupted part resumes on its own.
+        interrupted part resumes on its own. The whole result is judged against the
+        server's stream ``limit`` (and this machine's memory) before it is allocated, as
+        one stream would be: the parts are each under it, and whether a range travels in
+        parts depends on the server's process count, never on whether it is served.
         """
         result: list[Rows] = []
 
         def into(first: int, stop: int, columns: int) -> Rows:
             if not result:
+                query.check_size(columns, limit)
                 result.append(query.allocate(columns))
             elif result[0].shape[1] != columns:
                 raise InternalError(

@@ -196,6 +196,19 @@ def _release(block: _Map) -> None:
     _KEPT.give(block)
 
 
+def memory_limit() -> int | None:
+    """The most memory this process may use: the machine's physical memory, or its control
+    group's ``memory.max`` when lower (a container's limit); None where neither is known."""
+    limits = []
+    with contextlib.suppress(ValueError, OSError, AttributeError):
+        limits.append(os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
+    with contextlib.suppress(ValueError, OSError):
+        with open("/sys/fs/cgroup/memory.max") as file:
+            limits.append(int(file.read().strip()))  # "max": no limit (ValueError)
+    limits = [limit for limit in limits if limit > 0]
+    return min(limits) if limits else None
+
+
 def new_array(shape: tuple[int, ...], dtype: np.dtype[Any]) -> np.ndarray[Any, np.dtype[Any]]:
     """An uninitialized array; a large one in a kept map of a dropped result, or in a new
     map whose pages a thread of their own is mapping (see the module doc)."""

@@ -17,8 +17,9 @@ import numpy as np
 import numpy.typing as npt
 
 from posenc._checks import INT64_MAX, INT64_MIN, as_int, as_int64, bad_argument, choice
-from posenc._memory import new_array
+from posenc._memory import memory_limit, new_array
 from posenc._output import is_torch_dtype, torch_dtype_name
+from posenc.errors import ResourceExhaustedError
 from posenc.spec import Spec, enum_name, enum_names
 from posenc.types import DTypeArg
 from posenc.v1 import posenc_pb2 as pb
@@ -228,12 +229,34 @@ class Query:
             **self._selection(first_row, stop_row),
         )
 
+    def check_size(self, columns: int, stream_limit: int | None = None) -> None:
+        """Refuses a whole result of ``columns`` columns that this machine's memory cannot
+        hold, or over the server's ``stream_limit`` (when known: a result fetched in parts,
+        each under the limit, is judged whole, as one stream would be), before any of it is
+        allocated: ResourceExhaustedError, as the server refuses a result over its limits."""
+        size = max(self.rows, 0) * columns * self.dtype.itemsize
+        if stream_limit is not None and size > stream_limit:
+            raise ResourceExhaustedError(
+                f"the result is {size} bytes, over the stream limit of {stream_limit} bytes: "
+                "split the request into smaller ranges (or iterate: iter_range)"
+            )
+        if self.out is not None and self.out.shape == (max(self.rows, 0), columns):
+            return  # the caller's own buffer holds it
+        memory = memory_limit()
+        if memory is not None and size > memory:
+            raise ResourceExhaustedError(
+                f"the result is {size} bytes, more than this machine's memory ({memory} "
+                "bytes): split the request into smaller ranges (or iterate: iter_range)"
+            )
+
     def allocate(self, columns: int) -> np.ndarray[Any, np.dtype[Any]]:
         """Where the whole result goes: the caller's ``out=`` when it has the result's
-        shape, else a new uninitialized array."""
+        shape, else a new uninitialized array (refused, before any allocation, when
+        larger than this machine's memory)."""
         shape = (max(self.rows, 0), columns)
         if self.out is not None and self.out.shape == shape:
             return self.out
+        self.check_size(columns)
         return new_array(shape, self.dtype)
 
     def empty(self) -> np.ndarray[Any, np.dtype[Any]]:
