@@ -202,9 +202,8 @@ def memory_limit() -> int | None:
     limits = []
     with contextlib.suppress(ValueError, OSError, AttributeError):
         limits.append(os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
-    with contextlib.suppress(ValueError, OSError):
-        with open("/sys/fs/cgroup/memory.max") as file:
-            limits.append(int(file.read().strip()))  # "max": no limit (ValueError)
+    with contextlib.suppress(ValueError, OSError), open("/sys/fs/cgroup/memory.max") as file:
+        limits.append(int(file.read().strip()))  # "max": no limit (ValueError)
     limits = [limit for limit in limits if limit > 0]
     return min(limits) if limits else None
 
