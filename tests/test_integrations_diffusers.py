@@ -461,11 +461,190 @@ def test_a_grid_read_wrongly_is_refused_and_nothing_is_patched(client: posenc.Cl
     module = model.pos_embed
     module.interpolation_scale = 2.0  # not what its buffer was built with
     hooks = dict(module._forward_pre_hooks)
-    with pytest.raises(ValueError, match="differs from the module's own grid"):
+    with pytest.raises(ValueError, match="differs from the module's own table"):
         patch(model, client)
     assert dict(module._forward_pre_hooks) == hooks
 
 
 def test_a_model_without_a_grid_is_refused(client: posenc.Client) -> None:
-    with pytest.raises(ValueError, match="holds no sin-cos grid"):
+    with pytest.raises(ValueError, match="holds no positional table"):
         patch(torch.nn.Linear(2, 2), client)
+
+
+# -- N-axis rotary models ----------------------------------------------------------------------
+
+
+def _flux() -> Any:
+    from diffusers import FluxTransformer2DModel
+
+    torch.manual_seed(0)
+    # Flux's rotary settings (head 128, axes (16, 56, 56), theta 10000), one layer of each.
+    return FluxTransformer2DModel(
+        patch_size=1,
+        in_channels=4,
+        out_channels=4,
+        num_layers=1,
+        num_single_layers=1,
+        attention_head_dim=128,
+        num_attention_heads=2,
+        joint_attention_dim=32,
+        pooled_projection_dim=16,
+        axes_dims_rope=(16, 56, 56),
+    )
+
+
+def _flux_inputs(side: int) -> dict[str, Any]:
+    torch.manual_seed(1)
+    image_ids = torch.zeros(side, side, 3)
+    image_ids[..., 1] = torch.arange(side)[:, None]
+    image_ids[..., 2] = torch.arange(side)[None, :]
+    return {
+        "hidden_states": torch.randn(1, side * side, 4),
+        "encoder_hidden_states": torch.randn(1, 4, 32),
+        "pooled_projections": torch.randn(1, 16),
+        "timestep": torch.tensor([0.5]),
+        "img_ids": image_ids.reshape(-1, 3),
+        "txt_ids": torch.zeros(4, 3),
+    }
+
+
+def test_flux_takes_its_rotary_tables_from_posenc(client: posenc.Client) -> None:
+    model = _flux().eval()
+    sizes = {"training": 8, "2x": 16, "4x": 32}
+    native = {name: _run(model, _flux_inputs(side)) for name, side in sizes.items()}
+    with patch(model, client) as patched:
+        assert patched.specs["pos_embed"] == posenc.Spec(
+            "rotary_axes", axes_dim=[16, 56, 56], rope_theta=10000.0
+        )
+        for name, side in sizes.items():
+            ours = _run(model, _flux_inputs(side))
+            # Flux builds its tables from float64 frequencies at integer ids: exact, as
+            # posenc's are; the outputs agree to float32 noise.
+            assert float((ours - native[name]).abs().max()) <= SAME_SIZE_TOLERANCE, name
+        fetches = patched.fetches
+        _run(model, _flux_inputs(8))  # the next denoising step at a size met before
+        assert patched.fetches == fetches
+    assert torch.equal(_run(model, _flux_inputs(8)), native["training"])
+
+
+def _hunyuan_video() -> Any:
+    from diffusers import HunyuanVideoTransformer3DModel
+
+    torch.manual_seed(0)
+    # HunyuanVideo's rotary settings: head 128, rope_axes_dim (16, 56, 56), theta 256,
+    # patch 2 x 2 in space and 1 in time.
+    return HunyuanVideoTransformer3DModel(
+        in_channels=4,
+        out_channels=4,
+        num_attention_heads=2,
+        attention_head_dim=128,
+        num_layers=1,
+        num_single_layers=1,
+        num_refiner_layers=1,
+        patch_size=2,
+        patch_size_t=1,
+        text_embed_dim=32,
+        pooled_projection_dim=16,
+        rope_axes_dim=(16, 56, 56),
+    )
+
+
+def _video_inputs(frames: int, size: int, text: dict[str, Any]) -> dict[str, Any]:
+    torch.manual_seed(1)
+    return {
+        "hidden_states": torch.randn(1, 4, frames, size, size),
+        "timestep": torch.tensor([500]),
+        **{name: make() for name, make in text.items()},
+    }
+
+
+_HUNYUAN_TEXT = {
+    "encoder_hidden_states": lambda: torch.randn(1, 4, 32),
+    "encoder_attention_mask": lambda: torch.ones(1, 4),
+    "pooled_projections": lambda: torch.randn(1, 16),
+    "guidance": lambda: torch.tensor([3500.0]),
+}
+
+
+def test_hunyuan_video_takes_exact_rotary_tables(client: posenc.Client) -> None:
+    model = _hunyuan_video().eval()
+    rope = model.rope
+    with patch(model, client) as patched:
+        assert patched.specs["rope"].parameters["rope_theta"] == 256.0
+        # Its own tables are built from float32 frequencies: at 2x frames, and at 4x the
+        # size, they are off by 2.8e-7 and 1.2e-6 against float64, posenc's by 3e-8.
+        for frames, size in ((2, 16), (4, 64)):
+            latent = torch.zeros(1, 4, frames, size, size)
+            cells = _grid_cells(frames, size // 2, size // 2)
+            exact = _exact_rotary(patched.specs["rope"], cells)
+            ours = torch.cat(rope(latent), dim=-1).double()
+            theirs = torch.cat(type(rope).forward(rope, latent), dim=-1).double()
+            ours_error = float((ours - exact).abs().max())
+            native_error = float((theirs - exact).abs().max())
+            assert ours_error <= 2.0**-24 and native_error >= 8 * ours_error, (
+                native_error,
+                ours_error,
+            )
+        output = _run(model, _video_inputs(2, 16, _HUNYUAN_TEXT))
+    native = _run(model, _video_inputs(2, 16, _HUNYUAN_TEXT))
+    assert float((output - native).abs().max()) <= 1e-3
+
+
+def _grid_cells(*sizes: int) -> Any:
+    axes = [torch.arange(size) for size in sizes]
+    return torch.stack(torch.meshgrid(*axes, indexing="ij"), dim=-1).reshape(-1, len(sizes))
+
+
+def _exact_rotary(spec: posenc.Spec, cells: Any) -> Any:
+    """cos | sin of an N-axis rotary spec in float64 (frequencies and angles in float64: far
+    within float32's rounding at these coordinates), diffusers' interleaved pairs."""
+    theta = spec.parameters.get("rope_theta", 10000.0)
+    cos, sin = [], []
+    for axis, dim in enumerate(spec.parameters["axes_dim"]):
+        frequencies = 1.0 / theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim)
+        angles = torch.outer(cells[:, axis].double(), frequencies)
+        cos.append(angles.cos().repeat_interleave(2, dim=1))
+        sin.append(angles.sin().repeat_interleave(2, dim=1))
+    return torch.cat([*cos, *sin], dim=-1)
+
+
+def _wan(max_seq_len: int = 1024) -> Any:
+    from diffusers import WanTransformer3DModel
+
+    torch.manual_seed(0)
+    # Wan's rotary settings: head 128 split (44, 42, 42), theta 10000, patch (1, 2, 2).
+    return WanTransformer3DModel(
+        patch_size=(1, 2, 2),
+        num_attention_heads=2,
+        attention_head_dim=128,
+        in_channels=4,
+        out_channels=4,
+        text_dim=32,
+        freq_dim=32,
+        ffn_dim=64,
+        num_layers=1,
+        rope_max_seq_len=max_seq_len,
+    )
+
+
+_WAN_TEXT = {"encoder_hidden_states": lambda: torch.randn(1, 4, 32)}
+
+
+def test_wan_takes_its_rotary_tables_from_posenc_past_its_own_length(
+    client: posenc.Client,
+) -> None:
+    model = _wan(max_seq_len=16).eval()
+    inside = _video_inputs(2, 16, _WAN_TEXT)  # 8 x 8 patches: within its 16-row table
+    beyond = _video_inputs(2, 48, _WAN_TEXT)  # 24 x 24 patches: past it
+    native = _run(model, inside)
+    with pytest.raises(RuntimeError):
+        _run(model, beyond)  # its table has 16 rows per axis
+    with patch(model, client) as patched:
+        assert patched.specs["rope"].parameters["axes_dim"] == (44, 42, 42)
+        ours = _run(model, inside)
+        assert float((ours - native).abs().max()) <= SAME_SIZE_TOLERANCE
+        cells = _grid_cells(2, 24, 24)
+        exact = _exact_rotary(patched.specs["rope"], cells)
+        rows = torch.cat(model.rope(beyond["hidden_states"]), dim=-1).reshape(len(cells), -1)
+        assert float((rows.double() - exact).abs().max()) <= 2.0**-24
+        assert torch.isfinite(_run(model, beyond)).all()

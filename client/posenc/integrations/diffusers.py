@@ -1,4 +1,4 @@
-"""One call that makes a diffusers transformer take posenc's exact sin-cos grids.
+"""One call that makes a diffusers transformer take posenc's exact position tables.
 
 ::
 
@@ -19,7 +19,11 @@ posenc's grid instead, whose positions are exact rationals:
   each latent size the model is run at; SD3's crop of its ``pos_embed_max_size`` grid as the
   coordinates of the crop;
 - ``CogVideoXPatchEmbed`` with sin-cos positions (CogVideoX-2b): the 3D grid of each video
-  size, after its text tokens' zero rows.
+  size, after its text tokens' zero rows;
+- the N-axis rotary embeddings of Flux (``FluxPosEmbed``: the ids of each forward), and of
+  HunyuanVideo and Wan (their ``(t, h, w)`` grid of each video size): posenc's
+  ``rotary_axes`` tables, exact at any coordinate (HunyuanVideo builds its frequencies in
+  float32; Wan's own table stops at ``rope_max_seq_len`` positions per axis).
 
 Each size's grid is fetched once and reused by every denoising step at that size. Learned
 position embeddings (CogVideoX-5b-I2V) are weights, not tables: they are left alone and
@@ -30,6 +34,7 @@ attributes.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import warnings
 from collections.abc import Callable
@@ -54,13 +59,16 @@ SUPPORTED_DIFFUSERS: Final = ((0, 42), (0, 42))
 # float32 positions are within a few float32 ulps of exact there, so a larger difference
 # means a misread module, not rounding.
 _VERIFY_TOLERANCE: Final = 1e-4
+# Rotary tables kept per model: one per size a model runs at (a pipeline's sizes are few).
+_ROTARY_KEPT: Final = 16
 
 
 class Patch:
     """What :func:`patch` changed in a model: undone by :meth:`undo` or on leaving a ``with``.
 
     Attributes:
-        specs: The grid spec of each patched module at its training size, by module name.
+        specs: The spec of each patched module's table (a grid: at its training size), by
+            module name.
         skipped: Modules holding positions posenc leaves alone, by name, with the reason.
         fetches: How many grids were fetched (one per spec: later forwards reuse them).
     """
@@ -71,7 +79,22 @@ class Patch:
         self.skipped: dict[str, str] = {}
         self.fetches = 0
         self._grids: dict[posenc.Spec, torch.Tensor] = {}
+        self._rotary: dict[tuple[Any, ...], torch.Tensor] = {}
         self._undo: list[Callable[[], None]] = []
+
+    def rotary(self, spec: posenc.Spec, coordinates: torch.Tensor) -> torch.Tensor:
+        """The float32 rows of an N-axis rotary spec at ``[rows, 3]`` integer coordinates,
+        fetched once per coordinates (every denoising step of a size asks for the same)."""
+        array = np.ascontiguousarray(coordinates.detach().cpu().numpy().astype(np.int64))
+        key = (spec, array.shape, hashlib.blake2b(array.tobytes(), digest_size=16).digest())
+        rows = self._rotary.get(key)
+        if rows is None:
+            rows = as_tensor(self.client.get_positions(array, spec, dtype="float32"))
+            if len(self._rotary) >= _ROTARY_KEPT:
+                self._rotary.pop(next(iter(self._rotary)))
+            self._rotary[key] = rows
+            self.fetches += 1
+        return rows
 
     def grid(self, spec: posenc.Spec) -> torch.Tensor:
         """The float32 rows of a grid spec, ``[cells, embed_dim]`` in row-major cell order,
@@ -89,6 +112,7 @@ class Patch:
         while self._undo:
             self._undo.pop()()
         self._grids.clear()
+        self._rotary.clear()
 
     def __enter__(self) -> Patch:
         return self
@@ -117,12 +141,14 @@ class Patch:
 
 
 def patch(model: Any, client: posenc.Client, *, verify: bool = True) -> Patch:
-    """Makes every forward of a diffusers transformer take posenc's exact sin-cos grids.
+    """Makes every forward of a diffusers transformer take posenc's exact position tables.
 
     Args:
         model: A diffusers model (``DiTTransformer2DModel``, ``PixArtTransformer2DModel``,
-            ``SD3Transformer2DModel``, ``CogVideoXTransformer3DModel``, any ``nn.Module``
-            holding their patch embeddings) or a pipeline (its ``transformer`` is patched).
+            ``SD3Transformer2DModel``, ``CogVideoXTransformer3DModel``,
+            ``FluxTransformer2DModel``, ``HunyuanVideoTransformer3DModel``,
+            ``WanTransformer3DModel``, any ``nn.Module`` holding their position modules) or a
+            pipeline (its ``transformer`` is patched).
         client: The :class:`posenc.Client` grids are fetched with; it must stay open while
             the model runs patched.
         verify: Compare each module's grid at its training size with the module's own
@@ -133,8 +159,8 @@ def patch(model: Any, client: posenc.Client, *, verify: bool = True) -> Patch:
         The :class:`Patch`: ``undo()`` (or use it as a context manager) restores the model.
 
     Raises:
-        ValueError: The model holds no sin-cos grid posenc serves, or (``verify``) a grid
-            differs from the module's own.
+        ValueError: The model holds no table posenc serves, or (``verify``) a table differs
+            from the module's own.
     """
     _check_release()
     module = getattr(model, "transformer", model)
@@ -151,15 +177,17 @@ def patch(model: Any, client: posenc.Client, *, verify: bool = True) -> Patch:
                     handle.skipped[name] = "learned position embeddings (weights, not a table)"
                 else:
                     _CogVideoXEmbed(handle, name, child).install(verify)
-            elif kind.endswith(("RotaryPosEmbed", "PosEmbed")) and kind != "PatchEmbed":
-                handle.skipped[name] = f"{kind}: rotary positions are not served yet"
+            elif kind in _ROTARY:
+                _ROTARY[kind](handle, name, child).install(verify)
+            elif kind.endswith(("RotaryPosEmbed", "PosEmbed")):
+                handle.skipped[name] = f"{kind}: not served (its positions or layout differ)"
     except BaseException:
         handle.undo()
         raise
     for name, reason in handle.skipped.items():
         log.info("posenc left %s alone: %s", name or type(module).__name__, reason)
     if not handle.specs:
-        raise ValueError(f"{type(module).__name__} holds no sin-cos grid posenc serves")
+        raise ValueError(f"{type(module).__name__} holds no positional table posenc serves")
     return handle
 
 
@@ -210,7 +238,7 @@ def _check(name: str, spec: posenc.Spec, ours: torch.Tensor, theirs: torch.Tenso
     difference = float((ours - theirs).abs().max()) if ours.numel() else 0.0
     if not difference <= _VERIFY_TOLERANCE:
         raise ValueError(
-            f"{name or 'the model'}: posenc's {spec.kind} differs from the module's own grid by "
+            f"{name or 'the model'}: posenc's {spec.kind} differs from the module's own table by "
             f"{difference:.3g} at its training size: the module was read wrongly "
             "(patch(..., verify=False) skips this check)"
         )
@@ -321,3 +349,130 @@ class _CogVideoXEmbed:
         text = grid.new_zeros(int(self.module.max_text_seq_length), grid.shape[1])
         joint = torch.cat([text, grid]).unsqueeze(0)
         return joint if device is None else joint.to(device)
+
+
+# -- N-axis rotary ------------------------------------------------------------------------
+
+
+class _AxesRotary:
+    """A diffusers rotary module whose forward gives ``(cos, sin)`` of integer coordinates,
+    in diffusers' interleaved-pairs layout (posenc's ``gptj``)."""
+
+    def __init__(self, handle: Patch, name: str, module: Any) -> None:
+        self.handle, self.name, self.module = handle, name, module
+        self.native = module.forward
+
+    @property
+    def spec(self) -> posenc.Spec:
+        raise NotImplementedError
+
+    def sample(self) -> tuple[Any, ...]:
+        """Arguments of a small forward, to compare with the native one."""
+        raise NotImplementedError
+
+    def install(self, verify: bool) -> None:
+        spec = self.spec
+        if verify:
+            with torch.no_grad():
+                theirs = torch.cat(self.native(*self.sample()), dim=-1)
+                ours = torch.cat(self(*self.sample()), dim=-1)
+            _check(self.name, spec, ours.reshape(-1), theirs.reshape(-1))
+        self.handle.specs[self.name] = spec
+        self.handle._override(self.module, "forward", self)
+
+    def cos_sin(self, coordinates: torch.Tensor, like: torch.Tensor) -> tuple[Any, Any]:
+        rows = self.handle.rotary(self.spec, coordinates).to(like.device)
+        half = rows.shape[-1] // 2
+        return rows[:, :half], rows[:, half:]
+
+    def __call__(self, *args: Any) -> Any:
+        raise NotImplementedError
+
+
+def _grid_cells(*sizes: int) -> torch.Tensor:
+    """``[prod(sizes), len(sizes)]`` cells of a grid, row-major."""
+    axes = [torch.arange(size) for size in sizes]
+    return torch.stack(torch.meshgrid(*axes, indexing="ij"), dim=-1).reshape(-1, len(sizes))
+
+
+class _Flux(_AxesRotary):
+    """``FluxPosEmbed``: the ids of each forward (text ``(0, 0, 0)``, image ``(0, h, w)``)."""
+
+    @property
+    def spec(self) -> posenc.Spec:
+        dims = [int(dim) for dim in self.module.axes_dim]
+        if len(dims) > 3:
+            raise ValueError(f"{self.name}: {len(dims)} rotary axes, posenc serves at most 3")
+        return posenc.Spec(
+            "rotary_axes",
+            axes_dim=dims + [0] * (3 - len(dims)),
+            rope_theta=float(self.module.theta),
+        )
+
+    def sample(self) -> tuple[Any, ...]:
+        return (_grid_cells(1, 3, 4)[:, : len(self.module.axes_dim)].float(),)
+
+    def __call__(self, ids: torch.Tensor) -> Any:
+        coordinates = ids.detach().to("cpu", torch.float64)
+        if not torch.equal(coordinates, coordinates.round()):
+            return self.native(ids)  # positions posenc cannot hold exactly: the model's own
+        padded = torch.zeros(len(coordinates), 3, dtype=torch.int64)
+        padded[:, : coordinates.shape[-1]] = coordinates.to(torch.int64)
+        return self.cos_sin(padded, ids)
+
+
+class _HunyuanVideo(_AxesRotary):
+    """``HunyuanVideoRotaryPosEmbed``: the (t, h, w) grid of the latent's patches."""
+
+    @property
+    def spec(self) -> posenc.Spec:
+        return posenc.Spec(
+            "rotary_axes",
+            axes_dim=[int(dim) for dim in self.module.rope_dim],
+            rope_theta=float(self.module.theta),
+        )
+
+    def sample(self) -> tuple[Any, ...]:
+        p, pt = self.module.patch_size, self.module.patch_size_t
+        return (torch.zeros(1, 1, 2 * pt, 3 * p, 4 * p),)
+
+    def __call__(self, hidden_states: torch.Tensor) -> Any:
+        _, _, frames, height, width = hidden_states.shape
+        p, pt = self.module.patch_size, self.module.patch_size_t
+        return self.cos_sin(_grid_cells(frames // pt, height // p, width // p), hidden_states)
+
+
+class _Wan(_AxesRotary):
+    """``WanRotaryPosEmbed``: the (t, h, w) grid of the latent's patches, at any size (the
+    module's own table stops at ``max_seq_len`` per axis)."""
+
+    # The rotary base WanTransformer3DModel builds its module with (not kept by the module;
+    # install's comparison with the module's own table checks it).
+    THETA: Final = 10000.0
+
+    @property
+    def spec(self) -> posenc.Spec:
+        module = self.module
+        return posenc.Spec(
+            "rotary_axes",
+            axes_dim=[module.t_dim, module.h_dim, module.w_dim],
+            rope_theta=self.THETA,
+        )
+
+    def sample(self) -> tuple[Any, ...]:
+        p_t, p_h, p_w = self.module.patch_size
+        return (torch.zeros(1, 1, 2 * p_t, 3 * p_h, 4 * p_w),)
+
+    def __call__(self, hidden_states: torch.Tensor) -> Any:
+        _, _, frames, height, width = hidden_states.shape
+        p_t, p_h, p_w = self.module.patch_size
+        cells = _grid_cells(frames // p_t, height // p_h, width // p_w)
+        cos, sin = self.cos_sin(cells, hidden_states)
+        return cos.reshape(1, len(cells), 1, -1), sin.reshape(1, len(cells), 1, -1)
+
+
+_ROTARY: Final[dict[str, type[_AxesRotary]]] = {
+    "FluxPosEmbed": _Flux,
+    "HunyuanVideoRotaryPosEmbed": _HunyuanVideo,
+    "WanRotaryPosEmbed": _Wan,
+}
