@@ -7,6 +7,7 @@ import json
 import os
 import pty
 import shutil
+import signal
 import struct
 import subprocess
 import sys
@@ -15,10 +16,11 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import grpc
 import ml_dtypes
 import numpy as np
 import pytest
-from conftest import free_port
+from conftest import ServerProcess, free_port
 
 import posenc
 from posenc.cli import main
@@ -229,6 +231,8 @@ def test_info_names_kinds_as_fetch_takes_them(
         width = "d_model=8"
         if "rotary" in selection or "mrope" in selection:
             width = "head_dim=8"
+        elif "rotary_axes" in selection:
+            width = "axes_dim=2,2,4"
         elif any(kind.startswith("sincos_grid") for kind in selection):
             width = "embed_dim=8"
         argv = ["fetch", "0", "1", *selection, "--param", width, "-o", out]
@@ -475,12 +479,12 @@ def test_the_sdk_and_cli_import_ml_dtypes_only_for_bfloat16(server: RunningServe
 
 def posenc_cli(*args: str, **options: object) -> subprocess.CompletedProcess[str]:
     """The installed ``posenc`` command, in a subprocess (a guard timeout only)."""
+    streams = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE, **options}
     return subprocess.run(
         [str(BIN / "posenc"), *args],
-        capture_output=True,
         text=True,
         timeout=120,
-        **options,  # type: ignore[call-overload]
+        **streams,  # type: ignore[call-overload]
     )
 
 
@@ -556,3 +560,110 @@ def test_fetch_takes_the_longest_legal_file_name(server: RunningServer, tmp_path
     with posenc.Client(server.target) as client:
         assert np.array_equal(np.load(output), client.get_range(0, 10, 8))
     assert [p.name for p in tmp_path.iterdir()] == [output.name]
+
+
+# -- a newcomer's first hour ----------------------------------------------------------------
+
+
+def test_info_into_a_closed_pipe_is_quiet_and_succeeds(server: RunningServer) -> None:
+    """`posenc info | head -1`: the reader leaves before the output is written."""
+    read, write = os.pipe()
+    os.close(read)
+    try:
+        result = posenc_cli("info", "--target", server.target, stdout=write)
+    finally:
+        os.close(write)
+    assert (result.returncode, result.stderr) == (0, "")
+
+
+def test_a_bad_flag_value_says_what_the_flag_takes_in_two_lines() -> None:
+    result = posenc_cli("fetch", "0", "10", "--d-model", "abc", "-o", "t.npy")
+    assert result.returncode == 2
+    assert result.stderr == (
+        "posenc fetch: error: argument --d-model: d_model must be an integer, got 'abc'\n"
+        "See 'posenc fetch --help' for the usage.\n"
+    )
+
+
+def test_a_parameter_never_set_is_said_not_set(server: RunningServer, tmp_path: Path) -> None:
+    result = posenc_cli(
+        *("fetch", "0", "10", "--table", "sincos_grid_2d", "--param", "grid_height=0"),
+        *("--param", "embed_dim=8", "-o", str(tmp_path / "t.npy"), "--target", server.target),
+    )
+    assert result.returncode == 1
+    line = result.stderr
+    assert "spec.sincos_grid_2d.grid_width: not set (" in line
+    assert "give it with --param grid_width=VALUE" in line
+    # A 0 the user gave is still reported as given.
+    assert "spec.sincos_grid_2d.grid_height: must be between 1 and" in line
+    assert line.count("got 0") == 1
+
+
+@pytest.mark.parametrize(
+    "target",
+    ["ipv4:not-an-address", "tls"],
+    ids=["bad-uri", "tls-to-plaintext"],
+)
+def test_no_grpc_core_log_line_reaches_the_terminal(
+    server: RunningServer, target: str, tmp_path: Path
+) -> None:
+    args = ["--target", target]
+    if target == "tls":  # a TLS client against a plaintext server: handshakes fail
+        roots = Path(grpc.__file__).parent / "_cython" / "_credentials" / "roots.pem"
+        args = ["--target", server.target, "--tls-ca", str(roots)]
+    result = posenc_cli("info", *args, "--timeout", "1")
+    assert result.returncode == 1
+    assert result.stderr.count("\n") == 1, result.stderr
+    assert result.stderr.startswith("posenc info: ")
+
+
+def test_info_lists_each_kinds_parameters(server: RunningServer) -> None:
+    result = posenc_cli("info", "--target", server.target)
+    assert result.returncode == 0, result.stderr
+    text = result.stdout.split("\nparameters:", 1)[1]
+    kinds = {line.split(":")[0].strip() for line in text.splitlines()[1:] if line[2] != " "}
+    assert {"sinusoidal", "rotary", "rotary.yarn", "mrope"} <= kinds
+    head_dim = next(line for line in text.splitlines() if line.split()[:1] == ["head_dim"])
+    assert "(required)" in head_dim
+    assert any(line.split()[:3] == ["rope_theta", "=", "10000"] for line in text.splitlines())
+
+
+@pytest.mark.slow  # a table of a few GiB, and the retry budget after the server is gone
+@pytest.mark.timeout(180)
+def test_a_server_gone_mid_fetch_is_reported_as_the_server(
+    spawn_server: Callable[..., ServerProcess], tmp_path: Path
+) -> None:
+    server = spawn_server()
+    output = tmp_path / "t.npy"
+    fetch = subprocess.Popen(
+        [
+            *(str(BIN / "posenc"), "fetch", "0", str(1 << 22), "--d-model", "1024"),
+            *("-o", str(output), "--target", server.target, "--no-progress"),
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        # Once rows are being written (more than the first chunk), stop the fetch, take its
+        # server away, and let it go on.
+        while written(fetch.pid) < 8 << 20:
+            assert fetch.poll() is None, fetch.stderr.read() if fetch.stderr else ""
+            time.sleep(0.02)
+        fetch.send_signal(signal.SIGSTOP)
+        server.kill()
+        fetch.send_signal(signal.SIGCONT)
+        _, err = fetch.communicate(timeout=120)
+    finally:
+        if fetch.poll() is None:
+            fetch.kill()
+    assert fetch.returncode == 1
+    assert err.startswith("posenc fetch: UNAVAILABLE: "), err
+    assert "cannot write" not in err and err.count("\n") == 1
+    assert list(tmp_path.iterdir()) == []
+
+
+def written(pid: int) -> int:
+    """Bytes process ``pid`` has written so far (``wchar`` of /proc/PID/io)."""
+    with open(f"/proc/{pid}/io") as io:
+        return next(int(line.split()[1]) for line in io if line.startswith("wchar:"))
