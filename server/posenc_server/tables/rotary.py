@@ -399,7 +399,7 @@ class Llama3(Scaling):
         "factor": _FACTOR,
         "original_max_position_embeddings": _ORIGINAL,
         "low_freq_factor": Doc("Llama 3 low_freq_factor, > 0"),
-        "high_freq_factor": Doc("Llama 3 high_freq_factor, > low_freq_factor"),
+        "high_freq_factor": Doc("Llama 3 high_freq_factor, >= low_freq_factor"),
     }
 
     factor: float = 0.0
@@ -408,7 +408,8 @@ class Llama3(Scaling):
     high_freq_factor: float = 0.0
 
     def scale(self, inv_freq: list[Decimal], log_theta: Decimal, rotary_dim: int) -> Frequencies:
-        """Long wavelengths / factor, short ones kept, a smooth band between."""
+        """Long wavelengths / factor, short ones kept, a smooth band between (none when the
+        band factors are equal, as Llama 4 Scout's are)."""
         factor = Decimal(self.factor)
         original = Decimal(self.original_max_position_embeddings)
         low_factor, high_factor = Decimal(self.low_freq_factor), Decimal(self.high_freq_factor)
@@ -419,7 +420,7 @@ class Llama3(Scaling):
             wavelength = 2 * pi / frequency
             if wavelength > low_wavelength:
                 frequencies.append(frequency / factor)
-            elif wavelength < high_wavelength:
+            elif wavelength < high_wavelength or high_factor == low_factor:
                 frequencies.append(frequency)
             else:
                 smooth = (original / wavelength - low_factor) / (high_factor - low_factor)
@@ -427,15 +428,15 @@ class Llama3(Scaling):
         return Frequencies(frequencies)
 
     def check(self, check: Checker, limits: Limits) -> None:
-        """factor in [min_factor, MAX_FACTOR], positive band factors, high > low."""
+        """factor in [min_factor, MAX_FACTOR], positive band factors, high >= low."""
         _check_factor(check, limits, self.factor)
         _check_lengths(self, check, "original_max_position_embeddings")
         low, high = self.low_freq_factor, self.high_freq_factor
         low_valid = check.real("low_freq_factor", low, 0.0)
         high_valid = check.real("high_freq_factor", high, 0.0)
-        if low_valid and high_valid and not high > low:
+        if low_valid and high_valid and not high >= low:
             check.add(
-                "high_freq_factor", f"must be greater than low_freq_factor ({low!r}), got {high!r}"
+                "high_freq_factor", f"must be at least low_freq_factor ({low!r}), got {high!r}"
             )
 
 
