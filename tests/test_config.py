@@ -6,6 +6,7 @@ import re
 
 import pytest
 
+from posenc_server.app import run
 from posenc_server.config import GIB, MIB, ServerConfig
 
 
@@ -59,6 +60,16 @@ def test_config_is_frozen() -> None:
         (["--workers", "0"], {}, "--workers (POSENC_WORKERS)"),
         (["--cache-bytes", "-1"], {}, "--cache-bytes"),
         (["--cache-bytes", "1 furlong"], {}, "512MiB"),
+        # gRPC takes these as C ints: 2**40 ended the start in a traceback.
+        (["--max-connections", "2**40"], {}, "--max-connections (POSENC_MAX_CONNECTIONS)"),
+        (["--max-unary-bytes", "2**40"], {}, "--max-unary-bytes (POSENC_MAX_UNARY_BYTES)"),
+        (["--max-unary-bytes", "2**31"], {}, "--max-unary-bytes"),
+        # No request arrives in a nanosecond: every call failed, health checks included.
+        (["--read-timeout-seconds", "1e-9"], {}, "--read-timeout-seconds"),
+        (["--read-timeout-seconds", "0"], {}, "--read-timeout-seconds"),
+        # An empty host bound the unauthenticated metrics to every interface.
+        (["--metrics-host", ""], {}, "--metrics-host (POSENC_METRICS_HOST)"),
+        ([], {"POSENC_METRICS_HOST": " "}, "--metrics-host (POSENC_METRICS_HOST)"),
     ],
 )
 def test_invalid_values_are_refused_naming_the_setting(
@@ -93,3 +104,23 @@ def test_help_shows_every_default(capsys: pytest.CaptureFixture[str]) -> None:
     text = " ".join(capsys.readouterr().out.split())
     assert "(default ;" not in text
     assert "(default none; env POSENC_TLS_CERT_FILE)" in text
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--max-connections", "2**40"],
+        ["--max-unary-bytes", "2**40"],
+        ["--read-timeout-seconds", "1e-9"],
+        ["--metrics-host", ""],
+    ],
+)
+@pytest.mark.timeout(60)  # accepted, the server would serve until stopped
+def test_serve_refuses_what_grpc_cannot_take_in_one_line(
+    argv: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``posenc serve`` says what is wrong and exits 2, before anything listens."""
+    assert run([*argv, "--port", "0", "--metrics-port", "-1"]) == 2
+    error = capsys.readouterr().err
+    assert error.startswith("posenc serve: invalid configuration: " + argv[0])
+    assert "Traceback" not in error and error.count("\n") == 1

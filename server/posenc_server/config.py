@@ -29,6 +29,10 @@ MESSAGE_OVERHEAD = 16 * 1024
 MAX_VARINT_BYTES = 10
 # The largest connection age gRPC can take: 2**31 - 1 milliseconds, about 24 days.
 _MAX_CONNECTION_AGE_SECONDS = 2_000_000
+# gRPC takes its settings (message sizes, the connection limit) as C ints.
+_MAX_GRPC_INT = (1 << 31) - 1
+# The shortest read timeout: a request needs some time to arrive, even on loopback.
+_MIN_READ_TIMEOUT_SECONDS = 0.1
 
 
 @dataclass(frozen=True)
@@ -168,14 +172,25 @@ class ServerConfig:
             f"must hold the largest request ({self.max_receive_message_bytes} bytes, from "
             "max_positions) and be at most 2**50",
         )
-        for name in ("admission_wait_seconds", "read_timeout_seconds"):
-            value = getattr(self, name)
-            check(
-                name,
-                math.isfinite(value) and 0 < value <= 3600,
-                "must be a number of seconds in (0, 3600]",
-            )
-        for name in ("max_unary_bytes", "max_stream_bytes", "cache_bytes", "spec_bytes"):
+        check(
+            "admission_wait_seconds",
+            math.isfinite(self.admission_wait_seconds) and 0 < self.admission_wait_seconds <= 3600,
+            "must be a number of seconds in (0, 3600]",
+        )
+        check(
+            "read_timeout_seconds",
+            math.isfinite(self.read_timeout_seconds)
+            and _MIN_READ_TIMEOUT_SECONDS <= self.read_timeout_seconds <= 3600,
+            f"must be a number of seconds in [{_MIN_READ_TIMEOUT_SECONDS:g}, 3600]",
+        )
+        # A unary result is one gRPC message, whose size gRPC takes as a C int.
+        largest_unary = _MAX_GRPC_INT - MESSAGE_OVERHEAD
+        check(
+            "max_unary_bytes",
+            0 <= self.max_unary_bytes <= largest_unary,
+            f"must be in 0..{largest_unary} (one gRPC message)",
+        )
+        for name in ("max_stream_bytes", "cache_bytes", "spec_bytes"):
             check(name, 0 <= getattr(self, name) <= 1 << 50, "must be in 0..2**50")
         check("processes", 0 <= self.processes <= 256, "must be in 0..256")
         check("workers", 1 <= self.workers <= 4096, "must be in 1..4096")
@@ -196,8 +211,19 @@ class ServerConfig:
             1 <= self.max_concurrent_streams < self.workers,
             f"must be between 1 and workers - 1 ({self.workers - 1})",
         )
-        check("max_connections", self.max_connections >= 0, "must be 0 (no limit) or more")
+        check(
+            "max_connections",
+            0 <= self.max_connections <= _MAX_GRPC_INT,
+            f"must be 0 (no limit) or at most {_MAX_GRPC_INT}",
+        )
         check("metrics_port", -1 <= self.metrics_port <= 65535, "must be in -1..65535")
+        # An empty host binds every interface: the unauthenticated metrics must not end up
+        # there by a variable set to nothing.
+        check(
+            "metrics_host",
+            bool(self.metrics_host.strip()),
+            "must name an address (0.0.0.0 or :: for every interface)",
+        )
         if bool(self.tls_cert_file) != bool(self.tls_key_file):
             problems.append("--tls-cert-file and --tls-key-file go together")
         if self.tls_client_ca_file and not self.tls_cert_file:
