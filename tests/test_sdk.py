@@ -956,3 +956,12 @@ def posenc_memory_limit() -> int:
             return min(total, int(limit.read()))
     except (OSError, ValueError):
         return total
+
+
+def test_an_iterator_made_before_close_raises_client_closed(server: RunningServer) -> None:
+    client = posenc.Client(server.target)
+    client.get_range(0, 1, 4)
+    slices = client.iter_range(0, 10, 4)
+    client.close()
+    with pytest.raises(posenc.ClientClosedError, match="the client is closed"):
+        list(slices)

@@ -265,3 +265,20 @@ def test_more_coordinate_rows_than_one_request_carries(server: RunningServer) ->
     assert whole.shape == (70_000, 32)  # cos and sin
     assert same_bits(whole[-10:], tail)
     assert same_bits(streamed, whole)
+
+
+def test_an_iterator_made_before_close_raises_client_closed(server: RunningServer) -> None:
+    """As the blocking client does (a ValueError before), whether or not a call was made."""
+
+    async def main(first_call: bool) -> None:
+        client = posenc.AsyncClient(server.target)
+        if first_call:
+            await client.get_range(0, 1, 4)
+        slices = client.iter_range(0, 10, 4)
+        await client.close()
+        with pytest.raises(posenc.ClientClosedError, match="the client is closed"):
+            async for _ in slices:
+                pass
+
+    for first_call in (False, True):
+        asyncio.run(main(first_call))

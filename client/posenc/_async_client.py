@@ -67,8 +67,7 @@ class AsyncClient(
         built before ``asyncio.run``: creating them in the first call puts them in the right
         loop.
         """
-        if self._core.closed:
-            raise ValueError("the client is closed")
+        self._core.check_open()  # ClientClosedError, as the blocking client raises
         if self._pool is None:
             settings = self._core.settings
             interceptors = list(self._interceptors) or None

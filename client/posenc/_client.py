@@ -127,6 +127,10 @@ class Client(BaseClient[Result, ServerInfo, str, Iterator[Slice]]):
                     stepper.perform(self._perform, operation)
 
     def _perform(self, operation: core.Operation) -> Any:
+        if isinstance(operation, core.Unary | core.OpenStream):
+            # A call begun before close() (an iterator made earlier) starts no new RPC on a
+            # closed channel, whose own error would be a ValueError.
+            self._core.check_open()
         if isinstance(operation, core.Unary):
             method = getattr(self._pool.pick(_affinity(operation.affinity)), operation.method)
             return method(operation.request, timeout=operation.timeout)
