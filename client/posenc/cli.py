@@ -15,6 +15,7 @@ import itertools
 import json
 import math
 import os
+import re
 import shutil
 import signal
 import sys
@@ -23,7 +24,7 @@ import time
 from collections.abc import Iterator, Sequence
 from importlib import metadata
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import grpc
 import numpy as np
@@ -35,7 +36,7 @@ from posenc._channel import DEFAULT_TARGET, is_uri
 from posenc._checks import exact_integer, integer
 from posenc._client import Client
 from posenc._query import DTYPE_NAMES, as_positions, named_dtype
-from posenc.errors import PosencError
+from posenc.errors import InvalidArgumentError, PosencError
 from posenc.plot import BASES, FIGURES, default_spec, figure, render
 from posenc.spec import (
     Spec,
@@ -46,6 +47,7 @@ from posenc.spec import (
     kind_names,
     parameter_fields,
 )
+from posenc.types import TableKind
 
 __all__ = ["main"]
 
@@ -233,6 +235,32 @@ def _parse_value(field: FieldDescriptor, text: str) -> object:
     return _parse_scalar(field, text)
 
 
+class _FlagValue:
+    """The ``type=`` of a table field's flag: its text as the field's value, or a usage
+    error that says what the flag takes (argparse names the function otherwise)."""
+
+    def __init__(self, field: FieldDescriptor) -> None:
+        self.field = field
+
+    def __call__(self, text: str) -> object:
+        try:
+            return _parse_value(self.field, text)
+        except ValueError as error:
+            raise argparse.ArgumentTypeError(str(error)) from None
+
+
+class _Parser(argparse.ArgumentParser):
+    """Usage errors in two lines, the error and where the usage is, as the client commands'
+    own usage errors are (argparse prints the whole usage block first)."""
+
+    def error(self, message: str) -> NoReturn:
+        print(
+            f"{self.prog}: error: {message}\nSee '{self.prog} --help' for the usage.",
+            file=sys.stderr,
+        )
+        raise SystemExit(EXIT_USAGE)
+
+
 def _parameters_of(kind: str) -> dict[str, FieldDescriptor | None]:
     """What ``--param`` takes for ``kind``: its fields, its oneofs (None: a name), and the
     fields of each oneof's messages."""
@@ -267,7 +295,7 @@ def _add_table_arguments(fetch: argparse.ArgumentParser) -> None:
             options["choices"] = tuple(enum_names(field.enum_type))
             options["help"] += f" (default: {options['choices'][0]})"
         else:
-            options["type"] = lambda text, field=field: _parse_value(field, text)
+            options["type"] = _FlagValue(field)
             options["metavar"] = "N" if field.cpp_type in _INTEGERS else "X"
             if field.has_presence:
                 options["help"] += " (default: the server's)"
@@ -349,7 +377,7 @@ def _table(args: argparse.Namespace) -> Spec:
 def _build_parser() -> argparse.ArgumentParser:
     from posenc import __version__
 
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="posenc",
         description=(
             "Exact positional-encoding tables (sinusoidal, rotary, M-RoPE, sin-cos grids) "
@@ -458,11 +486,22 @@ def main(argv: Sequence[str] | None = None) -> int:
         # The server parses its own flags: hand them over untouched.
         return _serve(args_list[1:])
     args = _build_parser().parse_args(args_list)
+    if argv is None:
+        _quiet_grpc_core()
     handler = {"fetch": _fetch, "plot": _plot, "info": _info, "health": _health}[args.command]
     try:
-        return handler(args)
+        code = handler(args)
+        sys.stdout.flush()  # here, where a closed pipe is caught, not at exit
+        return code
+    except BrokenPipeError:
+        # The reader of our output left (`posenc info | head`): it has what it wanted.
+        # Later flushes (at exit) must not fail again.
+        with contextlib.suppress(OSError):
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, sys.stdout.fileno())
+        return EXIT_OK
     except (PosencError, ValueError, OSError) as error:  # ValueError: a bad --target, for one
-        print(f"posenc {args.command}: {error}", file=sys.stderr)
+        print(f"posenc {args.command}: {_explain(error, args)}", file=sys.stderr)
     except KeyboardInterrupt:
         print(f"posenc {args.command}: interrupted", file=sys.stderr)
         return 130
@@ -470,6 +509,67 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"posenc {args.command}: {stopped}", file=sys.stderr)
         return 128 + stopped.signum
     return EXIT_FAILURE
+
+
+def _quiet_grpc_core() -> None:
+    """Keeps gRPC's C core from writing its own log lines (a failed TLS handshake, a bad
+    target URI, once per attempt) into the terminal of a client command, whose failures
+    are one line of its own: the core writes to file descriptor 2, which goes to
+    /dev/null, while Python's ``sys.stderr`` keeps the terminal. The core reads
+    ``GRPC_VERBOSITY`` when ``grpc`` is imported, before any command runs; whoever sets
+    that variable gets the core's lines as before."""
+    if os.environ.get("GRPC_VERBOSITY"):
+        return
+    try:
+        sys.stderr.flush()
+        terminal = os.dup(2)
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, 2)
+        os.close(devnull)
+    except (OSError, ValueError, AttributeError):  # no descriptor 2 (a closed stderr)
+        return
+    encoding = getattr(sys.stderr, "encoding", None) or "utf-8"
+    sys.stderr = open(  # noqa: SIM115 (the process's stderr, for as long as it lives)
+        terminal, "w", buffering=1, encoding=encoding, errors="backslashreplace", closefd=True
+    )
+
+
+def _explain(error: Exception, args: argparse.Namespace) -> str:
+    """The line a failure is reported with. A parameter the user never set reaches the
+    server as 0 (proto3 sends no "unset"), and its refusal says "got 0": said here as not
+    set, with the flag that sets it."""
+    if not isinstance(error, InvalidArgumentError) or not error.field_violations:
+        return str(error)
+    given = _given_parameters(args)
+    parts = []
+    for field, description in error.field_violations:
+        name = field.rpartition(".")[2]
+        unset = re.search(r",? got 0(\.0)?( \(or not set\))?$", description)
+        if unset is not None and name not in given and field.startswith("spec."):
+            flag = f"--param {name}=VALUE"
+            if args.command in ("fetch", "plot") and name in _classic_names():
+                flag = _flag_of(name)
+            description = f"not set ({description[: unset.start()]}): give it with {flag}"
+        parts.append(f"{field}: {description}")
+    return f"{error.code.name}: {'; '.join(parts)}"
+
+
+def _classic_names() -> set[str]:
+    return {field.name for field in parameter_fields(kind_message(_CLASSIC_KIND))}
+
+
+def _flag_of(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _given_parameters(args: argparse.Namespace) -> set[str]:
+    """The table parameters the command line set (flags, --param, --rope-config's)."""
+    given = {item.partition("=")[0] for item in getattr(args, "param", None) or ()}
+    given |= {name for name in _classic_names() if getattr(args, f"classic_{name}", None)}
+    if getattr(args, "rope_config", None) is not None:
+        with contextlib.suppress(Exception):
+            given |= set(_table(args).parameters)
+    return given
 
 
 def _serve(argv: list[str]) -> int:
@@ -789,6 +889,8 @@ def _write(
                 bar.set_postfix_str(f"{_human_bytes(bar.n * row_bytes)}, writing to disk")
                 partial.commit()
     except OSError as error:
+        if isinstance(error, PosencError):
+            raise  # the server's failure (UNAVAILABLE is a ConnectionError), not the file's
         # Name the user's file, not the hidden one beside it.
         raise OSError(f"cannot write {output}: {error.strerror or error}") from None
     finally:
@@ -874,7 +976,20 @@ def _info(args: argparse.Namespace) -> int:
         print(f"{title}:")
         for name, value in vars(section).items():
             print(f"  {name + ':':<27}{value:,}")
+    _print_parameters(info.table_kinds)
     return EXIT_OK
+
+
+def _print_parameters(kinds: Sequence[TableKind]) -> None:
+    """Each kind's parameters, named as ``fetch --param`` takes them, with their defaults
+    (none: required) and meaning."""
+    print("parameters:   (fetch --table KIND --param NAME=VALUE; no default: required)")
+    for kind in kinds:
+        print(f"  {kind.name}: {kind.description}")
+        for parameter in kind.parameters:
+            name = parameter.field.rpartition(".")[2]
+            default = f"= {parameter.default}" if parameter.default else "(required)"
+            print(f"    {name:<33} {default:<14} {parameter.description}")
 
 
 # The server's TLS settings (posenc_server.config): `posenc health` runs where the server
