@@ -17,7 +17,10 @@ match, and an input that outgrows the table grows it from posenc, not from the m
 from __future__ import annotations
 
 import copy
+import logging
 import math
+import os
+import sys
 import threading
 import time
 import warnings
@@ -34,7 +37,7 @@ transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.slow
 
 import posenc  # noqa: E402
-from posenc.integrations.transformers import patch  # noqa: E402
+from posenc.integrations.transformers import UntestedReleaseWarning, patch  # noqa: E402
 
 #: posenc-fed logits are at least this many times closer to the float64 reference than the
 #: model's own float32 logits, at 2^20 and 2^24.
@@ -60,54 +63,62 @@ def _quiet() -> Iterator[None]:
 
 # -- tiny models ----------------------------------------------------------------------------------
 
+# Published head sizes and rope settings; layers, hidden size and heads shrunk. The head
+# size is the config's head_dim where the family has one, else hidden_size / heads.
 TINY = {
     "vocab_size": 96,
     "hidden_size": 64,
     "intermediate_size": 96,
     "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 1,
     "initializer_range": 0.3,
-    "max_position_embeddings": 4096,
 }
 
 
-def _llama3() -> Any:
+def _llama3() -> Any:  # Llama 3.1 8B
     return transformers.LlamaConfig(
         **TINY,
+        head_dim=128,
+        max_position_embeddings=131072,
         rope_parameters={
             "rope_type": "llama3",
             "rope_theta": 500000.0,
             "factor": 8.0,
-            "original_max_position_embeddings": 512,
+            "original_max_position_embeddings": 8192,
             "low_freq_factor": 1.0,
             "high_freq_factor": 4.0,
         },
     )
 
 
-def _qwen2_yarn() -> Any:
+def _qwen2_yarn() -> Any:  # Qwen2.5 7B with its YaRN recipe
     return transformers.Qwen2Config(
         **TINY,
+        head_dim=128,
+        max_position_embeddings=131072,
         rope_parameters={
             "rope_type": "yarn",
             "rope_theta": 1000000.0,
             "factor": 4.0,
-            "original_max_position_embeddings": 1024,
+            "original_max_position_embeddings": 32768,
         },
     )
 
 
-def _phi3_longrope() -> Any:
-    half = 8  # head_dim 16
+def _phi3_longrope() -> Any:  # Phi-3 mini 128k: head 96; factors of its shape
+    half = 48
     return transformers.Phi3Config(
-        **{**TINY, "max_position_embeddings": 131072},
-        original_max_position_embeddings=1024,
+        # At 0.3 this model's own float32 arithmetic is off by 2e-4 at 2^20 whatever its
+        # table (fed the float64 one rounded to float32): too coarse to tell tables apart.
+        **{**TINY, "hidden_size": 192, "initializer_range": 0.1},
+        max_position_embeddings=131072,
+        original_max_position_embeddings=4096,
         rope_parameters={
             "rope_type": "longrope",
             "rope_theta": 10000.0,
-            "short_factor": [1.0 + 0.05 * i for i in range(half)],
-            "long_factor": [1.0 + 0.9 * i for i in range(half)],
+            "short_factor": [1.0 + 0.01 * i for i in range(half)],
+            "long_factor": [1.0 + 1.0 * i for i in range(half)],
         },
         pad_token_id=0,
         eos_token_id=1,
@@ -117,76 +128,201 @@ def _phi3_longrope() -> Any:
 
 def _dynamic() -> Any:
     return transformers.LlamaConfig(
-        **{**TINY, "max_position_embeddings": 1024},
+        **TINY,
+        head_dim=128,
+        max_position_embeddings=1024,
         rope_parameters={"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 4.0},
     )
 
 
 def _linear() -> Any:
     return transformers.LlamaConfig(
-        **TINY, rope_parameters={"rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0}
+        **TINY,
+        head_dim=128,
+        max_position_embeddings=4096,
+        rope_parameters={"rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0},
     )
 
 
-def _mistral() -> Any:
-    return transformers.MistralConfig(**TINY, rope_theta=1000000.0)
+def _mistral() -> Any:  # Mistral 7B v0.3
+    return transformers.MistralConfig(
+        **TINY, head_dim=128, max_position_embeddings=32768, rope_theta=1000000.0
+    )
 
 
-def _mixtral() -> Any:
-    return transformers.MixtralConfig(**TINY, num_local_experts=2, num_experts_per_tok=1)
+def _mistral_small3() -> Any:  # Mistral Small 3 (24B 2501)
+    return transformers.MistralConfig(
+        **TINY, head_dim=128, max_position_embeddings=32768, rope_theta=100000000.0
+    )
 
 
-def _gemma() -> Any:
-    return transformers.GemmaConfig(**TINY, head_dim=32)
+def _ministral() -> Any:  # Ministral 8B: sliding and full layers
+    return transformers.MinistralConfig(
+        **TINY,
+        head_dim=128,
+        max_position_embeddings=32768,
+        rope_parameters={"rope_type": "default", "rope_theta": 100000000.0},
+        sliding_window=32768,
+        layer_types=["sliding_attention", "full_attention"],
+    )
 
 
-def _gemma2() -> Any:
-    return transformers.Gemma2Config(**TINY, head_dim=32, sliding_window=4096)
+def _mixtral() -> Any:  # Mixtral 8x7B
+    return transformers.MixtralConfig(
+        **TINY,
+        head_dim=128,
+        max_position_embeddings=32768,
+        rope_theta=1000000.0,
+        num_local_experts=2,
+        num_experts_per_tok=1,
+    )
 
 
-def _gpt_neox() -> Any:
+def _qwen3() -> Any:  # Qwen3 8B
+    return transformers.Qwen3Config(
+        **TINY,
+        head_dim=128,
+        max_position_embeddings=40960,
+        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+    )
+
+
+def _qwen3_moe() -> Any:  # Qwen3 30B-A3B
+    return transformers.Qwen3MoeConfig(
+        **TINY,
+        head_dim=128,
+        max_position_embeddings=40960,
+        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+        num_experts=2,
+        num_experts_per_tok=1,
+        moe_intermediate_size=32,
+    )
+
+
+def _phi4() -> Any:  # Phi-4 (14B): Phi-3's code, head 128
+    return transformers.Phi3Config(
+        **{**TINY, "hidden_size": 256},
+        max_position_embeddings=16384,
+        rope_parameters={"rope_type": "default", "rope_theta": 250000.0},
+        pad_token_id=0,
+    )
+
+
+def _gemma() -> Any:  # Gemma 7B
+    return transformers.GemmaConfig(**TINY, head_dim=256, max_position_embeddings=8192)
+
+
+def _gemma2() -> Any:  # Gemma 2 9B
+    return transformers.Gemma2Config(
+        **TINY, head_dim=256, max_position_embeddings=8192, sliding_window=4096
+    )
+
+
+_GEMMA3_TEXT: dict[str, Any] = {
+    **TINY,
+    "head_dim": 256,  # Gemma 3 4B
+    "max_position_embeddings": 131072,
+    "sliding_window": 1024,
+    "layer_types": ["sliding_attention", "full_attention"],
+    "rope_parameters": {
+        "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+        "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1000000.0},
+    },
+}
+
+
+def _gemma3() -> Any:
+    return transformers.Gemma3TextConfig(**_GEMMA3_TEXT)
+
+
+_LLAMA4_TEXT: dict[str, Any] = {  # Llama 4 Scout: llama3 scaling, every other layer NoPE
+    **TINY,
+    "head_dim": 128,
+    "intermediate_size_mlp": 96,
+    "num_local_experts": 2,
+    "num_experts_per_tok": 1,
+    "interleave_moe_layer_step": 1,
+    "no_rope_layers": [1, 0],
+    "max_position_embeddings": 10485760,
+    "rope_parameters": {
+        "rope_type": "llama3",
+        "rope_theta": 500000.0,
+        "factor": 16.0,
+        "original_max_position_embeddings": 8192,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 1.0,
+    },
+}
+
+
+def _llama4() -> Any:
+    return transformers.Llama4TextConfig(**_LLAMA4_TEXT)
+
+
+def _gpt_oss() -> Any:  # gpt-oss 20B: YaRN, half-width tables
+    return transformers.GptOssConfig(
+        **TINY,
+        head_dim=64,
+        num_local_experts=2,
+        num_experts_per_tok=1,
+        sliding_window=128,
+        layer_types=["sliding_attention", "full_attention"],
+        max_position_embeddings=131072,
+        rope_parameters={
+            "rope_type": "yarn",
+            "rope_theta": 150000.0,
+            "factor": 32.0,
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+            "truncate": False,
+            "original_max_position_embeddings": 4096,
+        },
+    )
+
+
+def _gpt_neox() -> Any:  # Pythia 160M: head 64, 16 rotary columns
     return transformers.GPTNeoXConfig(
         vocab_size=96,
-        hidden_size=64,
+        hidden_size=128,
         intermediate_size=96,
         num_hidden_layers=2,
         num_attention_heads=2,
         initializer_range=0.3,
-        max_position_embeddings=4096,
+        max_position_embeddings=2048,
         rotary_pct=0.25,
     )
 
 
-def _gptj() -> Any:
+def _gptj() -> Any:  # GPT-J 6B: head 256, rotary_dim 64
     return transformers.GPTJConfig(
         vocab_size=96,
-        n_embd=64,
+        n_embd=512,
         n_layer=2,
         n_head=2,
-        rotary_dim=16,
+        rotary_dim=64,
         n_positions=2048,
         initializer_range=0.3,
     )
 
 
-def _deepseek_v2() -> Any:
-    return transformers.DeepseekV2Config(
+def _deepseek(config: Any, mscale: float) -> Any:
+    return config(
         vocab_size=96,
         hidden_size=64,
         intermediate_size=96,
         moe_intermediate_size=32,
         num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=4,
+        num_attention_heads=2,
+        num_key_value_heads=2,
         n_routed_experts=2,
         n_shared_experts=1,
         num_experts_per_tok=1,
         first_k_dense_replace=2,  # dense MLPs: its MoE kernel has no float64 (the reference)
         kv_lora_rank=16,
         q_lora_rank=None,
-        qk_nope_head_dim=16,
-        qk_rope_head_dim=16,
-        v_head_dim=16,
+        qk_nope_head_dim=128,
+        qk_rope_head_dim=64,
+        v_head_dim=128,
         initializer_range=0.3,
         max_position_embeddings=163840,
         rope_parameters={
@@ -196,29 +332,47 @@ def _deepseek_v2() -> Any:
             "original_max_position_embeddings": 4096,
             "beta_fast": 32,
             "beta_slow": 1,
-            "mscale": 0.707,
-            "mscale_all_dim": 0.707,
+            "mscale": mscale,
+            "mscale_all_dim": mscale,
         },
     )
+
+
+def _deepseek_v2() -> Any:
+    return _deepseek(transformers.DeepseekV2Config, 0.707)
+
+
+def _deepseek_v3() -> Any:
+    return _deepseek(transformers.DeepseekV3Config, 1.0)
 
 
 ROTARY: dict[str, Callable[[], Any]] = {
     "llama3": _llama3,
     "mistral": _mistral,
+    "mistral-small-3": _mistral_small3,
+    "ministral": _ministral,
     "mixtral": _mixtral,
     "qwen2-yarn": _qwen2_yarn,
+    "qwen3": _qwen3,
+    "qwen3-moe": _qwen3_moe,
     "phi3-longrope": _phi3_longrope,
+    "phi4": _phi4,
     "gemma": _gemma,
     "gemma2": _gemma2,
+    "gemma3": _gemma3,
+    "llama4": _llama4,
+    "gpt-oss": _gpt_oss,
     "gpt-neox": _gpt_neox,
     "gptj": _gptj,
     "deepseek-v2": _deepseek_v2,
+    "deepseek-v3": _deepseek_v3,
     "llama-dynamic": _dynamic,
     "llama-linear": _linear,
 }
 
 
 def build(config: Any) -> Any:
+    """The top-level causal LM of ``config`` (what users load), eager kernels."""
     torch.manual_seed(0)
     # Eager kernels: the grouped MoE matmul has no float64 (the reference runs in float64).
     model = transformers.AutoModelForCausalLM.from_config(
@@ -230,18 +384,41 @@ def build(config: Any) -> Any:
 # -- feeding a model rows of our choosing ---------------------------------------------------------
 
 
-def feed(model: Any, rows: Callable[[Any], tuple[Any, Any]]) -> None:
-    """Makes ``model`` take (cos, sin) of position_ids from ``rows`` (float64 numpy halves),
-    through its rotary modules (complex for DeepSeek) or GPT-J's attention."""
-    for module in model.modules():
-        if hasattr(module, "inv_freq") and hasattr(module, "rope_type"):
-            complex_rows = "Deepseek" in type(module).__name__
+def _is_rotary(module: Any) -> bool:
+    return hasattr(module, "rope_type") and hasattr(module, "config") and not _vision(module)
 
-            def forward(x: Any, position_ids: Any, _c: bool = complex_rows) -> Any:
-                cos, sin = rows(position_ids)
+
+def _vision(module: Any) -> bool:
+    rope_type = module.rope_type
+    kinds = set(rope_type.values()) if isinstance(rope_type, dict) else {rope_type}
+    return "axial" in kinds or "Vision" in type(module).__name__
+
+
+def feed(model: Any, rows: Callable[[Any, str | None], tuple[Any, Any]]) -> None:
+    """Makes ``model`` take (cos, sin) of position_ids from ``rows(position_ids,
+    layer_type)`` (float64 numpy halves), through its rotary modules (in the form each
+    returns: complex, half or full width, GPT-J's (sin, cos)) or GPT-J's attention."""
+    for module in model.modules():
+        if _is_rotary(module):
+            layer_types = list(module.rope_type) if isinstance(module.rope_type, dict) else [None]
+            kwargs = {} if layer_types[0] is None else {"layer_type": layer_types[0]}
+            probe = type(module).forward(module, torch.zeros(1), torch.arange(2)[None], **kwargs)
+            complex_rows = isinstance(probe, torch.Tensor) and probe.is_complex()
+            width = rows(torch.arange(1)[None], layer_types[0])[0].shape[-1]
+            half = not complex_rows and probe[0].shape[-1] == width  # GPT-OSS
+
+            def forward(
+                x: Any,
+                position_ids: Any,
+                layer_type: str | None = None,
+                _c: bool = complex_rows,
+                _h: bool = half,
+            ) -> Any:
+                cos, sin = rows(position_ids, layer_type)
                 if _c:
                     return torch.complex(torch.from_numpy(cos), torch.from_numpy(sin))
-                cos, sin = np.concatenate([cos, cos], -1), np.concatenate([sin, sin], -1)
+                if not _h:
+                    cos, sin = np.concatenate([cos, cos], -1), np.concatenate([sin, sin], -1)
                 return torch.from_numpy(cos).to(x.dtype), torch.from_numpy(sin).to(x.dtype)
 
             module.forward = forward
@@ -250,26 +427,40 @@ def feed(model: Any, rows: Callable[[Any], tuple[Any, Any]]) -> None:
 
             def attention(*args: Any, _m: Any = module, _n: Any = native, **kwargs: Any) -> Any:
                 ids = kwargs["position_ids"]
-                cos, sin = rows(ids)
+                cos, sin = rows(ids, None)
                 sincos = torch.from_numpy(np.concatenate([sin, cos], -1))
                 kwargs["position_ids"] = torch.arange(ids.shape[1]).expand(ids.shape)
                 _m._get_embed_positions = lambda _ids: sincos
                 return _n(_m, *args, **kwargs)
 
             module.forward = attention
+        elif hasattr(module, "embed_positions") and hasattr(module, "pos_embd_dim"):
+            # GPTJRotaryEmbedding (transformers 5.24): (sin, cos), half width each.
+            def gptj_rotary(x: Any, position_ids: Any) -> Any:
+                cos, sin = rows(position_ids, None)
+                return torch.from_numpy(sin).to(x.dtype), torch.from_numpy(cos).to(x.dtype)
+
+            module.forward = gptj_rotary
 
 
-def rope_frequencies(config: Any, seq_len: int) -> tuple[np.ndarray, float]:
+def rope_frequencies(
+    config: Any, seq_len: int, layer_type: str | None = None
+) -> tuple[np.ndarray, float]:
     """inv_freq and attention factor of transformers' modeling_rope_utils for ``config``,
     in float64 (the same formulas, evaluated without float32)."""
+    config = config.get_text_config() if hasattr(config, "get_text_config") else config
     rope = dict(getattr(config, "rope_parameters", None) or {})
+    if layer_type is not None:
+        rope = dict(rope[layer_type])
     kind = rope.get("rope_type", "default")
     if config.model_type == "gptj":
-        head_dim, factor_p, theta = config.n_embd // config.n_head, None, 10000.0
+        theta = 10000.0
         dim = config.rotary_dim
     else:
-        head_dim = getattr(config, "head_dim", None) or (
-            config.hidden_size // config.num_attention_heads
+        head_dim = (
+            getattr(config, "qk_rope_head_dim", None)
+            or getattr(config, "head_dim", None)
+            or (config.hidden_size // config.num_attention_heads)
         )
         theta = float(rope["rope_theta"])
         factor_p = rope.get("partial_rotary_factor", 1.0)
@@ -287,10 +478,13 @@ def rope_frequencies(config: Any, seq_len: int) -> tuple[np.ndarray, float]:
         f, old = rope["factor"], rope["original_max_position_embeddings"]
         low, high = rope["low_freq_factor"], rope["high_freq_factor"]
         wavelen = 2 * math.pi / inv
-        smooth = (old / wavelen - low) / (high - low)
         scaled = np.where(wavelen > old / low, inv / f, inv)
         medium = ~(wavelen < old / high) & ~(wavelen > old / low)
-        inv = np.where(medium, (1 - smooth) * scaled / f + smooth * scaled, scaled)
+        if high > low:  # Llama 4 Scout's are equal: no band between
+            smooth = (old / wavelen - low) / (high - low)
+            inv = np.where(medium, (1 - smooth) * scaled / f + smooth * scaled, scaled)
+        else:
+            inv = scaled
     elif kind == "yarn":
         f, original = rope["factor"], rope["original_max_position_embeddings"]
 
@@ -305,13 +499,15 @@ def rope_frequencies(config: Any, seq_len: int) -> tuple[np.ndarray, float]:
         def correction(rotations: float) -> float:
             return dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(theta))
 
-        lo = max(math.floor(correction(rope.get("beta_fast") or 32)), 0)
-        hi = min(math.ceil(correction(rope.get("beta_slow") or 1)), dim - 1)
+        lo, hi = correction(rope.get("beta_fast") or 32), correction(rope.get("beta_slow") or 1)
+        if rope.get("truncate", True):
+            lo, hi = math.floor(lo), math.ceil(hi)
+        lo, hi = max(lo, 0), min(hi, dim - 1)
         ramp = np.clip((np.arange(dim // 2) - lo) / ((hi - lo) or 0.001), 0, 1)
         extrapolation = 1 - ramp
         inv = inv / f * (1 - extrapolation) + inv * extrapolation
     elif kind == "longrope":
-        original = rope["original_max_position_embeddings"]
+        original = config.original_max_position_embeddings
         f = config.max_position_embeddings / original
         attention = math.sqrt(1 + math.log(f) / math.log(original)) if f > 1 else 1.0
         factors = rope["long_factor"] if seq_len > original else rope["short_factor"]
@@ -319,21 +515,20 @@ def rope_frequencies(config: Any, seq_len: int) -> tuple[np.ndarray, float]:
     return inv, attention
 
 
-def reference_rows(config: Any, seq_len: int) -> Callable[[Any], tuple[Any, Any]]:
-    inv, attention = rope_frequencies(config, seq_len)
-
-    def rows(position_ids: Any) -> tuple[Any, Any]:
+def reference_rows(config: Any, seq_len: int) -> Callable[[Any, str | None], tuple[Any, Any]]:
+    def rows(position_ids: Any, layer_type: str | None) -> tuple[Any, Any]:
+        inv, attention = rope_frequencies(config, seq_len, layer_type)
         angles = position_ids.numpy().astype(np.float64)[..., None] * inv
         return np.cos(angles) * attention, np.sin(angles) * attention
 
     return rows
 
 
-def gptj_native_rows(config: Any) -> Callable[[Any], tuple[Any, Any]]:
+def gptj_native_rows(config: Any) -> Callable[[Any, str | None], tuple[Any, Any]]:
     """GPT-J's own create_sinusoidal_positions (float32), at any positions."""
     dim = config.rotary_dim
 
-    def rows(position_ids: Any) -> tuple[Any, Any]:
+    def rows(position_ids: Any, _layer_type: str | None) -> tuple[Any, Any]:
         inv_freq = 1.0 / (10000 ** (torch.arange(0, dim, 2, dtype=torch.int64) / dim))
         angles = torch.einsum("bi,j->bij", position_ids.float(), inv_freq).float()
         return angles.cos().double().numpy(), angles.sin().double().numpy()
@@ -409,13 +604,21 @@ def test_large_positions_are_closer_to_float64(
 
 def test_patch_reads_the_family_spec_and_undoes(client: posenc.Client) -> None:
     model = build(_gptj())
-    attention = model.transformer.h[0].attn
+    # GPT-J's table: its attention's buffer before transformers 5.24, a rotary module since.
+    owners = {
+        name: module
+        for name, module in model.named_modules()
+        if isinstance(getattr(module, "embed_positions", None), torch.Tensor)
+    }
     with patch(model, client) as handle:
-        spec = handle.specs["transformer.h.0.attn"]
-        assert spec.parameters["layout"] == "vllm"
-        assert "forward" in attention.__dict__
-    assert "forward" not in attention.__dict__
-    assert "model" in repr(handle) or "Patch" in repr(handle)
+        assert handle.specs.keys() == owners.keys()
+        for name, module in owners.items():
+            spec = handle.specs[name]
+            assert spec.parameters["layout"] == "vllm"
+            assert spec.parameters["partial_rotary_factor"] * 256 == 64
+            assert "forward" in module.__dict__
+    assert not any("forward" in module.__dict__ for module in owners.values())
+    assert "Patch" in repr(handle)
 
 
 def test_longrope_holds_two_tables(client: posenc.Client) -> None:
@@ -427,7 +630,7 @@ def test_longrope_holds_two_tables(client: posenc.Client) -> None:
         logits_at(model, 6000)
         logits_at(model, 7000)
         seq_lens = sorted(str(table.table.parameters.get("seq_len")) for table in handle.tables)
-        assert seq_lens == ["1025", "None"]
+        assert seq_lens == ["4097", "None"]
 
 
 def test_dynamic_follows_transformers_seq_len_rule(client: posenc.Client) -> None:
@@ -650,3 +853,276 @@ def test_xlm_sinusoidal_grows(client: posenc.Client) -> None:
             longer = model(torch.randint(3, 96, (1, 200))).last_hidden_state
             assert longer.shape == (1, 200, 32)
     assert_same_logits("xlm", ours, native)
+
+
+# -- whole multimodal models, images through the vision tower -------------------------------------
+
+_VL_TEXT: dict[str, Any] = {**TINY, "max_position_embeddings": 128000}
+_VL_TOKENS = {
+    "image_token_id": 90,
+    "video_token_id": 91,
+    "vision_start_token_id": 92,
+    "vision_end_token_id": 93,
+}
+
+
+def _qwen2_vl() -> Any:  # Qwen2-VL 7B: head 128, sections 16 / 24 / 24
+    return transformers.Qwen2VLForConditionalGeneration(
+        transformers.Qwen2VLConfig(
+            text_config={
+                **_VL_TEXT,
+                "hidden_size": 256,
+                "rope_parameters": {
+                    "rope_type": "default",
+                    "rope_theta": 1000000.0,
+                    "mrope_section": [16, 24, 24],
+                },
+            },
+            vision_config={"depth": 1, "embed_dim": 32, "hidden_size": 256, "num_heads": 2},
+            **_VL_TOKENS,
+        )
+    )
+
+
+def _qwen2_5_vl() -> Any:  # Qwen2.5-VL 7B
+    return transformers.Qwen2_5_VLForConditionalGeneration(
+        transformers.Qwen2_5_VLConfig(
+            text_config={
+                **_VL_TEXT,
+                "hidden_size": 256,
+                "rope_parameters": {
+                    "rope_type": "default",
+                    "rope_theta": 1000000.0,
+                    "mrope_section": [16, 24, 24],
+                },
+            },
+            vision_config={
+                "depth": 1,
+                "hidden_size": 32,
+                "out_hidden_size": 256,
+                "num_heads": 2,
+                "intermediate_size": 32,
+            },
+            **_VL_TOKENS,
+        )
+    )
+
+
+def _qwen3_vl() -> Any:  # Qwen3-VL 8B: head 128, interleaved 24 / 20 / 20
+    return transformers.Qwen3VLForConditionalGeneration(
+        transformers.Qwen3VLConfig(
+            text_config={
+                **_VL_TEXT,
+                "head_dim": 128,
+                "rope_parameters": {
+                    "rope_type": "default",
+                    "rope_theta": 5000000.0,
+                    "mrope_section": [24, 20, 20],
+                    "mrope_interleaved": True,
+                },
+            },
+            vision_config={
+                "depth": 1,
+                "hidden_size": 32,
+                "out_hidden_size": 64,
+                "num_heads": 2,
+                "intermediate_size": 32,
+                "deepstack_visual_indexes": [],
+            },
+            **_VL_TOKENS,
+        )
+    )
+
+
+VISION_LANGUAGE = {"qwen2-vl": _qwen2_vl, "qwen2.5-vl": _qwen2_5_vl, "qwen3-vl": _qwen3_vl}
+
+
+def image_inputs(model: Any) -> dict[str, Any]:
+    """A prompt with one 4 x 6-patch image between text tokens, as a processor makes it."""
+    vision = model.config.vision_config
+    grid = torch.tensor([[1, 4, 6]])
+    width = vision.in_channels * vision.temporal_patch_size * vision.patch_size**2
+    pixels = torch.randn(int(grid.prod()), width, generator=torch.Generator().manual_seed(3))
+    merged = int(grid.prod()) // vision.spatial_merge_size**2
+    ids = torch.tensor([[5, 6, 7, 92] + [90] * merged + [93, 8, 9, 10]])
+    return {
+        "input_ids": ids,
+        "pixel_values": pixels,
+        "image_grid_thw": grid,
+        "mm_token_type_ids": (ids == 90).int(),
+    }
+
+
+@pytest.mark.parametrize("family", list(VISION_LANGUAGE))
+def test_whole_vision_language_model_with_an_image(family: str, client: posenc.Client) -> None:
+    """patch() on the model users load: the text M-RoPE table is posenc's, the vision
+    tower's rotary table is left alone (and said so); an image prompt's logits and greedy
+    tokens are the native ones."""
+    torch.manual_seed(0)
+    model = VISION_LANGUAGE[family]().eval()
+    inputs = image_inputs(model)
+    with torch.no_grad():
+        native = model(**inputs).logits.double()
+        expected = model.generate(**inputs, max_new_tokens=8, do_sample=False)
+        with patch(model, client) as handle:
+            assert {spec.kind for spec in handle.specs.values()} == {"mrope"}
+            assert handle.specs.keys() == {"model.language_model.rotary_emb"}
+            assert "axial" in handle.skipped["model.visual.rotary_pos_emb"]
+            ours = model(**inputs).logits.double()
+            generated = model.generate(**inputs, max_new_tokens=8, do_sample=False)
+    difference = float((ours - native).abs().max())
+    print(f"{family}: max |logit difference| {difference:.3g} ({float(native.abs().max()):.3g})")
+    assert difference <= 1e-4 * float(native.abs().max())
+    assert torch.equal(generated, expected)
+
+
+def test_patch_names_what_it_leaves_alone(
+    client: posenc.Client, caplog: pytest.LogCaptureFixture
+) -> None:
+    torch.manual_seed(0)
+    model = _qwen3_vl().eval()
+    with (
+        caplog.at_level(logging.INFO, logger="posenc.integrations.transformers"),
+        patch(model, client) as handle,
+    ):
+        assert set(handle.skipped) == {"model.visual.rotary_pos_emb", "model.visual.pos_embed"}
+    (line,) = [r.getMessage() for r in caplog.records if r.name.startswith("posenc")]
+    assert "model.language_model.rotary_emb (mrope)" in line
+    assert "model.visual.rotary_pos_emb" in line and "model.visual.pos_embed" in line
+
+
+# -- releases -------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("version", ["5.16.1", "5.25.0", "6.0.0"])
+def test_an_untested_release_is_said_at_patch(
+    version: str, client: posenc.Client, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    model = build(_llama3())
+    # The module transformers' lazy import left in sys.modules, where its version is read.
+    monkeypatch.setattr(sys.modules["transformers"], "__version__", version)
+    with pytest.warns(UntestedReleaseWarning, match=rf"transformers {version} is outside"):
+        patch(model, client).undo()
+    with pytest.raises(ValueError, match="verify=True"):
+        patch(model, client, verify=False)
+    assert "forward" not in model.model.rotary_emb.__dict__
+
+
+def test_the_installed_release_is_a_tested_one(client: posenc.Client) -> None:
+    # tests/test_integrations_transformers_oldest.py runs this file on the oldest release.
+    expected = os.environ.get("POSENC_EXPECT_TRANSFORMERS")
+    assert expected in (None, transformers.__version__)
+    model = build(_llama3())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UntestedReleaseWarning)
+        patch(model, client).undo()
+
+
+# -- torch.compile, deep copies, saving -----------------------------------------------------------
+
+
+def test_a_compiled_patched_model_runs_with_the_fetch_as_a_graph_break(
+    client: posenc.Client,
+) -> None:
+    model = build(_qwen3())
+    ids = tokens()
+    with torch.no_grad(), patch(model, client):
+        eager = [logits_at(model, start) for start in (0, 2**20)]
+        torch._dynamo.reset()
+        compiled = torch.compile(model)  # the default backend, fullgraph=False
+        positions = [torch.arange(s, s + SEQ).expand(BATCH, SEQ) for s in (0, 2**20)]
+        ours = [compiled(ids, position_ids=p).logits.double() for p in positions]
+        explained = torch._dynamo.explain(model)(ids, position_ids=positions[0])
+    assert explained.graph_break_count >= 1
+    assert any("disable" in str(reason.reason) for reason in explained.break_reasons)
+    for theirs, mine in zip(eager, ours, strict=True):
+        torch.testing.assert_close(mine, theirs, rtol=0, atol=1e-5 * float(theirs.abs().max()))
+
+
+def test_a_patched_model_deep_copies_and_saves_its_state_dict(
+    client: posenc.Client, tmp_path: Any
+) -> None:
+    model = build(_gemma3())
+    native_keys = set(model.state_dict())
+    with patch(model, client) as handle:
+        far = logits_at(model, 2**24)
+        twin = copy.deepcopy(model)
+        # The copy is patched too (its own module, the same client): the same exact logits.
+        torch.testing.assert_close(logits_at(twin, 2**24), far, rtol=0, atol=0)
+        assert twin.model.rotary_emb.forward.__self__ is twin.model.rotary_emb
+        assert set(model.state_dict()) == native_keys
+        torch.save(model.state_dict(), tmp_path / "weights.pt")
+        with pytest.raises(TypeError, match=r"state_dict\(\).*undo\(\)"):
+            torch.save(model, tmp_path / "model.pt")
+        assert handle.specs
+    # Undone: the model pickles again.
+    torch.save(model, tmp_path / "model.pt")
+    assert not (set(torch.load(tmp_path / "weights.pt")) ^ native_keys)
+
+
+def image_positions(start: int) -> Any:
+    """(t, h, w) position ids [3, 1, 14] of image_inputs' prompt, as Qwen2-VL's rule lays
+    them out (text 0-3, the 2 x 3 merged image at 4 + (0, row, column), text from 7), from
+    ``start``."""
+    text = [(p, p, p) for p in range(4)]
+    image = [(4, 4 + row, 4 + column) for row in range(2) for column in range(3)]
+    after = [(p, p, p) for p in range(7, 11)]
+    return torch.tensor(text + image + after).T[:, None, :] + start
+
+
+def mrope_reference_rows(config: Any) -> Callable[[Any, str | None], tuple[Any, Any]]:
+    """M-RoPE's merged (cos, sin) halves in float64: each column's angle from its axis (t,
+    h, w by sections; Qwen3-VL interleaves h and w)."""
+    text = config.get_text_config()
+    rope = text.rope_parameters
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    inv = 1.0 / float(rope["rope_theta"]) ** (np.arange(0, head_dim, 2) / head_dim)
+    sections = list(rope["mrope_section"])
+    if rope.get("mrope_interleaved"):
+        axis = np.zeros(head_dim // 2, dtype=int)
+        for dim, offset in ((1, 1), (2, 2)):
+            axis[offset : sections[dim] * 3 : 3] = dim
+    else:
+        axis = np.repeat([0, 1, 2], sections)
+
+    def rows(position_ids: Any, _layer_type: str | None) -> tuple[Any, Any]:
+        if position_ids.ndim == 2:
+            position_ids = position_ids[None].expand(3, -1, -1)
+        angles = position_ids.numpy().astype(np.float64)[..., None] * inv  # [3, b, s, half]
+        merged = np.moveaxis(angles[axis, ..., np.arange(len(axis))], 0, -1)
+        return np.cos(merged), np.sin(merged)
+
+    return rows
+
+
+def feed_mrope(model: Any, rows: Callable[[Any, str | None], tuple[Any, Any]]) -> None:
+    for module in model.modules():
+        if _is_rotary(module):
+
+            def forward(x: Any, position_ids: Any) -> Any:
+                cos, sin = rows(position_ids, None)
+                cos, sin = np.concatenate([cos, cos], -1), np.concatenate([sin, sin], -1)
+                return torch.from_numpy(cos).to(x.dtype), torch.from_numpy(sin).to(x.dtype)
+
+            module.forward = forward
+
+
+@pytest.mark.parametrize("family", list(VISION_LANGUAGE))
+@pytest.mark.parametrize("start", [2**20, 2**24])
+def test_vision_language_far_positions_are_closer_to_float64(
+    family: str, start: int, client: posenc.Client
+) -> None:
+    torch.manual_seed(0)
+    model = VISION_LANGUAGE[family]().eval()
+    inputs = {**image_inputs(model), "position_ids": image_positions(start)}
+    reference = copy.deepcopy(model).double()
+    feed_mrope(reference, mrope_reference_rows(model.config))
+    with torch.no_grad():
+        expected = reference(**inputs).logits.double()
+        native = model(**inputs).logits.double()
+        with patch(model, client):
+            ours = model(**inputs).logits.double()
+    native_error = float((native - expected).abs().max())
+    our_error = float((ours - expected).abs().max())
+    print(f"{family} @2^{int(math.log2(start))}: native {native_error:.3g}, posenc {our_error:.3g}")
+    assert our_error * FACTOR <= native_error, (native_error, our_error)

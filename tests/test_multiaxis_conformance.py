@@ -269,7 +269,8 @@ def test_the_transformers_drop_in_serves_mrope(server: RunningServer, family: st
         embeds = torch.randn(1, position_ids.shape[-1], 256)
         with torch.no_grad():
             native = language(inputs_embeds=embeds, position_ids=position_ids)
-            with posenc.Client(server.target) as client, patch(language, client) as patched:
+            # The whole model, as users patch it (its vision tower is left alone).
+            with posenc.Client(server.target) as client, patch(model, client) as patched:
                 assert next(iter(patched.specs.values())).kind == "mrope"
                 ours = language(inputs_embeds=embeds, position_ids=position_ids)
         difference = (ours.last_hidden_state - native.last_hidden_state).abs().max()

@@ -7,30 +7,50 @@
     with posenc.Client(target) as client, patch(model, client):
         model.generate(...)          # every forward takes its tables from posenc
 
-:func:`patch` reads the model's config, builds the spec of each positional table the model
-holds, checks it against the model's own table at small positions, and replaces that table:
+:func:`patch` takes the model as loaded (``...ForCausalLM``, ``...ForConditionalGeneration``
+or any module holding one), reads its config, builds the spec of each text positional table
+it holds, checks it against the model's own table at small positions, and replaces that
+table:
 
 - M-RoPE (Qwen2-VL, Qwen2.5-VL, Qwen3-VL): the merged ``(cos, sin)`` of the ``[3, batch,
   seq]`` position ids; text positions from a growing table of the plain rotary spec (their
   rows), image and video positions by their coordinates;
-- rotary families (Llama, Mistral, Mixtral, Qwen2, Phi-3, Gemma, GPT-NeoX, DeepSeek-V2 and
-  any model built on transformers' standard rotary module; GPT-J's attention): ``(cos, sin)``
-  for the ``position_ids`` of each forward come from a :class:`posenc.GrowingTable`, in
-  the dtype of the hidden states. ``dynamic`` and ``longrope`` follow transformers' own
-  ``seq_len`` rule (longrope's two tables are held once each; a dynamic table recomputed
-  for a new ``seq_len`` is fetched for those positions);
+- rotary families (Llama 3 / 4, Mistral, Ministral, Mixtral, Qwen2 / 3, Phi-3 / 4, Gemma 1-3,
+  GPT-NeoX, GPT-J, GPT-OSS, DeepSeek-V2 / V3 and any model built on transformers' standard
+  rotary module, one table per layer type included): ``(cos, sin)`` for the
+  ``position_ids`` of each forward come from a :class:`posenc.GrowingTable`, in the dtype
+  of the hidden states and the width the model's own module returns. ``dynamic`` and
+  ``longrope`` follow transformers' own ``seq_len`` rule (longrope's two tables are held once
+  each; a dynamic table recomputed for a new ``seq_len`` is fetched for those positions);
 - sinusoidal families (Whisper's encoder, M2M100/NLLB, Speech2Text, Marian, Pegasus, XLM):
   the model's table is replaced by posenc's rows, and grows from posenc when an input
   outgrows it (never from the model's own float32 formula).
 
-The returned :class:`Patch` undoes every change (``undo()``, or leaving its ``with`` block).
-Importing this module imports torch, not transformers: models are recognised by the
-modules they hold.
+Vision towers' rotary tables (rope type ``axial``: Qwen-VL's patches, Llama 4's and
+Pixtral's 2D tables) and other position modules posenc does not serve alone are left as
+they are: :attr:`Patch.skipped` names each, and the ``posenc.integrations.transformers``
+logger says what was patched and what was left.
+
+The fetch is a graph break under ``torch.compile`` (the patched forwards are
+``torch.compiler.disable``-d), so a compiled patched model runs, its other modules compiled.
+A patched model can be deep-copied (the copy is patched too and shares the client); pickling
+it (``torch.save(model)``) is refused with a message saying what to save instead, and its
+``state_dict`` holds nothing of posenc's.
+
+The transformers releases this is tested against: :data:`TRANSFORMERS_RELEASES`; another
+release gets a warning (and, with ``verify=False``, a refusal). The returned :class:`Patch`
+undoes every change (``undo()``, or leaving its ``with`` block). Importing this module
+imports torch, not transformers: models are recognised by the modules they hold.
 """
 
 from __future__ import annotations
 
 import inspect
+import logging
+import re
+import sys
+import types
+import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from types import TracebackType
@@ -44,7 +64,13 @@ from posenc._configs import config_dict
 from posenc._output import as_tensor
 from posenc.table import DEFAULT_MAX_BYTES, DEFAULT_MIN_ROWS, GrowingTable
 
-__all__ = ["Patch", "patch"]
+__all__ = ["TRANSFORMERS_RELEASES", "Patch", "UntestedReleaseWarning", "patch"]
+
+_log = logging.getLogger(__name__)
+
+#: The transformers releases :func:`patch` is tested against: from the first (inclusive) to
+#: the second (exclusive), as ``(major, minor)``; the ``transformers`` extra declares the same.
+TRANSFORMERS_RELEASES: Final = ((5, 17), (5, 25))
 
 _SERVED: Final = frozenset({torch.float32, torch.float16, torch.bfloat16, torch.float64})
 # Rows compared with the model's own table when patching: positions where float32 is exact
@@ -53,6 +79,20 @@ _VERIFY_ROWS: Final = 64
 _VERIFY_TOLERANCE: Final = 2e-4
 # Distinct dynamic-NTK specs remembered per module (one per seq_len a forward reached).
 _SPECS_KEPT: Final = 8
+# The attribute of a patched module holding what its patched methods need.
+_STATE: Final = "_posenc_patch"
+# Position modules of other kinds, named in Patch.skipped when left alone.
+_POSITIONAL: Final = re.compile(r"rotary|position(al)?_?emb|pos_?emb", re.IGNORECASE)
+
+_NOT_PICKLED: Final = (
+    "a model patched by posenc.integrations.transformers holds a live posenc client and "
+    "cannot be pickled: save model.state_dict() (it holds nothing of posenc's), or call "
+    "undo() on the patch before torch.save(model) and patch the loaded model again"
+)
+
+
+class UntestedReleaseWarning(UserWarning):
+    """The installed transformers is outside :data:`TRANSFORMERS_RELEASES`."""
 
 
 def _served(dtype: torch.dtype) -> torch.dtype:
@@ -60,16 +100,51 @@ def _served(dtype: torch.dtype) -> torch.dtype:
     return dtype if dtype in _SERVED else torch.float32
 
 
+def _release() -> tuple[str, tuple[int, int] | None]:
+    """The transformers version the models come from, and its ``(major, minor)``."""
+    module = sys.modules.get("transformers")
+    version = str(getattr(module, "__version__", "") or "")
+    match = re.match(r"(\d+)\.(\d+)", version)
+    return version, (int(match[1]), int(match[2])) if match else None
+
+
+def _check_release(verify: bool) -> None:
+    version, release = _release()
+    if not version:  # no transformers imported: modules of the caller's own
+        return
+    low, high = TRANSFORMERS_RELEASES
+    if release is not None and low <= release < high:
+        return
+    supported = f">={low[0]}.{low[1]},<{high[0]}.{high[1]}"
+    if not verify:
+        raise ValueError(
+            f"transformers {version} is outside the releases posenc's patch is tested "
+            f"against ({supported}): patch with verify=True (each table is then compared "
+            "with the model's own), or install a tested release"
+        )
+    warnings.warn(
+        f"transformers {version} is outside the releases posenc's patch is tested against "
+        f"({supported}); each table is still compared with the model's own at positions "
+        f"below {_VERIFY_ROWS} and refused if it differs",
+        UntestedReleaseWarning,
+        stacklevel=3,
+    )
+
+
 class Patch:
     """What :func:`patch` changed in a model: undone by :meth:`undo` or on leaving a ``with``.
 
     Attributes:
-        specs: The spec of each replaced table, by module name (``""`` is the model).
+        specs: The spec of each replaced table, by module name (``""`` is the model;
+            ``name:layer_type`` for a module holding one table per layer type).
+        skipped: The position modules left as they are, by module name, each with the
+            reason (a vision tower's table, a learned embedding, ...).
     """
 
     def __init__(self, client: posenc.Client, *, min_rows: int, max_table_bytes: int) -> None:
         self.client = client
         self.specs: dict[str, posenc.Spec] = {}
+        self.skipped: dict[str, str] = {}
         self._min_rows = min_rows
         self._max_table_bytes = max_table_bytes
         self._tables: dict[tuple[posenc.Spec, torch.dtype], GrowingTable] = {}
@@ -97,7 +172,8 @@ class Patch:
         return list(self._tables.values())
 
     def undo(self) -> None:
-        """Restores every patched module as it was (its own tables and methods)."""
+        """Restores every patched module as it was (its own tables and methods). Deep
+        copies made while patched stay patched."""
         while self._undo:
             self._undo.pop()()
         self._tables.clear()
@@ -116,6 +192,12 @@ class Patch:
     def __repr__(self) -> str:
         return f"Patch({', '.join(self.specs) or 'nothing'})"
 
+    def __deepcopy__(self, memo: dict[int, Any]) -> Patch:
+        return self  # a deep copy of a patched model shares the patch (and its client)
+
+    def __reduce__(self) -> Any:
+        raise TypeError(_NOT_PICKLED)
+
     # -- replacing attributes, undoably -------------------------------------------------------
 
     def _override(self, module: nn.Module, name: str, value: Any) -> None:
@@ -123,11 +205,50 @@ class Patch:
         object.__setattr__(module, name, value)
         self._undo.append(lambda: module.__dict__.pop(name, None))
 
+    def _bind(self, module: nn.Module, name: str, function: Callable[..., Any]) -> None:
+        """Makes ``function(module, ...)`` the module's method ``name``: bound to the module,
+        so that a deep copy of the model binds it to the copy."""
+        self._override(module, name, types.MethodType(function, module))
+
     def _replace(self, module: nn.Module, name: str, value: Any) -> None:
         """Replaces a buffer or parameter, restoring the original on undo."""
         original = getattr(module, name)
         setattr(module, name, value)
         self._undo.append(lambda: setattr(module, name, original))
+
+
+class _State:
+    """What a patched module's methods need, held by the module (``_posenc_patch``).
+
+    A deep copy of the model copies it (the copy's caches are its own; the patch, client and
+    tables are shared); pickling it is refused with a message saying what to save.
+    """
+
+    handle: Patch
+
+    def _fresh(self) -> None:
+        """Gives a copy its own mutable caches."""
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> _State:
+        clone = object.__new__(type(self))
+        clone.__dict__.update(self.__dict__)
+        clone._fresh()
+        return clone
+
+    def __reduce__(self) -> Any:
+        raise TypeError(_NOT_PICKLED)
+
+
+def _state(module: nn.Module) -> Any:
+    return module.__dict__[_STATE]
+
+
+class _Marker(_State):
+    """The state of a module whose patched methods are closures: it makes pickling the
+    module fail first, with the message saying what to save."""
+
+    def __init__(self, handle: Patch) -> None:
+        self.handle = handle
 
 
 def patch(
@@ -141,7 +262,8 @@ def patch(
     """Makes every forward (and ``generate``) of ``model`` use posenc's exact tables.
 
     Args:
-        model: A transformers ``PreTrainedModel`` (loaded, or built from a config).
+        model: A transformers ``PreTrainedModel`` as loaded (or built from a config):
+            ``...ForCausalLM``, ``...ForConditionalGeneration``, or any module holding one.
         client: The :class:`posenc.Client` tables are fetched with; it must stay open while
             the model runs patched.
         verify: Compare each table with the model's own at positions below 64 before
@@ -152,50 +274,120 @@ def patch(
             forward.
 
     Returns:
-        The :class:`Patch`: ``undo()`` (or use it as a context manager) restores the model.
+        The :class:`Patch`: ``undo()`` (or use it as a context manager) restores the model;
+        ``specs`` names what was replaced and ``skipped`` what was left alone.
 
     Raises:
-        ValueError: The model holds no table posenc serves, or (``verify``) a table differs.
-        posenc.InvalidArgumentError: The config names a rope type posenc does not serve.
+        ValueError: The model holds no table posenc serves, or (``verify``) a table differs,
+            or (``verify=False``) transformers is outside :data:`TRANSFORMERS_RELEASES`.
+        posenc.InvalidArgumentError: A text table's config names a rope type posenc does not
+            serve.
+
+    Warns:
+        UntestedReleaseWarning: transformers is outside :data:`TRANSFORMERS_RELEASES`.
     """
+    _check_release(verify)
     handle = Patch(client, min_rows=min_rows, max_table_bytes=max_table_bytes)
     config = getattr(model, "config", None)
     model_type = str(getattr(config, "model_type", "") or "")
+    inside: list[str] = []  # modules replaced whole: their children are theirs
     try:
         for name, module in model.named_modules():
+            if any(name.startswith(f"{outer}.") for outer in inside):
+                continue
             if _is_rotary(module):
+                reason = _vision_reason(module)
+                if reason:
+                    handle.skipped[name] = reason
+                    continue
                 _Rotary(handle, name, module).install(verify)
+            elif _is_gptj_rotary(module):
+                _GPTJRotary(handle, name, module, config).install(verify)
             elif _is_gptj_attention(module):
                 _GPTJAttention(handle, name, module).install(verify)
+                inside.append(name)
             elif _is_fairseq(module):
                 _patch_fairseq(handle, name, module, verify)
             elif _is_split_embedding(module):
                 _patch_split(handle, name, module, verify)
             elif model_type == "whisper" and type(module).__name__.endswith("WhisperEncoder"):
                 _patch_whisper(handle, name, module, verify)
+                inside.append(name)
             elif _is_xlm(module):
                 _patch_xlm(handle, name, module, verify)
+                inside.append(name)
+            elif name and _POSITIONAL.search(f"{type(module).__name__} {name.rsplit('.', 1)[-1]}"):
+                handle.skipped[name] = _other_reason(module)
     except BaseException:
         handle.undo()
         raise
     if not handle.specs:
         raise ValueError(f"{type(model).__name__} holds no positional table posenc serves")
+    _log.info(
+        "posenc patched %s: %s; left alone: %s",
+        type(model).__name__,
+        ", ".join(f"{name or 'model'} ({spec.kind})" for name, spec in handle.specs.items()),
+        ", ".join(f"{name} ({why})" for name, why in handle.skipped.items()) or "nothing",
+    )
     return handle
 
 
 # -- recognising modules --------------------------------------------------------------------------
 
 
+def _inv_freq(module: nn.Module) -> torch.Tensor | None:
+    """The rotary module's inverse frequencies (``inv_freq``, or the first of Gemma 3's
+    ``{layer_type}_inv_freq``)."""
+    inv_freq = getattr(module, "inv_freq", None)
+    if isinstance(inv_freq, torch.Tensor):
+        return inv_freq
+    for name, buffer in module.named_buffers(recurse=False):
+        if name.endswith("_inv_freq") and "original" not in name:
+            return buffer
+    return None
+
+
 def _is_rotary(module: nn.Module) -> bool:
-    # transformers' standard rotary module: inv_freq, rope_type and config, forward(x, ids).
+    # transformers' standard rotary module: inv_freq (per layer type: Gemma 3), rope_type and
+    # config, forward(x, position_ids[, layer_type]).
     return (
-        isinstance(getattr(module, "inv_freq", None), torch.Tensor)
-        and hasattr(module, "rope_type")
-        and hasattr(module, "config")
+        hasattr(module, "rope_type") and hasattr(module, "config") and _inv_freq(module) is not None
+    )
+
+
+def _vision_reason(module: nn.Module) -> str:
+    """Why a rotary module is a vision tower's, left alone ("" for a text one)."""
+    rope_type = module.rope_type
+    kinds = set(rope_type.values()) if isinstance(rope_type, dict) else {rope_type}
+    model_type = str(getattr(module.config, "model_type", "") or "")
+    if "axial" in kinds:
+        return "a vision tower's rotary table (rope type 'axial'): not served"
+    if "vision" in model_type or "Vision" in type(module).__name__:
+        return f"a vision tower's rotary table ({type(module).__name__}): not served"
+    return ""
+
+
+def _other_reason(module: nn.Module) -> str:
+    name = type(module).__name__
+    if isinstance(module, nn.Embedding):
+        return "learned position embeddings (nn.Embedding): nothing to compute"
+    if "Vision" in name or "Patch" in name:
+        return f"a vision tower's position table ({name}): not served"
+    return f"{name}: not a table posenc serves"
+
+
+def _is_gptj_rotary(module: nn.Module) -> bool:
+    # transformers 5.24's GPTJRotaryEmbedding: embed_positions [max, sin | cos] and
+    # forward(x, position_ids) -> (sin, cos).
+    return (
+        isinstance(getattr(module, "embed_positions", None), torch.Tensor)
+        and hasattr(module, "pos_embd_dim")
+        and not hasattr(module, "rotary_dim")
     )
 
 
 def _is_gptj_attention(module: nn.Module) -> bool:
+    # GPT-J's attention up to transformers 5.2x: embed_positions and _get_embed_positions.
     return (
         isinstance(getattr(module, "embed_positions", None), torch.Tensor)
         and hasattr(module, "rotary_dim")
@@ -247,20 +439,21 @@ def _check(name: str, spec: posenc.Spec, ours: torch.Tensor, theirs: torch.Tenso
 # -- rotary ---------------------------------------------------------------------------------------
 
 
-class _Rotary:
+class _Rotary(_State):
     """The forward of a transformers rotary module, from posenc: ``(cos, sin)`` of
-    ``position_ids`` ``[batch, seq]`` (DeepSeek-V2: complex ``cos + i sin``)."""
+    ``position_ids`` ``[batch, seq]`` (complex ``cos + i sin`` where the module returns
+    complex frequencies: DeepSeek-V2, Llama 4), in the width the module returns (GPT-OSS:
+    one half each)."""
 
     def __init__(self, handle: Patch, name: str, module: Any) -> None:
         self.handle = handle
         self.name = name
-        self.module = module
         self.config = module.config
         # The config's keys, read once: a dynamic-NTK decode loop makes a spec every step.
         self.values = config_dict(module.config)
         self.native = type(module).forward
-        # A module returning complex frequencies (DeepSeek-V2's freqs_cis) gets vLLM-layout
-        # rows, [cos | sin] without duplicated halves.
+        # A module returning complex frequencies (DeepSeek-V2's freqs_cis) or half-width
+        # (cos, sin) (GPT-OSS) gets vLLM-layout rows, [cos | sin] without duplicated halves.
         self.complex = False
         self.layout = "transformers"
         # M-RoPE (Qwen-VL): position ids [3, batch, seq] of (t, h, w).
@@ -270,16 +463,21 @@ class _Rotary:
         self.original = int(getattr(module, "original_max_seq_len", 0) or 0)
         self.specs: dict[tuple[str | None, int | None], posenc.Spec] = {}
         self.tables: dict[tuple[posenc.Spec, torch.dtype], GrowingTable] = {}
+        self.module = module  # while installing only
 
-    def rope_type(self, layer_type: str | None) -> str:
-        rope_type = self.module.rope_type
-        return str(rope_type[layer_type] if isinstance(rope_type, dict) else rope_type)
+    def _fresh(self) -> None:
+        self.cached = dict(self.cached)
+        self.specs = dict(self.specs)
+        self.tables = dict(self.tables)
 
     def install(self, verify: bool) -> None:
-        layer_types: list[str | None] = (
-            list(self.module.rope_type) if isinstance(self.module.rope_type, dict) else [None]
-        )
-        probe = torch.zeros(1, device=self.module.inv_freq.device)
+        module = self.module
+        del self.module  # the patched forward is bound to the module (or its deep copy)
+        rope_type = module.rope_type
+        layer_types: list[str | None] = list(rope_type) if isinstance(rope_type, dict) else [None]
+        inv_freq = _inv_freq(module)
+        assert inv_freq is not None
+        probe = torch.zeros(1, device=inv_freq.device)
         positions = torch.arange(_VERIFY_ROWS, device=probe.device)[None]
         # Not self.spec: its memo would keep the layout before the probe below decides it.
         if layer_types == [None] and posenc.Spec.from_config(self.values).kind == "mrope":
@@ -290,18 +488,23 @@ class _Rotary:
         try:
             # A fresh module: float32 frequencies (a model cast to bfloat16 rounded its
             # inv_freq buffer too), initial dynamic state, and the model's own untouched.
-            reference = type(self.module)(self.config).to(probe.device)
+            reference = type(module)(self.config).to(probe.device)
         except TypeError:
-            reference = self.module
+            reference = module
         natives = {}
         for layer_type in layer_types:
             kwargs = {} if layer_type is None else {"layer_type": layer_type}
-            native = self.native(reference, probe, positions, **kwargs)
-            natives[layer_type] = native
-            self.complex = isinstance(native, torch.Tensor) and native.is_complex()
-        self.layout = "vllm" if self.complex else "transformers"
+            natives[layer_type] = self.native(reference, probe, positions, **kwargs)
+        native = natives[layer_types[0]]
+        self.complex = isinstance(native, torch.Tensor) and native.is_complex()
+        if self.complex:
+            self.layout = "vllm"
+        else:
+            full = posenc.Spec.from_config(self.values, layer_type=layer_types[0])
+            if full.kind == "rotary" and native[0].shape[-1] * 2 == _width(full):
+                self.layout = "vllm"  # half-width cos and sin (GPT-OSS)
         for layer_type in layer_types:
-            self.cached[layer_type] = int(getattr(self.module, "max_seq_len_cached", 0) or 0)
+            self.cached[layer_type] = int(getattr(module, "max_seq_len_cached", 0) or 0)
             spec = self.spec(layer_type, None)
             self.handle.specs[self.name if layer_type is None else f"{self.name}:{layer_type}"] = (
                 spec
@@ -320,7 +523,12 @@ class _Rotary:
                     _check(self.name, spec, ours, torch.view_as_real(native))
                 else:
                     _check(self.name, spec, torch.cat([cos, sin], -1), torch.cat(native, -1))
-        self.handle._override(self.module, "forward", self)
+        self.handle._override(module, _STATE, self)
+        self.handle._bind(module, "forward", _rotary_forward)
+
+    def rope_type(self, module: Any, layer_type: str | None) -> str:
+        rope_type = module.rope_type
+        return str(rope_type[layer_type] if isinstance(rope_type, dict) else rope_type)
 
     def spec(self, layer_type: str | None, seq_len: int | None) -> posenc.Spec:
         key = (layer_type, seq_len)
@@ -334,9 +542,10 @@ class _Rotary:
             self.specs[key] = spec
         return spec
 
-    def seq_len(self, position_ids: torch.Tensor, layer_type: str | None) -> int | None:
+    def seq_len(
+        self, rope_type: str, position_ids: torch.Tensor, layer_type: str | None
+    ) -> int | None:
         """transformers' seq_len for this forward (dynamic_rope_update), or None."""
-        rope_type = self.rope_type(layer_type)
         if "dynamic" in rope_type:
             seq_len = int(position_ids.max()) + 1
             cached = self.cached[layer_type]
@@ -354,15 +563,16 @@ class _Rotary:
             return original + 1 if int(position_ids.max()) + 1 > original else None
         return None
 
-    def __call__(
-        self, x: torch.Tensor, position_ids: torch.Tensor, layer_type: str | None = None
+    def rows(
+        self, module: Any, x: torch.Tensor, position_ids: torch.Tensor, layer_type: str | None
     ) -> Any:
         if self.mrope:
             return self.mrope_rows(x, position_ids)
-        seq_len = self.seq_len(position_ids, layer_type)
+        rope_type = self.rope_type(module, layer_type)
+        seq_len = self.seq_len(rope_type, position_ids, layer_type)
         spec = self.spec(layer_type, seq_len)
         dtype = torch.float32 if self.complex else _served(x.dtype)
-        if seq_len is not None and "dynamic" in self.rope_type(layer_type):
+        if seq_len is not None and "dynamic" in rope_type:
             # A table for this seq_len only (it changes as the sequence grows): the rows of
             # this forward, not a table from position 0.
             cos, sin = self.handle.client.get_positions(
@@ -421,8 +631,67 @@ class _Rotary:
         return cos, sin
 
 
-class _GPTJAttention:
-    """GPT-J's attention with its ``embed_positions`` rows from posenc.
+def _width(spec: posenc.Spec) -> int:
+    """A rotary spec's rotary_dim: the width of transformers' cos (and of its sin)."""
+    parameters = spec.parameters
+    return int(parameters["head_dim"] * parameters.get("partial_rotary_factor", 1.0))
+
+
+# The patched forwards, bound to their modules. Each is a graph break under torch.compile:
+# the rows come from the SDK's Python (and maybe a call), which dynamo must not trace.
+
+
+@torch.compiler.disable  # type: ignore[untyped-decorator]
+def _rotary_forward(
+    module: nn.Module, x: torch.Tensor, position_ids: torch.Tensor, layer_type: str | None = None
+) -> Any:
+    return _state(module).rows(module, x, position_ids, layer_type)
+
+
+@torch.compiler.disable  # type: ignore[untyped-decorator]
+def _gptj_rotary_forward(module: nn.Module, x: torch.Tensor, position_ids: torch.Tensor) -> Any:
+    return _state(module).rows(x, position_ids)
+
+
+@torch.compiler.disable  # type: ignore[untyped-decorator]
+def _gptj_attention_forward(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    return _state(module).forward(module, *args, **kwargs)
+
+
+class _GPTJRotary(_State):
+    """GPT-J's rotary module (transformers 5.24): ``(sin, cos)`` of ``position_ids``, one
+    half of ``rotary_dim`` each, from posenc at any position (the module's own buffer stops
+    at ``n_positions``)."""
+
+    def __init__(self, handle: Patch, name: str, module: Any, config: Any) -> None:
+        self.handle = handle
+        self.name = name
+        # The module keeps no config: the model's.
+        self.spec = posenc.Spec.from_config(config, layout="vllm")
+        self.module = module
+
+    def install(self, verify: bool) -> None:
+        module = self.module
+        del self.module
+        self.handle.specs[self.name] = self.spec
+        if verify:
+            cos, sin = self.handle.client.get_positions(
+                torch.arange(_VERIFY_ROWS), self.spec, dtype=torch.float32, cos_sin=True
+            )
+            native = module.embed_positions[:_VERIFY_ROWS].cpu()
+            _check(self.name, self.spec, torch.cat([sin, cos], -1), native)
+        self.handle._override(module, _STATE, self)
+        self.handle._bind(module, "forward", _gptj_rotary_forward)
+
+    def rows(self, x: torch.Tensor, position_ids: torch.Tensor) -> Any:
+        table = self.handle.table(self.spec, _served(x.dtype))
+        cos, sin = table.get(position_ids, device=x.device, cos_sin=True)
+        return sin.to(x.dtype), cos.to(x.dtype)
+
+
+class _GPTJAttention(_State):
+    """GPT-J's attention (transformers before 5.24) with its ``embed_positions`` rows from
+    posenc.
 
     GPT-J gathers ``[sin | cos]`` rows of a ``max_position_embeddings``-row buffer at
     ``position_ids``; the patched forward hands it exactly the rows of this forward's
@@ -433,24 +702,27 @@ class _GPTJAttention:
     def __init__(self, handle: Patch, name: str, module: Any) -> None:
         self.handle = handle
         self.name = name
-        self.module = module
         self.native = type(module).forward
         self.signature = inspect.signature(self.native)
         self.spec = posenc.Spec.from_config(module.config, layout="vllm")
+        self.module = module
 
     def install(self, verify: bool) -> None:
+        module = self.module
+        del self.module
         self.handle.specs[self.name] = self.spec
         if verify:
             positions = torch.arange(_VERIFY_ROWS)
             cos, sin = self.handle.client.get_positions(
                 positions, self.spec, dtype=torch.float32, cos_sin=True
             )
-            native = self.module.embed_positions[:_VERIFY_ROWS].cpu()
+            native = module.embed_positions[:_VERIFY_ROWS].cpu()
             _check(self.name, self.spec, torch.cat([sin, cos], -1), native)
-        self.handle._override(self.module, "forward", self)
+        self.handle._override(module, _STATE, self)
+        self.handle._bind(module, "forward", _gptj_attention_forward)
 
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        bound = self.signature.bind(self.module, *args, **kwargs)
+    def forward(self, module: Any, *args: Any, **kwargs: Any) -> Any:
+        bound = self.signature.bind(module, *args, **kwargs)
         position_ids = bound.arguments["position_ids"]
         hidden = bound.arguments["hidden_states"]
         table = self.handle.table(self.spec, _served(hidden.dtype))
@@ -460,7 +732,7 @@ class _GPTJAttention:
         bound.arguments["position_ids"] = torch.arange(length, device=position_ids.device).expand(
             batch, length
         )
-        with _instance_method(self.module, "_get_embed_positions", lambda _ids: sincos):
+        with _instance_method(module, "_get_embed_positions", lambda _ids: sincos):
             return self.native(*bound.args, **bound.kwargs)
 
 
@@ -493,6 +765,7 @@ def _verify_rows(
 
 def _patch_fairseq(handle: Patch, name: str, module: Any, verify: bool) -> None:
     spec = posenc.Spec("fairseq", d_model=module.embedding_dim, padding_idx=module.padding_idx)
+    handle._override(module, _STATE, _Marker(handle))
     handle.specs[name] = spec
     weights: torch.Tensor = module.weights
     table = handle.table(spec, _served(weights.dtype))
@@ -518,6 +791,7 @@ def _patch_split(handle: Patch, name: str, module: Any, verify: bool) -> None:
     """Marian/Pegasus: the weight of an ``nn.Embedding`` ``[sin | cos]``, grown on demand."""
     weight: torch.Tensor = module.weight
     spec = posenc.Spec("sinusoidal", d_model=weight.shape[1], layout="split")
+    handle._override(module, _STATE, _Marker(handle))
     handle.specs[name] = spec
     table = handle.table(spec, _served(weight.dtype))
     _verify_rows(name, spec, table, weight, verify)
@@ -573,6 +847,7 @@ def _patch_xlm(handle: Patch, name: str, module: Any, verify: bool) -> None:
     weight = embedding.weight
     spec = posenc.Spec("sinusoidal", d_model=weight.shape[1])
     path = f"{name}.position_embeddings" if name else "position_embeddings"
+    handle._override(module, _STATE, _Marker(handle))
     handle.specs[path] = spec
     table = handle.table(spec, _served(weight.dtype))
     _verify_rows(path, spec, table, weight, verify)
