@@ -628,7 +628,7 @@ def test_info_lists_each_kinds_parameters(server: RunningServer) -> None:
     assert any(line.split()[:3] == ["rope_theta", "=", "10000"] for line in text.splitlines())
 
 
-@pytest.mark.slow  # a table of a few GiB, and the retry budget after the server is gone
+@pytest.mark.slow  # a table of 2 GiB, and the retry budget after the server is gone
 @pytest.mark.timeout(180)
 def test_a_server_gone_mid_fetch_is_reported_as_the_server(
     spawn_server: Callable[..., ServerProcess], tmp_path: Path
@@ -637,7 +637,7 @@ def test_a_server_gone_mid_fetch_is_reported_as_the_server(
     output = tmp_path / "t.npy"
     fetch = subprocess.Popen(
         [
-            *(str(BIN / "posenc"), "fetch", "0", str(1 << 22), "--d-model", "1024"),
+            *(str(BIN / "posenc"), "fetch", "0", str(1 << 19), "--d-model", "1024"),
             *("-o", str(output), "--target", server.target, "--no-progress"),
         ],
         stdout=subprocess.DEVNULL,
@@ -667,3 +667,32 @@ def written(pid: int) -> int:
     """Bytes process ``pid`` has written so far (``wchar`` of /proc/PID/io)."""
     with open(f"/proc/{pid}/io") as io:
         return next(int(line.split()[1]) for line in io if line.startswith("wchar:"))
+
+
+@pytest.mark.slow  # a table of 2 GiB
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGKILL], ids=["term", "kill"])
+def test_a_fetch_ended_by_a_signal_leaves_no_file(
+    server: RunningServer, tmp_path: Path, signum: signal.Signals
+) -> None:
+    fetch = subprocess.Popen(
+        [
+            *(str(BIN / "posenc"), "fetch", "0", str(1 << 19), "--d-model", "1024"),
+            *("-o", str(tmp_path / "t.npy"), "--target", server.target, "--no-progress"),
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        while written(fetch.pid) < 8 << 20:  # rows are being written
+            assert fetch.poll() is None, fetch.stderr.read() if fetch.stderr else ""
+            time.sleep(0.02)
+        fetch.send_signal(signum)
+        _, err = fetch.communicate(timeout=120)
+    finally:
+        if fetch.poll() is None:
+            fetch.kill()
+    if signum == signal.SIGTERM:
+        assert (fetch.returncode, err) == (128 + signum, "posenc fetch: stopped by SIGTERM\n")
+    assert list(tmp_path.iterdir()) == []

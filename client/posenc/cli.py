@@ -567,7 +567,7 @@ def _given_parameters(args: argparse.Namespace) -> set[str]:
     given = {item.partition("=")[0] for item in getattr(args, "param", None) or ()}
     given |= {name for name in _classic_names() if getattr(args, f"classic_{name}", None)}
     if getattr(args, "rope_config", None) is not None:
-        with contextlib.suppress(Exception):
+        with contextlib.suppress(Exception, SystemExit):  # read before, so it reads
             given |= set(_table(args).parameters)
     return given
 
