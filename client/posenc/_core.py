@@ -511,14 +511,16 @@ class Core:
         one column: the server refuses a unary result over its limit before computing
         anything, and the call then streams. A decode loop's first step is one unary call.
         """
+        if query.columns is not None:
+            query.check_size(query.columns)  # the width is known: refused before any call
         parts = query.parts()
         if len(parts) > 1:
             tables = []
             for part in parts:
                 tables.append((yield from self._fetch(part, budget, unary_max_bytes)))
+                if len(tables) == 1:
+                    query.check_size(tables[0].shape[1])  # the whole, once the width is told
             return np.concatenate(tables)
-        if query.columns is not None:
-            query.check_size(query.columns)  # the width is known: refused before any call
         if self._large_range(query):
             if self.servers.unknown():
                 yield from self._survey(query, budget)

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import mmap
 import os
 import sys
@@ -196,9 +197,11 @@ def _release(block: _Map) -> None:
     _KEPT.give(block)
 
 
+@functools.cache
 def memory_limit() -> int | None:
     """The most memory this process may use: the machine's physical memory, or its control
-    group's ``memory.max`` when lower (a container's limit); None where neither is known."""
+    group's ``memory.max`` when lower (a container's limit); None where neither is known.
+    Read once: every call that allocates a result asks."""
     limits = []
     with contextlib.suppress(ValueError, OSError, AttributeError):
         limits.append(os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
