@@ -33,6 +33,7 @@ from test_operations import metric, metrics_port, scrape
 
 import posenc
 from posenc.v1 import posenc_pb2 as pb
+from posenc_server import admission
 from posenc_server.app import RunningServer
 
 MIB = 1 << 20
@@ -866,3 +867,46 @@ def test_a_flood_of_stalled_health_checks_starves_no_probe_and_kills_no_worker(
     assert statuses and set(statuses) == {health_pb2.HealthCheckResponse.SERVING}, statuses
     assert sorted(int(pid) for pid in _children(server.process.pid)) == workers
     assert not any("health checks" in str(entry["message"]) for entry in server.logs())
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_refused_lists_cost_no_more_than_they_brought(
+    spawn_server: Callable[..., ServerProcess],
+) -> None:
+    """16 clients at once sending 10 MB lists a spec cannot hold (an M-RoPE section of
+    10**7 counts): converted before their length was checked, each refusal cost a tuple of
+    every value and a message listing them, and the process peaked at +182 to +292 MiB
+    against a 64 MiB in-flight budget (496 MiB here). The length is checked first now, and
+    the process holds no more than admission counts for one such request."""
+    server = spawn_server(0)
+    pid = server.process.pid
+    baseline = current_rss_mib(pid)
+    request = pb.GetEncodingRequest(
+        spec=pb.EncodingSpec(mrope=pb.MRopeTable(head_dim=64, mrope_section=[1] * 10**7)),
+        range=pb.PositionRange(start=0, stop=4),
+    ).SerializeToString()
+    codes: list[grpc.StatusCode] = []
+
+    def send() -> None:
+        options = [("grpc.max_send_message_length", 16 << 20)]
+        with grpc.insecure_channel(server.target, options=options) as channel:
+            for _ in range(2):
+                try:
+                    channel.unary_unary(GET_ENCODING)(request, timeout=60)
+                except grpc.RpcError as error:
+                    codes.append(error.code())  # type: ignore[attr-defined]
+
+    threads = [threading.Thread(target=send) for _ in range(16)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(90)
+    grown = peak_rss_mib(pid) - baseline
+    assert len(codes) == 32
+    assert set(codes) <= {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED}
+    assert grpc.StatusCode.INVALID_ARGUMENT in codes
+    # Such a request is admitted alone (its cost is over the budget): what admission
+    # counts for it, and no more, besides the heap's slack.
+    assert grown <= admission.request_cost(request) / MIB + 32
+    assert health_latency(server.target) < 1

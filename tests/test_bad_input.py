@@ -262,3 +262,62 @@ def test_every_position_rule_speaks_of_the_position_limit(
         with pytest.raises(grpc.RpcError) as raised:
             stub.GetEncoding(message)
         assert f"{field}: |position| must be at most {LIMIT}, got " in raised.value.details()
+
+
+def _mrope(section: list[int]) -> pb.EncodingSpec:
+    return pb.EncodingSpec(mrope=pb.MRopeTable(head_dim=64, mrope_section=section))
+
+
+def _longrope(factors: list[float]) -> pb.EncodingSpec:
+    scaling = pb.LongRopeScaling(
+        original_max_position_embeddings=4096, short_factor=factors, long_factor=factors
+    )
+    return pb.EncodingSpec(rotary=pb.RotaryTable(head_dim=64, longrope=scaling))
+
+
+HOSTILE = {
+    # 10 MB of ones: the message listed them all (26 MB), and the caller's gRPC refused
+    # the oversized trailer with RESOURCE_EXHAUSTED instead of the error.
+    "mrope_section of 10**7": pb.GetEncodingRequest(
+        spec=_mrope([1] * 10**7), range=pb.PositionRange(start=0, stop=4)
+    ),
+    "longrope factors of 600,000": pb.GetEncodingRequest(
+        spec=_longrope([1.0] * 600_000), range=pb.PositionRange(start=0, stop=4)
+    ),
+    "positions over the limit": pb.GetEncodingRequest(
+        spec=sinusoidal(8), positions=pb.PositionList(positions=[5] * ((1 << 20) + 1))
+    ),
+    "coordinates over the limit": pb.GetEncodingRequest(
+        spec=_mrope([16, 8, 8]),
+        coordinates=pb.CoordinateList(axes=3, coordinates=[1] * (3 * (1 << 20) + 3)),
+    ),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(HOSTILE))
+def test_errors_stay_small_whatever_the_request(
+    stub: posenc_pb2_grpc.PositionalEncodingServiceStub, name: str
+) -> None:
+    """An error's message and details are bounded: nothing a request holds comes back
+    whole, however large the request."""
+    with pytest.raises(grpc.RpcError) as raised:
+        stub.GetEncoding(HOSTILE[name], timeout=60)
+    assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert len(raised.value.details()) <= 4096
+    status = rpc_status.from_call(raised.value)  # type: ignore[arg-type]
+    assert status is not None and status.ByteSize() <= 16384
+    assert field_violations(raised.value)
+    assert_still_serves(stub)
+
+
+def test_every_violation_is_bounded() -> None:
+    """Whatever a check says, a violation keeps at most 512 characters of it, and an
+    error lists at most 16 violations."""
+    from posenc_server.errors import FieldViolation, InvalidRequestError
+
+    violation = FieldViolation("spec." + "x" * 10**6, "got " + "1, " * 10**6)
+    assert len(violation.field) <= 128 and len(violation.description) <= 512
+    error = InvalidRequestError([FieldViolation(f"f{i}", "bad") for i in range(1000)])
+    assert len(error.violations) == 16 and "985 more" in error.violations[-1].description
+    assert len(str(error)) <= 16 * (128 + 512 + 4)

@@ -86,10 +86,12 @@ def encoding_query(
     dtype = DEFAULT_DTYPE
     if spec.dtype:
         dtype = _enum_name(pb.Dtype.DESCRIPTOR, spec.dtype, "spec.dtype", violations)
-    table = table_from_proto(spec, violations)
+    table = table_from_proto(spec, violations, limits.max_d_model)
     selection = _selection(message, limits, violations, table)
     return Query(
-        spec_key=spec.SerializeToString(deterministic=True),
+        # A refused request needs no key (SpecTable.resolve refuses it): a spec holding
+        # megabytes is not copied only to be refused.
+        spec_key=b"" if violations else spec.SerializeToString(deterministic=True),
         table=table,
         dtype=dtype,
         dtype_code=_DTYPE_CODES.get(dtype, 0),
@@ -99,10 +101,20 @@ def encoding_query(
     )
 
 
-def table_from_proto(spec: pb.EncodingSpec, violations: list[FieldViolation]) -> TableKind | None:
+# The longest list a table kind's parameter may hold when no limits say: a list of
+# parameters holds one per column or fewer (rotary's factors: rotary_dim / 2).
+_MAX_LIST_ITEMS = 1 << 20
+
+
+def table_from_proto(
+    spec: pb.EncodingSpec, violations: list[FieldViolation], max_items: int = _MAX_LIST_ITEMS
+) -> TableKind | None:
     """The table kind of ``spec``; None, with ``violations`` added, when it cannot be built.
 
-    The kind is not validated here (``TableKind.validate``).
+    A list parameter holds at most ``max_items`` (the server's max_d_model: no kind's list
+    holds more than a row's columns); a longer one is refused before it is converted, so
+    that a refused request costs no more than it brought. The kind is not validated here
+    (``TableKind.validate``).
     """
     which = spec.WhichOneof("table")
     if which is None:
@@ -111,12 +123,16 @@ def table_from_proto(spec: pb.EncodingSpec, violations: list[FieldViolation]) ->
         return None
     before = len(violations)
     kind = KINDS[which]
-    fields = _fields(getattr(spec, which), kind, f"spec.{which}", violations)
+    fields = _fields(getattr(spec, which), kind, f"spec.{which}", violations, max_items)
     return kind(**fields) if len(violations) == before else None
 
 
 def _fields(
-    message: Message, kind: type[Documented], path: str, violations: list[FieldViolation]
+    message: Message,
+    kind: type[Documented],
+    path: str,
+    violations: list[FieldViolation],
+    max_items: int,
 ) -> dict[str, Any]:
     """The set fields of ``message`` as keyword arguments of ``kind``."""
     fields: dict[str, Any] = {}
@@ -126,13 +142,21 @@ def _fields(
             assert field.containing_oneof is not None
             oneof = field.containing_oneof.name
             variant = kind.VARIANTS[oneof][field.name]
-            nested = _fields(value, variant, f"{path}.{field.name}", violations)
+            nested = _fields(value, variant, f"{path}.{field.name}", violations, max_items)
             fields[oneof] = variant(**nested)
         elif field.enum_type is not None:
             fields[field.name] = _enum_name(
                 field.enum_type, value, f"{path}.{field.name}", violations
             )
         elif field.is_repeated:
+            if len(value) > max_items:
+                violations.append(
+                    FieldViolation(
+                        f"{path}.{field.name}",
+                        f"must hold at most {max_items} values, got {len(value)}",
+                    )
+                )
+                continue
             fields[field.name] = tuple(value)
         else:
             fields[field.name] = value
@@ -191,7 +215,17 @@ def _selection(
         _check_range(selected, limits.max_abs_position, violations)
         return selected
     if which == "positions":
-        listed = PositionList(np.array(message.positions.positions, dtype=np.int64))
+        values = message.positions.positions
+        if not 1 <= len(values) <= limits.max_positions:
+            # Refused before converting: a refused list costs no more than it brought.
+            violations.append(
+                FieldViolation(
+                    "positions.positions",
+                    f"must hold 1 to {limits.max_positions} positions, got {len(values)}",
+                )
+            )
+            return None
+        listed = PositionList(np.array(values, dtype=np.int64))
         _check_positions(listed, limits, violations)
         return listed
     if which == "coordinates":
@@ -234,16 +268,18 @@ def _coordinates(
             )
         )
         return None
-    flat = np.array(values, dtype=np.int64)
     count, limit = len(values) // axes, limits.max_abs_position
     if not 1 <= count <= limits.max_positions:
+        # Refused before converting: a refused list costs no more than it brought.
         violations.append(
             FieldViolation(
                 "coordinates.coordinates",
                 f"must hold 1 to {limits.max_positions} rows of {axes} coordinates, got {count}",
             )
         )
-    elif (bad := _out_of_range(flat, limit)) is not None:
+        return None
+    flat = np.array(values, dtype=np.int64)
+    if (bad := _out_of_range(flat, limit)) is not None:
         index, bad_count = bad
         violations.append(
             FieldViolation(

@@ -23,11 +23,13 @@ from grpc_status import rpc_status
 from posenc_server import metrics
 from posenc_server.auth import BearerToken
 from posenc_server.errors import (
+    MAX_MESSAGE_CHARS,
     InvalidRequestError,
     LimitExceededError,
     OverloadedError,
     RequestTimeoutError,
     ShuttingDownError,
+    bounded,
 )
 
 log = logging.getLogger("posenc_server")
@@ -208,8 +210,13 @@ def _failure(
     return status
 
 
+def _message(error: object) -> str:
+    """The status message of ``error``, bounded whatever the request held."""
+    return bounded(str(error), MAX_MESSAGE_CHARS)
+
+
 def _status(code: int, message: object) -> grpc.Status:
-    return rpc_status.to_status(status_pb2.Status(code=code, message=str(message)))
+    return rpc_status.to_status(status_pb2.Status(code=code, message=_message(message)))
 
 
 def _overloaded_status(error: OverloadedError) -> grpc.Status:
@@ -225,7 +232,9 @@ def _overloaded_status(error: OverloadedError) -> grpc.Status:
         )
     )
     return rpc_status.to_status(
-        status_pb2.Status(code=code_pb2.RESOURCE_EXHAUSTED, message=str(error), details=[details])
+        status_pb2.Status(
+            code=code_pb2.RESOURCE_EXHAUSTED, message=_message(error), details=[details]
+        )
     )
 
 
@@ -242,5 +251,7 @@ def _bad_request_status(error: InvalidRequestError) -> grpc.Status:
         )
     )
     return rpc_status.to_status(
-        status_pb2.Status(code=code_pb2.INVALID_ARGUMENT, message=str(error), details=[details])
+        status_pb2.Status(
+            code=code_pb2.INVALID_ARGUMENT, message=_message(error), details=[details]
+        )
     )

@@ -186,7 +186,11 @@ class MRope(MultiAxis):
             check.add(
                 "mrope_section",
                 f"must be 3 counts (t, h, w) summing to head_dim / 2 = {self.slots}, got "
-                f"{list(self.mrope_section)} (sum {sum(self.mrope_section)})",
+                + (
+                    f"{list(self.mrope_section)} (sum {sum(self.mrope_section)})"
+                    if len(self.mrope_section) <= 2 * self.AXES
+                    else f"{len(self.mrope_section)} counts"
+                ),
             )
         if not check.violations and self.width > limits.max_d_model:
             check.add(
