@@ -196,6 +196,7 @@ def _failure(
         code, status = "INVALID_ARGUMENT", _bad_request_status(error)
     elif isinstance(error, OverloadedError):
         code, status = "RESOURCE_EXHAUSTED", _overloaded_status(error)
+        method_metrics.overload_refusals.inc()
     elif isinstance(error, LimitExceededError):
         code, status = "RESOURCE_EXHAUSTED", _status(code_pb2.RESOURCE_EXHAUSTED, error)
     elif isinstance(error, ShuttingDownError):

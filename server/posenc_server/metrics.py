@@ -47,6 +47,12 @@ LATENCY = Histogram(
              0.5, 1, 2.5, 5, 10, 30, 60, 300),
 )  # fmt: skip
 PAYLOAD_BYTES = Counter("posenc_payload_bytes_total", "Table bytes sent, by method.", ["method"])
+OVERLOAD_REFUSALS = Counter(
+    "posenc_overload_refusals_total",
+    "Calls refused at a concurrency limit (no in-flight memory within the wait, the stream "
+    "cap, the Watch cap): RESOURCE_EXHAUSTED with RetryInfo, worth retrying. By method.",
+    ["method"],
+)
 STREAMS_IN_FLIGHT = Gauge(
     "posenc_streams_in_flight", "Streams being served now.", multiprocess_mode="livesum"
 )
@@ -74,6 +80,7 @@ class MethodMetrics:
         self.method = method
         self.latency = LATENCY.labels(method)
         self.payload_bytes = PAYLOAD_BYTES.labels(method)
+        self.overload_refusals = OVERLOAD_REFUSALS.labels(method)
         self._requests: dict[str, Counter] = {}
 
     def record(self, code: str, seconds: float | None) -> None:

@@ -1,0 +1,119 @@
+"""The operator's alerting and recording rules (deploy/prometheus): valid, each alert firing
+on the series that should fire it and only then (``promtool test rules``), and every metric
+they read one the server exports.
+
+promtool comes with Debian's prometheus package, installed here with apt-get when missing
+(as root, as tests/containers.py installs podman).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+
+import pytest
+import yaml
+from conftest import ROOT
+from prometheus_client import REGISTRY
+
+from posenc_server import metrics
+
+RULES = ROOT / "deploy" / "prometheus"
+APT_WAIT = ("-o", "DPkg::Lock::Timeout=600")
+
+
+def install_prometheus() -> str | None:
+    """Install Debian's prometheus package (promtool, prometheus) when missing; the reason
+    when it cannot be."""
+    if shutil.which("promtool") and shutil.which("prometheus"):
+        return None
+    if os.geteuid() != 0 or shutil.which("apt-get") is None:
+        return "promtool is missing and only root can `apt-get install prometheus` here"
+    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+    update = subprocess.run(
+        ["apt-get", *APT_WAIT, "update"], capture_output=True, text=True, env=env, timeout=600
+    )
+    if update.returncode != 0:
+        return f"promtool is missing and apt-get cannot reach the registry: {update.stderr}"
+    install = subprocess.run(
+        ["apt-get", *APT_WAIT, "install", "-y", "--no-install-recommends", "prometheus"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=900,
+    )
+    if install.returncode != 0:
+        raise RuntimeError(f"apt-get install prometheus failed: {install.stdout}{install.stderr}")
+    return None
+
+
+@pytest.fixture(scope="module")
+def promtool() -> str:
+    reason = install_prometheus()
+    if reason is not None:
+        pytest.skip(reason)
+    path = shutil.which("promtool")
+    assert path is not None
+    return path
+
+
+def test_the_rules_are_valid_and_pass_their_unit_tests(promtool: str) -> None:
+    checked = subprocess.run(
+        [promtool, "check", "rules", "rules.yml"],
+        cwd=RULES,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert checked.returncode == 0, checked.stdout + checked.stderr
+    tested = subprocess.run(
+        [promtool, "test", "rules", "rules_test.yml"],
+        cwd=RULES,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert tested.returncode == 0, tested.stdout + tested.stderr
+
+
+def _rules() -> list[dict[str, str]]:
+    groups = yaml.safe_load((RULES / "rules.yml").read_text())["groups"]
+    return [rule for group in groups for rule in group["rules"]]
+
+
+def test_the_rules_cover_what_an_operator_watches() -> None:
+    alerts = {rule["alert"] for rule in _rules() if "alert" in rule}
+    assert alerts >= {
+        "PosencReplicaDown",
+        "PosencErrorRateHigh",
+        "PosencOverloaded",
+        "PosencCacheHitRateLow",
+        "PosencLatencyHigh",
+    }
+    tested = yaml.safe_load((RULES / "rules_test.yml").read_text())["tests"]
+    fired = {
+        case["alertname"]
+        for test in tested
+        for case in test.get("alert_rule_test", [])
+        if case["exp_alerts"]
+    }
+    assert fired == alerts  # every alert is shown firing
+
+
+def test_every_metric_the_rules_read_is_exported() -> None:
+    """A renamed metric would silence its alert: every posenc_ name the rules read is one
+    the server registers."""
+    assert metrics.REQUESTS is not None  # registered on import
+    exported = set()
+    for family in REGISTRY.collect():
+        exported.add(family.name)
+        exported.update(sample.name for sample in family.samples)
+    exported.update(
+        f"{name}{suffix}"
+        for name in list(exported)
+        for suffix in ("_total", "_bucket", "_count", "_sum")
+    )
+    read = {name for rule in _rules() for name in re.findall(r"\bposenc_[a-z_]+", rule["expr"])}
+    assert read and read <= exported, read - exported
