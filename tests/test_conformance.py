@@ -1,4 +1,4 @@
-"""Conformance: every table kind against the models' own code (transformers 5.17, CPU torch 2.13).
+"""Conformance: every table kind against the models' own code (transformers 5.24, CPU torch 2.13).
 
 Where the reference's float32 arithmetic is accurate (positions up to 2^16), posenc's rows
 match it within a tolerance that grows with the position as float32's does: a few units of
@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+import inspect
 import math
 import re
 import sys
@@ -253,12 +254,17 @@ def test_fairseq_matches_the_transformers_ports(module: str) -> None:
         assert_conforms(ours(spec, positions), theirs, positions)
     # The module's forward: padded batches, the padding_idx offset, a decode step.
     embedding = Embedding(1024, 64, padding_idx=1)
+    forward_parameters = inspect.signature(embedding.forward).parameters
     input_ids = torch.tensor([[5, 6, 7, 8, 9, 1, 1], [1, 1, 5, 6, 7, 8, 9]])
     position_ids = embedding.create_position_ids_from_input_ids(input_ids, 1, 0)
     spec = posenc.Spec("fairseq", d_model=64, padding_idx=1)
     for past in (0, 100):
         positions = embedding.create_position_ids_from_input_ids(input_ids, 1, past)
-        theirs = embedding(input_ids, past_key_values_length=past).numpy().reshape(-1, 64)
+        # transformers 5.24 names the offset cache_length (past_key_values_length before).
+        offset = (
+            "cache_length" if "cache_length" in forward_parameters else "past_key_values_length"
+        )
+        theirs = embedding(input_ids, **{offset: past}).numpy().reshape(-1, 64)
         flat = positions.numpy().reshape(-1)
         assert_conforms(ours(spec, flat), theirs, flat)
     assert position_ids[0, 0] == 2  # token 0 is row padding_idx + 1

@@ -1,0 +1,101 @@
+"""posenc.integrations.transformers on the oldest transformers release it supports.
+
+``make test`` installs the newest supported release (the ``conformance`` extra pins it) and
+tests/test_integrations_transformers.py runs against it. This test installs the oldest
+(the lower end of ``TRANSFORMERS_RELEASES``) into ``.venv/transformers-<version>/`` once
+(``pip install --no-deps --target``: the newest's dependencies serve it too; the directory
+is reused by later runs, never committed) and runs the same tests against it in a
+subprocess: whole models of every family, small positions, 2^20 and 2^24, the vision
+towers left alone. torch.compile's test is left out (the newest runs it).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("torch", reason="the conformance extra (make test installs it)")
+transformers = pytest.importorskip("transformers")
+
+from posenc.integrations.transformers import TRANSFORMERS_RELEASES  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+OLDEST = "5.17.0"
+TARGET = ROOT / ".venv" / f"transformers-{OLDEST}"
+
+
+def _install() -> Path:
+    """The oldest release's package directory, installed on first use."""
+    if (TARGET / "transformers" / "__init__.py").exists():
+        return TARGET
+    TARGET.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{TARGET.name}-", dir=TARGET.parent))
+    try:
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "pip",
+                "install",
+                "--quiet",
+                "--no-deps",
+                "--target",
+                str(staging),
+                f"transformers=={OLDEST}",
+            ],
+            check=True,
+            timeout=600,
+        )
+        try:
+            staging.rename(TARGET)  # atomic: a concurrent run's copy may have won
+        except OSError:
+            if not (TARGET / "transformers" / "__init__.py").exists():
+                raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return TARGET
+
+
+def test_the_oldest_is_the_declared_lower_end() -> None:
+    major, minor, _ = (int(part) for part in OLDEST.split("."))
+    assert (major, minor) == TRANSFORMERS_RELEASES[0]
+    pyproject = (ROOT / "pyproject.toml").read_text()
+    low, high = TRANSFORMERS_RELEASES
+    assert f'"transformers>={low[0]}.{low[1]},<{high[0]}.{high[1]}"' in pyproject
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1200)
+def test_the_integration_tests_pass_on_the_oldest_release() -> None:
+    if transformers.__version__ == OLDEST:
+        pytest.skip(f"transformers {OLDEST} is the one installed: the suite tests it directly")
+    target = _install()
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(target), env.get("PYTHONPATH")]))
+    env["POSENC_EXPECT_TRANSFORMERS"] = OLDEST
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            str(ROOT / "tests" / "test_integrations_transformers.py"),
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            "-k",
+            "not compiled",
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=1100,
+    )
+    assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-2000:]
+    assert " passed" in result.stdout and " failed" not in result.stdout
