@@ -259,6 +259,38 @@ def _llama4() -> Any:
     return transformers.Llama4TextConfig(**_LLAMA4_TEXT)
 
 
+def _gemma3_vl() -> Any:  # Gemma 3 4B as loaded: Gemma3ForConditionalGeneration
+    return transformers.Gemma3Config(
+        text_config=_GEMMA3_TEXT,
+        vision_config={
+            "hidden_size": 32,
+            "intermediate_size": 32,
+            "num_hidden_layers": 1,
+            "num_attention_heads": 2,
+            "image_size": 28,
+            "patch_size": 14,
+        },
+        mm_tokens_per_image=4,
+    )
+
+
+def _llama4_vl() -> Any:  # Llama 4 Scout as loaded: Llama4ForConditionalGeneration
+    return transformers.Llama4Config(
+        text_config=_LLAMA4_TEXT,
+        vision_config={
+            "hidden_size": 32,
+            "intermediate_size": 32,
+            "num_hidden_layers": 1,
+            "num_attention_heads": 2,
+            "image_size": 28,
+            "patch_size": 14,
+            "vision_output_dim": 32,
+            "projector_input_dim": 32,
+            "projector_output_dim": 32,
+        },
+    )
+
+
 def _gpt_oss() -> Any:  # gpt-oss 20B: YaRN, half-width tables
     return transformers.GptOssConfig(
         **TINY,
@@ -360,6 +392,7 @@ ROTARY: dict[str, Callable[[], Any]] = {
     "gemma": _gemma,
     "gemma2": _gemma2,
     "gemma3": _gemma3,
+    "gemma3-vl": _gemma3_vl,
     "llama4": _llama4,
     "gpt-oss": _gpt_oss,
     "gpt-neox": _gpt_neox,
@@ -374,10 +407,14 @@ ROTARY: dict[str, Callable[[], Any]] = {
 def build(config: Any) -> Any:
     """The top-level causal LM of ``config`` (what users load), eager kernels."""
     torch.manual_seed(0)
-    # Eager kernels: the grouped MoE matmul has no float64 (the reference runs in float64).
-    model = transformers.AutoModelForCausalLM.from_config(
-        config, attn_implementation="eager", experts_implementation="eager"
+    # Image-text models: their ...ForConditionalGeneration, as loaded.
+    auto = (
+        transformers.AutoModelForImageTextToText
+        if hasattr(config, "vision_config")
+        else transformers.AutoModelForCausalLM
     )
+    # Eager kernels: the grouped MoE matmul has no float64 (the reference runs in float64).
+    model = auto.from_config(config, attn_implementation="eager", experts_implementation="eager")
     return model.eval()
 
 
@@ -1125,4 +1162,29 @@ def test_vision_language_far_positions_are_closer_to_float64(
     native_error = float((native - expected).abs().max())
     our_error = float((ours - expected).abs().max())
     print(f"{family} @2^{int(math.log2(start))}: native {native_error:.3g}, posenc {our_error:.3g}")
+    assert our_error * FACTOR <= native_error, (native_error, our_error)
+
+
+def test_whole_llama4_for_conditional_generation(client: posenc.Client) -> None:
+    """Llama 4 Scout as loaded: patch() on Llama4ForConditionalGeneration patches the text
+    table (rope layers; NoPE layers take none) and leaves the vision tower's. The model's
+    own forward fails in transformers 5.24 whatever its tables (it reads ``image_outputs``
+    from its language model's output, which has none), so the logits are its language
+    model's, run inside the patched whole."""
+    model = build(_llama4_vl())
+    text = model.language_model
+    start = 2**24
+    reference = copy.deepcopy(text).double()
+    feed(reference, reference_rows(text.config, start + SEQ))
+    expected = logits_at(reference, start)
+    native = [logits_at(text, position) for position in (0, 2000, start)]
+    with patch(model, client) as handle:
+        assert handle.specs.keys() == {"language_model.model.rotary_emb"}
+        assert "Llama4VisionRotaryEmbedding" in handle.skipped["vision_model.rotary_embedding"]
+        ours = [logits_at(text, position) for position in (0, 2000, start)]
+    for theirs, mine in zip(native[:2], ours[:2], strict=True):
+        assert float((mine - theirs).abs().max()) <= 2e-3 * float(theirs.abs().max())
+    native_error = float((native[2] - expected).abs().max())
+    our_error = float((ours[2] - expected).abs().max())
+    print(f"llama4-vl @2^24: native {native_error:.3g}, posenc {our_error:.3g}")
     assert our_error * FACTOR <= native_error, (native_error, our_error)
