@@ -50,7 +50,11 @@ class BaseClient(Generic[ArrayT, InfoT, StatusT, SlicesT]):
             included; ``None`` for none. Every method takes a ``timeout=`` override.
         max_retries: How many times a call is retried on UNAVAILABLE (server down or
             restarting), with exponential backoff from ``retry_backoff`` seconds, capped
-            at 2 s. An interrupted stream resumes from the last row received.
+            at 2 s. An interrupted stream resumes from the last row received. A new
+            client's first call retries too (its server may be restarting); once the
+            retries are spent, a target that never answered is reported as "no posenc
+            server at ... is it running?". A name that does not resolve is reported at
+            once.
         retry_backoff: First retry delay, in seconds.
         chunk_bytes: Preferred stream chunk size in bytes (the server caps it); ``None``
             for the server's default.
@@ -172,7 +176,9 @@ class BaseClient(Generic[ArrayT, InfoT, StatusT, SlicesT]):
 
         Raises:
             InvalidArgumentError: A bad argument (``field_violations`` names it).
-            ResourceExhaustedError: The result exceeds the server's stream limit.
+            ResourceExhaustedError: The result exceeds the server's stream limit (judged
+                whole, however many streams it would travel in) or this machine's memory
+                (refused before it is allocated); :meth:`iter_range` takes it in slices.
             DeadlineExceededError: The timeout expired.
             UnavailableError: The server stayed unreachable through every retry.
         """

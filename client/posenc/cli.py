@@ -771,7 +771,7 @@ class _Partial:
         flags = os.O_WRONLY | getattr(os, "O_CLOEXEC", 0)
         tmpfile = getattr(os, "O_TMPFILE", 0)
         fd = -1
-        if tmpfile:
+        if tmpfile and os.path.isdir("/proc/self/fd"):  # where commit() links it from
             with contextlib.suppress(OSError):  # not supported there: a named file
                 fd = os.open(output.parent, flags | tmpfile, 0o666)
         if fd < 0:
