@@ -910,3 +910,60 @@ def test_refused_lists_cost_no_more_than_they_brought(
     # counts for it, and no more, besides the heap's slack.
     assert grown <= admission.request_cost(request) / MIB + 32
     assert health_latency(server.target) < 1
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_a_client_holding_metrics_connections_fails_no_scrape(
+    spawn_server: Callable[..., ServerProcess],
+) -> None:
+    """One client holding 40 connections to /metrics open and silent, reopening each one
+    the server closes: with every place taken, new connections were closed as they came,
+    and 23 of 40 scrapes failed. A new connection now takes the place of the oldest silent
+    one: every scrape is served."""
+    server = spawn_server(0, "--processes", "1")
+    port = metrics_port(server)
+    stop = threading.Event()
+
+    def connect() -> socket.socket:
+        connection = socket.create_connection(("127.0.0.1", port), timeout=10)
+        connection.sendall(b"G")  # the start of a request line, never ended
+        time.sleep(0.01)  # one at a time, as the server accepts them
+        return connection
+
+    held: list[socket.socket] = []
+
+    def hold() -> None:
+        held.extend(connect() for _ in range(40))
+        while not stop.is_set():
+            readable, _, _ = select.select(held, [], [], 0.05)
+            for connection in readable:
+                if _closed(connection):
+                    connection.close()
+                    held[held.index(connection)] = connect()
+
+    holder = threading.Thread(target=hold, daemon=True)
+    holder.start()
+    failures = []
+    try:
+        deadline = time.monotonic() + 30
+        while len(held) < 40 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        for _ in range(20):
+            try:
+                assert b"posenc_requests_total" in _get(port)
+            except OSError as error:
+                failures.append(repr(error))
+            time.sleep(0.1)
+    finally:
+        stop.set()
+        holder.join(10)
+        for connection in held:
+            connection.close()
+    assert not failures, failures
+
+
+def _get(port: int) -> bytes:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
+        body: bytes = response.read()
+        return body
