@@ -69,3 +69,10 @@ bench: $(STAMP) $(BENCH_STAMP)
 
 bench-quick: $(STAMP) $(BENCH_STAMP)
 	$(BIN)/python -m bench --quick
+
+# The documentation site (mkdocs.yml) into build/site, strict: a broken link, anchor or API
+# reference fails it. `make test` runs the same build (tests/test_docs.py).
+.PHONY: docs
+
+docs: $(STAMP)
+	$(BIN)/mkdocs build --strict
