@@ -94,11 +94,14 @@ _ROTATION_ENTRIES: Final = 1 << 17
 _FEW_ROTATIONS: Final = 8
 # Rows and elements of out per kernel call: its positions and index arrays take about 40
 # bytes a row, its bases up to 8 a column (a narrow table's 1 MiB block, 262,144 rows in one
-# call, held 10 MiB of them). float16 rows go through a float64 scratch of at most
-# _CONVERT_ELEMENTS, converted while it is in the cache.
+# call, held 10 MiB of them).
 _KERNEL_ROWS: Final = 1 << 14
 _KERNEL_ELEMENTS: Final = 1 << 20
-_CONVERT_ELEMENTS: Final = 1 << 15
+# How the kernels store a row's float64 values (their ``stored`` argument): cast to out's
+# float32 or float64, or rounded to bfloat16 or float16, whose bits out holds as uint16.
+STORE_VALUES: Final = 0
+STORE_BFLOAT16: Final = 1
+STORE_FLOAT16: Final = 2
 
 
 @dataclass(frozen=True)
@@ -368,29 +371,18 @@ def _write_rows(
     encoding: Encoding, positions: Int64Array, out: Rows, *, consecutive: bool = False
 ) -> None:
     """``out[r]`` = the row of wave-table position ``positions[r]`` in the table's columns
-    (``consecutive``: the positions are a range).
-
-    float32, float64 and bfloat16 rows are written by the kernels; float16 ones through
-    float64 rows, converted by numpy a cache-sized part at a time.
-    """
+    (``consecutive``: the positions are a range), every dtype by the kernels: float32 and
+    float64 rows cast as they are stored, bfloat16 and float16 ones rounded by the kernel
+    and stored as their bits."""
     waves, columns, amplitude = encoding.waves, encoding.columns, encoding.waves.amplitude
     # By kind and object, not by name: a dtype's name is built anew each time (5 us, as
     # much as a tenth of a block's rows). bfloat16 is the one void-kind dtype of DTYPES.
+    stored, target = STORE_VALUES, out
     if out.dtype.kind == "V":
-        bits = out.view(np.uint16)
-        _rotate(waves, positions, columns, amplitude, bits, consecutive, bfloat16=True)
-        return
-    if out.dtype != _FLOAT16:
-        _rotate(waves, positions, columns, amplitude, out, consecutive)
-        return
-    if positions.size > _FEW_ROTATIONS:
-        waves.rotation_table()  # made now, not worked around part by part below
-    step = max(1, _CONVERT_ELEMENTS // max(encoding.width, 1))
-    wide = np.empty((min(step, len(out)), encoding.width))
-    for first in range(0, len(out), step):
-        part = positions[first : first + step]
-        _rotate(waves, part, columns, amplitude, wide[: part.size], consecutive)
-        np.copyto(out[first : first + part.size], wide[: part.size], casting="same_kind")
+        stored, target = STORE_BFLOAT16, out.view(np.uint16)
+    elif out.dtype == _FLOAT16:
+        stored, target = STORE_FLOAT16, out.view(np.uint16)
+    _rotate(waves, positions, columns, amplitude, target, consecutive, stored)
 
 
 def _rotate(
@@ -400,26 +392,26 @@ def _rotate(
     amplitude: float,
     out: Rows,
     consecutive: bool,
-    *,
-    bfloat16: bool = False,
+    stored: int = STORE_VALUES,
 ) -> None:
-    """The rows of ``positions`` into ``out`` (``bfloat16``: ``out`` holds bfloat16 bits, as
-    uint16): a range (``consecutive``) in one ``kernel.range_into`` call, which makes its
-    blocks' bases itself; other positions, or a new spec's first few rows, by
-    ``kernel.rotate_into``, ``_KERNEL_ROWS`` and ``_KERNEL_ELEMENTS`` of ``out`` at most a
-    call (the factors numpy makes for each call take memory in proportion)."""
+    """The rows of ``positions`` into ``out``, stored as ``stored`` says (``STORE_*``: a
+    half-precision format's bits in a uint16 ``out``): a range
+    (``consecutive``) in one ``kernel.range_into`` call, which makes its blocks' bases
+    itself; other positions, or a new spec's first few rows, by ``kernel.rotate_into``,
+    ``_KERNEL_ROWS`` and ``_KERNEL_ELEMENTS`` of ``out`` at most a call (the factors numpy
+    makes for each call take memory in proportion)."""
     kernels = _kernels()
     if consecutive and positions.size and waves.rotates(positions.size):
         rotations = waves.rotation_table()
         kernels.range_into(
-            int(positions[0]), waves.hi, waves.lo, rotations, columns, amplitude, out, bfloat16
+            int(positions[0]), waves.hi, waves.lo, rotations, columns, amplitude, out, stored
         )
         return
     step = max(1, min(_KERNEL_ROWS, _KERNEL_ELEMENTS // max(out.shape[1], 1)))
     for first in range(0, positions.size, step):
         part = positions[first : first + step]
         factors = waves.factors(part)
-        kernels.rotate_into(*factors, columns, amplitude, out[first : first + part.size], bfloat16)
+        kernels.rotate_into(*factors, columns, amplitude, out[first : first + part.size], stored)
 
 
 @functools.cache
@@ -438,10 +430,15 @@ def prepare_kernel() -> None:
     waves = Waves([Decimal(1)])
     waves.rotation_table()
     positions, columns = np.arange(2, dtype=np.int64), np.arange(2, dtype=np.int64)
-    for dtype in (np.float32, np.float64, np.uint16):
+    for dtype, stored in (
+        (np.float32, STORE_VALUES),
+        (np.float64, STORE_VALUES),
+        (np.uint16, STORE_BFLOAT16),
+        (np.uint16, STORE_FLOAT16),
+    ):
         out = np.empty((2, 2), dtype)
         for consecutive in (False, True):  # rotate_into, range_into
-            _rotate(waves, positions, columns, 1.0, out, consecutive, bfloat16=dtype == np.uint16)
+            _rotate(waves, positions, columns, 1.0, out, consecutive, stored)
 
 
 def _block_rows(count: int) -> int:

@@ -11,6 +11,11 @@ numpy took two dozen passes over cache-sized parts for the angles (170 ns an ele
 the columns and a Python step per few rows; here each row is computed once into a scratch
 row and copied to its columns, cast on the way. A cold float32 table at d_model 4096 costs
 0.15-0.25 s of CPU per GiB, 1.05 s before.
+
+bfloat16 and float16 values are rounded in the same loops, to their bits, with integer and
+float operations that run in vector instructions (``_bfloat16``, ``_half_bits``), where a
+float16 row went through a float64 scratch row and numpy's cast, and bfloat16 took a
+branching rounding per element, which kept its loop scalar.
 """
 
 from __future__ import annotations
@@ -18,13 +23,14 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from decimal import Decimal
-from typing import TypeVar
+from typing import Final, TypeVar
 
 import numba
 import numpy as np
 import numpy.typing as npt
 
 from posenc_server import engine
+from posenc_server.engine import STORE_BFLOAT16, STORE_FLOAT16, STORE_VALUES
 
 _F = TypeVar("_F", bound=Callable[..., None])
 
@@ -49,22 +55,24 @@ def rotate_into(
     columns: npt.NDArray[np.int64],
     amplitude: float,
     out: npt.NDArray[np.generic],
-    bfloat16: bool,
+    stored: int,
 ) -> None:
     """``out[r]`` = the columns of ``v(b) * conj(u(j)) * amplitude``, with ``v(b)`` =
     ``bases[base_index[r]]`` and ``v(j)`` = ``rotations[rotation_index[r]]`` (rows of
-    ``sin + i cos``), for every row ``r`` of ``out``: float32 or float64 values, or with
-    ``bfloat16`` the bits (uint16) of bfloat16 ones.
+    ``sin + i cos``), for every row ``r`` of ``out``, stored as ``stored`` says
+    (``engine.STORE_VALUES``: cast to ``out``'s float32 or float64; ``STORE_BFLOAT16``,
+    ``STORE_FLOAT16``: rounded to that format, whose bits a uint16 ``out`` holds).
 
     The product's ``[sin, cos]`` pairs are ``[s C + c S, c C + s (-S)]`` for ``v(b) = s + i c``
     and ``v(j) = S + i C``; column ``k`` of ``out`` is pair value ``columns[k]`` (``2 *
     count``: zero).
     """
     row = np.zeros(2 * bases.shape[1] + 1)  # the last value stays 0: the zero columns'
-    straight = _straight(columns, bfloat16)
+    halves = np.zeros(row.size, dtype=np.uint16)
+    straight = _straight(columns)
     for r in range(out.shape[0]):
         base, rotation = bases[base_index[r]], rotations[rotation_index[r]]
-        _write_row(base, rotation, columns, amplitude, out[r], row, straight, bfloat16)
+        _write_row(base, rotation, columns, amplitude, out[r], row, halves, straight, stored)
 
 
 @_compiled
@@ -76,7 +84,7 @@ def range_into(
     columns: npt.NDArray[np.int64],
     amplitude: float,
     out: npt.NDArray[np.generic],
-    bfloat16: bool,
+    stored: int,
 ) -> None:
     """``out[r]`` = the row of position ``first + r`` as ``rotate_into`` writes it, for
     every row ``r`` of ``out``: its block base ``b`` (a multiple of ``len(rotations)``)
@@ -85,22 +93,24 @@ def range_into(
     bases and indices made by numpy, a dozen small arrays a block."""
     block = rotations.shape[0]
     row = np.zeros(2 * freq_hi.size + 1)
+    halves = np.zeros(row.size, dtype=np.uint16)
     base = np.empty((1, freq_hi.size), dtype=np.complex128)
     position = np.empty(1, dtype=np.int64)
-    straight = _straight(columns, bfloat16)
+    straight = _straight(columns)
     for r in range(out.shape[0]):
         offset = (first + r) % block
         if r == 0 or offset == 0:
             position[0] = first + r - offset
             angles_into(position, freq_hi, freq_lo, base)
-        _write_row(base[0], rotations[offset], columns, amplitude, out[r], row, straight, bfloat16)
+        rotation = rotations[offset]
+        _write_row(base[0], rotation, columns, amplitude, out[r], row, halves, straight, stored)
 
 
 @numba.njit(inline="always")
-def _straight(columns: npt.NDArray[np.int64], bfloat16: bool) -> bool:
+def _straight(columns: npt.NDArray[np.int64]) -> bool:
     """Whether each column is the row's value of its own index (the interleaved sinusoidal
     layout): the values then go straight to their columns, with no pass through a row."""
-    straight = not bfloat16
+    straight = True
     for k in range(columns.size):
         straight = straight and columns[k] == k
     return straight
@@ -114,35 +124,197 @@ def _write_row(
     amplitude: float,
     out: npt.NDArray[np.generic],
     row: npt.NDArray[np.float64],
+    halves: npt.NDArray[np.uint16],
     straight: bool,
-    bfloat16: bool,
+    stored: int,
 ) -> None:
     """One row of ``rotate_into``: ``out``'s columns of ``v(b) * conj(u(j)) * amplitude``,
-    through the scratch ``row`` unless ``straight``."""
+    stored as ``stored`` says, through the scratch ``row`` (and, rounded, ``halves``)
+    unless ``straight``. Each format has a loop of its own, which runs in vector
+    instructions: the base and the rotation are read as float64 pairs (complex elements
+    keep the loop scalar)."""
     if straight:
-        _rotated_columns(base, rotation, amplitude, out)
+        pairs, turns = base.view(np.float64), rotation.view(np.float64)
+        if stored == STORE_BFLOAT16:
+            _bfloat16_columns(pairs, turns, amplitude, out)
+        elif stored == STORE_FLOAT16:
+            _float16_columns(pairs, turns, amplitude, out)
+        else:
+            _value_columns(pairs, turns, amplitude, out)
         return
     _rotated_row(base, rotation, amplitude, row)
+    if stored == STORE_VALUES:
+        for k in range(columns.size):
+            out[k] = row[columns[k]]
+        return
+    if stored == STORE_BFLOAT16:
+        _bfloat16_row(row, halves)
+    else:
+        _float16_row(row, halves)
     for k in range(columns.size):
-        value = row[columns[k]]
-        if bfloat16:
-            out[k] = _bfloat16_bits(value)
-        else:
-            out[k] = value
+        out[k] = halves[columns[k]]
 
 
 @numba.njit(inline="always")
-def _bfloat16_bits(value: float) -> int:
-    """The bits of ``value`` rounded to the nearest bfloat16, ties to even (as ml_dtypes
-    rounds): through float32 (rounded to nearest), then its bits, except where the first
-    rounding made a tie for the second (low 16 bits exactly 0x8000 from an inexact float32):
-    there the float64 value says which way."""
-    single = np.float32(value)
-    pattern = single.view(np.uint32)
-    if pattern & 0xFFFF == 0x8000 and float(single) != value:
-        # Away from zero when the float64 value is beyond the float32 tie.
-        return int((pattern >> 16) + (abs(value) > abs(float(single))))
-    return int((pattern + 0x7FFF + ((pattern >> 16) & 1)) >> 16)
+def _pair(
+    pairs: npt.NDArray[np.float64], turns: npt.NDArray[np.float64], amplitude: float, i: int
+) -> tuple[float, float]:
+    """Pair ``i`` of a row: ``(sin, cos)`` of ``v(b) * conj(u(j)) * amplitude``, from ``v(b)``
+    and ``v(j)`` as float64 pairs (``pairs``, ``turns``)."""
+    s = pairs[2 * i]
+    c = pairs[2 * i + 1]
+    rotate_sin = turns[2 * i]
+    rotate_cos = turns[2 * i + 1]
+    sin = (s * rotate_cos + c * rotate_sin) * amplitude
+    cos = (c * rotate_cos + s * -rotate_sin) * amplitude
+    return sin, cos
+
+
+@numba.njit(inline="always")
+def _value(
+    pairs: npt.NDArray[np.float64], turns: npt.NDArray[np.float64], amplitude: float, k: int
+) -> float:
+    """Value ``k`` of a row (0 past its pairs: an odd width's zero column)."""
+    if k // 2 >= pairs.size // 2:
+        return 0.0
+    sin, cos = _pair(pairs, turns, amplitude, k // 2)
+    return sin if k % 2 == 0 else cos
+
+
+@numba.njit(inline="always")
+def _value_columns(
+    pairs: npt.NDArray[np.float64],
+    turns: npt.NDArray[np.float64],
+    amplitude: float,
+    out: npt.NDArray[np.generic],
+) -> None:
+    """``out[k]`` = value ``k`` of the row, cast as it is stored, for every column ``k``."""
+    count = min(pairs.size // 2, out.size // 2)
+    for i in range(count):
+        out[2 * i], out[2 * i + 1] = _pair(pairs, turns, amplitude, i)
+    for k in range(2 * count, out.size):  # an odd width's last sin, or the zero column
+        out[k] = _value(pairs, turns, amplitude, k)
+
+
+@numba.njit(inline="always")
+def _bfloat16_columns(
+    pairs: npt.NDArray[np.float64],
+    turns: npt.NDArray[np.float64],
+    amplitude: float,
+    out: npt.NDArray[np.generic],
+) -> None:
+    """``out[k]`` = the bits of value ``k`` of the row rounded to bfloat16 (``_bfloat16``),
+    for every column ``k``: the row again, exactly (``_half_bits``), when it held a tie."""
+    count = min(pairs.size // 2, out.size // 2)
+    ties = np.uint32(0)
+    for i in range(count):
+        sin, cos = _pair(pairs, turns, amplitude, i)
+        out[2 * i] = _bfloat16(sin)
+        out[2 * i + 1] = _bfloat16(cos)
+        ties |= _bfloat16_tie(sin) | _bfloat16_tie(cos)
+    form = _BFLOAT16_FORMAT
+    if ties:
+        for i in range(count):
+            sin, cos = _pair(pairs, turns, amplitude, i)
+            out[2 * i] = _half_bits(sin, form)
+            out[2 * i + 1] = _half_bits(cos, form)
+    for k in range(2 * count, out.size):
+        out[k] = _half_bits(_value(pairs, turns, amplitude, k), form)
+
+
+@numba.njit(inline="always")
+def _float16_columns(
+    pairs: npt.NDArray[np.float64],
+    turns: npt.NDArray[np.float64],
+    amplitude: float,
+    out: npt.NDArray[np.generic],
+) -> None:
+    """``out[k]`` = the bits of value ``k`` of the row rounded to float16 (``_half_bits``),
+    for every column ``k``."""
+    count = min(pairs.size // 2, out.size // 2)
+    form = _FLOAT16_FORMAT
+    for i in range(count):
+        sin, cos = _pair(pairs, turns, amplitude, i)
+        out[2 * i] = _half_bits(sin, form)
+        out[2 * i + 1] = _half_bits(cos, form)
+    for k in range(2 * count, out.size):
+        out[k] = _half_bits(_value(pairs, turns, amplitude, k), form)
+
+
+@numba.njit(inline="always")
+def _bfloat16_row(row: npt.NDArray[np.float64], halves: npt.NDArray[np.uint16]) -> None:
+    """``halves`` = the bits of ``row`` rounded to bfloat16 (as ``_bfloat16_columns``)."""
+    ties = np.uint32(0)
+    for k in range(row.size):
+        halves[k] = _bfloat16(row[k])
+        ties |= _bfloat16_tie(row[k])
+    if ties:
+        form = _BFLOAT16_FORMAT
+        for k in range(row.size):
+            halves[k] = _half_bits(row[k], form)
+
+
+@numba.njit(inline="always")
+def _float16_row(row: npt.NDArray[np.float64], halves: npt.NDArray[np.uint16]) -> None:
+    """``halves`` = the bits of ``row`` rounded to float16."""
+    form = _FLOAT16_FORMAT
+    for k in range(row.size):
+        halves[k] = _half_bits(row[k], form)
+
+
+@numba.njit(inline="always")
+def _bfloat16(value: float) -> np.uint32:
+    """The bits of ``value`` rounded to bfloat16, ties to even, through float32 (rounded to
+    nearest): right unless that float32 is itself a bfloat16 tie (``_bfloat16_tie``), where
+    the float64 may lie on either side of it. Eight 32-bit lanes a vector instruction."""
+    single = np.float32(value).view(np.uint32)
+    odd = (single >> np.uint32(16)) & np.uint32(1)
+    return (single + np.uint32(0x7FFF) + odd) >> np.uint32(16)
+
+
+@numba.njit(inline="always")
+def _bfloat16_tie(value: float) -> np.uint32:
+    """1 where ``_bfloat16`` may be wrong: the float32 of ``value`` is a bfloat16 tie (one
+    value in 65536, so a row of 4096 columns in 16 has one), else 0."""
+    single = np.float32(value).view(np.uint32)
+    return np.uint32((single & np.uint32(0xFFFF)) == np.uint32(0x8000))
+
+
+def _bits(value: float) -> int:
+    return int(np.float64(value).view(np.int64))
+
+
+# A half-precision format, for ``_half_bits``: the float64 bits its rounding drops (52 less
+# its mantissa's), its exponent's bias less float64's (at the exponent's place), its
+# smallest normal value, a float64 whose ulp is its smallest subnormal and that float64's
+# bits, and its infinity's bits.
+_BFLOAT16_FORMAT: Final = (45, (1023 - 127) << 7, 2.0**-126, 2.0**-81, _bits(2.0**-81), 0x7F80)
+_FLOAT16_FORMAT: Final = (42, (1023 - 15) << 10, 2.0**-14, 2.0**28, _bits(2.0**28), 0x7C00)
+
+
+@numba.njit(inline="always")
+def _half_bits(value: float, form: tuple[int, int, float, float, int, int]) -> int:
+    """The bits of ``value`` rounded to the nearest value of the half-precision format
+    ``form``, ties to even (as numpy and ml_dtypes round a float64), straight from the
+    float64: not through float32, whose rounding can make a tie of a value that is not one.
+    (Callers unpack ``form`` outside their loops: a global tuple read in a loop keeps it
+    scalar.)
+
+    Branch-free, so that a loop of it runs in vector instructions: both the normal and the
+    subnormal rounding are computed, and the magnitude picks one. Normal: the float64's bits
+    plus half an ulp of the format less one, plus the last kept bit (ties to even), then
+    the dropped bits shifted away; a carry into the exponent is right, and anything past the
+    largest finite value becomes infinity (``min``). Subnormal (and zero): the magnitude
+    added to a float64 whose ulp is the format's smallest subnormal, which the addition
+    rounds to; its bits less that float64's count those subnormals. Values are finite here
+    (finite factors, sin and cos within 1)."""
+    shift, rebias, smallest, magic, magic_bits, infinity = form
+    magnitude = np.float64(abs(value))
+    pattern = int(magnitude.view(np.int64))
+    normal = ((pattern + ((1 << (shift - 1)) - 1) + ((pattern >> shift) & 1)) >> shift) - rebias
+    subnormal = int(np.float64(magnitude + magic).view(np.int64)) - magic_bits
+    bits = min(normal, infinity) if magnitude >= smallest else subnormal
+    return bits | ((int(np.float64(value).view(np.int64)) >> 48) & 0x8000)
 
 
 @numba.njit(inline="always")
@@ -153,45 +325,9 @@ def _rotated_row(
     row: npt.NDArray[np.float64],
 ) -> None:
     """``row``'s ``[sin, cos]`` pairs: ``v(b) * conj(u(j)) * amplitude`` (``rotate_into``)."""
+    pairs, turns = base.view(np.float64), rotation.view(np.float64)
     for i in range(base.size):
-        s = base[i].real
-        c = base[i].imag
-        rotate_sin = rotation[i].real
-        rotate_cos = rotation[i].imag
-        row[2 * i] = (s * rotate_cos + c * rotate_sin) * amplitude
-        row[2 * i + 1] = (c * rotate_cos + s * -rotate_sin) * amplitude
-
-
-@numba.njit(inline="always")
-def _rotated_columns(
-    base: npt.NDArray[np.complex128],
-    rotation: npt.NDArray[np.complex128],
-    amplitude: float,
-    out: npt.NDArray[np.generic],
-) -> None:
-    """``out[k]`` = value ``k`` of ``_rotated_row``'s row, for every column ``k`` of ``out``
-    (the same float64 value, cast as it is stored), without the row in between."""
-    pairs = min(base.size, out.size // 2)
-    for i in range(pairs):
-        s = base[i].real
-        c = base[i].imag
-        rotate_sin = rotation[i].real
-        rotate_cos = rotation[i].imag
-        out[2 * i] = (s * rotate_cos + c * rotate_sin) * amplitude
-        out[2 * i + 1] = (c * rotate_cos + s * -rotate_sin) * amplitude
-    for k in range(2 * pairs, out.size):  # an odd width's last sin, or the zero column
-        i = k // 2
-        if i >= base.size:
-            out[k] = 0.0
-            continue
-        s = base[i].real
-        c = base[i].imag
-        rotate_sin = rotation[i].real
-        rotate_cos = rotation[i].imag
-        if k % 2 == 0:
-            out[k] = (s * rotate_cos + c * rotate_sin) * amplitude
-        else:
-            out[k] = (c * rotate_cos + s * -rotate_sin) * amplitude
+        row[2 * i], row[2 * i + 1] = _pair(pairs, turns, amplitude, i)
 
 
 # The constants of the extended-precision angle (engine: TWO_PI, the Taylor coefficients).
