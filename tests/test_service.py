@@ -173,16 +173,16 @@ def test_scattered_positions_of_a_narrow_table_cost_about_their_rows(
     tensor = server.stub.GetEncoding(request).tensor
     assert tensor.rows == 64
     rows, _, _ = server.counters()
-    # At most one new block (256 Ki elements) besides 16 rows per requested row.
-    assert rows - before <= (1 << 18) + 16 * 64, rows - before
+    # At most one new block (1 MiB: 512 Ki float16 elements) besides 16 rows per requested row.
+    assert rows - before <= (1 << 20) // np.dtype(dtype).itemsize + 16 * 64, rows - before
     server.channel.close()
 
 
 def test_a_range_streams_as_whole_blocks_that_are_sent_again_as_they_are(fresh: Server) -> None:
-    # bfloat16 rows of 8 KiB: blocks of 64 rows (256 Ki elements) are 512 KiB, half the
-    # 1 MiB chunks asked for. Chunks are whole blocks, on the blocks' boundaries (the first
-    # runs to the first boundary), so a range asked again is its cached blocks' messages.
-    spec = pb.EncodingSpec(sinusoidal=pb.SinusoidalTable(d_model=4096), dtype=pb.DTYPE_BFLOAT16)
+    # bfloat16 rows of 16 KiB: blocks of 64 rows are 1 MiB, as float32's of half the width.
+    # Chunks are whole blocks, on the blocks' boundaries (the first runs to the first
+    # boundary), so a range asked again is its cached blocks' messages.
+    spec = pb.EncodingSpec(sinusoidal=pb.SinusoidalTable(d_model=8192), dtype=pb.DTYPE_BFLOAT16)
     start = 7_000_000 * BLOCK + 10
     request = pb.StreamEncodingRequest(
         spec=spec,

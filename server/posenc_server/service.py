@@ -2,7 +2,7 @@
 
 Rows are computed in fixed blocks of ``block_rows`` consecutive positions, aligned to
 multiples of ``block_rows``, so that any range request reuses the blocks of earlier ones. A
-block holds at most ``_BLOCK_ELEMENTS`` elements and ``max_chunk_bytes`` bytes: computing one
+block holds at most ``_BLOCK_BYTES`` and ``max_chunk_bytes`` bytes: computing one
 costs about the same whatever the row width, so a request's work is its rows plus at most a
 few blocks. A stream chunk is one block's rows when it fits in one, else copied from several.
 
@@ -67,9 +67,11 @@ class Block:
         return self.rows.nbytes
 
 
-# Elements of a cached block (256 Ki: a 1 MiB chunk of float32): a narrow table's block is
-# many rows, a wide one's few, and each costs a few milliseconds to compute.
-_BLOCK_ELEMENTS = 1 << 18
+# Bytes of a cached block (a 1 MiB chunk, 256 Ki float32 elements): a narrow table's block
+# is many rows, a wide one's few, and each costs a few milliseconds to compute. Bytes, not
+# elements: a bfloat16 or float16 block of as many elements was a 512 KiB message, and a
+# stream of them twice the messages (and their per-message costs) of the same bytes in float32.
+_BLOCK_BYTES = 1 << 20
 # A unary position list computes new blocks (for the decode steps that follow) up to this
 # many times its own rows, at least one block and at most _MAX_NEW_BLOCKS_PER_LIST; the rows
 # of further uncached blocks are computed one by one.
@@ -258,10 +260,8 @@ class EncodingService:
     # Tables ---------------------------------------------------------------------------------
 
     def block_rows(self, spec: Spec) -> int:
-        """Rows per cached block: ``_BLOCK_ELEMENTS`` elements, within one maximal chunk."""
-        return max(
-            1, min(self.config.max_chunk_bytes // spec.row_bytes, _BLOCK_ELEMENTS // spec.width)
-        )
+        """Rows per cached block: ``_BLOCK_BYTES``, within one maximal chunk."""
+        return max(1, min(self.config.max_chunk_bytes, _BLOCK_BYTES) // spec.row_bytes)
 
     def table(self, spec: Spec, selection: Selection) -> Table:
         """The whole table of a small (unary) selection, in one array (read-only when it is
@@ -329,8 +329,8 @@ class EncodingService:
         """``stream``'s steps for a range: a chunk that is exactly a cached block at the
         same row offset is that block's message, sent as it is; others are built.
 
-        Chunks are at most a block: a block of a narrow dtype (bfloat16: 512 KiB) is
-        smaller than the largest chunk, and chunks spanning two blocks would all be copies.
+        Chunks are at most a block: a block (1 MiB) is smaller than the largest chunk a
+        server may allow (4 MiB), and chunks spanning two blocks would all be copies.
         Chunks of a whole block follow the blocks' boundaries (the first one ends at the
         first boundary).
         """
