@@ -55,7 +55,9 @@ from posenc.errors import (
     InternalError,
     InvalidArgumentError,
     NotFoundError,
+    PermissionDeniedError,
     ResourceExhaustedError,
+    UnimplementedError,
 )
 from posenc.spec import position_axes
 from posenc.types import DEFAULT, DTypeArg, ServerInfo, Timeout, server_info_from_proto
@@ -464,7 +466,16 @@ class Core:
         self, query: Query, chunk_bytes: object = None, *, collect: bool = False
     ) -> StreamCursor:
         chunk = check_chunk_bytes(chunk_bytes) or self.settings.chunk_bytes
-        return StreamCursor(query, chunk, collect=collect)
+        cursor = StreamCursor(query, chunk, collect=collect)
+
+        def into(columns: int) -> Rows:
+            # Learnt before the result is judged: a result refused as too large is refused
+            # before any call the next time.
+            self.widths.learn(query.spec_key, columns)
+            return query.allocate(columns)
+
+        cursor.into = into
+        return cursor
 
     @property
     def _readahead_unary_max(self) -> int:
@@ -524,8 +535,9 @@ class Core:
         if self._large_range(query):
             if self.servers.unknown():
                 yield from self._survey(query, budget)
-            if (spread := self._parts(query)) > 1:
-                limit = yield from self._stream_limit(budget)
+            spread = self._parts(query)
+            limit = (yield from self._stream_limit(budget)) if spread > 1 else None
+            if limit is not None:
                 if query.columns is not None:
                     query.check_size(query.columns, limit)
                 return (yield from self._spread(query, budget, spread, limit))
@@ -603,12 +615,18 @@ class Core:
 
         yield from _together([hello(channel) for channel in self.servers.unknown()])
 
-    def _stream_limit(self, budget: CallBudget) -> Steps[int]:
-        """The server's stream limit (``max_stream_bytes``), asked once per client."""
+    def _stream_limit(self, budget: CallBudget) -> Steps[int | None]:
+        """The server's stream limit (``max_stream_bytes``), asked once per client; None
+        where the server does not say (a proxy that passes only the encoding calls): a
+        large range then travels in one stream, which the server judges itself."""
         if self._max_stream_bytes is None:
-            info = yield from self._server_info(budget)
-            self._max_stream_bytes = info.limits.max_stream_bytes
-        return self._max_stream_bytes
+            try:
+                info = yield from self._server_info(budget)
+            except (UnimplementedError, PermissionDeniedError, NotFoundError):
+                self._max_stream_bytes = -1
+            else:
+                self._max_stream_bytes = info.limits.max_stream_bytes
+        return None if self._max_stream_bytes < 0 else self._max_stream_bytes
 
     def _spread(self, query: Query, budget: CallBudget, parts: int, limit: int) -> Steps[Rows]:
         """A large range fetched in ``parts`` streams at once, each over a channel to a
@@ -626,6 +644,7 @@ class Core:
 
         def into(first: int, stop: int, columns: int) -> Rows:
             if not result:
+                self.widths.learn(query.spec_key, columns)  # as in _cursor
                 query.check_size(columns, limit)
                 result.append(query.allocate(columns))
             elif result[0].shape[1] != columns:
