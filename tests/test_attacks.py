@@ -967,3 +967,40 @@ def _get(port: int) -> bytes:
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
         body: bytes = response.read()
         return body
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(60)
+def test_an_upper_case_header_is_answered_by_grpc_and_harms_nothing(
+    spawn_server: Callable[..., ServerProcess],
+) -> None:
+    """HTTP/2 forbids upper-case header names: gRPC's core refuses such a call itself
+    (INTERNAL, or a reset stream) before posenc sees it, so posenc's metrics cannot count it
+    (deploy/prometheus/rules.yml says so and where to look instead). What posenc promises:
+    the call never reaches a handler, and the server goes on serving."""
+    server = spawn_server(0)
+    port = metrics_port(server)
+    before = scrape(port)
+    connection = RawConnection("127.0.0.1", server.port)
+    connection.conn.config.validate_outbound_headers = False
+    connection.conn.config.normalize_outbound_headers = False
+    try:
+        streams = [
+            connection.call(GET_ENCODING, encoding_request(0, 4, 8), metadata=[("X-Upper", "1")])
+            for _ in range(50)
+        ]
+        pump_until(
+            [connection],
+            lambda: connection.closed or all(connection.replies[s].ended for s in streams),
+            10,
+        )
+        replies = [connection.replies[stream] for stream in streams]
+        assert connection.closed or all(reply.ended for reply in replies)
+        assert not any(reply.status == 0 or reply.data for reply in replies)
+    finally:
+        connection.close()
+    ok = metric(scrape(port), "posenc_requests_total", method="GetEncoding", code="OK")
+    assert ok == metric(before, "posenc_requests_total", method="GetEncoding", code="OK")
+    assert health_latency(server.target) < 1
+    with posenc.Client(server.target, timeout=10) as client:
+        assert client.get_range(0, 4, 8).shape == (4, 8)
