@@ -818,6 +818,22 @@ def test_seq2seq_tables_match_and_grow_from_posenc(family: str, client: posenc.C
         np.testing.assert_array_equal(table.rows(), expected)
 
 
+def test_a_patched_seq2seq_model_deep_copies(client: posenc.Client, tmp_path: Any) -> None:
+    """A deep copy's tables grow on the copy (its methods are bound to it), from posenc."""
+    torch.manual_seed(0)
+    model = transformers.AutoModelForSeq2SeqLM.from_config(_m2m100()).eval()
+    encoder = model.model.encoder.embed_positions
+    with patch(model, client, min_rows=128):
+        rows = len(encoder.weights)
+        twin = copy.deepcopy(model)
+        long = seq2seq_logits(twin, 300, 10)
+        assert len(twin.model.encoder.embed_positions.weights) >= 300
+        assert len(encoder.weights) == rows  # the original did not grow
+        torch.testing.assert_close(seq2seq_logits(model, 300, 10), long, rtol=0, atol=0)
+        with pytest.raises(TypeError, match=r"state_dict\(\)"):
+            torch.save(twin, tmp_path / "model.pt")
+
+
 @pytest.mark.slow
 def test_speech2text_encoder_and_decoder(client: posenc.Client) -> None:
     torch.manual_seed(0)

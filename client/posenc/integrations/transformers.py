@@ -243,14 +243,6 @@ def _state(module: nn.Module) -> Any:
     return module.__dict__[_STATE]
 
 
-class _Marker(_State):
-    """The state of a module whose patched methods are closures: it makes pickling the
-    module fail first, with the message saying what to save."""
-
-    def __init__(self, handle: Patch) -> None:
-        self.handle = handle
-
-
 def patch(
     model: nn.Module,
     client: posenc.Client,
@@ -763,24 +755,38 @@ def _verify_rows(
         _check(name, spec, _whole(table).float()[:rows], theirs[:rows].detach().cpu().float())
 
 
+class _Sinusoid(_State):
+    """A patched sinusoidal module's table: its spec, grown from posenc."""
+
+    def __init__(self, handle: Patch, spec: posenc.Spec) -> None:
+        self.handle = handle
+        self.spec = spec
+
+    def grown(self, rows: int, like: torch.Tensor) -> torch.Tensor:
+        """At least ``rows`` rows from position 0, as ``like`` (device, dtype)."""
+        table = self.handle.table(self.spec, _served(like.dtype))
+        table.reserve(rows)
+        return _whole(table, like)
+
+
 def _patch_fairseq(handle: Patch, name: str, module: Any, verify: bool) -> None:
     spec = posenc.Spec("fairseq", d_model=module.embedding_dim, padding_idx=module.padding_idx)
-    handle._override(module, _STATE, _Marker(handle))
+    handle._override(module, _STATE, _Sinusoid(handle, spec))
     handle.specs[name] = spec
     weights: torch.Tensor = module.weights
     table = handle.table(spec, _served(weights.dtype))
     _verify_rows(name, spec, table, weights, verify)
     table.reserve(len(weights))
-
-    def make_weights(num_embeddings: int, embedding_dim: int, padding_idx: Any = None) -> None:
-        # The module's forward calls this when an input outgrows the table: grow from posenc.
-        current: torch.Tensor = module.weights
-        grown = handle.table(spec, _served(current.dtype))
-        grown.reserve(num_embeddings)
-        module.weights = _whole(grown, current)
-
     handle._replace(module, "weights", _whole(table, weights))
-    handle._override(module, "make_weights", make_weights)
+    handle._bind(module, "make_weights", _fairseq_make_weights)
+
+
+@torch.compiler.disable  # type: ignore[untyped-decorator]
+def _fairseq_make_weights(
+    module: Any, num_embeddings: int, embedding_dim: int, padding_idx: Any = None
+) -> None:
+    # The module's forward calls this when an input outgrows the table: grow from posenc.
+    module.weights = _state(module).grown(num_embeddings, module.weights)
 
 
 def _frozen(tensor: torch.Tensor) -> nn.Parameter:
@@ -791,38 +797,39 @@ def _patch_split(handle: Patch, name: str, module: Any, verify: bool) -> None:
     """Marian/Pegasus: the weight of an ``nn.Embedding`` ``[sin | cos]``, grown on demand."""
     weight: torch.Tensor = module.weight
     spec = posenc.Spec("sinusoidal", d_model=weight.shape[1], layout="split")
-    handle._override(module, _STATE, _Marker(handle))
+    handle._override(module, _STATE, _Sinusoid(handle, spec))
     handle.specs[name] = spec
     table = handle.table(spec, _served(weight.dtype))
     _verify_rows(name, spec, table, weight, verify)
     table.reserve(len(weight))
     handle._replace(module, "weight", _frozen(_whole(table, weight)))
     handle._replace(module, "num_embeddings", len(table))
+    handle._bind(module, "forward", _split_forward)
 
-    def forward(
-        input_ids_shape: torch.Size,
-        past_key_values_length: int = 0,
-        position_ids: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        current: torch.Tensor = module.weight
-        if position_ids is None:
-            seq_len = input_ids_shape[1]
-            position_ids = torch.arange(
-                past_key_values_length,
-                past_key_values_length + seq_len,
-                dtype=torch.long,
-                device=current.device,
-            )
-        top = int(position_ids.max()) + 1 if position_ids.numel() else 0
-        if top > len(current):
-            grown = handle.table(spec, _served(current.dtype))
-            grown.reserve(top)
-            module.weight = _frozen(_whole(grown, current))
-            module.num_embeddings = len(grown)
-        with torch.no_grad():
-            return nn.functional.embedding(position_ids, module.weight)
 
-    handle._override(module, "forward", forward)
+@torch.compiler.disable  # type: ignore[untyped-decorator]
+def _split_forward(
+    module: Any,
+    input_ids_shape: torch.Size,
+    past_key_values_length: int = 0,
+    position_ids: torch.Tensor | None = None,
+) -> torch.Tensor:
+    current: torch.Tensor = module.weight
+    if position_ids is None:
+        seq_len = input_ids_shape[1]
+        position_ids = torch.arange(
+            past_key_values_length,
+            past_key_values_length + seq_len,
+            dtype=torch.long,
+            device=current.device,
+        )
+    top = int(position_ids.max()) + 1 if position_ids.numel() else 0
+    if top > len(current):
+        grown = _state(module).grown(top, current)
+        module.weight = _frozen(grown)
+        module.num_embeddings = len(grown)
+    with torch.no_grad():
+        return nn.functional.embedding(position_ids, module.weight)
 
 
 def _patch_whisper(handle: Patch, name: str, module: Any, verify: bool) -> None:
@@ -847,7 +854,7 @@ def _patch_xlm(handle: Patch, name: str, module: Any, verify: bool) -> None:
     weight = embedding.weight
     spec = posenc.Spec("sinusoidal", d_model=weight.shape[1])
     path = f"{name}.position_embeddings" if name else "position_embeddings"
-    handle._override(module, _STATE, _Marker(handle))
+    handle._override(module, _STATE, _Sinusoid(handle, spec))
     handle.specs[path] = spec
     table = handle.table(spec, _served(weight.dtype))
     _verify_rows(path, spec, table, weight, verify)
@@ -855,22 +862,23 @@ def _patch_xlm(handle: Patch, name: str, module: Any, verify: bool) -> None:
     handle._replace(embedding, "weight", _frozen(_whole(table, weight)))
     handle._replace(embedding, "num_embeddings", len(table))
     handle._replace(module, "position_ids", torch.arange(len(table), device=weight.device)[None])
-
-    def grow(_module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        tokens = kwargs.get("input_ids", args[0] if args else None)
-        if tokens is None:
-            tokens = kwargs.get("inputs_embeds")
-        positions = kwargs.get("position_ids")
-        top = 0 if tokens is None else int(tokens.shape[1])
-        if positions is not None and positions.numel():
-            top = max(top, int(positions.max()) + 1)
-        current: torch.Tensor = embedding.weight
-        if top > len(current):
-            grown = handle.table(spec, _served(current.dtype))
-            grown.reserve(top)
-            embedding.weight = _frozen(_whole(grown, current))
-            embedding.num_embeddings = len(grown)
-            module.position_ids = torch.arange(len(grown), device=current.device)[None]
-
-    hook = module.register_forward_pre_hook(grow, with_kwargs=True)
+    hook = module.register_forward_pre_hook(_xlm_grow, with_kwargs=True)
     handle._undo.append(hook.remove)
+
+
+@torch.compiler.disable  # type: ignore[untyped-decorator]
+def _xlm_grow(module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    tokens = kwargs.get("input_ids", args[0] if args else None)
+    if tokens is None:
+        tokens = kwargs.get("inputs_embeds")
+    positions = kwargs.get("position_ids")
+    top = 0 if tokens is None else int(tokens.shape[1])
+    if positions is not None and positions.numel():
+        top = max(top, int(positions.max()) + 1)
+    embedding = module.position_embeddings
+    current: torch.Tensor = embedding.weight
+    if top > len(current):
+        grown = _state(module).grown(top, current)
+        embedding.weight = _frozen(grown)
+        embedding.num_embeddings = len(grown)
+        module.position_ids = torch.arange(len(grown), device=current.device)[None]
