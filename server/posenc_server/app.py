@@ -23,7 +23,7 @@ import grpc
 import grpc.aio
 from grpc_reflection.v1alpha import reflection
 
-from posenc_server import auth, engine, health, metrics, supervisor
+from posenc_server import auth, health, metrics, supervisor, warmup
 from posenc_server.admission import ByteBudget
 from posenc_server.config import ServerConfig
 from posenc_server.interceptors import ServingInterceptor
@@ -433,9 +433,9 @@ def run(argv: Sequence[str] | None = None) -> int:
             # (A supervisor's workers share its port, and it serves their metrics.)
             supervisor.check_port_free(config.host, config.port, "--port (POSENC_PORT)")
             metrics_port = supervisor.serve_metrics(config)
-        # The engine's kernel is compiled (or loaded from numba's cache) before the server
-        # listens: no request waits for it, and a serving process holds all it will.
-        engine.prepare_kernel()
+        # Every dtype, kind and layout runs once before the server listens (the kernels
+        # compiled or loaded from numba's cache, ml_dtypes imported): no request waits for it.
+        warmup.warm_up()
         running = start_server(config, reuse_port=worker is not None)
     except (OSError, RuntimeError, ValueError) as error:
         print(f"posenc serve: {error}", file=sys.stderr)
