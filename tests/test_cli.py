@@ -696,3 +696,58 @@ def test_a_fetch_ended_by_a_signal_leaves_no_file(
     if signum == signal.SIGTERM:
         assert (fetch.returncode, err) == (128 + signum, "posenc fetch: stopped by SIGTERM\n")
     assert list(tmp_path.iterdir()) == []
+
+
+def process_tree(pid: int) -> list[int]:
+    """``pid`` and its children (a server's supervisor and its workers)."""
+    children = []
+    for task in os.listdir(f"/proc/{pid}/task"):
+        with open(f"/proc/{pid}/task/{task}/children") as listing:
+            children += [int(child) for child in listing.read().split()]
+    return [pid, *children]
+
+
+@pytest.mark.slow  # starts a server process
+@pytest.mark.timeout(120)
+def test_a_disk_filled_by_another_writer_mid_fetch_takes_nothing_from_it(
+    spawn_server: Callable[..., ServerProcess], small_disk: Path, tmp_path: Path
+) -> None:
+    """The fetch reserves its file's space before the first row: another writer that fills
+    the disk while rows are still on their way gets the rest, not the table's space."""
+    server = spawn_server()
+    free = shutil.disk_usage(small_disk).free
+    output = small_disk / "t.npy"
+    rows, width = free // 2 // 1024, 256  # half the disk
+    fetch = subprocess.Popen(
+        [
+            *(str(BIN / "posenc"), "fetch", "0", str(rows), "--d-model", str(width)),
+            *("-o", str(output), "--target", server.target, "--chunk-bytes", "16KiB"),
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    paused = []
+    try:
+        # Once the fetch has taken disk space (the first rows arrived), the server pauses:
+        # most rows are still on their way (far more than any flow-control window).
+        while shutil.disk_usage(small_disk).free == free:
+            assert fetch.poll() is None, fetch.stderr.read() if fetch.stderr else ""
+            time.sleep(0.001)
+        for pid in process_tree(server.process.pid):
+            os.kill(pid, signal.SIGSTOP)
+            paused.append(pid)
+        with (
+            open(small_disk / "filler", "wb", buffering=0) as filler,
+            pytest.raises(OSError) as full,
+        ):
+            while True:
+                filler.write(b"\0" * 4096)
+        assert "No space left" in str(full.value)
+    finally:
+        for pid in paused:
+            os.kill(pid, signal.SIGCONT)
+    _, err = fetch.communicate(timeout=60)
+    assert fetch.returncode == 0, err
+    with posenc.Client(server.target) as client:
+        assert np.array_equal(np.load(output), client.get_range(0, rows, width))
