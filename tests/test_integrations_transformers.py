@@ -1,7 +1,10 @@
 """posenc.integrations.transformers.patch on tiny random-initialised models of every family.
 
-No weights are downloaded: each model is built from a config (``initializer_range`` large
-enough that attention depends on position). For each rotary family:
+No weights are downloaded: each model is built from a config with the family's published
+head size and rope settings, shrunk in layers and hidden size only (``initializer_range``
+large enough that attention depends on position), as the top-level class users load
+(``...ForCausalLM``, ``...ForConditionalGeneration``), and patched whole. For each rotary
+family:
 
 - below position 2048, posenc-fed logits equal the model's own within float32 noise, and
   greedy ``generate`` gives the same tokens;
@@ -10,8 +13,14 @@ enough that attention depends on position). For each rotary family:
   float64 fed float64 tables computed here from the config's rope parameters (numpy float64,
   exact integer positions) -- not ``model.double()``, whose rotary code casts to float32.
 
-Sinusoidal families: the patched table equals the model's own (small positions), logits
-match, and an input that outgrows the table grows it from posenc, not from the model.
+Qwen2-VL, Qwen2.5-VL and Qwen3-VL take an image through their vision towers, whose rotary
+tables patch() leaves alone. Sinusoidal families: the patched table equals the model's own
+(small positions), logits match, and an input that outgrows the table grows it from posenc,
+not from the model. torch.compile, deep copies and saving: at the end. The figures each test
+prints (``-s``) are the coverage table's.
+
+tests/test_integrations_transformers_oldest.py runs this file on the oldest supported
+transformers.
 """
 
 from __future__ import annotations

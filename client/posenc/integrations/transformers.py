@@ -314,7 +314,8 @@ def patch(
         handle.undo()
         raise
     if not handle.specs:
-        raise ValueError(f"{type(model).__name__} holds no positional table posenc serves")
+        left = "".join(f"; {name}: {why}" for name, why in handle.skipped.items())
+        raise ValueError(f"{type(model).__name__} holds no positional table posenc serves{left}")
     _log.info(
         "posenc patched %s: %s; left alone: %s",
         type(model).__name__,
