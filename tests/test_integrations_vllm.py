@@ -7,9 +7,10 @@ tests/vllm_stubs.py). Without the network these tests fail with pip's reason;
 
 Each case builds its module with vLLM's ``get_rope`` twice: in float32, as vLLM does, and
 with the same code's arithmetic in float64 (``torch.float`` and ``torch.float32`` read as
-float64 inside vLLM's rotary modules, ``dtype=torch.float64``): the reference. posenc's float32
-cache has the module's shape, installs into the float32 module (``install`` checks it
-against vLLM's own values first) and is within float32 rounding of the reference.
+float64 inside vLLM's rotary modules, ``dtype=torch.float64``): the reference. The dtype
+alone would not do: the classes compute in ``torch.float`` whatever it is, then cast. posenc's
+float32 cache has the module's shape, installs into the float32 module (``install`` checks
+it against vLLM's own values first) and is within float32 rounding of the reference.
 """
 
 from __future__ import annotations
