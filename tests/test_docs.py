@@ -51,8 +51,16 @@ def test_the_site_builds_strictly(tmp_path: Path) -> None:
     assert result.returncode == 0, result.stdout + result.stderr
     site = tmp_path / "site"
     api = (site / "reference" / "api" / "index.html").read_text()
-    for name in ("posenc.Client", "posenc.Spec", "posenc.GrowingTable", "get_positions"):
-        assert name in api, f"the API reference lacks {name}"
+    for name in (
+        "posenc.Client.get_range",
+        "posenc.Client.get_positions",
+        "posenc.AsyncClient.iter_range",
+        "posenc.Spec.from_config",
+        "posenc.GrowingTable.get",
+        "posenc.InvalidArgumentError",
+        "posenc.integrations.transformers.patch",
+    ):
+        assert f'id="{name}"' in api, f"the API reference lacks {name}"
     performance = (site / "performance" / "index.html").read_text()
     assert "bench-headline" not in performance, "the headline table was not put in"
     rows = re.findall(r"<tr>", performance)
