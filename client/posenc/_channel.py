@@ -42,6 +42,19 @@ _RECONNECT_OPTIONS: Final = (
     ("grpc.initial_reconnect_backoff_ms", 100),
     ("grpc.max_reconnect_backoff_ms", 500),
 )
+#: HTTP/2 keepalive pings while calls are in flight: a server (or balancer) that vanishes
+#: without a reset (its host or container network gone) is seen within about 30 s, and the
+#: call fails UNAVAILABLE (a stream resumes elsewhere) instead of waiting on a connection
+#: nothing answers. Pings go on while no data comes (a stream waiting on a slow replica):
+#: the server accepts them every 10 s.
+KEEPALIVE_OPTIONS: Final = (
+    ("grpc.keepalive_time_ms", 20_000),
+    ("grpc.keepalive_timeout_ms", 10_000),
+    # gRPC waits this long for any ping's answer (a minute by default, whatever the above).
+    ("grpc.http2.ping_timeout_ms", 10_000),
+    ("grpc.keepalive_permit_without_calls", 0),
+    ("grpc.http2.max_pings_without_data", 0),
+)
 #: Connections a client opens to each server address. A server's worker processes share its
 #: port (SO_REUSEPORT), and the kernel hands each *connection* to one of them, so a client
 #: on one connection reaches one process however many the server runs. The kernel spreads
@@ -162,6 +175,7 @@ def channel_options(
         # in A/B runs, and the client keeps no megabytes per connection afterwards.
         "grpc.experimental.tcp_max_read_buffer_size": READ_BUFFER_BYTES,
         **dict(_RECONNECT_OPTIONS),
+        **dict(KEEPALIVE_OPTIONS),
     }
     options.update(dict(user_options or ()))
     return list(options.items())

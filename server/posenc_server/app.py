@@ -44,6 +44,11 @@ log = logging.getLogger("posenc_server")
 _CONNECTION_AGE_GRACE_MS = 30_000
 # A connection's TCP, TLS and HTTP/2 handshakes must be over this long after it opened.
 _HANDSHAKE_TIMEOUT_MS = 10_000
+# HTTP/2 keepalive (see the server options): a ping this often on a connection with calls
+# in flight, unanswered this long closes it; clients may ping down to every _MIN_CLIENT_PING_MS.
+_KEEPALIVE_TIME_MS = 30_000
+_KEEPALIVE_TIMEOUT_MS = 10_000
+_MIN_CLIENT_PING_MS = 10_000
 # The most a connection holds to read into (see the server options).
 _READ_BUFFER_BYTES = 64 << 10
 # How long a client turned away for lack of in-flight memory is told to wait.
@@ -340,6 +345,18 @@ async def _start(
                 else []
             ),
             ("grpc.server_handshake_timeout_ms", _HANDSHAKE_TIMEOUT_MS),
+            # HTTP/2 keepalive: the server pings a connection with calls in flight, so that
+            # a client (or a balancer's upstream connection) that vanished without a reset
+            # frees its calls within a bound, and a balancer waiting on a stream hears from
+            # the replica at least this often (its read timeout need only exceed it). The
+            # SDK's own pings (every 20 s) are accepted down to every 10 s.
+            ("grpc.keepalive_time_ms", _KEEPALIVE_TIME_MS),
+            ("grpc.keepalive_timeout_ms", _KEEPALIVE_TIMEOUT_MS),
+            # How long any ping's answer is waited for (a minute by default, whatever the
+            # keepalive timeout says).
+            ("grpc.http2.ping_timeout_ms", _KEEPALIVE_TIMEOUT_MS),
+            ("grpc.http2.max_pings_without_data", 0),
+            ("grpc.http2.min_recv_ping_interval_without_data_ms", _MIN_CLIENT_PING_MS),
         ],
     )
     add_to_server(servicer, server)
