@@ -165,3 +165,49 @@ def test_the_accuracy_page_shows_the_readmes_drift_table() -> None:
 
     readme = (ROOT / "README.md").read_text()
     assert table((DOCS / "guide" / "accuracy.md").read_text()) == table(readme)
+
+
+def sh_blocks(text: str) -> list[str]:
+    return re.findall(r"^ *```sh\n(.*?)^ *```", text, flags=re.DOTALL | re.MULTILINE)
+
+
+def test_recipes_name_make_targets_that_exist() -> None:
+    """The ```sh recipes do not run in the tests; the make targets they name exist."""
+    makefile = (ROOT / "Makefile").read_text()
+    targets = set(re.findall(r"^([a-z][a-z-]*):", makefile, flags=re.MULTILINE))
+    pages = [ROOT / "README.md", ROOT / "CONTRIBUTING.md", *DOCS.rglob("*.md")]
+    named = {
+        (str(path.relative_to(ROOT)), target)
+        for path in pages
+        for block in sh_blocks(path.read_text())
+        for target in re.findall(r"^\s*make ([a-z][a-z-]*)", block, flags=re.MULTILINE)
+    }
+    assert named, "no make command found"
+    missing = sorted((page, target) for page, target in named if target not in targets)
+    assert not missing, f"make targets that do not exist: {missing}"
+
+
+def test_the_podman_recipe_runs_the_compose_files_replicas() -> None:
+    """The deployment guide's podman commands give each replica what docker-compose.yml
+    gives it: the same replicas, environment, memory, grace and hardening."""
+    service = yaml.safe_load((ROOT / "docker-compose.yml").read_text())["services"]["posenc"]
+    guide = (DOCS / "guide" / "deployment.md").read_text()
+    recipe = next(block for block in sh_blocks(guide) if "--network-alias posenc" in block)
+    replicas = service["deploy"]["replicas"]
+    assert f"for i in {' '.join(str(i) for i in range(1, replicas + 1))}; do" in recipe
+    image_defaults = {"POSENC_HOST", "POSENC_PORT", "POSENC_METRICS_HOST", "POSENC_METRICS_PORT"}
+    for key, value in service["environment"].items():
+        if key not in image_defaults:
+            assert f"-e {key}={value}" in recipe, key
+    limit = service["deploy"]["resources"]["limits"]["memory"]
+    assert f"--memory {limit}" in recipe
+    grace = int(service["stop_grace_period"].rstrip("s"))
+    assert f"--stop-timeout {grace}" in recipe
+    assert f"--user {service['user']}" in recipe
+    for cap in service["cap_drop"]:
+        assert f"--cap-drop {cap}" in recipe
+    for option in service["security_opt"]:
+        assert f"--security-opt {option}" in recipe
+    assert "--read-only" in recipe and "--tmpfs /tmp" in recipe
+    assert f"posenc:1.0.0 {' '.join(service['command'])}" in recipe
+    assert service["image"] == "posenc:1.0.0"
