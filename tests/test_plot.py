@@ -336,31 +336,30 @@ def test_the_sdk_and_the_cli_never_import_matplotlib() -> None:
     assert result.stdout.strip() == "[]"
 
 
-def test_readme_shows_every_picture_make_plots_draws() -> None:
+def test_the_figures_page_shows_every_picture_make_plots_draws() -> None:
     spec = importlib.util.spec_from_file_location("make_plots", ROOT / "scripts" / "make_plots.py")
     assert spec is not None and spec.loader is not None
     make_plots = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(make_plots)
-    readme = (ROOT / "README.md").read_text()
+    page = (ROOT / "docs" / "figures.md").read_text()
     drawn = {arguments[0] for arguments in make_plots.PICTURES.values()}
     assert drawn == set(plot.FIGURES), "make plots draws every kind of figure"
     for name in make_plots.PICTURES:
         picture = ROOT / "pictures" / f"{name}.png"
         assert png_size(picture) == EXPECTED_PIXELS, "run make plots"
-        assert f"](pictures/{name}.png)" in readme, name
+        assert f"](pictures/{name}.png)" in page, name
 
 
 def _g(value: float, digits: int = 1) -> str:
-    """``value`` as the README writes it: 2.7e-05 -> 3e-5, 0.026 -> 0.03."""
+    """``value`` as docs/figures.md writes it: 2.7e-05 -> 3e-5, 0.026 -> 0.03."""
     return f"{value:.{digits}g}".replace("e-0", "e-")
 
 
-@pytest.mark.slow  # the README's figures at full size, transformers included: ~20 s
-def test_readme_pictures_section_quotes_the_figures_data(client: posenc.Client) -> None:
+@pytest.mark.slow  # the figures at full size, transformers included: ~20 s
+def test_the_figures_page_quotes_the_figures_data(client: posenc.Client) -> None:
     pytest.importorskip("transformers")
-    readme = (ROOT / "README.md").read_text()
-    section = readme[readme.index("## Pictures") : readme.index("## Protocol")]
-    section = " ".join(section.split())  # quoted numbers may be wrapped onto the next line
+    # Quoted numbers may be wrapped onto the next line.
+    section = " ".join((ROOT / "docs" / "figures.md").read_text().split())
 
     def at(data: Any, position: int) -> int:
         return int(np.searchsorted(data.positions, position))
@@ -402,4 +401,4 @@ def test_readme_pictures_section_quotes_the_figures_data(client: posenc.Client) 
     longest = [v[-1] for v in plot.wavelengths(client).wavelength.values()]
     quoted.append(f"{longest[0]:,.0f}, {longest[1]:,.0f} and {longest[2] / 1e6:.3g} million")
     missing = [text for text in quoted if text not in section]
-    assert not missing, f"README Pictures is stale (make plots, then update): {missing}"
+    assert not missing, f"docs/figures.md is stale (make plots, then update): {missing}"
