@@ -40,8 +40,8 @@ def _hard_values(mantissa_bits: int) -> np.ndarray[Any, np.dtype[np.float64]]:
 
 
 def _kernel_rows(values: np.ndarray[Any, np.dtype[np.float64]], stored: int, gathered: bool) -> Any:
-    """``values`` through ``kernel.rotate_into`` as the sin columns of rows of 64 pairs: a
-    base ``x + 0i`` rotated by ``0 + 1i`` is ``x`` exactly."""
+    """``values`` through the format's ``kernel.rotate_into`` as the sin columns of rows of
+    64 pairs: a base ``x + 0i`` rotated by ``0 + 1i`` is ``x`` exactly."""
     pairs = 64
     count = -(-values.size // pairs)
     padded = np.zeros(count * pairs)
@@ -54,7 +54,8 @@ def _kernel_rows(values: np.ndarray[Any, np.dtype[np.float64]], stored: int, gat
     out = np.empty((count, 2 * pairs), dtype=np.uint16)
     base_index = np.arange(count, dtype=np.int64)
     rotation_index = np.zeros(count, dtype=np.int64)
-    kernel.rotate_into(bases, base_index, rotations, rotation_index, columns, 1.0, out, stored)
+    rotate_into = kernel.ROTATE_INTO[stored]
+    rotate_into(bases, base_index, rotations, rotation_index, columns, 1.0, out)
     sines = out[:, :pairs] if gathered else out[:, 0::2]
     return sines.reshape(-1)[: values.size]
 

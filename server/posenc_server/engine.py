@@ -395,7 +395,7 @@ def _rotate(
     stored: int = STORE_VALUES,
 ) -> None:
     """The rows of ``positions`` into ``out``, stored as ``stored`` says (``STORE_*``: a
-    half-precision format's bits in a uint16 ``out``): a range
+    half-precision format's bits in a uint16 ``out``, by that format's kernels): a range
     (``consecutive``) in one ``kernel.range_into`` call, which makes its blocks' bases
     itself; other positions, or a new spec's first few rows, by ``kernel.rotate_into``,
     ``_KERNEL_ROWS`` and ``_KERNEL_ELEMENTS`` of ``out`` at most a call (the factors numpy
@@ -403,15 +403,15 @@ def _rotate(
     kernels = _kernels()
     if consecutive and positions.size and waves.rotates(positions.size):
         rotations = waves.rotation_table()
-        kernels.range_into(
-            int(positions[0]), waves.hi, waves.lo, rotations, columns, amplitude, out, stored
-        )
+        range_into = kernels.RANGE_INTO[stored]
+        range_into(int(positions[0]), waves.hi, waves.lo, rotations, columns, amplitude, out)
         return
+    rotate_into = kernels.ROTATE_INTO[stored]
     step = max(1, min(_KERNEL_ROWS, _KERNEL_ELEMENTS // max(out.shape[1], 1)))
     for first in range(0, positions.size, step):
         part = positions[first : first + step]
         factors = waves.factors(part)
-        kernels.rotate_into(*factors, columns, amplitude, out[first : first + part.size], stored)
+        rotate_into(*factors, columns, amplitude, out[first : first + part.size])
 
 
 @functools.cache
