@@ -164,10 +164,16 @@ def plot(sections: list[Section], about: dict[str, Any], path: Path) -> None:
         ax = grid[1]
         ax.set_visible(True)
         names = list(b.data["mib_per_s"])
-        ax.bar(names, [b.data["mib_per_s"][n] for n in names], color="C0")
+        # One colour per dtype, so that bfloat16 and float16 stand beside float32's bars.
+        colors = [
+            "C2" if "bfloat16" in n else "C3" if "float16" in n else "C7" if n == "floor" else "C0"
+            for n in names
+        ]
+        ax.bar(names, [b.data["mib_per_s"][n] for n in names], color=colors)
+        ax.axhline(b.data["mib_per_s"]["floor"], color="k", linestyle=":", linewidth=1)
         ax.set_ylabel("MiB/s of output")
-        ax.set_title("b. get_range 16384x4096 vs raw floor")
-        ax.tick_params(axis="x", labelrotation=20, labelsize=8)
+        ax.set_title("b. get_range 16384x4096 vs raw floor (dotted)")
+        ax.tick_params(axis="x", labelrotation=30, labelsize=7)
 
     if (c := _section(sections, "c")) is not None:
         ax = grid[2]

@@ -21,7 +21,7 @@ if __package__ in (None, ""):  # run as a script: make `bench` importable
 from bench import procs
 from bench.common import REPO, Section, Sizes, cpu_ticks, load_average, machine, steal_share
 
-SECTIONS = "abcdefgp"
+SECTIONS = "abcdefgps"
 
 
 def _guarded(key: str, title: str, body: Callable[[], Section]) -> Section:
@@ -81,6 +81,16 @@ def main(argv: list[str] | None = None) -> int:
                     "b",
                     "End to end through the SDK",
                     lambda: e2e.run(sizes, server.target, floor.target, server.pids, floor_pids),
+                )
+            )
+        if "s" in wanted:  # fresh servers of its own, beside the idle ones
+            from bench import startup
+
+            sections.append(
+                _guarded(
+                    "s",
+                    "Start-up and the first call",
+                    lambda: startup.run(sizes, server.target, floor.target, extra),
                 )
             )
         if "c" in wanted:

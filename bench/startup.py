@@ -1,0 +1,177 @@
+"""s. Start-up: what a server process does before it reports SERVING, and the first call of
+every dtype on a freshly started server against the floor."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+
+import posenc
+from bench import procs
+from bench.common import MIB, REPO, Section, Sizes, Table, median, ratio, runs_target
+from bench.floor import FloorClient
+
+TIMEOUT = 600.0
+DTYPES = ("float32", "bfloat16", "float16", "float64")
+_ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 8}
+# What a server process runs before it listens (posenc_server.warmup), timed in a fresh
+# interpreter: its imports included, as a server process pays them.
+_WARM_UP = (
+    "import time; t = time.perf_counter(); from posenc_server import warmup; "
+    "warmup.warm_up(); print(time.perf_counter() - t)"
+)
+
+
+def _warm_up_seconds(cache_dir: str | None) -> float:
+    """Seconds of the warm-up in a new process: with numba's cache as the harness finds it,
+    or (``cache_dir``: an empty directory) compiling every kernel, as a new container's
+    first process does."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+    if cache_dir is not None:
+        env["NUMBA_CACHE_DIR"] = cache_dir
+    out = subprocess.run(
+        [sys.executable, "-c", _WARM_UP],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=TIMEOUT,
+        cwd=REPO,
+        env=env,
+    )
+    return float(out.stdout.strip().splitlines()[-1])
+
+
+def run(sizes: Sizes, posenc_target: str, floor_target: str, extra: Sequence[str]) -> Section:
+    rows, d_model = sizes.e2e_rows, sizes.e2e_d_model
+    runs = 3
+    section = Section(
+        "s",
+        "Start-up and the first call",
+        method=(
+            "For each dtype, in each of "
+            f"{runs} runs: a fresh posenc server (`{' '.join(extra) or 'defaults'}`) is "
+            "started and timed until it logs `listening` and until it answers "
+            "GetServerInfo (SERVING); then the first call it ever serves, `get_range` of "
+            f"{rows} x {d_model} in that dtype from position 10^6 (so a spec it has never "
+            "seen), and right after it the floor's stream of the same bytes (each copied "
+            "into an already-touched array). The harness's own client ran every dtype "
+            "before (its own imports are not the server's). Its ratio: floor time / first "
+            "call time. The warm-up (`posenc_server.warmup.warm_up`, what a server process "
+            "runs before it listens: numba's kernels for every array type, a table of every "
+            "kind and layout in every dtype) is also timed alone in a new interpreter, its "
+            "imports included: with numba's on-disk cache in place (median of 3), and"
+            + (
+                " once with an empty cache directory (every kernel compiled: a new "
+                "container's first process)."
+                if not sizes.quick
+                else " (full mode only) with an empty cache directory."
+            )
+        ),
+    )
+    nbytes = {dtype: rows * d_model * _ITEMSIZE[dtype] for dtype in DTYPES}
+    listening: list[float] = []
+    serving: list[float] = []
+    first: dict[str, list[float]] = {dtype: [] for dtype in DTYPES}
+    floor_times: dict[str, list[float]] = {dtype: [] for dtype in DTYPES}
+    with posenc.Client(posenc_target, timeout=TIMEOUT) as client:
+        for dtype in DTYPES:  # the harness's lazy imports (ml_dtypes), paid here
+            client.get_range(0, 2, d_model, dtype=dtype)
+    floor = FloorClient(floor_target)
+    try:
+        floor.wait_ready()
+        floor.get(max(nbytes.values()))  # allocates and touches the largest target array
+        for index in range(runs):
+            for dtype in DTYPES[index % len(DTYPES) :] + DTYPES[: index % len(DTYPES)]:
+                started = time.perf_counter()
+                server = procs.start_posenc(extra).wait_ready()
+                listening.append(time.perf_counter() - started)
+                try:
+                    procs.wait_serving(server.target)
+                    serving.append(time.perf_counter() - started)
+                    with posenc.Client(server.target, timeout=TIMEOUT) as fresh:
+                        t0 = time.perf_counter()
+                        fresh.get_range(10**6, 10**6 + rows, d_model, dtype=dtype)
+                        first[dtype].append(time.perf_counter() - t0)
+                finally:
+                    server.stop()
+                t0 = time.perf_counter()
+                floor.get(nbytes[dtype], TIMEOUT)
+                floor_times[dtype].append(time.perf_counter() - t0)
+    finally:
+        floor.close()
+    warm = [_warm_up_seconds(None) for _ in range(3)]
+    compiled: float | None = None
+    if not sizes.quick:
+        with tempfile.TemporaryDirectory(prefix="posenc-bench-numba-") as empty:
+            compiled = _warm_up_seconds(empty)
+
+    section.tables.append(
+        Table(
+            f"first call of a fresh server, get_range {rows} x {d_model} ({runs} runs)",
+            ["dtype", "MiB", "first call median ms", "floor median ms", "x floor (median run)"],
+            [
+                [
+                    dtype,
+                    f"{nbytes[dtype] // MIB}",
+                    f"{median(first[dtype]) * 1e3:.0f}",
+                    f"{median(floor_times[dtype]) * 1e3:.0f}",
+                    f"{median(_ratios(floor_times[dtype], first[dtype])):.2f}",
+                ]
+                for dtype in DTYPES
+            ],
+        )
+    )
+    section.tables.append(
+        Table(
+            "start-up of a server process",
+            ["what", "median s", "min s", "max s"],
+            [
+                [name, *(f"{f(values):.2f}" for f in (median, min, max))]
+                for name, values in (
+                    ("started to listening (fresh server)", listening),
+                    ("started to SERVING (fresh server)", serving),
+                    ("warm-up alone, numba's cache in place", warm),
+                    *(
+                        (("warm-up alone, empty numba cache (compiling)", [compiled]),)
+                        if compiled is not None
+                        else ()
+                    ),
+                )
+            ],
+        )
+    )
+    for dtype in DTYPES:
+        section.targets.append(
+            runs_target(
+                f"first {dtype} call of a fresh server / floor (MiB/s)",
+                _ratios(floor_times[dtype], first[dtype]),
+                ">=",
+                0.5,
+            )
+        )
+    section.targets.append(runs_target("warm-up before SERVING (s)", warm, "", 0.0, " s"))
+    if compiled is not None:
+        section.targets.append(
+            runs_target("warm-up with an empty numba cache (s)", [compiled], "", 0.0, " s")
+        )
+    section.data = {
+        "runs": runs,
+        "bytes": nbytes,
+        "first_call_s": first,
+        "floor_s": floor_times,
+        "listening_s": listening,
+        "serving_s": serving,
+        "warm_up_s": warm,
+        "warm_up_empty_cache_s": compiled,
+    }
+    return section
+
+
+def _ratios(floor_times: list[float], call_times: list[float]) -> list[float]:
+    """Each run's floor time over its call's time: the call's speed as a share of the floor's."""
+    return [ratio(f, c) for f, c in zip(floor_times, call_times, strict=True)]
