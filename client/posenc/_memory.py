@@ -2,10 +2,9 @@
 
 A large result is a new array, whose pages the kernel maps at their first write: copying
 rows into it pays a page fault per page, one after the other with the copies, and on a
-virtual machine whose host takes back the memory its guest frees, a fresh 256 MiB array
-costs from tens to hundreds of milliseconds to fault in, as much as receiving it (see the
-README's Performance). A worker that fetches a prefill table or a range, uses it and drops
-it, then fetches the next, would pay that every time.
+virtual machine whose host takes back the memory its guest frees, faulting in a fresh
+array of hundreds of MiB costs as much as receiving it. A worker that fetches a prefill
+table or a range, uses it and drops it, then fetches the next, would pay that every time.
 
 So results of ``LARGE_BYTES`` or more live in memory maps of their own, and a dropped
 result's map (once no array, view or tensor of it is left) is kept for the next result of

@@ -249,18 +249,17 @@ def housekeeping(running: RunningServer, stop: threading.Event) -> None:
 
     glibc serves the 1 MiB blocks from its heap, where long-lived cached blocks pin the
     space freed between them: without trimming, RSS under cache churn creeps past the
-    budget. Mapping every block on its own instead costs page faults on every chunk (four
-    times the server CPU per GiB), so the heap is trimmed after evictions only: at the next
-    tick, or at once when the service has evicted enough for memory to run ahead of the
-    ticks (``EncodingService.trim_due``). gRPC receives requests in many small buffers, which
-    fragment the heap the same way: the heap is trimmed too once calls in flight have given
-    back ``_TRIM_AFTER_RELEASED_BYTES`` since the last trim.
+    budget. Mapping every block on its own instead costs page faults on every chunk, so the
+    heap is trimmed after evictions only: at the next tick, or at once when the service has
+    evicted enough for memory to run ahead of the ticks (``EncodingService.trim_due``). gRPC
+    receives requests in many small buffers, which fragment the heap the same way: the heap
+    is trimmed too once calls in flight have given back ``_TRIM_AFTER_RELEASED_BYTES`` since
+    the last trim.
 
-    A trim also gives back the space the next blocks would reuse: under steady cache
-    churn (cold tables, the cache full) every new block then costs page faults again, a
-    third of a cold stream's server CPU. So the heap is trimmed only when the process holds
-    more than it accounts for: its size at start, the cache, the bytes of calls in flight
-    and ``_HEAP_SLACK_BYTES``.
+    A trim also gives back the space the next blocks would reuse: under steady cache churn
+    (cold tables, the cache full) every new block then costs page faults again. So the heap
+    is trimmed only when the process holds more than it accounts for: its size at start, the
+    cache, the bytes of calls in flight and ``_HEAP_SLACK_BYTES``.
     """
     malloc_trim = _glibc("malloc_trim")
     service, budget = running.service, running.budget

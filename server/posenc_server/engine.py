@@ -375,8 +375,8 @@ def _write_rows(
     float64 rows cast as they are stored, bfloat16 and float16 ones rounded by the kernel
     and stored as their bits."""
     waves, columns, amplitude = encoding.waves, encoding.columns, encoding.waves.amplitude
-    # By kind and object, not by name: a dtype's name is built anew each time (5 us, as
-    # much as a tenth of a block's rows). bfloat16 is the one void-kind dtype of DTYPES.
+    # By kind and object, not by name: a dtype's name is built anew each time, which costs
+    # as much as a good part of a block's rows. bfloat16 is the one void-kind dtype of DTYPES.
     stored, target = STORE_VALUES, out
     if out.dtype.kind == "V":
         stored, target = STORE_BFLOAT16, out.view(np.uint16)

@@ -6,11 +6,10 @@ CPU, without fast-math: every operation is one IEEE float64 multiplication or ad
 the order written, never fused into an FMA or reassociated, so their bytes are those of the
 same operations in numpy, on any CPU. Each call runs without the GIL.
 
-numpy took two dozen passes over cache-sized parts for the angles (170 ns an element; here
-7), and for the rows three passes over float64 pairs for the complex products, one more for
-the columns and a Python step per few rows; here each row is computed once into a scratch
-row and copied to its columns, cast on the way. A cold float32 table at d_model 4096 costs
-0.15-0.25 s of CPU per GiB, 1.05 s before.
+numpy takes two dozen passes over cache-sized parts for the angles, and for the rows three
+passes over float64 pairs for the complex products, one more for the columns and a Python
+step per few rows; here each row is computed once into a scratch row and copied to its
+columns, cast on the way.
 
 bfloat16 and float16 values are rounded in the same loops, to their bits, with integer and
 float operations that run in vector instructions (``_bfloat16``, ``_half_bits``), where a

@@ -472,8 +472,8 @@ class EncodingService:
             # Rows grouped by block: one gather per block, for the blocks looked at one by
             # one: the cached ones, and the first _SEEN_BLOCKS others (where new blocks may
             # be allowed and blocks asked for twice are noticed, both bounded). The rows of
-            # the others are computed row by row with no Python step per block: a million
-            # scattered positions took 3 s of a worker's CPU in that loop.
+            # the others are computed row by row with no Python step per block: a long list
+            # of scattered positions would otherwise spend its time in that Python loop.
             order = np.argsort(block_ids, kind="stable")
             distinct_blocks, starts = np.unique(block_ids[order], return_index=True)
             sizes = np.diff(np.append(starts, positions.size))

@@ -45,7 +45,9 @@ def min_factor(limits: Limits) -> float:
 
 
 _ORIGINAL = Doc("the pre-training context length, >= 1")
-_FACTOR = Doc("scaling factor, in [2**-10, 2**64] with the default position limit (README)")
+_FACTOR = Doc(
+    "scaling factor, in [2**-10, 2**64] with the default position limit (docs: table kinds)"
+)
 _DERIVED_FACTOR = Doc(_FACTOR.description, "max_position_embeddings / original")
 _CONFIG_LENGTH = Doc("the config's context length, only used to derive factor", "none")
 
@@ -306,8 +308,8 @@ class LongRope(Scaling):
         "factor": _DERIVED_FACTOR,
         "original_max_position_embeddings": _ORIGINAL,
         "max_position_embeddings": _CONFIG_LENGTH,
-        "short_factor": Doc("rotary_dim / 2 factors, each in [2**-10, 2**64] (see README)"),
-        "long_factor": Doc("rotary_dim / 2 factors, each in [2**-10, 2**64] (see README)"),
+        "short_factor": Doc("rotary_dim / 2 factors, each in [2**-10, 2**64] (docs: table kinds)"),
+        "long_factor": Doc("rotary_dim / 2 factors, each in [2**-10, 2**64] (docs: table kinds)"),
         "attention_factor": Doc(
             "the scale of cos and sin, in (0, 2]", "sqrt(1 + ln(factor) / ln(original))"
         ),
@@ -526,8 +528,8 @@ class Rotary(TableKind):
             log_theta = Decimal(self.rope_theta).ln()
             if self.scaling is not None:
                 log_theta = self.scaling.log_theta(log_theta, dim)
-            # inv_freq[i] = ratio ** i: one product per frequency instead of one exp (a
-            # 16384-frequency table took 0.7 s of exps); 16384 products lose under 1e-45.
+            # inv_freq[i] = ratio ** i: one product per frequency instead of one exp (which
+            # would dominate a wide new spec's CPU); 16384 products lose under 1e-45.
             ratio = (-Decimal(2) / Decimal(dim) * log_theta).exp()
             inv_freq = [Decimal(1)]
             for _ in range(dim // 2 - 1):

@@ -154,7 +154,9 @@ class Tensor2Tensor(_Sinusoid):
     PARAMETERS: ClassVar = {
         "d_model": _WIDTH,
         "max_timescale": Doc("largest timescale, finite and > min_timescale", "10000"),
-        "min_timescale": Doc("smallest timescale, > 0, < max_timescale and <= 1024 (README)", "1"),
+        "min_timescale": Doc(
+            "smallest timescale, > 0, < max_timescale and <= 1024 (docs: table kinds)", "1"
+        ),
         "start_index": Doc("added to every position", "0"),
     }
 
@@ -175,8 +177,8 @@ class Tensor2Tensor(_Sinusoid):
             context.prec = engine.PRECISION
             low = Decimal(self.min_timescale)
             step = (Decimal(self.max_timescale) / low).ln() / Decimal(max(count - 1, 1))
-            # One exp, then a product per frequency (an exp each took 0.75 s of a new
-            # spec's CPU at d_model 65536); 32768 products lose under 1e-45.
+            # One exp, then a product per frequency (an exp each would dominate a new wide
+            # spec's CPU); 32768 products lose under 1e-45.
             ratio = (-step).exp()
             frequencies = [low]
             for _ in range(count - 1):
