@@ -31,8 +31,10 @@ Pixtral's 2D tables) and other position modules posenc does not serve alone are 
 they are: :attr:`Patch.skipped` names each, and the ``posenc.integrations.transformers``
 logger says what was patched and what was left.
 
-The fetch is a graph break under ``torch.compile`` (the patched forwards are
-``torch.compiler.disable``-d), so a compiled patched model runs, its other modules compiled.
+Under ``torch.compile`` a rotary module's rows are one custom op (``posenc::rotary_rows``),
+opaque to the compiler and run as the SDK's Python at each call: a compiled patched model
+has no graph break there; GPT-J's attention (before transformers 5.24) and the sinusoidal
+tables' growth are ``torch.compiler.disable``-d (graph breaks).
 A patched model can be deep-copied (the copy is patched too and shares the client); pickling
 it (``torch.save(model)``) is refused with a message saying what to save instead, and its
 ``state_dict`` holds nothing of posenc's.
@@ -46,11 +48,13 @@ imports torch, not transformers: models are recognised by the modules they hold.
 from __future__ import annotations
 
 import inspect
+import itertools
 import logging
 import re
 import sys
 import types
 import warnings
+import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from types import TracebackType
@@ -225,6 +229,11 @@ class _State:
     """
 
     handle: Patch
+    key: int = 0  # in _LIVE, for the compiled forward's custom op
+
+    def _register(self) -> None:
+        self.key = next(_KEYS)
+        _LIVE[self.key] = self
 
     def _fresh(self) -> None:
         """Gives a copy its own mutable caches."""
@@ -233,6 +242,7 @@ class _State:
         clone = object.__new__(type(self))
         clone.__dict__.update(self.__dict__)
         clone._fresh()
+        clone._register()
         return clone
 
     def __reduce__(self) -> Any:
@@ -241,6 +251,12 @@ class _State:
 
 def _state(module: nn.Module) -> Any:
     return module.__dict__[_STATE]
+
+
+# The states of patched rotary modules, by key: the custom op of a compiled forward finds
+# its module's state here (an op takes tensors and numbers, not Python objects).
+_LIVE: weakref.WeakValueDictionary[int, Any] = weakref.WeakValueDictionary()
+_KEYS = itertools.count(1)
 
 
 def patch(
@@ -516,11 +532,15 @@ class _Rotary(_State):
                     _check(self.name, spec, ours, torch.view_as_real(native))
                 else:
                     _check(self.name, spec, torch.cat([cos, sin], -1), torch.cat(native, -1))
+        # The width of the module's cos (and sin), for the compiled forward's shapes.
+        self.width = int(native.shape[-1] if self.complex else native[0].shape[-1])
+        self.rope_types = dict(rope_type) if isinstance(rope_type, dict) else rope_type
+        self._register()
         self.handle._override(module, _STATE, self)
         self.handle._bind(module, "forward", _rotary_forward)
 
-    def rope_type(self, module: Any, layer_type: str | None) -> str:
-        rope_type = module.rope_type
+    def rope_type(self, layer_type: str | None) -> str:
+        rope_type = self.rope_types
         return str(rope_type[layer_type] if isinstance(rope_type, dict) else rope_type)
 
     def spec(self, layer_type: str | None, seq_len: int | None) -> posenc.Spec:
@@ -556,12 +576,18 @@ class _Rotary(_State):
             return original + 1 if int(position_ids.max()) + 1 > original else None
         return None
 
+    def dtype(self, x: torch.Tensor) -> torch.dtype:
+        """The dtype of :meth:`rows`' halves for hidden states ``x``."""
+        return torch.float32 if self.complex else x.dtype
+
     def rows(
-        self, module: Any, x: torch.Tensor, position_ids: torch.Tensor, layer_type: str | None
-    ) -> Any:
+        self, x: torch.Tensor, position_ids: torch.Tensor, layer_type: str | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(cos, sin)`` of ``position_ids``: in ``x``'s dtype, or float32 for a module
+        returning complex frequencies (the caller makes them complex)."""
         if self.mrope:
             return self.mrope_rows(x, position_ids)
-        rope_type = self.rope_type(module, layer_type)
+        rope_type = self.rope_type(layer_type)
         seq_len = self.seq_len(rope_type, position_ids, layer_type)
         spec = self.spec(layer_type, seq_len)
         dtype = torch.float32 if self.complex else _served(x.dtype)
@@ -578,9 +604,7 @@ class _Rotary(_State):
             if table is None:
                 table = self.tables[key] = self.handle.table(spec, dtype)
             cos, sin = table.get(position_ids, device=x.device, cos_sin=True)
-        if self.complex:
-            return torch.complex(cos, sin)
-        if dtype != x.dtype:
+        if dtype != self.dtype(x):
             return cos.to(x.dtype), sin.to(x.dtype)
         return cos, sin
 
@@ -598,7 +622,9 @@ class _Rotary(_State):
         seq_len = max(self.cached[layer_type], int(following.max()) + 1)
         self.handle.client.prefetch(following, self.spec(layer_type, seq_len), dtype=dtype)
 
-    def mrope_rows(self, x: torch.Tensor, position_ids: torch.Tensor) -> Any:
+    def mrope_rows(
+        self, x: torch.Tensor, position_ids: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """M-RoPE's merged ``(cos, sin)``: text positions (every axis equal, decode steps
         included) from the growing table of the plain rotary spec, whose rows they are;
         image and video positions fetched by their coordinates."""
@@ -630,20 +656,47 @@ def _width(spec: posenc.Spec) -> int:
     return int(parameters["head_dim"] * parameters.get("partial_rotary_factor", 1.0))
 
 
-# The patched forwards, bound to their modules. Each is a graph break under torch.compile:
-# the rows come from the SDK's Python (and maybe a call), which dynamo must not trace.
+# The patched forwards, bound to their modules. The rows come from the SDK's Python (and
+# maybe a call), which dynamo must not trace: under torch.compile a rotary module's rows are
+# one custom op (posenc::rotary_rows), opaque to the compiler and run as Python at each call,
+# so a compiled model has no graph break there; the other patched forwards are graph breaks
+# (torch.compiler.disable).
 
 
-@torch.compiler.disable  # type: ignore[untyped-decorator]
 def _rotary_forward(
     module: nn.Module, x: torch.Tensor, position_ids: torch.Tensor, layer_type: str | None = None
 ) -> Any:
-    return _state(module).rows(module, x, position_ids, layer_type)
+    state = module.__dict__[_STATE]
+    if torch.compiler.is_compiling():
+        both = torch.ops.posenc.rotary_rows(x, position_ids, state.key, layer_type or "")
+        cos, sin = both.chunk(2, dim=-1)
+    else:
+        cos, sin = state.rows(x, position_ids, layer_type)
+    return torch.complex(cos, sin) if state.complex else (cos, sin)
 
 
-@torch.compiler.disable  # type: ignore[untyped-decorator]
+@torch.library.custom_op("posenc::rotary_rows", mutates_args=())
+def _rotary_rows(
+    x: torch.Tensor, position_ids: torch.Tensor, key: int, layer_type: str
+) -> torch.Tensor:
+    """The patched rotary module ``key``'s ``[cos | sin]`` (one new tensor: an op's outputs
+    may not alias each other)."""
+    cos, sin = _LIVE[key].rows(x, position_ids, layer_type or None)
+    return torch.cat([cos, sin], dim=-1)
+
+
+@_rotary_rows.register_fake
+def _rotary_rows_shape(
+    x: torch.Tensor, position_ids: torch.Tensor, key: int, layer_type: str
+) -> torch.Tensor:
+    state = _LIVE[key]
+    shape = (*position_ids.shape[-2:], 2 * state.width)
+    return x.new_empty(shape, dtype=state.dtype(x))
+
+
 def _gptj_rotary_forward(module: nn.Module, x: torch.Tensor, position_ids: torch.Tensor) -> Any:
-    return _state(module).rows(x, position_ids)
+    cos, sin = _rotary_forward(module, x, position_ids)
+    return sin, cos
 
 
 @torch.compiler.disable  # type: ignore[untyped-decorator]
@@ -673,13 +726,25 @@ class _GPTJRotary(_State):
             )
             native = module.embed_positions[:_VERIFY_ROWS].cpu()
             _check(self.name, self.spec, torch.cat([sin, cos], -1), native)
+        self._register()
         self.handle._override(module, _STATE, self)
         self.handle._bind(module, "forward", _gptj_rotary_forward)
 
-    def rows(self, x: torch.Tensor, position_ids: torch.Tensor) -> Any:
+    complex: Final = False
+
+    @property
+    def width(self) -> int:
+        return _width(self.spec) // 2
+
+    def dtype(self, x: torch.Tensor) -> torch.dtype:
+        return x.dtype
+
+    def rows(
+        self, x: torch.Tensor, position_ids: torch.Tensor, layer_type: str | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         table = self.handle.table(self.spec, _served(x.dtype))
         cos, sin = table.get(position_ids, device=x.device, cos_sin=True)
-        return sin.to(x.dtype), cos.to(x.dtype)
+        return cos.to(x.dtype), sin.to(x.dtype)
 
 
 class _GPTJAttention(_State):
