@@ -1004,3 +1004,49 @@ def test_an_upper_case_header_is_answered_by_grpc_and_harms_nothing(
     assert health_latency(server.target) < 1
     with posenc.Client(server.target, timeout=10) as client:
         assert client.get_range(0, 4, 8).shape == (4, 8)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_a_stalled_call_flood_lets_every_sdk_call_through(
+    spawn_server: Callable[..., ServerProcess],
+) -> None:
+    """8 connections opening GetEncoding calls that never send their request, without end:
+    each holds a read's room until a waiting call takes it over, and the takeover went to the
+    newest waiter, which under a flood is nearly always another stalled call (5 SDK calls
+    in 20 s got through, one hit its deadline). The room now goes to the waiter whose
+    connection has the fewest calls reading or waiting: every SDK call gets through."""
+    server = spawn_server(0)
+    stop = threading.Event()
+    opened = [0]
+
+    def flood() -> None:
+        connections = [RawConnection("127.0.0.1", server.port) for _ in range(8)]
+        try:
+            while not stop.is_set():
+                for connection in connections:
+                    if not connection.closed:
+                        connection.call(GET_ENCODING, None, end=False)
+                        opened[0] += 1
+                    connection.pump(0.01)
+        finally:
+            for connection in connections:
+                connection.close()
+
+    flooder = threading.Thread(target=flood, daemon=True)
+    flooder.start()
+    outcomes: list[str] = []
+    try:
+        time.sleep(1)
+        for index in range(10):
+            with posenc.Client(server.target, timeout=10) as client:
+                try:
+                    rows = client.get_range(index, index + 4, 8)
+                    outcomes.append("ok" if rows.shape == (4, 8) else "wrong")
+                except posenc.PosencError as error:
+                    outcomes.append(type(error).__name__)
+    finally:
+        stop.set()
+        flooder.join(10)
+    assert opened[0] >= 500, "the flood did not flood"
+    assert outcomes == ["ok"] * 10, outcomes

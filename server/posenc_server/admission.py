@@ -102,8 +102,12 @@ class Reservation:
     cancelled. A call whose request does not come cannot keep others from theirs.
     """
 
-    def __init__(self, budget: ByteBudget) -> None:
+    def __init__(self, budget: ByteBudget, peer: str = "") -> None:
         self._budget = budget
+        self.peer = peer
+        """The call's connection (gRPC's peer address): takeovers go to the connections
+        with the fewest calls reading or waiting to."""
+        self.counted = False  # among its peer's calls reading or waiting to
         self.nbytes = 0
         self.reading_since: float | None = None
         self.preempted = False
@@ -146,12 +150,23 @@ class ByteBudget:
         self._waiting_bytes = 0
         self._waiters: collections.deque[_Waiter] = collections.deque()
         self._readers: set[Reservation] = set()
+        # Calls reading or waiting to read, by connection; and the waiter a stale read goes
+        # to (None: to be chosen again, after any change of either).
+        self._peer_calls: collections.Counter[str] = collections.Counter()
+        self._chosen: _Waiter | None = None
 
     @asynccontextmanager
-    async def admitted(self, nbytes: int, *, reading: bool = False) -> AsyncIterator[Reservation]:
+    async def admitted(
+        self, nbytes: int, *, reading: bool = False, peer: str = ""
+    ) -> AsyncIterator[Reservation]:
         """Hold ``nbytes`` (and whatever the call grows by) until the block ends;
-        ``reading``: preemptible until ``Reservation.settle``."""
-        reservation = Reservation(self)
+        ``reading``: preemptible until ``Reservation.settle``; ``peer``: the call's
+        connection."""
+        reservation = Reservation(self, peer)
+        if reading:
+            reservation.counted = True
+            self._peer_calls[peer] += 1
+            self._chosen = None
         try:
             await self.acquire(reservation, nbytes)
             if reading:
@@ -170,6 +185,12 @@ class ByteBudget:
         """``reservation`` is no longer preemptible."""
         self._readers.discard(reservation)
         reservation.reading_since = None
+        if reservation.counted:
+            reservation.counted = False
+            self._peer_calls[reservation.peer] -= 1
+            if not self._peer_calls[reservation.peer]:
+                del self._peer_calls[reservation.peer]
+            self._chosen = None
 
     def give_back(self, reservation: Reservation, nbytes: int) -> None:
         """Release ``nbytes`` of ``reservation``."""
@@ -202,6 +223,7 @@ class ByteBudget:
         waiter: asyncio.Future[None] = loop.create_future()
         entry = (reservation, nbytes, waiter)
         self._waiters.append(entry)
+        self._chosen = None
         self._waiting_bytes += nbytes if holding else 0
         deadline = loop.time() + self.wait_seconds
         try:
@@ -216,10 +238,13 @@ class ByteBudget:
                 except TimeoutError:
                     if waiter.done():
                         return  # granted (_wake took the bytes for this call)
-                # A read went stale: the newest waiter takes it over (calls that never send
-                # their request, however many queued first, cannot starve a new call).
-                if self._waiters[-1] is entry and self._preempt(reservation, nbytes):
+                # A read went stale: a waiter takes it over, the one whose connection has
+                # the fewest calls reading or waiting, the newest of those: calls that never
+                # send their request, however many queued first and however fast they come,
+                # cannot starve a call of another connection.
+                if self._next_taker() is entry and self._preempt(reservation, nbytes):
                     self._waiters.remove(entry)
+                    self._chosen = None
                     self._take(reservation, nbytes)
                     waiter.set_result(None)
                     return
@@ -230,12 +255,22 @@ class ByteBudget:
                 return
             waiter.cancel()
             self._waiters.remove(entry)
+            self._chosen = None
             self._wake()  # the calls queued behind this one may fit now
             if isinstance(error, asyncio.CancelledError):
                 raise
             raise self._refusal() from None
         finally:
             self._waiting_bytes -= nbytes if holding else 0
+
+    def _next_taker(self) -> _Waiter | None:
+        """The waiter that takes a stale read's room over (see ``acquire``)."""
+        if self._chosen is None and self._waiters:
+            calls = self._peer_calls
+            self._chosen = min(
+                reversed(self._waiters), key=lambda waiter: calls.get(waiter[0].peer, 0)
+            )
+        return self._chosen
 
     def _stale_in(self) -> float:
         """Seconds until the longest waiting read may be preempted (the wait if none)."""
@@ -257,7 +292,12 @@ class ByteBudget:
                 and reader.reading_since is not None
                 and now - reader.reading_since >= self.preempt_after
             ),
-            key=lambda reader: reader.reading_since or 0.0,
+            # The stale reads of the connections with the most calls first, the longest
+            # waiting first among those.
+            key=lambda reader: (
+                -self._peer_calls.get(reader.peer, 0),
+                reader.reading_since or 0.0,
+            ),
         )
         for reader in stale:
             if self._fits(nbytes, reservation):
@@ -295,5 +335,6 @@ class ByteBudget:
             if not self._fits(nbytes, reservation):
                 break
             self._waiters.popleft()
+            self._chosen = None
             self._take(reservation, nbytes)
             waiter.set_result(None)

@@ -165,7 +165,9 @@ class Health:
     async def _read(self, context: _Context) -> bytes:
         """The call's request, read once its largest size fits the health budget; the room
         is given back as soon as it is read (the request is small, or refused)."""
-        async with self._budget.admitted(self._largest, reading=True) as reservation:
+        async with self._budget.admitted(
+            self._largest, reading=True, peer=context.peer()
+        ) as reservation:
             return await read_request(
                 context, reservation, self._read_timeout, _RETRY_AFTER_SECONDS
             )

@@ -186,7 +186,7 @@ class PositionalEncodingServicer:
             raise ShuttingDownError(SHUTTING_DOWN)
         self._last_call = time.monotonic()
         largest = admission.READ_COPIES * self._config.max_receive_message_bytes
-        async with self._budget.admitted(largest, reading=True) as reservation:
+        async with self._budget.admitted(largest, reading=True, peer=context.peer()) as reservation:
             raw = await read_request(
                 context,
                 reservation,
