@@ -668,7 +668,8 @@ def _rotary_forward(
 ) -> Any:
     state = module.__dict__[_STATE]
     if torch.compiler.is_compiling():
-        both = torch.ops.posenc.rotary_rows(x, position_ids, state.key, layer_type or "")
+        # x gives the dtype and device only: detached, the op needs no autograd formula.
+        both = torch.ops.posenc.rotary_rows(x.detach(), position_ids, state.key, layer_type or "")
         cos, sin = both.chunk(2, dim=-1)
     else:
         cos, sin = state.rows(x, position_ids, layer_type)
