@@ -178,6 +178,11 @@ class FloorClient:
             raise RuntimeError(f"floor stream sent {offset} of {nbytes} bytes")
         return out
 
+    def touch(self, nbytes: int) -> None:
+        """Allocate and touch ``get``'s target array of ``nbytes`` without a call: a new
+        client's first stream then pays what a new connection does, and no page faults."""
+        self._targets.setdefault(nbytes, np.ones(nbytes, dtype=np.uint8))
+
     def stream_until(self, nbytes: int, start: float, end: float) -> int:
         """Streams ``nbytes`` again and again until monotonic ``end``, each message copied
         into a new array (like iter_range); returns the bytes that arrived after ``start``."""

@@ -56,13 +56,16 @@ def run(sizes: Sizes, posenc_target: str, floor_target: str, extra: Sequence[str
             "For each dtype, in each of "
             f"{runs} runs: a fresh posenc server (`{' '.join(extra) or 'defaults'}`) is "
             "started and timed until it logs `listening` and until it answers "
-            "GetServerInfo (SERVING); then the first call it ever serves, `get_range` of "
-            f"{rows} x {d_model} in that dtype from position 10^6 (so a spec it has never "
-            "seen), and right after it the floor's stream of the same bytes (each copied "
-            "into an already-touched array). The harness's own client ran every dtype "
-            "before (its own imports are not the server's). Its ratio: floor time / first "
-            "call time. The warm-up (`posenc_server.warmup.warm_up`, what a server process "
-            "runs before it listens: numba's kernels for every array type, a table of every "
+            "GetServerInfo (SERVING); then a new client connects (GetServerInfo) and makes "
+            f"the first table call the server ever serves, `get_range` of {rows} x {d_model} "
+            "in that dtype from position 10^6 (so a spec it has never seen); right after "
+            "it, a new floor client connects (its empty call) and streams the same bytes "
+            "(each copied into an already-touched array): both first streams of a new "
+            "connection, whose flow-control window has yet to grow. The harness's own "
+            "client ran every dtype before (its own imports are not the server's). Its "
+            "ratio: floor time / first call time. The warm-up "
+            "(`posenc_server.warmup.warm_up`, what a server process runs before it "
+            "listens: numba's kernels for every array type, a table of every "
             "kind and layout in every dtype) is also timed alone in a new interpreter, its "
             "imports included: with numba's on-disk cache in place (median of 3), and"
             + (
@@ -81,29 +84,40 @@ def run(sizes: Sizes, posenc_target: str, floor_target: str, extra: Sequence[str
     with posenc.Client(posenc_target, timeout=TIMEOUT) as client:
         for dtype in DTYPES:  # the harness's lazy imports (ml_dtypes), paid here
             client.get_range(0, 2, d_model, dtype=dtype)
-    floor = FloorClient(floor_target)
-    try:
-        floor.wait_ready()
-        floor.get(max(nbytes.values()))  # allocates and touches the largest target array
-        for index in range(runs):
-            for dtype in DTYPES[index % len(DTYPES) :] + DTYPES[: index % len(DTYPES)]:
-                started = time.perf_counter()
-                server = procs.start_posenc(extra).wait_ready()
-                listening.append(time.perf_counter() - started)
-                try:
-                    procs.wait_serving(server.target)
-                    serving.append(time.perf_counter() - started)
-                    with posenc.Client(server.target, timeout=TIMEOUT) as fresh:
-                        t0 = time.perf_counter()
-                        fresh.get_range(10**6, 10**6 + rows, d_model, dtype=dtype)
-                        first[dtype].append(time.perf_counter() - t0)
-                finally:
-                    server.stop()
+    # Each floor process builds a size's payload when first asked for it: every size is
+    # asked for first on a few connections, which reach both processes.
+    for _ in range(4):
+        warming = FloorClient(floor_target)
+        try:
+            warming.wait_ready()
+            for size in sorted(set(nbytes.values())):
+                warming.get(size, TIMEOUT)
+        finally:
+            warming.close()
+    for index in range(runs):
+        for dtype in DTYPES[index % len(DTYPES) :] + DTYPES[: index % len(DTYPES)]:
+            started = time.perf_counter()
+            server = procs.start_posenc(extra).wait_ready()
+            listening.append(time.perf_counter() - started)
+            try:
+                procs.wait_serving(server.target)
+                serving.append(time.perf_counter() - started)
+                with posenc.Client(server.target, timeout=TIMEOUT) as fresh:
+                    fresh.server_info()  # connected, as the floor's client below
+                    t0 = time.perf_counter()
+                    fresh.get_range(10**6, 10**6 + rows, d_model, dtype=dtype)
+                    first[dtype].append(time.perf_counter() - t0)
+            finally:
+                server.stop()
+            new_floor = FloorClient(floor_target)
+            try:
+                new_floor.wait_ready()
+                new_floor.touch(nbytes[dtype])
                 t0 = time.perf_counter()
-                floor.get(nbytes[dtype], TIMEOUT)
+                new_floor.get(nbytes[dtype], TIMEOUT)
                 floor_times[dtype].append(time.perf_counter() - t0)
-    finally:
-        floor.close()
+            finally:
+                new_floor.close()
     warm = [_warm_up_seconds(None) for _ in range(3)]
     compiled: float | None = None
     if not sizes.quick:
