@@ -52,7 +52,13 @@ class ServerConfig:
         default=16 * GIB, metadata={"help": "largest StreamEncoding result in bytes"}
     )
     max_chunk_bytes: int = field(
-        default=MIB, metadata={"help": "largest stream chunk in bytes (at most 4 MiB)"}
+        default=MIB,
+        metadata={
+            "help": "largest stream chunk in bytes (at most 4 MiB); a client may ask for "
+            "smaller ones, down to one row, and pays for each chunk's message and trip: "
+            "chunks of a few rows cost hundreds of times the server CPU per row of this "
+            "size's"
+        },
     )
     cache_bytes: int = field(default=512 * MIB, metadata={"help": "cache budget in bytes"})
     spec_bytes: int = field(
