@@ -2,15 +2,18 @@
 
 ``make test`` installs the newest supported release (the ``conformance`` extra pins it) and
 tests/test_integrations_transformers.py runs against it. This test installs the oldest
-(the lower end of ``TRANSFORMERS_RELEASES``) into ``.venv/transformers-<version>/`` once
-(``pip install --no-deps --target``: the newest's dependencies serve it too; the directory
-is reused by later runs, never committed) and runs the same tests against it in a
-subprocess: whole models of every family, small positions, 2^20 and 2^24, the vision
-towers left alone. torch.compile's test is left out (the newest runs it).
+(the lower end of ``TRANSFORMERS_RELEASES``) into ``.venv/transformers-<version>/`` once,
+with the dependencies it declares: ``pip install --target``, held to the versions this
+environment has wherever the oldest accepts them, so only what it needs older (such as
+huggingface-hub 1.x and httpx) differs. The directory is reused by later runs, never
+committed. The same tests then run against it in a subprocess: whole models of every family,
+small positions, 2^20 and 2^24, the vision towers left alone. torch.compile's test is left
+out (the newest runs it).
 """
 
 from __future__ import annotations
 
+import importlib.metadata
 import os
 import shutil
 import subprocess
@@ -30,6 +33,20 @@ OLDEST = "5.17.0"
 TARGET = ROOT / ".venv" / f"transformers-{OLDEST}"
 
 
+# What the newest release brings that the oldest must not be held to.
+_NEWER = {"transformers", "huggingface-hub", "httpx", "httpcore", "httpx2", "httpcore2"}
+
+
+def _held_versions() -> list[str]:
+    """``name==version`` of each installed distribution the oldest may share."""
+    held = []
+    for dist in importlib.metadata.distributions():
+        name = dist.metadata["Name"].lower().replace("_", "-")
+        if name not in _NEWER and name != "posenc":
+            held.append(f"{name}=={dist.version}")
+    return held
+
+
 def _install() -> Path:
     """The oldest release's package directory, installed on first use."""
     if (TARGET / "transformers" / "__init__.py").exists():
@@ -37,21 +54,17 @@ def _install() -> Path:
     TARGET.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{TARGET.name}-", dir=TARGET.parent))
     try:
+        constraints = staging / "constraints.txt"
+        constraints.write_text("\n".join(_held_versions()))
         subprocess.run(
             [
-                sys.executable,
-                "-m",
-                "pip",
-                "install",
-                "--quiet",
-                "--no-deps",
-                "--target",
-                str(staging),
-                f"transformers=={OLDEST}",
+                *(sys.executable, "-m", "pip", "install", "--quiet", "--target", str(staging)),
+                *("--constraint", str(constraints), f"transformers=={OLDEST}"),
             ],
             check=True,
             timeout=600,
         )
+        constraints.unlink()
         try:
             staging.rename(TARGET)  # atomic: a concurrent run's copy may have won
         except OSError:
