@@ -16,6 +16,7 @@ ENV PIP_DISABLE_PIP_VERSION_CHECK=1 \
 RUN python3 -m venv /opt/posenc
 WORKDIR /src
 COPY pyproject.toml README.md ./
+COPY protocol ./protocol
 COPY client ./client
 COPY server ./server
 # The installer is not needed at run time: it leaves the image with the build stage.

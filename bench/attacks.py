@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from rawh2 import RawConnection
 
 import posenc
-from posenc.v1 import posenc_pb2 as pb
+from posenc_protocol.v1 import posenc_pb2 as pb
 
 GET_ENCODING = "/posenc.v1.PositionalEncodingService/GetEncoding"
 CACHE = "64MiB"

@@ -30,8 +30,8 @@ import numpy as np
 
 from bench.common import REPO, cpu_seconds, median
 from bench.procs import ServerProcess, install_cleanup
-from posenc.v1 import posenc_pb2 as pb
-from posenc.v1 import posenc_pb2_grpc
+from posenc_protocol.v1 import posenc_pb2 as pb
+from posenc_protocol.v1 import posenc_pb2_grpc
 
 import grpc  # isort: skip
 

@@ -2,15 +2,20 @@
 
 Usage: python scripts/generate_stubs.py [OUTPUT_ROOT]
 
-Writes client/posenc/v1/posenc_pb2.py, posenc_pb2.pyi, posenc_pb2_grpc.py and
-posenc_pb2_grpc.pyi (under OUTPUT_ROOT instead of client/ when given, which the
+Writes protocol/posenc_protocol/v1/posenc_pb2.py, posenc_pb2.pyi, posenc_pb2_grpc.py and
+posenc_pb2_grpc.pyi (under OUTPUT_ROOT instead of protocol/ when given, which the
 staleness test uses to compare a fresh generation with the committed files).
+
+protoc names the Python modules after the proto package, ``posenc.v1``; the stubs live in
+the protocol package both the SDK and the server import, so their own imports are moved
+there (the proto package, and so the wire names, stay ``posenc.v1``).
 """
 
 from __future__ import annotations
 
 import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 from grpc_tools import protoc
@@ -28,9 +33,30 @@ def _plugin(name: str) -> str:
     return path
 
 
+# What protoc writes for the proto package, and what it becomes in posenc_protocol.
+_RENAMES = (
+    ("from posenc.v1 import", "from posenc_protocol.v1 import"),
+    ("'posenc.v1.posenc_pb2'", "'posenc_protocol.v1.posenc_pb2'"),
+)
+
+
 def generate(output_root: Path) -> None:
-    """Run protoc with the grpc and mypy-protobuf plugins into output_root."""
-    output_root.mkdir(parents=True, exist_ok=True)
+    """Run protoc with the grpc and mypy-protobuf plugins; the stubs go to
+    ``output_root/posenc_protocol/v1``."""
+    with tempfile.TemporaryDirectory() as scratch:
+        _protoc(Path(scratch))
+        generated = Path(scratch) / "posenc" / "v1"
+        package = output_root / "posenc_protocol" / "v1"
+        package.mkdir(parents=True, exist_ok=True)
+        for source in sorted(generated.iterdir()):
+            text = source.read_text()
+            for old, new in _RENAMES:
+                text = text.replace(old, new)
+            (package / source.name).write_text(text)
+        (package / "__init__.py").touch()
+
+
+def _protoc(output_root: Path) -> None:
     well_known = Path(protoc.__file__).parent / "_proto"
     args = [
         "grpc_tools.protoc",
@@ -46,9 +72,7 @@ def generate(output_root: Path) -> None:
     ]
     if protoc.main(args) != 0:
         raise SystemExit("protoc failed")
-    for package_dir in {output_root / Path(p).parent for p in PROTO_FILES}:
-        (package_dir / "__init__.py").touch()
 
 
 if __name__ == "__main__":
-    generate(Path(sys.argv[1]) if len(sys.argv) > 1 else ROOT / "client")
+    generate(Path(sys.argv[1]) if len(sys.argv) > 1 else ROOT / "protocol")

@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 from hypothesis import settings
 
-from posenc.v1 import posenc_pb2_grpc
+from posenc_protocol.v1 import posenc_pb2_grpc
 from posenc_server.app import RunningServer, start_server
 from posenc_server.config import ServerConfig
 

@@ -7,7 +7,7 @@ import mpmath
 import numpy as np
 import numpy.typing as npt
 
-from posenc.v1 import posenc_pb2 as pb
+from posenc_protocol.v1 import posenc_pb2 as pb
 from posenc_server import convert, engine
 from posenc_server.config import ServerConfig
 from posenc_server.tables.sinusoidal import Sinusoidal

@@ -32,7 +32,7 @@ from rawh2 import RawConnection
 from test_operations import metric, metrics_port, scrape
 
 import posenc
-from posenc.v1 import posenc_pb2 as pb
+from posenc_protocol.v1 import posenc_pb2 as pb
 from posenc_server import admission
 from posenc_server.app import RunningServer
 

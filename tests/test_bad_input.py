@@ -14,8 +14,8 @@ from grpc_status import rpc_status
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from posenc.v1 import posenc_pb2 as pb
-from posenc.v1 import posenc_pb2_grpc
+from posenc_protocol.v1 import posenc_pb2 as pb
+from posenc_protocol.v1 import posenc_pb2_grpc
 from posenc_server.app import RunningServer, start_server
 from posenc_server.config import ServerConfig
 

@@ -39,8 +39,8 @@ from containers import APT_WAIT
 from reference import classic
 
 import posenc
-from posenc.v1 import posenc_pb2 as pb
-from posenc.v1 import posenc_pb2_grpc as pb_grpc
+from posenc_protocol.v1 import posenc_pb2 as pb
+from posenc_protocol.v1 import posenc_pb2_grpc as pb_grpc
 from posenc_server.engine import encode_positions, encode_range
 
 # Each scenario's own loops take about 10 s; the margin covers installing nginx on first use.

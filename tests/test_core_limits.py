@@ -15,7 +15,7 @@ import posenc
 from posenc import _core as core
 from posenc._channel import Settings
 from posenc._rows import RowCache
-from posenc.wire import SERVER_ID_METADATA
+from posenc_protocol.wire import SERVER_ID_METADATA
 
 ROWS = 2 * core.SPREAD_MIN_ROWS  # fetched in two parts
 

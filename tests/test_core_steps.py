@@ -27,8 +27,8 @@ from posenc import _core as core
 from posenc._channel import Settings
 from posenc._rows import RowCache
 from posenc.types import DEFAULT
-from posenc.v1 import posenc_pb2 as pb
-from posenc.wire import decode_tensor_response
+from posenc_protocol.v1 import posenc_pb2 as pb
+from posenc_protocol.wire import decode_tensor_response
 
 WIDTH = 8  # columns of the fake's table (d_model 8)
 ROW_BYTES = WIDTH * 4

@@ -10,11 +10,11 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from posenc_server import engine, kernel
+from posenc_server import kernel, numerics
 
 _FORMATS = {
-    "bfloat16": (engine.STORE_BFLOAT16, np.dtype(ml_dtypes.bfloat16), 7),
-    "float16": (engine.STORE_FLOAT16, np.dtype(np.float16), 10),
+    "bfloat16": (numerics.STORE_BFLOAT16, np.dtype(ml_dtypes.bfloat16), 7),
+    "float16": (numerics.STORE_FLOAT16, np.dtype(np.float16), 10),
 }
 
 

@@ -168,7 +168,7 @@ def test_published_quirks_are_read() -> None:
 
 
 def test_every_scaling_field_comes_from_the_descriptor() -> None:
-    from posenc.v1 import posenc_pb2 as pb
+    from posenc_protocol.v1 import posenc_pb2 as pb
 
     scaling = pb.RotaryTable.DESCRIPTOR.oneofs_by_name["scaling"]
     for case in scaling.fields:

@@ -25,7 +25,7 @@ from conftest import Recorder  # noqa: E402
 
 import posenc  # noqa: E402
 from posenc import AsyncGrowingTable, GrowingTable  # noqa: E402
-from posenc.v1 import posenc_pb2 as pb  # noqa: E402
+from posenc_protocol.v1 import posenc_pb2 as pb  # noqa: E402
 
 ROTARY = posenc.Spec("rotary", head_dim=16, rope_theta=500000.0)
 SINUSOIDAL = posenc.Spec("sinusoidal", d_model=24)

@@ -14,7 +14,7 @@ from conftest import same_bits
 from reference import within_contract
 
 import posenc
-from posenc.v1 import posenc_pb2 as pb
+from posenc_protocol.v1 import posenc_pb2 as pb
 from posenc_server.app import RunningServer
 
 mpmath.mp.dps = 50

@@ -15,8 +15,8 @@ from grpc_status import rpc_status
 from prometheus_client.parser import text_string_to_metric_families
 
 import posenc
-from posenc.v1 import posenc_pb2 as pb
-from posenc.v1 import posenc_pb2_grpc
+from posenc_protocol.v1 import posenc_pb2 as pb
+from posenc_protocol.v1 import posenc_pb2_grpc
 from posenc_server.app import RunningServer
 
 MIB = 1 << 20

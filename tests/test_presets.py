@@ -20,8 +20,8 @@ from reference import engine_positions, engine_range, within_contract
 from reference_tables import Rope, Sin, columns_of, rope_exact, sinusoidal_exact
 
 import posenc
-from posenc.v1 import posenc_pb2 as pb
-from posenc.v1 import posenc_pb2_grpc
+from posenc_protocol.v1 import posenc_pb2 as pb
+from posenc_protocol.v1 import posenc_pb2_grpc
 from posenc_server.app import RunningServer
 from posenc_server.tables import KINDS, Documented
 

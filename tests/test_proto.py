@@ -25,8 +25,8 @@ def test_committed_stubs_are_not_stale(tmp_path: Path) -> None:
         capture_output=True,
         timeout=120,
     )
-    fresh = tmp_path / "posenc" / "v1"
-    committed = ROOT / "client" / "posenc" / "v1"
+    fresh = tmp_path / "posenc_protocol" / "v1"
+    committed = ROOT / "protocol" / "posenc_protocol" / "v1"
     names = sorted(p.name for p in fresh.iterdir())
     assert names == sorted(p.name for p in committed.iterdir() if p.name != "__pycache__")
     _, mismatch, errors = filecmp.cmpfiles(fresh, committed, names, shallow=False)

@@ -25,7 +25,7 @@ import pytest
 from conftest import ROOT
 
 import posenc
-from posenc.v1 import posenc_pb2
+from posenc_protocol.v1 import posenc_pb2
 from posenc_server.app import RunningServer
 from posenc_server.config import ServerConfig
 

@@ -27,7 +27,7 @@ from posenc._rows import (
     RowCache,
     RowPlan,
 )
-from posenc.v1 import posenc_pb2 as pb
+from posenc_protocol.v1 import posenc_pb2 as pb
 from posenc_server.app import RunningServer
 
 D_MODEL = 4096  # float32 rows of 16 KiB

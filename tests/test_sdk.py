@@ -32,9 +32,9 @@ import posenc
 from posenc._channel import Servers, channel_options
 from posenc._retry import map_rpc_error
 from posenc.errors import error_class_for_code
-from posenc.v1 import posenc_pb2 as pb
-from posenc.v1 import posenc_pb2_grpc as pb_grpc
-from posenc.wire import SERVER_ID_METADATA
+from posenc_protocol.v1 import posenc_pb2 as pb
+from posenc_protocol.v1 import posenc_pb2_grpc as pb_grpc
+from posenc_protocol.wire import SERVER_ID_METADATA
 from posenc_server.app import RunningServer
 
 

@@ -14,8 +14,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from reference import engine_range
 
-from posenc.v1 import posenc_pb2 as pb
-from posenc.v1 import posenc_pb2_grpc
+from posenc_protocol.v1 import posenc_pb2 as pb
+from posenc_protocol.v1 import posenc_pb2_grpc
 from posenc_server.app import RunningServer
 
 MIB = 1 << 20

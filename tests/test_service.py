@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 from reference import engine_positions, engine_range
 
-from posenc.v1 import posenc_pb2 as pb
-from posenc.v1 import posenc_pb2_grpc
+from posenc_protocol.v1 import posenc_pb2 as pb
+from posenc_protocol.v1 import posenc_pb2_grpc
 from posenc_server import convert
 from posenc_server.app import RunningServer
 from posenc_server.config import ServerConfig

@@ -17,8 +17,8 @@ import numpy as np
 import pytest
 from conftest import SERVER_HEADROOM_MIB, ServerProcess, peak_rss_mib
 
-from posenc.v1 import posenc_pb2 as pb
-from posenc.v1 import posenc_pb2_grpc
+from posenc_protocol.v1 import posenc_pb2 as pb
+from posenc_protocol.v1 import posenc_pb2_grpc
 
 SOAK = os.environ.get("POSENC_SOAK") == "1"
 MIB = 1 << 20

@@ -19,8 +19,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from reference import classic
 
 import posenc
-from posenc.v1 import posenc_pb2 as pb
-from posenc.v1 import posenc_pb2_grpc
+from posenc_protocol.v1 import posenc_pb2 as pb
+from posenc_protocol.v1 import posenc_pb2_grpc
 from posenc_server import engine, supervisor
 
 # Every test here starts server processes and waits on them.

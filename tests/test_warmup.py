@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from posenc_server import engine, kernel, warmup
+from posenc_server import kernel, numerics, warmup
 from posenc_server.config import ServerConfig
 from posenc_server.tables import KINDS
 
@@ -21,9 +21,9 @@ def test_the_warm_up_runs_every_table_kind_with_valid_parameters() -> None:
 def test_the_warm_up_compiles_every_kernel_specialization_it_serves() -> None:
     warmup.warm_up()
     expected = {
-        engine.STORE_VALUES: {"array(float32, 2d, C)", "array(float64, 2d, C)"},
-        engine.STORE_BFLOAT16: {"array(uint16, 2d, C)"},
-        engine.STORE_FLOAT16: {"array(uint16, 2d, C)"},
+        numerics.STORE_VALUES: {"array(float32, 2d, C)", "array(float64, 2d, C)"},
+        numerics.STORE_BFLOAT16: {"array(uint16, 2d, C)"},
+        numerics.STORE_FLOAT16: {"array(uint16, 2d, C)"},
     }
     for stored, outs in expected.items():
         functions: list[Any] = [kernel.RANGE_INTO[stored], kernel.ROTATE_INTO[stored]]

@@ -8,8 +8,8 @@ from google.protobuf.message import DecodeError
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from posenc import wire
-from posenc.v1 import posenc_pb2 as pb
+from posenc_protocol import wire
+from posenc_protocol.v1 import posenc_pb2 as pb
 
 UINT32 = st.integers(0, 2**32 - 1)
 UINT64 = st.integers(0, 2**64 - 1)

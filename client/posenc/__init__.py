@@ -20,6 +20,7 @@ from posenc._async_client import AsyncClient
 from posenc._channel import DEFAULT_TARGET
 from posenc._client import Client
 from posenc._query import DTYPE_NAMES
+from posenc._version import __version__
 from posenc.errors import (
     CancelledError,
     ClientClosedError,
@@ -45,8 +46,6 @@ from posenc.types import (
     TableKind,
     TableParameter,
 )
-
-__version__ = "1.0.0"
 
 __all__ = [
     "DEFAULT",

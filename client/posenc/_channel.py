@@ -17,10 +17,11 @@ import grpc
 import grpc.aio
 from grpc_health.v1 import health_pb2
 
-from posenc import wire
 from posenc._query import check_chunk_bytes
 from posenc._retry import resolve_timeout
-from posenc.v1 import posenc_pb2 as pb
+from posenc._version import __version__
+from posenc_protocol import wire
+from posenc_protocol.v1 import posenc_pb2 as pb
 
 DEFAULT_TARGET: Final = "127.0.0.1:50051"
 #: Results up to this size use the unary GetEncoding (one round trip, the decode-loop
@@ -69,8 +70,6 @@ _MAX_CONNECTIONS: Final = 64
 
 def user_agent() -> str:
     """The SDK's gRPC user agent, so server logs can tell SDK versions apart."""
-    from posenc import __version__  # late: posenc/__init__ imports this module
-
     return f"posenc-python/{__version__}"
 
 
@@ -255,7 +254,7 @@ def channel_credentials(
 class Calls:
     """The RPC methods the SDK calls, on a channel: sync or asyncio alike.
 
-    The table methods parse their responses with :mod:`posenc.wire` (zero-copy views of the
+    The table methods parse their responses with :mod:`posenc_protocol.wire` (zero-copy views of the
     payload); the others with the generated classes.
     """
 
@@ -320,7 +319,7 @@ class Pool:
 
 class Servers:
     """Which server process each of a client's channels reached, as its streams' initial
-    metadata said (``posenc.wire.SERVER_ID_METADATA``), so that the parts of a large range
+    metadata said (``posenc_protocol.wire.SERVER_ID_METADATA``), so that the parts of a large range
     go to distinct processes.
 
     A server process computes a stream's blocks with about one core (its Python holds the

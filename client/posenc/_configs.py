@@ -25,10 +25,12 @@ from google.protobuf.descriptor import FieldDescriptor
 
 from posenc._checks import bad_argument
 from posenc.errors import InvalidArgumentError
-from posenc.spec import Spec
-from posenc.v1 import posenc_pb2 as pb
+from posenc_protocol.v1 import posenc_pb2 as pb
 
-__all__ = ["MROPE_FAMILIES", "SINUSOIDAL_FAMILIES", "config_dict", "spec_from_config"]
+__all__ = ["MROPE_FAMILIES", "SINUSOIDAL_FAMILIES", "Table", "config_dict", "table_from_config"]
+
+Table = tuple[str, dict[str, Any]]
+"""A table kind and its parameters: what :class:`posenc.Spec` is built from."""
 
 _SCALING: Final = pb.RotaryTable.DESCRIPTOR.oneofs_by_name["scaling"]
 _INTEGER_TYPES: Final = frozenset(
@@ -167,14 +169,15 @@ def _rope_parameters(config: Mapping[str, Any], layer_type: str | None) -> dict[
     return dict(rope)
 
 
-def spec_from_config(
+def table_from_config(
     config: object,
     *,
     layout: str | None = None,
     seq_len: int | None = None,
     layer_type: str | None = None,
-) -> Spec:
-    """:meth:`posenc.Spec.from_config` (its docstring says what is read, and how).
+) -> Table:
+    """The kind and parameters of :meth:`posenc.Spec.from_config` (its docstring says what
+    is read, and how), which builds the spec.
 
     Every config it cannot read is an InvalidArgumentError: the values are checked where
     they are read, and a failure of Python's own conversions on a value of a shape no check
@@ -191,7 +194,7 @@ def spec_from_config(
 
 def _spec_from_config(
     config: object, *, layout: str | None, seq_len: int | None, layer_type: str | None
-) -> Spec:
+) -> Table:
     if seq_len is not None:
         seq_len = _integer(seq_len, "seq_len", positive=True)
     values = config_dict(config)
@@ -228,12 +231,12 @@ def _spec_from_config(
         rope_type = "longrope"
     if rope_type != "default":
         parameters.update(_scaling(values, rope, rope_type, seq_len))
-    return Spec("rotary", **parameters)
+    return _table("rotary", **parameters)
 
 
 def _mrope(
     family: str, rope: Mapping[str, Any], rope_type: str, parameters: dict[str, Any]
-) -> Spec:
+) -> Table:
     """M-RoPE (Qwen2-VL, Qwen2.5-VL; Qwen3-VL interleaved): rope parameters with
     ``mrope_section`` (older configs name the rope type ``"mrope"``, the default one), else
     the family's default sections, as its rotary module takes them."""
@@ -252,7 +255,7 @@ def _mrope(
         raise bad_argument(
             "config.mrope_section", f"must be a list of integers, got {type(given).__name__}"
         )
-    return Spec(
+    return _table(
         "mrope",
         **parameters,
         mrope_section=[_integer(count, "config.mrope_section") for count in given],
@@ -324,23 +327,27 @@ def _normalise_seq_len(rope_type: str, fields: Mapping[str, Any], seq_len: int) 
     return seq_len
 
 
-def _sinusoidal(model_type: str, config: Mapping[str, Any]) -> Spec:
+def _table(kind: str, **parameters: Any) -> Table:
+    return kind, parameters
+
+
+def _sinusoidal(model_type: str, config: Mapping[str, Any]) -> Table:
     given = _first(config, _HIDDEN)
     if not given:
         raise bad_argument("config", f"a {model_type} config needs d_model")
     d_model = _integer(given, "config.d_model", positive=True)
     if model_type == "whisper":
-        return Spec("whisper", d_model=d_model)
+        return _table("whisper", d_model=d_model)
     if model_type in ("m2m_100", "speech_to_text"):
         padding_idx = config.get("pad_token_id")
-        return Spec(
+        return _table(
             "fairseq", d_model=d_model, padding_idx=1 if padding_idx is None else padding_idx
         )
     if model_type in ("marian", "pegasus"):
-        return Spec("sinusoidal", d_model=d_model, layout="split")
+        return _table("sinusoidal", d_model=d_model, layout="split")
     # XLM: create_sinusoidal_embeddings, interleaved; only when the model uses it.
     if not config.get("sinusoidal_embeddings"):
         raise bad_argument(
             "config.sinusoidal_embeddings", "this XLM config learns its position embeddings"
         )
-    return Spec("sinusoidal", d_model=d_model)
+    return _table("sinusoidal", d_model=d_model)

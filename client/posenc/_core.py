@@ -61,7 +61,7 @@ from posenc.errors import (
 )
 from posenc.spec import position_axes
 from posenc.types import DEFAULT, DTypeArg, ServerInfo, Timeout, server_info_from_proto
-from posenc.v1 import posenc_pb2 as pb
+from posenc_protocol.v1 import posenc_pb2 as pb
 
 T = TypeVar("T")
 #: A range of at least this many rows is fetched in parts from several server processes at

@@ -1,6 +1,6 @@
 """Responses into arrays: the unary decode, and the stream cursor that resumes a stream.
 
-Responses are parsed by :mod:`posenc.wire`, which hands out the payload as a view of the
+Responses are parsed by :mod:`posenc_protocol.wire`, which hands out the payload as a view of the
 received message, so each chunk is copied once: into the result array. The width of a
 table is whatever the server's ``columns`` say (the same in every response of a query).
 """
@@ -15,8 +15,8 @@ import numpy as np
 from posenc._query import Query
 from posenc.errors import InternalError
 from posenc.spec import enum_name
-from posenc.v1 import posenc_pb2 as pb
-from posenc.wire import TensorView
+from posenc_protocol.v1 import posenc_pb2 as pb
+from posenc_protocol.wire import TensorView
 
 
 def _copy_tensor(

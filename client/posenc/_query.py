@@ -22,7 +22,7 @@ from posenc._output import is_torch_dtype, torch_dtype_name
 from posenc.errors import ResourceExhaustedError
 from posenc.spec import Spec, enum_name, enum_names
 from posenc.types import DTypeArg
-from posenc.v1 import posenc_pb2 as pb
+from posenc_protocol.v1 import posenc_pb2 as pb
 
 #: The ``dtype=`` names, from the ``Dtype`` enum; numpy knows each by that name.
 DTYPE_NAMES: Final = tuple(enum_names(pb.Dtype.DESCRIPTOR))

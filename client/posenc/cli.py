@@ -33,9 +33,9 @@ from google.protobuf.descriptor import FieldDescriptor
 from tqdm import tqdm
 
 from posenc._channel import DEFAULT_TARGET, is_uri
-from posenc._checks import exact_integer, integer
 from posenc._client import Client
 from posenc._query import DTYPE_NAMES, as_positions, named_dtype
+from posenc._version import __version__
 from posenc.errors import InvalidArgumentError, PosencError
 from posenc.plot import BASES, FIGURES, default_spec, figure, render
 from posenc.spec import (
@@ -48,6 +48,7 @@ from posenc.spec import (
     parameter_fields,
 )
 from posenc.types import TableKind
+from posenc_protocol.numbers import exact_integer, integer
 
 __all__ = ["main"]
 
@@ -375,7 +376,6 @@ def _table(args: argparse.Namespace) -> Spec:
 
 
 def _build_parser() -> argparse.ArgumentParser:
-    from posenc import __version__
 
     parser = _Parser(
         prog="posenc",

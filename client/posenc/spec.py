@@ -2,8 +2,8 @@
 
 A table kind is a field of the ``EncodingSpec.table`` oneof (``"sinusoidal"``, ``"whisper"``,
 ``"rotary"``, ...), and its parameters are the fields of that kind's message. Nothing here
-lists kinds, parameters or enum names by hand: they are read from ``posenc.v1``, so a kind or
-a parameter added to the proto is accepted by :class:`Spec` (and the CLI) as it is::
+lists kinds, parameters or enum names by hand: they are read from ``posenc_protocol.v1``, so
+a kind or a parameter added to the proto is accepted by :class:`Spec` (and the CLI) as it is::
 
     posenc.Spec("sinusoidal", d_model=512, layout="split")
     posenc.Spec("fairseq", d_model=1024, padding_idx=1)
@@ -28,7 +28,8 @@ import numpy as np
 from google.protobuf.descriptor import Descriptor, EnumDescriptor, FieldDescriptor, OneofDescriptor
 
 from posenc._checks import bad_argument
-from posenc.v1 import posenc_pb2 as pb
+from posenc._configs import table_from_config
+from posenc_protocol.v1 import posenc_pb2 as pb
 
 __all__ = [
     "Spec",
@@ -202,7 +203,7 @@ class Spec:
     Args:
         kind: ``"sinusoidal"`` (the classic table), ``"tensor2tensor"``, ``"whisper"``,
             ``"fairseq"``, ``"transformer_xl"``, ``"rotary"``, or any kind the proto adds.
-        parameters: The kind message's fields (see ``posenc.v1`` or ``posenc info``);
+        parameters: The kind message's fields (see ``posenc_protocol.v1`` or ``posenc info``);
             enum fields take names (``layout="split"``, ``layout="vllm"``), case-insensitive.
             A oneof of the kind is chosen by name (``scaling="yarn"``) and its message's
             fields are given flat beside the kind's. Unset fields take the server's defaults.
@@ -384,6 +385,7 @@ class Spec:
             InvalidArgumentError: A config without the keys of a width, a rope type posenc
                 does not serve, or values the spec refuses.
         """
-        from posenc._configs import spec_from_config  # it builds Specs: imported late
-
-        return spec_from_config(config, layout=layout, seq_len=seq_len, layer_type=layer_type)
+        kind, parameters = table_from_config(
+            config, layout=layout, seq_len=seq_len, layer_type=layer_type
+        )
+        return cls(kind, **parameters)

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any, Final, Literal, TypeAlias, TypedDict
 import numpy.typing as npt
 
 from posenc.spec import Spec, enum_name
-from posenc.v1 import posenc_pb2 as pb
+from posenc_protocol.v1 import posenc_pb2 as pb
 
 if TYPE_CHECKING:
     # Only named in annotations: posenc never imports torch unless the caller passes it.

@@ -15,7 +15,6 @@ import time
 from collections.abc import Callable, Coroutine, Sequence
 from concurrent import futures
 from dataclasses import dataclass, field
-from importlib import metadata
 from types import FrameType
 from typing import Any, TypeVar
 
@@ -25,7 +24,7 @@ from grpc_reflection.v1alpha import reflection
 
 from posenc_server import auth, health, metrics, supervisor, warmup
 from posenc_server.admission import ByteBudget
-from posenc_server.config import ServerConfig
+from posenc_server.config import ServerConfig, startup_fields, version
 from posenc_server.interceptors import ServingInterceptor
 from posenc_server.service import EncodingService
 from posenc_server.servicer import (
@@ -82,14 +81,6 @@ def event_loop() -> asyncio.AbstractEventLoop:
             _loop = asyncio.new_event_loop()
             threading.Thread(target=_loop.run_forever, name="posenc-loop", daemon=True).start()
         return _loop
-
-
-def version() -> str:
-    """The installed posenc version."""
-    try:
-        return metadata.version("posenc")
-    except metadata.PackageNotFoundError:  # pragma: no cover - running from a source tree
-        return "0+unknown"
 
 
 class JsonFormatter(logging.Formatter):
@@ -392,21 +383,6 @@ async def _start(
     )
     running.publish_metrics()
     return running
-
-
-def startup_fields(config: ServerConfig, port: int, metrics_port: int | None) -> dict[str, object]:
-    """What the startup log line says: address, version, limits, and the metrics port
-    (None: a worker's, whose supervisor serves the metrics and names the port)."""
-    fields: dict[str, object] = {"address": f"{config.host}:{port}", "port": port}
-    if metrics_port is not None:
-        fields.update(metrics_port=metrics_port, metrics_host=config.metrics_host)
-    return fields | {
-        "version": version(),
-        "limits": config.public_limits(),
-        "cache_bytes": config.cache_bytes,
-        "workers": config.workers,
-        "grace_seconds": config.grace_seconds,
-    }
 
 
 def run(argv: Sequence[str] | None = None) -> int:

@@ -13,9 +13,10 @@ import math
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from importlib import metadata
 from typing import Any, Final
 
-from posenc._checks import integer
+from posenc_protocol.numbers import integer
 
 MIB = 1 << 20
 DEFAULT_METRICS_PORT: Final = 9464
@@ -340,3 +341,26 @@ def _convert(type_name: object, raw: object) -> object:
             raise ValueError(f"expected a finite number, got {text!r}")
         return number
     return text
+
+
+def version() -> str:
+    """The installed posenc version."""
+    try:
+        return metadata.version("posenc")
+    except metadata.PackageNotFoundError:  # pragma: no cover - running from a source tree
+        return "0+unknown"
+
+
+def startup_fields(config: ServerConfig, port: int, metrics_port: int | None) -> dict[str, object]:
+    """What the startup log line says: address, version, limits, and the metrics port
+    (None: a worker's, whose supervisor serves the metrics and names the port)."""
+    fields: dict[str, object] = {"address": f"{config.host}:{port}", "port": port}
+    if metrics_port is not None:
+        fields.update(metrics_port=metrics_port, metrics_host=config.metrics_host)
+    return fields | {
+        "version": version(),
+        "limits": config.public_limits(),
+        "cache_bytes": config.cache_bytes,
+        "workers": config.workers,
+        "grace_seconds": config.grace_seconds,
+    }

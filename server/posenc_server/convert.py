@@ -20,7 +20,7 @@ import numpy.typing as npt
 from google.protobuf.descriptor import Descriptor, EnumDescriptor
 from google.protobuf.message import DecodeError, Message
 
-from posenc.v1 import posenc_pb2 as pb
+from posenc_protocol.v1 import posenc_pb2 as pb
 from posenc_server import engine
 from posenc_server.errors import FieldViolation, InvalidRequestError
 from posenc_server.requests import CoordinateList, PositionList, PositionRange, Query, Selection

@@ -45,6 +45,8 @@ from typing import Final, Protocol, runtime_checkable
 import numpy as np
 import numpy.typing as npt
 
+from posenc_server.numerics import STORE_BFLOAT16, STORE_FLOAT16, STORE_VALUES, TWO_PI
+
 Float64Array = npt.NDArray[np.float64]
 Int64Array = npt.NDArray[np.int64]
 ComplexRows = npt.NDArray[np.complex128]
@@ -75,8 +77,6 @@ DTYPES: Final = _Dtypes()
 _FLOAT16: Final = np.dtype(np.float16)
 """Output dtypes by name (see ``_Dtypes``)."""
 
-TWO_PI: Final = Decimal("6.28318530717958647692528676655900576839433879875021164194989")
-"""2pi to 60 significant digits; the engine tests check it against mpmath."""
 PRECISION: Final = 50
 """Digits of the frequencies: their relative error stays near 1e-45 even after the 32768
 products of the widest table, far under the 2**-97 that position 2**42 needs."""
@@ -97,11 +97,6 @@ _FEW_ROTATIONS: Final = 8
 # call, held 10 MiB of them).
 _KERNEL_ROWS: Final = 1 << 14
 _KERNEL_ELEMENTS: Final = 1 << 20
-# How the kernels store a row's float64 values (their ``stored`` argument): cast to out's
-# float32 or float64, or rounded to bfloat16 or float16, whose bits out holds as uint16.
-STORE_VALUES: Final = 0
-STORE_BFLOAT16: Final = 1
-STORE_FLOAT16: Final = 2
 
 
 @dataclass(frozen=True)

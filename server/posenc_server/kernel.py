@@ -33,10 +33,10 @@ from llvmlite import ir
 from numba.core import types
 from numba.extending import intrinsic
 
-from posenc_server import engine
-from posenc_server.engine import STORE_BFLOAT16 as BFLOAT16
-from posenc_server.engine import STORE_FLOAT16 as FLOAT16
-from posenc_server.engine import STORE_VALUES as VALUES
+from posenc_server.numerics import STORE_BFLOAT16 as BFLOAT16
+from posenc_server.numerics import STORE_FLOAT16 as FLOAT16
+from posenc_server.numerics import STORE_VALUES as VALUES
+from posenc_server.numerics import TWO_PI
 
 _F = TypeVar("_F", bound=Callable[..., None])
 _G = TypeVar("_G", bound=Callable[..., object])
@@ -471,7 +471,7 @@ def _rotated_row(
         row[2 * i], row[2 * i + 1] = _pair(pairs, turns, amplitude, i)
 
 
-# Each format's kernels, by ``engine.STORE_*``.
+# Each format's kernels, by ``numerics.STORE_*``.
 RANGE_INTO: Final = {VALUES: range_into, BFLOAT16: range_into_bfloat16, FLOAT16: range_into_float16}
 ROTATE_INTO: Final = {
     VALUES: rotate_into,
@@ -481,8 +481,8 @@ ROTATE_INTO: Final = {
 
 
 # The constants of the extended-precision angle (engine: TWO_PI, the Taylor coefficients).
-_TWO_PI_HI = float(engine.TWO_PI)
-_TWO_PI_LO = float(engine.TWO_PI - Decimal(_TWO_PI_HI))
+_TWO_PI_HI = float(TWO_PI)
+_TWO_PI_LO = float(TWO_PI - Decimal(_TWO_PI_HI))
 # Veltkamp's constant 2**27 + 1 splits a float64 into two halves of at most 26 bits each,
 # whose pairwise products are exact.
 _SPLITTER = 134217729.0

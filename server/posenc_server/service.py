@@ -13,7 +13,7 @@ any client) is sent as the cached message itself: no copy of its rows in this pr
 
 Every encoding call is admitted first: refused while the server drains, and streams beyond
 ``max_concurrent_streams`` are refused with a hint to retry. Results leave as serialized
-responses (``posenc.wire``): a new block's rows are computed straight into its message, a
+responses (``posenc_protocol.wire``): a new block's rows are computed straight into its message, a
 cached block's message is sent as it is when it is a whole chunk, and other results are
 copied once, into their message.
 """
@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
-from posenc.wire import build_tensor_response, encode_tensor_response
+from posenc_protocol.wire import build_tensor_response, encode_tensor_response
 from posenc_server import admission, engine
 from posenc_server.cache import BlockCache, CacheStats
 from posenc_server.config import ServerConfig

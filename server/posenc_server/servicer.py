@@ -30,8 +30,8 @@ from typing import Any, Final, TypeVar
 import grpc
 import grpc.aio
 
-from posenc.v1 import posenc_pb2 as pb
-from posenc.wire import SERVER_ID_METADATA
+from posenc_protocol.v1 import posenc_pb2 as pb
+from posenc_protocol.wire import SERVER_ID_METADATA
 from posenc_server import admission, convert, metrics
 from posenc_server.admission import ByteBudget, Reservation
 from posenc_server.config import ServerConfig

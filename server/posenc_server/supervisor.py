@@ -33,7 +33,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from posenc_server import metrics
-from posenc_server.config import DEFAULT_METRICS_PORT, ServerConfig
+from posenc_server.config import DEFAULT_METRICS_PORT, ServerConfig, startup_fields
 
 log = logging.getLogger("posenc_server")
 
@@ -302,8 +302,6 @@ def supervise(
                     return 1
                 if stop.is_set():
                     return 0
-        from posenc_server.app import startup_fields  # app imports this module
-
         fields = startup_fields(config, port, metrics_port)
         log.info("listening", extra={"fields": {**fields, "processes": count}})
         watchdog = threading.Thread(

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from decimal import Decimal, localcontext
 from typing import ClassVar
 
-from posenc_server import engine
+from posenc_server import engine, numerics
 from posenc_server.errors import FieldViolation
 from posenc_server.tables.base import (
     Checker,
@@ -262,7 +262,7 @@ class Yarn(Scaling):
         beta_fast = Decimal(self.beta_fast or 32)
         beta_slow = Decimal(self.beta_slow or 1)
         original = Decimal(self.original_max_position_embeddings)
-        pi = engine.TWO_PI / 2
+        pi = numerics.TWO_PI / 2
 
         def correction_dim(rotations: Decimal) -> Decimal:
             return Decimal(rotary_dim) * (original / (rotations * 2 * pi)).ln() / (2 * log_theta)
@@ -416,7 +416,7 @@ class Llama3(Scaling):
         original = Decimal(self.original_max_position_embeddings)
         low_factor, high_factor = Decimal(self.low_freq_factor), Decimal(self.high_freq_factor)
         low_wavelength, high_wavelength = original / low_factor, original / high_factor
-        pi = engine.TWO_PI / 2
+        pi = numerics.TWO_PI / 2
         frequencies = []
         for frequency in inv_freq:
             wavelength = 2 * pi / frequency

@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from posenc.v1 import posenc_pb2 as posenc_dot_v1_dot_posenc__pb2
+from posenc_protocol.v1 import posenc_pb2 as posenc_dot_v1_dot_posenc__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__

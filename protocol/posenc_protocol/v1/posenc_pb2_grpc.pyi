@@ -5,7 +5,7 @@ isort:skip_file
 
 from collections import abc as _abc
 from grpc import aio as _aio
-from posenc.v1 import posenc_pb2 as _posenc_pb2
+from posenc_protocol.v1 import posenc_pb2 as _posenc_pb2
 import abc as _abc_1
 import grpc as _grpc
 import sys

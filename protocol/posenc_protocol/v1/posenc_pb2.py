@@ -29,7 +29,7 @@ DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16posenc/v1/pose
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
-_builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'posenc.v1.posenc_pb2', _globals)
+_builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'posenc_protocol.v1.posenc_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_MROPETABLE']._loaded_options = None

@@ -1,0 +1,3 @@
+"""The SDK's version: the package's (pyproject.toml reads it from here)."""
+
+__version__ = "1.0.0"

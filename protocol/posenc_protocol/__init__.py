@@ -1,0 +1,7 @@
+"""The posenc protocol, shared by the SDK (``posenc``) and the server (``posenc_server``).
+
+``posenc_protocol.v1`` holds the stubs generated from ``proto/posenc/v1/posenc.proto`` (the
+proto package ``posenc.v1``); :mod:`posenc_protocol.wire` encodes and decodes a response's
+payload; :mod:`posenc_protocol.numbers` reads integers as people type them. It imports
+neither the SDK nor the server: both import it.
+"""
