@@ -1,5 +1,5 @@
 """The core's whole-result limits on a range fetched in parts, driven by the scripted fake of
-``test_core_steps`` (a "server" of two processes, one per connection), without a server."""
+``test_core_steps`` over two connections, without a server."""
 
 from __future__ import annotations
 
@@ -15,13 +15,13 @@ import posenc
 from posenc import _core as core
 from posenc._channel import Settings
 from posenc._rows import RowCache
-from posenc_protocol.wire import SERVER_ID_METADATA
+from posenc_protocol.v1 import posenc_pb2 as pb
 
 ROWS = 2 * core.SPREAD_MIN_ROWS  # fetched in two parts
 
 
 class TwoProcesses(Fake):
-    """Each connection reaches its own server process; GetServerInfo answers ``limit`` (or
+    """A server whose GetServerInfo answers ``limit`` (or
     fails with ``info_error``)."""
 
     def __init__(self, limit: int | None, info_error: grpc.RpcError | None = None) -> None:
@@ -34,14 +34,7 @@ class TwoProcesses(Fake):
                 self.log.append(("info", None))
                 if self.info_error is not None:
                     raise self.info_error
-                return posenc.v1.posenc_pb2.GetServerInfoResponse(
-                    limits=posenc.v1.posenc_pb2.Limits(max_stream_bytes=self.limit or 0)
-                )
-            case core.OpenStream(channel=channel):
-                stream = super().perform(operation)
-                return core.Stream(stream.call, channel or 0)
-            case core.InitialMetadata(call=call):
-                return ((SERVER_ID_METADATA, f"process-{call.channel}"),)
+                return pb.GetServerInfoResponse(limits=pb.Limits(max_stream_bytes=self.limit or 0))
         return super().perform(operation)
 
 

@@ -113,11 +113,9 @@ class Fake:
                 failure = self.stream_failures.pop(0) if self.stream_failures else None
                 stream = FakeStream(self._chunks(positions, failure))
                 self.streams.append(stream)
-                return core.Stream(stream, channel=0)
+                return core.Stream(stream)
             case core.NextChunk(call=call):
                 return next(call.call.chunks, None)
-            case core.InitialMetadata():
-                return ()
             case core.Sleep(seconds=seconds):
                 self.sleeps.append(seconds)
                 return None

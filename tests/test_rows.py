@@ -27,7 +27,6 @@ from posenc._rows import (
     RowCache,
     RowPlan,
 )
-from posenc_protocol.v1 import posenc_pb2 as pb
 from posenc_server.app import RunningServer
 
 D_MODEL = 4096  # float32 rows of 16 KiB
@@ -274,17 +273,6 @@ def test_negative_sizes_are_refused(budget: int, readahead: int) -> None:
 # -- through a real server ------------------------------------------------------------------
 
 
-def surveys(request: Any) -> bool:
-    """Whether ``request`` is an empty range: a client's first table call streams one over
-    each of its connections, once, to learn which server process each reaches. Not a call
-    for rows: the counters below leave these out."""
-    return (
-        isinstance(request, pb.StreamEncodingRequest)
-        and request.WhichOneof("selection") == "range"
-        and request.range.start == request.range.stop
-    )
-
-
 class CallCounter(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor):
     """Counts a client's table calls by thread: the caller's, or the read-ahead thread's
     (which has that name); and knows how many are in flight."""
@@ -314,8 +302,6 @@ class CallCounter(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterc
         return self._count(call)
 
     def intercept_unary_stream(self, continuation: Any, details: Any, request: Any) -> Any:
-        if surveys(request):
-            return continuation(details, request)
         # A stream is counted; the caller reads it to its end before its call returns.
         return self._count(lambda: continuation(details, request))
 
@@ -429,8 +415,7 @@ class AsyncStreamCounter(grpc.aio.UnaryStreamClientInterceptor):
         self.calls = calls
 
     async def intercept_unary_stream(self, continuation: Any, details: Any, request: Any) -> Any:
-        if not surveys(request):
-            self.calls.append(details.method)
+        self.calls.append(details.method)
         return await continuation(details, request)
 
 

@@ -29,12 +29,11 @@ from google.rpc import error_details_pb2, status_pb2
 from prometheus_client import REGISTRY
 
 import posenc
-from posenc._channel import Servers, channel_options
+from posenc._channel import channel_options
 from posenc._retry import map_rpc_error
 from posenc.errors import error_class_for_code
 from posenc_protocol.v1 import posenc_pb2 as pb
 from posenc_protocol.v1 import posenc_pb2_grpc as pb_grpc
-from posenc_protocol.wire import SERVER_ID_METADATA
 from posenc_server.app import RunningServer
 
 
@@ -639,100 +638,47 @@ def worker_pids(supervisor_pid: int) -> list[int]:
     return sorted(workers)
 
 
-@pytest.mark.slow  # starts servers of two processes and of one
+@pytest.mark.slow  # 128 MiB, twice
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize(
     ("width", "asynchronous"),
     [(None, False), (256, False), (None, True)],
     ids=["new-table", "known-width", "async"],
 )
-def test_a_large_range_is_computed_by_every_server_process(
-    spawn_server: Callable[..., ServerProcess], width: int | None, asynchronous: bool
+def test_a_large_range_is_fetched_in_parts_over_the_connections(
+    server_factory: Callable[..., RunningServer], width: int | None, asynchronous: bool
 ) -> None:
-    """A range of 128 MiB is fetched in parts, one per process, at once: each process
-    computes its part (its CPU time shows it), and the parts make the exact table that a
-    server of one process sends in one stream."""
-    process = spawn_server(0, "--processes", "2")
-    workers = worker_pids(process.process.pid)
-    assert len(workers) == 2
+    """A range of 128 MiB travels as one stream per connection (up to 8, each part at least
+    16,384 rows), each part in its place: the parts make the exact table that one
+    connection gets in one stream. Connections that reach distinct server processes or
+    replicas have their parts computed at once."""
+    server = server_factory()
     rows = 1 << 16
     table = posenc.Spec("rotary", head_dim=256, rope_theta=123457.0)
-    before = [cpu_seconds(pid) for pid in workers]
+    recorder = Recorder()
     if asynchronous:
 
         async def fetch() -> np.ndarray[Any, Any]:
-            async with posenc.AsyncClient(process.target, connections=16) as client:
+            async with posenc.AsyncClient(server.target, connections=16) as client:
                 return await client.get_range(10**9, 10**9 + rows, table)
 
         spread = asyncio.run(fetch())
     else:
-        with posenc.Client(process.target, connections=16) as client:
+        with posenc.Client(server.target, connections=16, interceptors=[recorder]) as client:
             if width is not None:
                 client.get_range(0, 1, table)  # the width is known before the large range
-                before = [cpu_seconds(pid) for pid in workers]
+                recorder.calls.clear()
             spread = client.get_range(10**9, 10**9 + rows, table)
-    used = [cpu_seconds(pid) - start for pid, start in zip(workers, before, strict=True)]
-    # 16 connections all reaching one of 2 processes: probability 2**-15.
-    assert min(used) > 0.25 * sum(used), f"server processes' CPU seconds: {used}"
-    single = spawn_server(0)
-    with posenc.Client(single.target, connections=1) as one:
+        streams = [
+            (request.range.start - 10**9, request.range.stop - 10**9)
+            for method, _, request in recorder.calls
+            if method.endswith("/StreamEncoding")
+        ]
+        assert streams == [(part * rows // 4, (part + 1) * rows // 4) for part in range(4)]
+    with posenc.Client(server.target, connections=1) as one:
         whole = one.get_range(10**9, 10**9 + rows, table)
     assert spread.shape == (rows, 512)  # cos and sin
     assert same_bits(spread, whole)
-
-
-@pytest.mark.parametrize("reached", [(7, 1), (4, 4), (2, 3, 3)])
-def test_new_affinities_take_the_processes_in_turn_however_the_connections_fell(
-    reached: tuple[int, ...],
-) -> None:
-    """The kernel gives connections to processes at random (7 of 8 on one happens): new
-    decode loops (affinities) still take the processes in turn, each process's
-    connections in turn, and an affinity keeps its connection."""
-    servers = Servers(sum(reached))
-    channel = 0
-    for process, count in enumerate(reached):
-        for _ in range(count):
-            servers.learn(channel, [(SERVER_ID_METADATA, f"process-{process}")])
-            channel += 1
-    owner = [process for process, count in enumerate(reached) for _ in range(count)]
-    kept = [servers.keep(affinity) for affinity in range(6 * len(reached))]
-    per_process = [sum(owner[c] == p for c in kept) for p in range(len(reached))]
-    assert per_process == [6] * len(reached)
-    # Within a process, its connections in turn: as many distinct as it has, up to 6.
-    for process, count in enumerate(reached):
-        used = {c for c in kept if owner[c] == process}
-        assert len(used) == min(count, 6)
-    assert [servers.keep(affinity) for affinity in range(6 * len(reached))] == kept
-
-
-@pytest.mark.slow  # starts a server of two processes
-@pytest.mark.timeout(120)
-def test_decode_loops_of_several_threads_spread_over_the_processes(
-    spawn_server: Callable[..., ServerProcess],
-) -> None:
-    """Each thread's steps keep to one connection, so to one process; the client's first
-    such call learns which process each connection reaches (unary responses do not say),
-    and the threads' loops take turns over the processes: 4 threads on 2 processes, 2 each.
-    No large range (whose parts teach the client the same) comes first."""
-    process = spawn_server(0, "--processes", "2")
-    workers = worker_pids(process.process.pid)
-    with posenc.Client(process.target, connections=16) as client:
-        # A first step, not measured: the client learns its connections (and each process
-        # prepares the table: its cost is not the loops').
-        client.get_positions([0], 256)
-
-        def loop(thread: int) -> None:
-            rng = np.random.default_rng(thread)
-            for _ in range(40):  # scattered positions: every row computed, in the server
-                client.get_positions(rng.integers(0, 1 << 40, 64), 256)
-
-        before = [cpu_seconds(pid) for pid in workers]
-        with ThreadPoolExecutor(4) as executor:
-            list(executor.map(loop, range(4)))
-        used = [cpu_seconds(pid) - start for pid, start in zip(workers, before, strict=True)]
-    # Two loops each: about half the work each (three loops on one process, as a draw of
-    # connections gives half the time, would be a quarter for the other).
-    assert min(used) > 0.35 * sum(used), f"server processes' CPU seconds: {used}"
 
 
 @pytest.mark.slow  # starts servers of two processes and of one

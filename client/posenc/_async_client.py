@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator, Awaitable
 from types import TracebackType
-from typing import Any
+from typing import Any, assert_never
 
 import grpc
 import grpc.aio
@@ -84,7 +84,7 @@ class AsyncClient(
                         interceptors=interceptors,
                     )
                 self._channels.append(channel)
-            self._pool = Pool([Calls(channel) for channel in self._channels], self._core.servers)
+            self._pool = Pool([Calls(channel) for channel in self._channels])
         return self._pool
 
     async def __aenter__(self) -> AsyncClient:
@@ -125,26 +125,26 @@ class AsyncClient(
                 else:
                     await stepper.perform_async(self._perform, operation)
 
-    async def _perform(self, operation: core.Operation) -> Any:
-        if isinstance(operation, core.NextChunk):
-            chunk = await operation.call.call.read()
-            return None if chunk is _EOF else chunk
-        if isinstance(operation, core.InitialMetadata):
-            return await operation.call.call.initial_metadata()
-        if isinstance(operation, core.Unary):
-            method = getattr(self._connect().pick(_affinity(operation.affinity)), operation.method)
-            return await method(operation.request, timeout=operation.timeout)
-        if isinstance(operation, core.OpenStream):
-            pool = self._connect()
-            channel = pool.choose(_affinity(operation.affinity), operation.channel)
-            call = pool[channel].stream_encoding(operation.request, timeout=operation.timeout)
-            return core.Stream(call, channel)
-        if isinstance(operation, core.Sleep):
-            return await asyncio.sleep(operation.seconds)
-        if isinstance(operation, core.Wait):
-            return await asyncio.wait(operation.tokens, timeout=operation.timeout)
-        assert isinstance(operation, core.ReadAhead)
-        return self._read_ahead(operation.ahead)
+    async def _perform(self, operation: core.Performed) -> Any:
+        match operation:
+            case core.Unary(method, request, timeout, affinity):
+                call = getattr(self._connect().pick(_affinity(affinity)), method)
+                return await call(request, timeout=timeout)
+            case core.OpenStream(request, timeout, affinity, channel):
+                pool = self._connect()
+                calls = pool[pool.choose(_affinity(affinity), channel)]
+                return core.Stream(calls.stream_encoding(request, timeout=timeout))
+            case core.NextChunk(stream):
+                chunk = await stream.call.read()
+                return None if chunk is _EOF else chunk
+            case core.Sleep(seconds):
+                return await asyncio.sleep(seconds)
+            case core.Wait(tokens, timeout):
+                return await asyncio.wait(tokens, timeout=timeout)
+            case core.ReadAhead(ahead):
+                return self._read_ahead(ahead)
+            case _:
+                assert_never(operation)
 
     def _new_token(self) -> asyncio.Future[None]:
         return asyncio.get_running_loop().create_future()

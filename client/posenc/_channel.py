@@ -8,7 +8,6 @@ import itertools
 import math
 import operator
 import socket
-import threading
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Final
@@ -294,20 +293,19 @@ class Pool:
     threads still spread.
     """
 
-    def __init__(self, calls: Sequence[Calls], servers: Servers) -> None:
+    def __init__(self, calls: Sequence[Calls]) -> None:
         self._calls = tuple(calls)
-        self._servers = servers
         # itertools.count is one C call: threads sharing the client each get their own turn.
         self._turns = itertools.count()
 
     def choose(self, affinity: int | None = None, channel: int | None = None) -> int:
-        """The index of ``channel`` when given, else of the one that ``affinity`` keeps
-        (see :meth:`Servers.keep`), else of the next channel."""
+        """The index of ``channel`` when given, else of the one that ``affinity`` keeps,
+        else of the next channel."""
         if channel is not None:
             return channel
         if affinity is None:
             return next(self._turns) % len(self._calls)
-        return self._servers.keep(affinity)
+        return affinity % len(self._calls)
 
     def pick(self, affinity: int | None = None) -> Calls:
         """The calls of the next channel, or of the one that ``affinity`` keeps."""
@@ -315,79 +313,3 @@ class Pool:
 
     def __getitem__(self, channel: int) -> Calls:
         return self._calls[channel]
-
-
-class Servers:
-    """Which server process each of a client's channels reached, as its streams' initial
-    metadata said (``posenc_protocol.wire.SERVER_ID_METADATA``), so that the parts of a large range
-    go to distinct processes.
-
-    A server process computes a stream's blocks with about one core (its Python holds the
-    GIL): a range fetched in parts from two processes is computed by two. A connection that
-    reconnects may reach another process: every stream's metadata updates the channel's
-    entry. Thread-safe (one list item is set at a time).
-    """
-
-    #: The most parts a range is fetched in.
-    MAX_PARTS: Final = 8
-    #: The most affinities kept (the first kept is forgotten first).
-    MAX_KEPT: Final = 4096
-
-    def __init__(self, channels: int) -> None:
-        self._of: list[str | None] = [None] * channels
-        self._kept: dict[int, int] = {}
-        self._lock = threading.Lock()
-        self._turns = itertools.count()
-
-    def learn(self, channel: int, metadata: Iterable[tuple[str, Any]] | None) -> None:
-        """Records the process that a stream over ``channel`` reached ("" when its metadata
-        does not say: a server that does not name its processes is not asked again)."""
-        self._of[channel] = next(
-            (str(value) for key, value in metadata or () if key == wire.SERVER_ID_METADATA), ""
-        )
-
-    def unknown(self) -> list[int]:
-        """The channels no stream went over yet (or none that ended well)."""
-        return [index for index, server in enumerate(self._of) if server is None]
-
-    def parts(self) -> int:
-        """How many parts a large range is fetched in: one per server process known."""
-        return max(min(len(self._groups()), self.MAX_PARTS), 1)
-
-    def keep(self, affinity: int) -> int:
-        """The channel that calls of ``affinity`` keep to. Once every channel's process is
-        known, new affinities take the processes in turn (and each process's channels in
-        turn), however unevenly the connections fell on them, so that the decode loops of a
-        few threads spread over the processes evenly (each keeping to its own process, whose
-        cache holds its blocks); until then, ``affinity`` picks one (a partly known map
-        would crowd them on the known ones)."""
-        channel = self._kept.get(affinity)  # a decode step's path: no lock to find it
-        if channel is not None:
-            return channel
-        if None in self._of:
-            return affinity % len(self._of)
-        groups = list(self._groups().values()) or [list(range(len(self._of)))]
-        with self._lock:
-            channel = self._kept.get(affinity)
-            if channel is None:
-                turn = next(self._turns)
-                group = groups[turn % len(groups)]
-                channel = self._kept[affinity] = group[turn // len(groups) % len(group)]
-                if len(self._kept) > self.MAX_KEPT:
-                    del self._kept[next(iter(self._kept))]  # the first kept
-        return channel
-
-    def channel(self, part: int) -> int:
-        """The channel of a range's part ``part``: the first channel (in channel order) to
-        each known process, so that the parts of a range asked for again go where they
-        went and find their blocks cached there."""
-        order = [channels[0] for channels in self._groups().values()] or [0]
-        return order[part % len(order)]
-
-    def _groups(self) -> dict[str, list[int]]:
-        """The channels to each known process, in channel order."""
-        groups: dict[str, list[int]] = {}
-        for index, server in enumerate(self._of):
-            if server:
-                groups.setdefault(server, []).append(index)
-        return groups

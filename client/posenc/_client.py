@@ -9,7 +9,7 @@ import weakref
 from collections.abc import Iterator
 from concurrent import futures
 from types import TracebackType
-from typing import Any
+from typing import Any, assert_never
 
 import grpc
 
@@ -84,8 +84,7 @@ class Client(BaseClient[Result, ServerInfo, str, Iterator[Slice]]):
                 if self._interceptors
                 else Calls(channel)
                 for channel in self._channels
-            ],
-            self._core.servers,
+            ]
         )
 
     def __enter__(self) -> Client:
@@ -126,28 +125,26 @@ class Client(BaseClient[Result, ServerInfo, str, Iterator[Slice]]):
                 else:
                     stepper.perform(self._perform, operation)
 
-    def _perform(self, operation: core.Operation) -> Any:
-        if isinstance(operation, core.Unary | core.OpenStream):
-            # A call begun before close() (an iterator made earlier) starts no new RPC on a
-            # closed channel, whose own error would be a ValueError.
-            self._core.check_open()
-        if isinstance(operation, core.Unary):
-            method = getattr(self._pool.pick(_affinity(operation.affinity)), operation.method)
-            return method(operation.request, timeout=operation.timeout)
-        if isinstance(operation, core.NextChunk):
-            return next(operation.call.call, None)
-        if isinstance(operation, core.InitialMetadata):
-            return operation.call.call.initial_metadata()
-        if isinstance(operation, core.OpenStream):
-            channel = self._pool.choose(_affinity(operation.affinity), operation.channel)
-            call = self._pool[channel].stream_encoding(operation.request, timeout=operation.timeout)
-            return core.Stream(call, channel)
-        if isinstance(operation, core.Sleep):
-            return time.sleep(operation.seconds)
-        if isinstance(operation, core.Wait):
-            return futures.wait(operation.tokens, timeout=operation.timeout)
-        assert isinstance(operation, core.ReadAhead)
-        return self._read_ahead(operation.ahead)
+    def _perform(self, operation: core.Performed) -> Any:
+        match operation:
+            case core.Unary(method, request, timeout, affinity):
+                self._core.check_open()  # an iterator made before close() starts no new RPC
+                call = getattr(self._pool.pick(_affinity(affinity)), method)
+                return call(request, timeout=timeout)
+            case core.OpenStream(request, timeout, affinity, channel):
+                self._core.check_open()
+                calls = self._pool[self._pool.choose(_affinity(affinity), channel)]
+                return core.Stream(calls.stream_encoding(request, timeout=timeout))
+            case core.NextChunk(stream):
+                return next(stream.call, None)
+            case core.Sleep(seconds):
+                return time.sleep(seconds)
+            case core.Wait(tokens, timeout):
+                return futures.wait(tokens, timeout=timeout)
+            case core.ReadAhead(ahead):
+                return self._read_ahead(ahead)
+            case _:
+                assert_never(operation)
 
     def _new_token(self) -> futures.Future[None]:
         return futures.Future()

@@ -24,7 +24,7 @@ import numpy as np
 import numpy.typing as npt
 from grpc_health.v1 import health_pb2
 
-from posenc._channel import Servers, Settings
+from posenc._channel import Settings
 from posenc._checks import bad_argument
 from posenc._cursor import StreamCursor, decode_unary
 from posenc._output import Output, is_tensor, is_torch_dtype, positions_of, torch_dtype_name
@@ -64,10 +64,12 @@ from posenc.types import DEFAULT, DTypeArg, ServerInfo, Timeout, server_info_fro
 from posenc_protocol.v1 import posenc_pb2 as pb
 
 T = TypeVar("T")
-#: A range of at least this many rows is fetched in parts from several server processes at
-#: once (see ``Core._spread``), each part at least half of it. By rows, not bytes: a range
-#: asked for again must be split as it was, whether or not its width is known by then.
+#: A range of at least this many rows is fetched in parts over several connections at once
+#: (see ``Core._spread``), each part at least half of it. By rows, not bytes: a range asked
+#: for again must be split as it was, whether or not its width is known by then.
 SPREAD_MIN_ROWS: Final = 32768
+#: The most parts a range is fetched in.
+MAX_PARTS: Final = 8
 Rows: TypeAlias = npt.NDArray[Any]
 #: What a table method returns: a numpy array, a ``torch.Tensor``, or a ``(cos, sin)`` pair of
 #: either (see :mod:`posenc._output`).
@@ -105,15 +107,11 @@ class OpenStream:
     channel: int | None = None
 
 
-@dataclass(slots=True)
+@dataclass(frozen=True, slots=True)
 class Stream:
-    """A StreamEncoding call, and the channel it went over: its initial metadata, read
-    after its first read, tells :class:`posenc._channel.Servers` which process that
-    reached (``heard``: it was read)."""
+    """A StreamEncoding call, as the client made it."""
 
     call: Any
-    channel: int
-    heard: bool = False
 
     def cancel(self) -> None:
         self.call.cancel()
@@ -123,14 +121,6 @@ class Stream:
 class NextChunk:
     """Read the next response of ``call`` (a :class:`Stream`); None is sent back at its
     end."""
-
-    call: Stream
-
-
-@dataclass(frozen=True, slots=True)
-class InitialMetadata:
-    """Read the initial metadata of ``call`` (a :class:`Stream` whose first read returned
-    or failed: it is there, or never will be); it is sent back."""
 
     call: Stream
 
@@ -165,9 +155,9 @@ class ReadAhead:
     ahead: AheadFetch
 
 
-Operation: TypeAlias = (
-    Unary | OpenStream | NextChunk | InitialMetadata | Sleep | Wait | Deliver | ReadAhead
-)
+#: The operations a client performs (all but :class:`Deliver`, which its iterator yields).
+Performed: TypeAlias = Unary | OpenStream | NextChunk | Sleep | Wait | ReadAhead
+Operation: TypeAlias = Performed | Deliver
 Steps: TypeAlias = Generator[Operation, Any, T]
 
 
@@ -203,7 +193,7 @@ class Stepper(Generic[T]):
     def throw(self, error: BaseException) -> None:
         self._value, self._error = None, error
 
-    def perform(self, perform: Callable[[Operation], Any], operation: Operation) -> None:
+    def perform(self, perform: Callable[[Performed], Any], operation: Performed) -> None:
         """Performs ``operation``; its outcome goes to the steps at :meth:`next`."""
         try:
             self.send(perform(operation))
@@ -211,7 +201,7 @@ class Stepper(Generic[T]):
             self.throw(error)
 
     async def perform_async(
-        self, perform: Callable[[Operation], Awaitable[Any]], operation: Operation
+        self, perform: Callable[[Performed], Awaitable[Any]], operation: Performed
     ) -> None:
         """:meth:`perform`, awaited."""
         try:
@@ -298,9 +288,6 @@ class Core:
         self.settings = settings
         self.rows = rows
         self.widths = Widths()
-        self.servers = Servers(settings.connections)
-        # Whether a call that keeps to a connection has had the connections surveyed (once).
-        self._surveyed = settings.connections == 1
         # The server's stream limit, asked before the first range fetched in parts.
         self._max_stream_bytes: int | None = None
         self._new_token = new_token
@@ -533,8 +520,6 @@ class Core:
                     query.check_size(tables[0].shape[1])  # the whole, once the width is told
             return np.concatenate(tables)
         if self._large_range(query):
-            if self.servers.unknown():
-                yield from self._survey(query, budget)
             spread = self._parts(query)
             limit = (yield from self._stream_limit(budget)) if spread > 1 else None
             if limit is not None:
@@ -547,15 +532,8 @@ class Core:
             size = query.rows * query.dtype.itemsize
         if query.rows <= 0 or size <= unary_max:
             try:
-                affinity = _affinity(query)
-                if affinity is not None and not self._surveyed:
-                    # Calls that keep to a connection take turns over the processes only
-                    # once the client knows which process each connection reaches (see
-                    # Servers.keep); unary responses do not say: learn it now, once.
-                    self._surveyed = True
-                    yield from self._survey(query, budget)
                 request = query.unary_request()
-                tensor = yield from self._call("get_encoding", request, budget, affinity)
+                tensor = yield from self._call("get_encoding", request, budget, _affinity(query))
                 rows = decode_unary(tensor, query)
                 self.widths.learn(query.spec_key, rows.shape[1])
                 return rows
@@ -567,21 +545,6 @@ class Core:
         yield from self._stream(cursor, budget)
         return cursor.result()
 
-    def _read(self, call: Stream) -> Steps[Any]:
-        """The next response of ``call`` (None at its end). After its first read, which
-        returned or failed with an RpcError (not an interrupt, whose call may still wait
-        for it), records the process its initial metadata names (see ``Servers``)."""
-        if call.heard:
-            return (yield NextChunk(call))
-        call.heard = True
-        try:
-            chunk = yield NextChunk(call)
-        except grpc.RpcError:
-            self.servers.learn(call.channel, (yield InitialMetadata(call)))
-            raise
-        self.servers.learn(call.channel, (yield InitialMetadata(call)))
-        return chunk
-
     def _large_range(self, query: Query) -> bool:
         """Whether ``query`` is a range fetched in parts (see :meth:`_spread`)."""
         return (
@@ -591,29 +554,9 @@ class Core:
         )
 
     def _parts(self, query: Query) -> int:
-        """How many parts a large range is fetched in: one per server process the client's
-        channels reach (parts of at least half ``SPREAD_MIN_ROWS`` rows)."""
-        return min(self.servers.parts(), query.rows // (SPREAD_MIN_ROWS // 2))
-
-    def _survey(self, query: Query, budget: CallBudget) -> Steps[None]:
-        """Learns which server process each channel not known yet reaches: an empty range
-        of ``query``'s table streamed over each at once (its metadata names the process).
-        A channel whose stream fails before its metadata stays unknown (asked again at the
-        next large range); the call itself goes on."""
-        empty = dataclasses.replace(query, rows=0, positions=None, axes=1)
-
-        def hello(channel: int) -> Steps[None]:
-            request = empty.stream_request(0, None)
-            call = yield OpenStream(request, budget.attempt_timeout(), channel=channel)
-            try:
-                while (yield from self._read(call)) is not None:
-                    pass
-            except grpc.RpcError:
-                pass
-            finally:
-                call.cancel()
-
-        yield from _together([hello(channel) for channel in self.servers.unknown()])
+        """How many parts a large range is fetched in: one per connection, up to
+        ``MAX_PARTS``, each of at least half ``SPREAD_MIN_ROWS`` rows."""
+        return min(self.settings.connections, MAX_PARTS, query.rows // (SPREAD_MIN_ROWS // 2))
 
     def _stream_limit(self, budget: CallBudget) -> Steps[int | None]:
         """The server's stream limit (``max_stream_bytes``), asked once per client; None
@@ -629,16 +572,19 @@ class Core:
         return None if self._max_stream_bytes < 0 else self._max_stream_bytes
 
     def _spread(self, query: Query, budget: CallBudget, parts: int, limit: int) -> Steps[Rows]:
-        """A large range fetched in ``parts`` streams at once, each over a channel to a
-        different server process (see :class:`posenc._channel.Servers`), into one result.
+        """A large range fetched in ``parts`` streams at once, part ``i`` over channel ``i``
+        (so a range asked for again goes where it went, and finds its blocks cached there),
+        into one result.
 
-        One stream is computed by one server process, at most one core of it; parts going
-        to two processes are computed by two cores. Each part's rows are copied into their
+        One stream is computed by one server process, at most one core of it; parts that
+        the connections took to two processes (or replicas) are computed by two cores, at
+        the price of one more stream when they reach the same one. Each part's rows are
+        copied into their
         place in the result (allocated when the first chunk tells the width), and an
         interrupted part resumes on its own. The whole result is judged against the
         server's stream ``limit`` (and this machine's memory) before it is allocated, as
         one stream would be: the parts are each under it, and whether a range travels in
-        parts depends on the server's process count, never on whether it is served.
+        parts depends on the client's connections, never on whether it is served.
         """
         result: list[Rows] = []
 
@@ -659,7 +605,7 @@ class Core:
             piece = dataclasses.replace(query, start=query.start + first, rows=stop - first)
             cursor = self._cursor(piece, collect=True)
             cursor.into = functools.partial(into, first, stop)
-            streams.append(self._stream(cursor, budget, channel=self.servers.channel(part)))
+            streams.append(self._stream(cursor, budget, channel=part))
         yield from _together(streams)
         return result[0]
 
@@ -680,7 +626,7 @@ class Core:
             # connection: the one that failed may be gone.
             affinity = channel = None
             try:
-                while (chunk := (yield from self._read(call))) is not None:
+                while (chunk := (yield NextChunk(call))) is not None:
                     label, rows = cursor.accept(chunk)
                     self.widths.learn(cursor.query.spec_key, rows.shape[1])
                     if not collect:

@@ -18,9 +18,6 @@ from dataclasses import dataclass
 
 from google.protobuf.message import DecodeError
 
-#: Initial-metadata key of a StreamEncoding call: the answering process's ``server_id``.
-SERVER_ID_METADATA = "posenc-server-id"
-
 _VARINT = 0
 _I64 = 1
 _LEN = 2

@@ -31,7 +31,6 @@ import grpc
 import grpc.aio
 
 from posenc_protocol.v1 import posenc_pb2 as pb
-from posenc_protocol.wire import SERVER_ID_METADATA
 from posenc_server import admission, convert, metrics
 from posenc_server.admission import ByteBudget, Reservation
 from posenc_server.config import ServerConfig
@@ -84,7 +83,6 @@ class PositionalEncodingServicer:
         self._config = config
         self._specs = specs
         self._service = service
-        self._server_id_metadata = ((SERVER_ID_METADATA, service.server_id),)
         self._version = version
         self._pool = pool
         self._budget = budget
@@ -109,9 +107,7 @@ class PositionalEncodingServicer:
     async def StreamEncoding(
         self, requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext[bytes, bytes]
     ) -> AsyncIterator[bytes]:
-        """A table of any size as row-aligned chunks (serialized responses), after initial
-        metadata naming this process (a client spreads a large range's parts by it)."""
-        await context.send_initial_metadata(self._server_id_metadata)
+        """A table of any size as row-aligned chunks (serialized responses)."""
         async with self._admitted(context, 0) as (reservation, raw):
             started = self._last_call  # this call's, before any other can come (no await)
             # A known spec's small request is parsed here: a warm stream then needs no
