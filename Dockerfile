@@ -43,7 +43,7 @@ USER 10001:10001
 # gRPC, then Prometheus metrics (POSENC_METRICS_PORT).
 EXPOSE 50051 9464
 # `posenc health` reads the server's POSENC_TLS_* variables: it speaks TLS to a TLS server.
-HEALTHCHECK --interval=10s --timeout=3s --start-period=10s --retries=3 \
+HEALTHCHECK --interval=10s --timeout=3s --start-period=120s --retries=3 \
     CMD ["posenc", "health", "--target", "127.0.0.1:50051"]
 # SIGTERM drains: in-flight calls get POSENC_GRACE_SECONDS (30 s) to finish.
 STOPSIGNAL SIGTERM

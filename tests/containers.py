@@ -21,6 +21,7 @@ published on 127.0.0.1 only.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import functools
 import hashlib
 import json
@@ -150,6 +151,16 @@ class PodmanError(RuntimeError):
     pass
 
 
+@contextlib.contextmanager
+def _building() -> Iterator[None]:
+    """Held while images are built: make test runs test files in two processes, and two
+    builds of one image (or of its cached Debian root) at once would race."""
+    CACHE.mkdir(parents=True, exist_ok=True)
+    with open(CACHE / "build.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
+
+
 @dataclass(eq=False)
 class Podman:
     """The podman CLI with the runc runtime and explicit ulimits (a containers.conf)."""
@@ -185,6 +196,10 @@ class Podman:
     def debian_image(self, image: DebianImage) -> str:
         """The image's tag, building its root filesystem only when neither podman's store
         nor the cache holds it."""
+        with _building():
+            return self._debian_image(image)
+
+    def _debian_image(self, image: DebianImage) -> str:
         if self.image_exists(image.tag):
             return image.tag
         CACHE.mkdir(parents=True, exist_ok=True)
@@ -214,6 +229,10 @@ class Podman:
 
     def build_posenc(self, base: str, wheelhouse: Path, tag: str = IMAGE) -> str:
         """Builds the Dockerfile on ``base`` with the host's wheels; returns the image id."""
+        with _building():
+            return self._build_posenc(base, wheelhouse, tag)
+
+    def _build_posenc(self, base: str, wheelhouse: Path, tag: str) -> str:
         self.run(
             "build",
             "--format=docker",  # HEALTHCHECK is a Docker image field, not an OCI one
@@ -233,7 +252,9 @@ class Podman:
         """Runs the container's health check now (no systemd here to run it on a timer)."""
         return self.run("healthcheck", "run", container, check=False).returncode == 0
 
-    def wait_healthy(self, containers: Sequence[str], timeout: float = 60) -> None:
+    def wait_healthy(self, containers: Sequence[str], timeout: float = 240) -> None:
+        # A new container's processes compile the engine's kernels before they serve: three
+        # replicas of two processes on two cores take a minute or more.
         deadline = time.monotonic() + timeout
         for container in containers:
             while not self.healthy(container):
@@ -279,6 +300,12 @@ def wheelhouse() -> Path:
     ]
     recipe = json.dumps([requirements, sys.version_info[:2], sys.platform])
     directory = CACHE / f"wheels-{hashlib.sha256(recipe.encode()).hexdigest()[:16]}"
+    with _building():
+        _build_wheels(requirements, directory)
+    return directory
+
+
+def _build_wheels(requirements: list[str], directory: Path) -> None:
     if not directory.exists():
         partial = directory.with_suffix(".partial")
         shutil.rmtree(partial, ignore_errors=True)
@@ -287,7 +314,6 @@ def wheelhouse() -> Path:
         if result.returncode != 0:
             raise PodmanError(f"pip wheel failed:\n{result.stderr[-4000:]}")
         partial.rename(directory)
-    return directory
 
 
 def request_counts(metrics_text: str) -> int:

@@ -56,14 +56,13 @@ def _install() -> Path:
     try:
         constraints = staging / "constraints.txt"
         constraints.write_text("\n".join(_held_versions()))
-        subprocess.run(
-            [
-                *(sys.executable, "-m", "pip", "install", "--quiet", "--target", str(staging)),
-                *("--constraint", str(constraints), f"transformers=={OLDEST}"),
-            ],
-            check=True,
-            timeout=600,
-        )
+        command = [
+            *(sys.executable, "-m", "pip", "install", "--quiet", "--target", str(staging)),
+            *("--retries", "10", "--constraint", str(constraints), f"transformers=={OLDEST}"),
+        ]
+        # Once more after a failure: an index that failed to answer reads as a conflict.
+        if subprocess.run(command, timeout=600).returncode != 0:
+            subprocess.run(command, check=True, timeout=600)
         constraints.unlink()
         try:
             staging.rename(TARGET)  # atomic: a concurrent run's copy may have won
