@@ -100,9 +100,9 @@ def stream_with_server_rss(sizes: Sizes, server: ServerProcess) -> dict[str, Any
 
 
 def sizing_rule_bytes(stream: dict[str, Any]) -> int:
-    """The README's memory sizing rule for the streaming server: its cache budget, 310 MiB
-    per server process (Python, gRPC, numpy, numba's compiler, the spec table, calls in
-    flight) and 64 MiB for the supervisor of worker processes."""
+    """The memory sizing rule (docs/operations.md, "Scaling") for the streaming server: its
+    cache budget, 310 MiB per server process (Python, gRPC, numpy, numba's compiler, the spec
+    table, calls in flight) and 64 MiB for the supervisor of worker processes."""
     processes = stream["server_processes"]
     workers, supervisor = (processes - 1, 64 * MIB) if processes > 1 else (1, 0)
     return int(stream["cache_budget_bytes"]) + workers * 310 * MIB + supervisor
@@ -134,7 +134,7 @@ def add_server_rss(section: Section, stream: dict[str, Any]) -> None:
                 ],
                 ["peak RSS, VmHWM", f"{stream['server_hwm_kib'] / 1024:.0f}"],
                 [
-                    "target: the README's sizing rule (budget + 310 MiB per server process + "
+                    "target: the sizing rule (budget + 310 MiB per server process + "
                     "64 MiB for a supervisor)",
                     f"{limit / MIB:.0f}",
                 ],
@@ -146,7 +146,7 @@ def add_server_rss(section: Section, stream: dict[str, Any]) -> None:
         )
     )
     section.targets.append(
-        Target("server peak RSS / the README's sizing rule", ratio(peak_bytes, limit), "<=", 1.0)
+        Target("server peak RSS / the sizing rule", ratio(peak_bytes, limit), "<=", 1.0)
     )
     section.notes.append(
         f"Server RSS is summed over {stream['server_processes']} server process(es) "

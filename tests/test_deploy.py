@@ -32,8 +32,9 @@ VERSIONS = sorted(
     {v for v in all_versions() if tuple(map(int, v.split(".")[:2])) >= (1, 27)},
     key=lambda v: tuple(map(int, v.split("."))),
 )
-# The README's sizing rule: the cache budget, plus this per server process (Python, gRPC and
-# numpy, numba's compiler, the spec table, the calls in flight), plus this for the supervisor.
+# The sizing rule (docs/operations.md, "Scaling"): the cache budget, plus this per server
+# process (Python, gRPC and numpy, numba's compiler, the spec table, the calls in flight),
+# plus this for the supervisor.
 PER_PROCESS = 310 * MIB
 SUPERVISOR = 64 * MIB
 

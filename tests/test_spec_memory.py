@@ -74,7 +74,7 @@ def _tree_peak_mib(supervisor_pid: int) -> tuple[float, list[float]]:
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-def test_spec_churn_with_2_processes_stays_within_the_readme_sizing_rule(
+def test_spec_churn_with_2_processes_stays_within_the_sizing_rule(
     spawn_server: Callable[..., ServerProcess],
 ) -> None:
     # README, Kubernetes: "the cache budget plus 310 MiB per server process ... plus 64 MiB

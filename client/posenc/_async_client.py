@@ -68,6 +68,9 @@ class AsyncClient(
         loop.
         """
         self._core.check_open()  # ClientClosedError, as the blocking client raises
+        if self._pool is None and self._transport is not None:
+            calls = self._transport.calls_for(asynchronous=True)
+            self._pool = Pool([calls] * self._core.settings.connections)
         if self._pool is None:
             settings = self._core.settings
             interceptors = list(self._interceptors) or None

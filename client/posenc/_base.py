@@ -30,6 +30,7 @@ from posenc._rows import (
     AheadFetch,
     RowCache,
 )
+from posenc.testing import MockTransport
 from posenc.types import DEFAULT, ClassicOptions, DTypeArg, Table, Timeout
 
 # What the methods return: the value itself (Client) or an awaitable of it (AsyncClient).
@@ -72,6 +73,8 @@ class BaseClient(Generic[ArrayT, InfoT, StatusT, SlicesT]):
             fetched in parts, one per connection (up to 8). A server's worker processes share its
             port and the kernel gives each connection to one of them at random: more
             connections than the server has processes reach most of them.
+        transport: A :class:`posenc.testing.MockTransport` that answers every call in this
+            process instead of a server, for tests; the target is then not used.
         token: Bearer token sent with every call, for servers started with
             ``--auth-token-file``, as gRPC call credentials: it needs ``credentials``
             (TLS, or local credentials for a server on this machine), and a ValueError
@@ -105,6 +108,7 @@ class BaseClient(Generic[ArrayT, InfoT, StatusT, SlicesT]):
         readahead_bytes: int = DEFAULT_READAHEAD_BYTES,
         interceptors: Sequence[Any] = (),
         connections: int = DEFAULT_CONNECTIONS,
+        transport: MockTransport | None = None,
     ) -> None:
         settings = Settings.create(
             target,
@@ -120,6 +124,7 @@ class BaseClient(Generic[ArrayT, InfoT, StatusT, SlicesT]):
         self._core = Core(settings, rows, self._new_token)
         self._credentials = channel_credentials(credentials, token)
         self._interceptors = tuple(interceptors)
+        self._transport = transport
         self._setup()
 
     @property

@@ -72,6 +72,11 @@ class Client(BaseClient[Result, ServerInfo, str, Iterator[Slice]]):
         self._ahead_lock = threading.Lock()
         settings = self._core.settings
         self._channels: list[grpc.Channel] = []
+        if self._transport is not None:
+            self._pool = Pool(
+                [self._transport.calls_for(asynchronous=False)] * settings.connections
+            )
+            return
         for _ in range(settings.connections):
             if self._credentials is None:
                 channel = grpc.insecure_channel(settings.target, settings.options)

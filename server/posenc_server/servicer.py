@@ -54,13 +54,13 @@ T = TypeVar("T")
 
 # Requests up to this size (a few hundred positions) with results up to this size may be
 # answered on the event loop (see _unary_from_cache). 1 MiB: a 64-sequence decode step of
-# d_model 4096, whose gather and copy (~0.3 ms) cost less server CPU than the trip to the
-# pool and back (measured 2.85 -> 2.5 ms of server CPU per call).
+# d_model 4096, whose gather and copy cost less server CPU than the trip to the pool and
+# back.
 _INLINE_REQUEST_BYTES = 4096
 _INLINE_RESULT_BYTES = 1 << 20
 # A range's stream step may run on the event loop while each takes at most this long
-# (see _computes_here): a block takes at most a few milliseconds in any dtype (float16,
-# the slowest, 1-2), and often twice as long measured on the pool.
+# (see _computes_here): a block takes at most a few milliseconds in any dtype, and often
+# twice as long measured on the pool.
 _INLINE_STEP_SECONDS = 0.005
 _QUIET_SECONDS = 0.1
 _GET_ENCODING = convert.tolerant_parser(pb.GetEncodingRequest)
@@ -312,7 +312,7 @@ def _step(steps: StreamSteps, may_compute: bool) -> bytes | None:
 def _timed_step(steps: StreamSteps) -> tuple[bytes | None, float]:
     """The stream's next message, computed if need be, and the seconds it took: wall time,
     which is the CPU's on the loop and no less on the pool (a thread's CPU clock is a system
-    call: 0.8 us here against 0.06)."""
+    call, an order of magnitude dearer than the wall clock)."""
     started = time.perf_counter()
     message = _step(steps, may_compute=True)
     return message, time.perf_counter() - started
