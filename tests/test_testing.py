@@ -84,3 +84,17 @@ def test_the_async_client_takes_a_transport_too() -> None:
     np.testing.assert_array_equal(small, expected([3, 2]))
     np.testing.assert_array_equal(large, expected(range(10, 200_010)))
     assert health == "SERVING"
+
+
+def test_a_growing_table_runs_on_the_clients_calls() -> None:
+    """GrowingTable's reads are the client's own call steps: here answered by the handler,
+    one range to grow, none for held rows, a positions call for a far one."""
+    transport = MockTransport(rows_of)
+    with posenc.Client(transport=transport) as client:
+        table = posenc.GrowingTable(client, WIDTH, min_rows=64)
+        np.testing.assert_array_equal(table.get([3, 9]), expected([3, 9]))
+        np.testing.assert_array_equal(table.get([60, 0]), expected([60, 0]))
+        np.testing.assert_array_equal(table.get([10**9, 1]), expected([10**9, 1]))
+    selections = [request.WhichOneof("selection") for request in transport.calls]
+    assert selections == ["range", "positions"]
+    assert len(table) == 64

@@ -23,20 +23,21 @@ send, and for the table to hold; reads repeat the halves, in the pass that copie
 out, so a prefill costs what it did.
 
 :class:`AsyncGrowingTable` is the same table over a :class:`posenc.AsyncClient`: both run
-one plan (``_Plan``), which holds everything but the calls and yields the fetches it needs.
+one plan (``_Plan``), whose reads are steps of the client's own calls (``posenc._core``),
+driven by the client as its table methods are.
 """
 
 from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import Callable, Generator
-from dataclasses import dataclass
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Final, Generic, TypedDict, TypeVar, Unpack
 
 import numpy as np
 import numpy.typing as npt
 
+from posenc._core import Core, Steps
 from posenc._memory import new_array
 from posenc._output import (
     Output,
@@ -74,44 +75,20 @@ _TORCH_GATHER_MAX: Final = 4096
 T = TypeVar("T")
 
 
-@dataclass(frozen=True)
-class _Range:
-    """Fetch rows ``[start, stop)`` into ``out`` (None: into a new array, the answer)."""
-
-    start: int
-    stop: int
-    out: npt.NDArray[Any] | None = None
-
-
-@dataclass(frozen=True)
-class _Positions:
-    """Fetch the rows of ``positions`` for one call (the answer); the table keeps them not."""
-
-    positions: npt.NDArray[np.int64]
-
-
-class _Grow:
-    """The table grows from here: the caller must hold the table's lock (answer: None)."""
-
-
-_GROW: Final = _Grow()
-_Fetch = _Grow | _Range | _Positions
-# A step of the plan: what to fetch next; the answer is sent back in.
-_Steps = Generator[_Fetch, Any, T]
-
-
 class _Plan:
     """The growing table without its calls: its rows, its growth policy and its reads.
 
-    Methods that may need rows from the server are generators: they yield ``_GROW`` before
-    growing (the caller takes the table's lock, then runs the plan again: another caller may
-    have grown the table meanwhile), then a ``_Range``, or a ``_Positions`` (rows for one
-    call), and take the rows back, so that the blocking and the asyncio table share every
-    decision.
+    Methods that may need rows from the server return the steps of ``core``'s calls
+    (:mod:`posenc._core`), which the table's client drives, so that the blocking and the
+    asyncio table share every decision. A read that grows the table (``grows`` says so
+    beforehand) runs under the table's lock, and decides again there: another caller may have
+    grown the table meanwhile.
     """
 
     def __init__(
         self,
+        core: Core,
+        timeout: Timeout,
         table: Table,
         dtype: DTypeArg,
         min_rows: int,
@@ -120,6 +97,8 @@ class _Plan:
     ) -> None:
         if min_rows < 1 or max_bytes < 1 or max_step_bytes < 1:
             raise ValueError("min_rows, max_bytes and max_step_bytes must be positive")
+        self.core = core
+        self.timeout = timeout
         self.table = table
         self.rotary = isinstance(table, Spec) and table.kind == "rotary"
         # A rotary table in transformers' layout repeats each half of a row ([c, c | s, s]):
@@ -189,17 +168,41 @@ class _Plan:
         # ``width``: of the held rows, which are what memory holds.
         return max(self.max_bytes // (width * self.dtype.itemsize), 1)
 
+    # -- calls ----------------------------------------------------------------------------------
+
+    def _range(self, start: int, stop: int, out: npt.NDArray[Any] | None = None) -> Steps[Any]:
+        """Rows ``[start, stop)`` of the held table (into ``out`` when given), as
+        ``get_range`` fetches them."""
+        query, output = self.core.range_query(
+            start, stop, self.fetch_table, self.dtype, {}, out=out
+        )
+        return (yield from self.core.fetch(query, output, self.timeout))
+
+    def _positions(self, positions: npt.NDArray[np.int64]) -> Steps[Any]:
+        """The rows of ``positions``, as ``get_positions`` fetches them."""
+        query, output = self.core.positions_query(positions, self.fetch_table, self.dtype, {})
+        return (yield from self.core.fetch_positions(query, output, self.timeout))
+
     # -- growth ---------------------------------------------------------------------------------
 
-    def reserve(self, stop: int) -> _Steps[None]:
+    def grows(
+        self, stop: int | None = None, positions: npt.NDArray[np.int64] | None = None
+    ) -> bool:
+        """Whether ``reserve(stop)``, or ``gather(positions)``, extends the table."""
+        if positions is not None:
+            if positions.size == 0:
+                return self.width is None
+            stop = self._growth_stop(positions)
+        return stop is not None and stop > self.held
+
+    def reserve(self, stop: int) -> Steps[None]:
         """Hold at least rows ``[0, stop)``; ResourceExhaustedError past ``max_bytes``."""
         held, width = self.held, self.held_width
         if stop <= held:
             return
-        yield _GROW
         if width is None:
             stop = max(stop, self.min_rows)
-            rows = yield _Range(0, stop)
+            rows = yield from self._range(0, stop)
             width = int(rows.shape[1])
             if stop > self._max_rows(width):
                 # The width was unknown until now: keep what the budget allows.
@@ -216,27 +219,26 @@ class _Plan:
             assert self.rows is not None
             rows[:held] = self.rows
             # Straight into the new buffer (streamed when large): one copy, O(chunk) extra.
-            yield _Range(held, len(rows), rows[held:])
+            yield from self._range(held, len(rows), rows[held:])
         self.fetches += 1
         self.rows = rows  # one reference swap: readers see the old or the new table
         self._tensor = None  # (its tensor of the old rows would keep them alive)
 
-    def _grow_for(self, positions: npt.NDArray[np.int64]) -> _Steps[None]:
-        """Extends the table over the positions of a request past its end that are near the
-        end (within the next extension) or dense enough to fill what they add; the others
-        (sparse, far) are fetched for the call."""
+    def _growth_stop(self, positions: npt.NDArray[np.int64]) -> int | None:
+        """Where the table grows to for the positions of a request past its end that are
+        near the end (within the next extension) or dense enough to fill what they add; the
+        others (sparse, far) are fetched for the call. None: it does not grow."""
         held = self.held
         past = distinct(positions[positions >= held])
-        if past.size == 0:
-            return
         if (width := self.held_width) is not None:
             past = past[past < self._max_rows(width)]
+        if past.size == 0:
+            return None
         # The i-th position past the end is worth growing to if the rows it adds are at
         # most _SPARSE times the positions of the request they cover.
         covered = _SPARSE * np.arange(1, past.size + 1)
         worth = past + 1 - held <= np.maximum(covered, max(held, self.min_rows))
-        if worth.any():
-            yield from self.reserve(int(past[np.flatnonzero(worth)[-1]]) + 1)
+        return int(past[np.flatnonzero(worth)[-1]]) + 1 if worth.any() else None
 
     # -- reading --------------------------------------------------------------------------------
 
@@ -292,17 +294,20 @@ class _Plan:
         )
         return output, as_positions(array)
 
-    def gather(self, flat: npt.NDArray[np.int64], host: npt.NDArray[Any] | None) -> _Steps[Any]:
+    def gather(
+        self, flat: npt.NDArray[np.int64], host: npt.NDArray[Any] | None, grow: bool
+    ) -> Steps[Any]:
         """The rows of ``flat``: from memory, growing first if the request reaches past the
-        end, and fetched for the call where the table does not hold them."""
+        end (``grow``: under the table's lock), and fetched for the call where the table
+        does not hold them."""
         if flat.size == 0:
             if self.width is None:  # the width is the server's: one row tells it
                 yield from self.reserve(1)
             assert self.width is not None
             return np.empty((0, self.width), dtype=self.dtype)
         low, top = int(flat.min()), int(flat.max())
-        if top >= self.held:
-            yield from self._grow_for(flat)
+        if grow and top >= self.held and (stop := self._growth_stop(flat)) is not None:
+            yield from self.reserve(stop)
         rows = self.rows
         held = 0 if rows is None else len(rows)
         if rows is None or low < 0 or top >= held:
@@ -323,13 +328,13 @@ class _Plan:
 
     def _mixed(
         self, flat: npt.NDArray[np.int64], rows: npt.NDArray[Any] | None
-    ) -> _Steps[npt.NDArray[Any]]:
+    ) -> Steps[npt.NDArray[Any]]:
         """Rows of positions some of which the table does not hold: those are fetched, once
         each, for this call."""
         held = 0 if rows is None else len(rows)
         outside = (flat < 0) | (flat >= held)
         wanted, inverse = np.unique(flat[outside], return_inverse=True)
-        fetched = yield _Positions(wanted)
+        fetched = yield from self._positions(wanted)
         self.fetches += 1
         result = np.empty((len(flat), fetched.shape[1]), dtype=self.dtype)
         result[outside] = fetched[inverse]
@@ -367,8 +372,7 @@ class _TableBase(Generic[ClientT]):
         timeout: Timeout = DEFAULT,
     ) -> None:
         self._client: ClientT = client
-        self._plan = _Plan(table, dtype, min_rows, max_bytes, max_step_bytes)
-        self._timeout = timeout
+        self._plan = _Plan(client._core, timeout, table, dtype, min_rows, max_bytes, max_step_bytes)
 
     @property
     def table(self) -> Table:
@@ -395,22 +399,6 @@ class _TableBase(Generic[ClientT]):
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.table!r}, dtype={self.dtype.name}, rows={len(self)})"
-
-    def _fetch_arguments(self, fetch: _Range | _Positions) -> tuple[Any, ...]:
-        table = self._plan.fetch_table
-        if isinstance(fetch, _Range):
-            return (fetch.start, fetch.stop, table)
-        return (fetch.positions, table)
-
-
-def _finish(steps: _Steps[T], fetch: Callable[[_Fetch], Any]) -> T:
-    """Run ``steps`` to their result, fetching what they ask for."""
-    try:
-        step = next(steps)
-        while True:
-            step = steps.send(fetch(step))
-    except StopIteration as done:
-        return done.value  # type: ignore[no-any-return]
 
 
 class GrowingTable(_TableBase["Client"]):
@@ -447,7 +435,7 @@ class GrowingTable(_TableBase["Client"]):
         Raises:
             posenc.ResourceExhaustedError: ``stop`` rows exceed ``max_bytes``.
         """
-        self._run(lambda: self._plan.reserve(stop))
+        self._run(lambda: self._plan.reserve(stop), self._plan.grows(stop))
 
     def get(
         self,
@@ -470,30 +458,15 @@ class GrowingTable(_TableBase["Client"]):
         if held is not None:
             return held
         output, flat = self._plan.output(positions, out, device, cos_sin)
-        return output.finish(self._run(lambda: self._plan.gather(flat, output.host)))
+        grows = self._plan.grows(positions=flat)
+        steps = lambda: self._plan.gather(flat, output.host, grows)  # noqa: E731
+        return output.finish(self._run(steps, grows))
 
-    def _run(self, plan: Callable[[], _Steps[T]]) -> T:
-        steps = plan()
-        try:
-            step = next(steps)
-            while isinstance(step, _Positions):
-                step = steps.send(self._fetch(step))
-        except StopIteration as done:
-            return done.value  # type: ignore[no-any-return]
-        # Growth: redone under the lock (another thread may have grown the table meanwhile).
-        steps.close()
-        with self._lock:
-            return _finish(plan(), self._fetch)
-
-    def _fetch(self, fetch: _Fetch) -> Any:
-        if isinstance(fetch, _Grow):
-            return None
-        arguments = self._fetch_arguments(fetch)
-        if isinstance(fetch, _Range):
-            return self._client.get_range(
-                *arguments, dtype=self.dtype, out=fetch.out, timeout=self._timeout
-            )
-        return self._client.get_positions(*arguments, dtype=self.dtype, timeout=self._timeout)
+    def _run(self, plan: Callable[[], Steps[T]], grows: bool) -> T:
+        if not grows:
+            return self._client._run(plan())  # type: ignore[no-any-return]
+        with self._lock:  # the plan decides again here: the table may have grown meanwhile
+            return self._client._run(plan())  # type: ignore[no-any-return]
 
 
 class AsyncGrowingTable(_TableBase["AsyncClient"]):
@@ -517,7 +490,7 @@ class AsyncGrowingTable(_TableBase["AsyncClient"]):
 
     async def reserve(self, stop: int) -> None:
         """Holds at least rows ``[0, stop)`` (see :meth:`GrowingTable.reserve`)."""
-        await self._run(lambda: self._plan.reserve(stop))
+        await self._run(lambda: self._plan.reserve(stop), self._plan.grows(stop))
 
     async def get(
         self,
@@ -532,33 +505,12 @@ class AsyncGrowingTable(_TableBase["AsyncClient"]):
         if held is not None:
             return held
         output, flat = self._plan.output(positions, out, device, cos_sin)
-        return output.finish(await self._run(lambda: self._plan.gather(flat, output.host)))
+        grows = self._plan.grows(positions=flat)
+        steps = lambda: self._plan.gather(flat, output.host, grows)  # noqa: E731
+        return output.finish(await self._run(steps, grows))
 
-    async def _run(self, plan: Callable[[], _Steps[T]]) -> T:
-        steps = plan()
-        try:
-            step = next(steps)
-            while isinstance(step, _Positions):
-                step = steps.send(await self._fetch(step))
-        except StopIteration as done:
-            return done.value  # type: ignore[no-any-return]
-        # Growth: redone under the lock (another task may have grown the table meanwhile).
-        steps.close()
-        async with self._lock:
-            steps = plan()
-            try:
-                step = next(steps)
-                while True:
-                    step = steps.send(await self._fetch(step))
-            except StopIteration as finished:
-                return finished.value  # type: ignore[no-any-return]
-
-    async def _fetch(self, fetch: _Fetch) -> Any:
-        if isinstance(fetch, _Grow):
-            return None
-        arguments = self._fetch_arguments(fetch)
-        if isinstance(fetch, _Range):
-            return await self._client.get_range(
-                *arguments, dtype=self.dtype, out=fetch.out, timeout=self._timeout
-            )
-        return await self._client.get_positions(*arguments, dtype=self.dtype, timeout=self._timeout)
+    async def _run(self, plan: Callable[[], Steps[T]], grows: bool) -> T:
+        if not grows:
+            return await self._client._run(plan())  # type: ignore[no-any-return]
+        async with self._lock:  # the plan decides again here: the table may have grown
+            return await self._client._run(plan())  # type: ignore[no-any-return]
