@@ -73,6 +73,27 @@ def test_fetch_positions_file(server: RunningServer, tmp_path: Path) -> None:
         assert np.array_equal(np.load(out), expected)
 
 
+def test_fetch_positions_file_of_coordinates(server: RunningServer, tmp_path: Path) -> None:
+    """A kind of several position axes takes [rows, axes] coordinates, from .npy or from
+    text with a row per line; a file of another shape is a one-line error."""
+    coordinates = np.array([[0, 3, 5], [7, 1 << 30, 2], [1, 1, 1]], dtype=np.int64)
+    as_npy, as_text = tmp_path / "c.npy", tmp_path / "c.txt"
+    np.save(as_npy, coordinates)
+    as_text.write_text("\n".join(" ".join(map(str, row)) for row in coordinates) + "\n")
+    spec = posenc.Spec("rotary_axes", axes_dim=[4, 6, 6])
+    with posenc.Client(server.target) as client:
+        expected = client.get_positions(coordinates, spec)
+    table = ["--table", "rotary_axes", "--param", "axes_dim=4,6,6", "--target", server.target]
+    for source in (as_npy, as_text):
+        out = tmp_path / f"out-{source.suffix[1:]}.npy"
+        assert main(["fetch", "--positions-file", str(source), *table, "-o", str(out)]) == 0
+        assert np.array_equal(np.load(out), expected)
+    np.save(as_npy, coordinates[:, :2])
+    out = tmp_path / "refused.npy"
+    assert main(["fetch", "--positions-file", str(as_npy), *table, "-o", str(out)]) == 1
+    assert not out.exists()
+
+
 def test_fetch_uses_env_target(
     server: RunningServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

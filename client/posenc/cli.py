@@ -46,6 +46,7 @@ from posenc.spec import (
     kind_message,
     kind_names,
     parameter_fields,
+    position_axes,
 )
 from posenc.types import TableKind
 from posenc_protocol.numbers import exact_integer, integer
@@ -608,12 +609,21 @@ def _install_command(extra: str) -> str:
 # -- fetch ------------------------------------------------------------------------------
 
 
-def _load_positions(path: Path) -> npt.NDArray[np.int64]:
+def _load_positions(path: Path, axes: int) -> npt.NDArray[np.int64]:
+    """A positions file's rows: ``[n]`` positions, or ``[n, axes]`` coordinates for a kind of
+    several position axes (text: a row's coordinates on one line)."""
     if path.suffix == ".npy":
         data = np.load(path, allow_pickle=False)
     else:
-        data = np.loadtxt(path, dtype=np.int64, ndmin=1)
-    return as_positions(data)
+        data = np.loadtxt(path, dtype=np.int64, ndmin=2 if axes > 1 else 1)
+    if axes == 1:
+        return as_positions(data)
+    if data.ndim != 2 or data.shape[1] != axes:
+        raise ValueError(
+            f"{path}: a table of {axes} position axes takes [rows, {axes}] coordinates, "
+            f"got shape {list(data.shape)}"
+        )
+    return np.stack([as_positions(column) for column in data.T], axis=1)
 
 
 def _human_bytes(size: float) -> str:
@@ -655,7 +665,7 @@ def _fetch(args: argparse.Namespace) -> int:
         if args.positions_file is not None:
             if args.start is not None:
                 raise _usage_error("give either START STOP or --positions-file, not both")
-            positions = _load_positions(args.positions_file)
+            positions = _load_positions(args.positions_file, position_axes(table.kind))
             rows, origin = len(positions), 0
             slices = client.iter_positions(positions, table, **options)
         elif args.start is None and args.stop is None and table.grid_shape is not None:
