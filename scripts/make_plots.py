@@ -1,4 +1,4 @@
-"""Draws the README's pictures: ``make plots`` (python scripts/make_plots.py DIRECTORY).
+"""Draws the pictures of the README and the docs: ``make plots``.
 
 Starts a posenc server on a free loopback port, in this process, and runs
 ``posenc plot KIND ... -o DIRECTORY/NAME.png`` against it for each picture.
@@ -30,6 +30,7 @@ PICTURES: dict[str, list[str]] = {
     "rotation": ["rotation"],
     "similarity": ["similarity"],
     "wavelength": ["wavelength"],
+    "table-rotary-axes": ["table"],
 }
 
 

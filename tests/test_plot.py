@@ -261,7 +261,7 @@ def test_wavelengths_run_from_two_pi_to_two_pi_base(client: posenc.Client) -> No
 # -- rendering and the command --------------------------------------------------------------
 
 
-@pytest.mark.slow  # six figures drawn by matplotlib: about 3 s
+@pytest.mark.slow  # seven figures drawn by matplotlib: about 3 s
 def test_every_figure_renders_a_png_of_the_expected_size(
     client: posenc.Client, tmp_path: Path
 ) -> None:
@@ -277,6 +277,9 @@ def test_every_figure_renders_a_png_of_the_expected_size(
         ),
         "similarity": plot.draw_similarity(plot.similarity(client, 8, shifts=np.arange(1, 50))),
         "wavelength": plot.draw_wavelengths(plot.wavelengths(client, 8)),
+        "table": plot.draw_table(
+            plot.table_rows(client, posenc.Spec("mrope", head_dim=16, mrope_section=[2, 3, 3]))
+        ),
     }
     assert set(figures) == set(plot.FIGURES)
     for name, drawn in figures.items():
@@ -402,3 +405,27 @@ def test_the_figures_page_quotes_the_figures_data(client: posenc.Client) -> None
     quoted.append(f"{longest[0]:,.0f}, {longest[1]:,.0f} and {longest[2] / 1e6:.3g} million")
     missing = [text for text in quoted if text not in section]
     assert not missing, f"docs/figures.md is stale (make plots, then update): {missing}"
+
+
+@pytest.mark.parametrize(
+    ("spec", "label"),
+    [
+        (posenc.Spec("rotary_axes", axes_dim=[4, 6, 6]), "coordinate"),
+        (posenc.Spec("sincos_grid_2d", embed_dim=8, grid_height=4, grid_width=5), "cell"),
+        (posenc.Spec("rotary", head_dim=8), "position"),
+    ],
+)
+def test_the_table_figure_takes_every_kind(
+    client: posenc.Client, spec: posenc.Spec, label: str
+) -> None:
+    """Its rows are the server's rows at the coordinates, cells or positions it names."""
+    data = plot.table_rows(client, spec, rows=16)
+    assert data.label.startswith(label)
+    if label == "coordinate":  # a 4 x 4 square of (h, w), frame 0
+        square = [(0, h, w) for h in range(4) for w in range(4)]
+        expected = client.get_positions(square, spec, dtype="float64")
+    elif label == "cell":
+        expected = client.get_grid(spec, dtype="float64").reshape(20, -1)[:16]
+    else:
+        expected = client.get_range(0, 16, spec, dtype="float64")
+    np.testing.assert_array_equal(data.rows, expected)

@@ -33,7 +33,7 @@ import numpy as np
 import numpy.typing as npt
 
 from posenc._client import Client
-from posenc.spec import Spec
+from posenc.spec import Spec, position_axes
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -698,6 +698,52 @@ def draw_wavelengths(data: Wavelengths) -> Figure:
     return fig
 
 
+@dataclass(frozen=True)
+class Rows:
+    """Rows of any table kind, with what they are the rows of."""
+
+    spec: Spec
+    rows: Floats
+    """``[n, width]``, float64."""
+    label: str
+    """What the rows run over: positions, or coordinates."""
+
+
+def table_rows(client: Client, spec: Spec, rows: int = 256) -> Rows:
+    """Up to ``rows`` rows of ``spec``: a grid kind's first cells in row-major order; a kind
+    of several position axes over a square of its last two axes (the others 0, as a frame
+    of an image or video); any other kind at positions ``[0, rows)``."""
+    if spec.grid_shape is not None:
+        grid = np.asarray(client.get_grid(spec, dtype="float64"), dtype=np.float64)
+        table = grid.reshape(-1, grid.shape[-1])[:rows]
+        shape = " x ".join(map(str, spec.grid_shape))
+        return Rows(spec, table, f"cell of the {shape} grid, row-major")
+    axes = position_axes(spec.kind)
+    if axes > 1:
+        side = math.isqrt(rows)
+        line = np.arange(side)
+        coordinates = np.zeros((side * side, axes), dtype=np.int64)
+        coordinates[:, -2], coordinates[:, -1] = np.repeat(line, side), np.tile(line, side)
+        table = _rows(client, coordinates, spec)
+        return Rows(spec, table, f"coordinate (0, .., h, w), h and w in [0, {side})")
+    table = np.asarray(client.get_range(0, rows, spec, dtype="float64"), dtype=np.float64)
+    return Rows(spec, table, "position")
+
+
+def draw_table(data: Rows) -> Figure:
+    """The rows as an image, columns across."""
+    fig = _new_figure()
+    axes = fig.subplots()
+    image = axes.imshow(
+        data.rows, aspect="auto", cmap="RdBu_r", vmin=-1, vmax=1, interpolation="nearest"
+    )
+    fig.colorbar(image, ax=axes, shrink=0.8)
+    axes.set_xlabel("column")
+    axes.set_ylabel(data.label)
+    axes.set_title(f"{data.spec!r}", fontsize=9)
+    return fig
+
+
 # -- figures by name ---------------------------------------------------------------------
 
 
@@ -722,6 +768,7 @@ _DEFAULTS: Final[Mapping[str, Spec]] = {
     "rotation": Spec("sinusoidal", d_model=128),
     "similarity": Spec("sinusoidal", d_model=128),
     "wavelength": Spec("sinusoidal", d_model=128),
+    "table": Spec("rotary_axes", axes_dim=[16, 24, 24]),
 }
 
 FIGURES: Final[Mapping[str, Callable[[Client, Spec, Sequence[float], str], Figure]]] = {
@@ -737,6 +784,7 @@ FIGURES: Final[Mapping[str, Callable[[Client, Spec, Sequence[float], str], Figur
     "wavelength": lambda client, spec, bases, dtype: draw_wavelengths(
         wavelengths(client, _base_of(spec)[0], bases)
     ),
+    "table": lambda client, spec, bases, dtype: draw_table(table_rows(client, spec)),
 }
 """Each figure of ``posenc plot KIND``: (client, spec, bases, dtype) -> figure."""
 
