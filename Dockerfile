@@ -23,6 +23,11 @@ COPY server ./server
 RUN /opt/posenc/bin/pip install ${WHEELHOUSE:+--no-index --find-links "$WHEELHOUSE"} '.[server]' \
     && /opt/posenc/bin/pip uninstall --yes --quiet pip setuptools \
     && /opt/posenc/bin/posenc serve --help >/dev/null
+# The engine's kernels, compiled now into a cache a new container copies at start
+# (POSENC_KERNEL_CACHE_SEED): each server process then loads them in well under a second
+# instead of compiling for some 20 s, on hosts with the CPU of the one that built the image.
+RUN NUMBA_CACHE_DIR=/opt/posenc/kernel-cache /opt/posenc/bin/python -c \
+    "from posenc_server import warmup; warmup.warm_up()"
 
 FROM ${PYTHON_IMAGE}
 # A fixed uid and gid, so that volumes, runAsUser and file ownership can name them.
@@ -30,14 +35,16 @@ RUN groupadd --system --gid 10001 posenc \
     && useradd --system --uid 10001 --gid 10001 --no-create-home --home-dir /nonexistent \
        --shell /usr/sbin/nologin posenc
 COPY --from=build /opt/posenc /opt/posenc
-# numba caches the engine's compiled kernel beside its source, which is read-only here: in
-# /tmp instead (writable in the compose and Kubernetes setups), compiled once per container.
+# numba caches the engine's compiled kernels beside their source, which is read-only here:
+# in /tmp instead (writable in the compose and Kubernetes setups), seeded at start with the
+# kernels compiled when the image was built.
 ENV PATH=/opt/posenc/bin:$PATH \
     POSENC_HOST=0.0.0.0 \
     POSENC_METRICS_HOST=0.0.0.0 \
     POSENC_PORT=50051 \
     PYTHONDONTWRITEBYTECODE=1 \
     NUMBA_CACHE_DIR=/tmp/numba-cache \
+    POSENC_KERNEL_CACHE_SEED=/opt/posenc/kernel-cache \
     PYTHONUNBUFFERED=1
 USER 10001:10001
 # gRPC, then Prometheus metrics (POSENC_METRICS_PORT).

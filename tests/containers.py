@@ -153,8 +153,8 @@ class PodmanError(RuntimeError):
 
 @contextlib.contextmanager
 def _building() -> Iterator[None]:
-    """Held while images are built: make test runs test files in two processes, and two
-    builds of one image (or of its cached Debian root) at once would race."""
+    """Held while images are built: two test runs at once (make test beside a developer's
+    run) must not build one image, or its cached Debian root, at the same time."""
     CACHE.mkdir(parents=True, exist_ok=True)
     with open(CACHE / "build.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)

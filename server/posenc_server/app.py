@@ -395,6 +395,8 @@ def run(argv: Sequence[str] | None = None) -> int:
         return 2
     one_heap()
     worker = supervisor.worker_index()
+    if worker is None:  # once, before any process compiles
+        warmup.seed_kernel_cache()
     configure_logging(config.log_level, None if worker is None else {"worker": worker})
     stop = threading.Event()
     hurry = threading.Event()  # a second signal: stop now, cancelling the calls in flight

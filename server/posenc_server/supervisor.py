@@ -51,7 +51,9 @@ HURRY_SIGNAL: Final = signal.SIGUSR1
 # A unix socket's path must fit sockaddr_un's 108 bytes.
 _MAX_SOCKET_PATH = 100
 WORKER_READY = "worker listening"
-_START_TIMEOUT = 60.0
+# Workers compile the engine's kernels before they report ready when numba's cache holds
+# none for this CPU: some 20 s of CPU each, several at once on few cores.
+_START_TIMEOUT = 180.0
 _RESTART_DELAY = 1.0
 # A worker that fails this many health checks in a row, one a second, each given a second
 # to answer, is replaced: a hung worker keeps taking the connections the kernel sends it.

@@ -11,6 +11,12 @@ first runs is done here. A fresh server's first bfloat16 call paid for both befo
 
 from __future__ import annotations
 
+import contextlib
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
 from posenc_server import engine
 from posenc_server.tables.axes import RotaryAxes
 from posenc_server.tables.base import TableKind
@@ -30,6 +36,44 @@ from posenc_server.tables.sinusoidal import (
 # spec's first calls rotate alone, and one far away.
 _RANGES = ((0, 3), (1000, 1100))
 _POSITIONS = (5, -7, 2**40)
+
+
+#: A directory of kernels numba compiled ahead (the container image's, made when it is
+#: built), copied into an empty ``NUMBA_CACHE_DIR`` at start.
+KERNEL_CACHE_SEED = "POSENC_KERNEL_CACHE_SEED"
+
+
+def seed_kernel_cache() -> None:
+    """Fills an empty ``NUMBA_CACHE_DIR`` from ``POSENC_KERNEL_CACHE_SEED``.
+
+    Compiling the kernels takes a process some 20 s of CPU; numba loads compiled ones from
+    its cache in well under a second, but the cache must be writable, and a container's is
+    an empty tmpfs at every start (its root filesystem read-only). The image carries kernels
+    compiled when it was built: copied here before any process compiles, they are found
+    wherever the CPU matches the one they were compiled for (elsewhere numba compiles and
+    caches its own). The copy is made beside the cache and renamed into place, so that
+    processes starting at once never see half of it.
+    """
+    seed, cache = os.environ.get(KERNEL_CACHE_SEED), os.environ.get("NUMBA_CACHE_DIR")
+    if not seed or not cache or not Path(seed).is_dir():
+        return
+    target = Path(cache)
+    if target.exists() and any(target.iterdir()):
+        return
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
+    except OSError:
+        return  # not writable: numba compiles, as without a seed
+    try:
+        shutil.copytree(seed, staging, dirs_exist_ok=True)
+        with contextlib.suppress(OSError):
+            target.rmdir()  # empty (above), unless another process filled it meanwhile
+        staging.rename(target)
+    except OSError:
+        pass  # another process's copy is in place
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
 
 
 def tables() -> list[TableKind]:
