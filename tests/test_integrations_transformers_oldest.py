@@ -15,9 +15,11 @@ from __future__ import annotations
 
 import importlib.metadata
 import os
+import re
 import shutil
 import subprocess
 import sys
+import sysconfig
 import tempfile
 from pathlib import Path
 
@@ -38,13 +40,16 @@ _NEWER = {"transformers", "huggingface-hub", "httpx", "httpcore", "httpx2", "htt
 
 
 def _held_versions() -> list[str]:
-    """``name==version`` of each installed distribution the oldest may share."""
-    held = []
-    for dist in importlib.metadata.distributions():
-        name = dist.metadata["Name"].lower().replace("_", "-")
+    """``name==version`` of each distribution installed in this environment that the oldest
+    may share: its site-packages only (other tests put packages of their own on sys.path,
+    such as vLLM's wheel, which no constraint may name), each name once."""
+    paths = sorted({sysconfig.get_path("purelib"), sysconfig.get_path("platlib")})
+    held: dict[str, str] = {}
+    for dist in importlib.metadata.distributions(path=paths):
+        name = re.sub(r"[-_.]+", "-", dist.metadata["Name"]).lower()
         if name not in _NEWER and name != "posenc":
-            held.append(f"{name}=={dist.version}")
-    return held
+            held.setdefault(name, f"{name}=={dist.version}")
+    return sorted(held.values())
 
 
 def _install() -> Path:
@@ -54,16 +59,27 @@ def _install() -> Path:
     TARGET.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{TARGET.name}-", dir=TARGET.parent))
     try:
-        constraints = staging / "constraints.txt"
-        constraints.write_text("\n".join(_held_versions()))
-        command = [
-            *(sys.executable, "-m", "pip", "install", "--quiet", "--target", str(staging)),
-            *("--retries", "10", "--constraint", str(constraints), f"transformers=={OLDEST}"),
-        ]
-        # Once more after a failure: an index that failed to answer reads as a conflict.
-        if subprocess.run(command, timeout=600).returncode != 0:
-            subprocess.run(command, check=True, timeout=600)
-        constraints.unlink()
+        # The environment's versions where the oldest accepts them; should pip find them
+        # in conflict, numpy's alone (what torch's extension is built against).
+        held = _held_versions()
+        failures = []
+        for pins in (held, [pin for pin in held if pin.startswith("numpy==")]):
+            constraints = staging.parent / f"{staging.name}.constraints.txt"
+            constraints.write_text("\n".join(pins))
+            command = [
+                *(sys.executable, "-m", "pip", "install", "--quiet", "--retries", "10"),
+                *("--target", str(staging), "--constraint", str(constraints)),
+                f"transformers=={OLDEST}",
+            ]
+            result = subprocess.run(command, capture_output=True, text=True, timeout=600)
+            constraints.unlink()
+            if result.returncode == 0:
+                break
+            failures.append(f"with {len(pins)} pins:\n{result.stderr[-3000:]}")
+        else:
+            raise AssertionError(
+                "pip install failed:\n" + "\n".join(failures) + "\n" + "\n".join(held)
+            )
         try:
             staging.rename(TARGET)  # atomic: a concurrent run's copy may have won
         except OSError:
