@@ -9,12 +9,13 @@ from typing import Any
 import grpc
 import numpy as np
 import pytest
-from test_core_steps import ROW_BYTES, Fake, FakeRpcError, expected, get_range, run
+from test_core_steps import ROW_BYTES, Fake, expected, get_range, run
 
 import posenc
 from posenc import _core as core
 from posenc._channel import Settings
 from posenc._rows import RowCache
+from posenc.testing import Status
 from posenc_protocol.v1 import posenc_pb2 as pb
 
 ROWS = 2 * core.SPREAD_MIN_ROWS  # fetched in two parts
@@ -78,7 +79,7 @@ def test_a_range_over_the_stream_limit_is_refused_though_each_part_is_under_it()
 
 
 def test_a_server_that_does_not_tell_its_limits_gets_one_stream() -> None:
-    unimplemented = FakeRpcError(grpc.StatusCode.UNIMPLEMENTED, "no GetServerInfo here")
+    unimplemented = Status(grpc.StatusCode.UNIMPLEMENTED, "no GetServerInfo here")
     fake = TwoProcesses(limit=None, info_error=unimplemented)
     c = two_connections()
     for _ in range(2):  # asked once

@@ -26,29 +26,13 @@ import posenc
 from posenc import _core as core
 from posenc._channel import Settings
 from posenc._rows import RowCache
+from posenc.testing import Status
 from posenc.types import DEFAULT
 from posenc_protocol.v1 import posenc_pb2 as pb
 from posenc_protocol.wire import decode_tensor_response
 
 WIDTH = 8  # columns of the fake's table (d_model 8)
 ROW_BYTES = WIDTH * 4
-
-
-class FakeRpcError(grpc.RpcError):
-    """A failed call as grpc reports one."""
-
-    def __init__(self, code: grpc.StatusCode, details: str = "") -> None:
-        super().__init__(details)
-        self._code, self._details = code, details
-
-    def code(self) -> grpc.StatusCode:
-        return self._code
-
-    def details(self) -> str:
-        return self._details
-
-    def trailing_metadata(self) -> tuple[()]:
-        return ()
 
 
 def _positions_of(request: Any) -> list[int]:
@@ -182,8 +166,8 @@ def expected(positions: list[int]) -> np.ndarray[Any, Any]:
     return np.repeat(np.asarray(positions, dtype=np.float32)[:, None], WIDTH, axis=1)
 
 
-UNAVAILABLE = FakeRpcError(grpc.StatusCode.UNAVAILABLE, "Connection reset by peer")
-TOO_LARGE = FakeRpcError(grpc.StatusCode.RESOURCE_EXHAUSTED, "over the unary limit: stream it")
+UNAVAILABLE = Status(grpc.StatusCode.UNAVAILABLE, "Connection reset by peer")
+TOO_LARGE = Status(grpc.StatusCode.RESOURCE_EXHAUSTED, "over the unary limit: stream it")
 
 
 def test_a_small_range_is_one_unary_call() -> None:
@@ -249,7 +233,7 @@ def test_a_budget_spent_raises_the_mapped_error() -> None:
 
 
 def test_a_bad_request_is_not_retried() -> None:
-    bad = FakeRpcError(grpc.StatusCode.INVALID_ARGUMENT, "spec.sinusoidal.d_model: too large")
+    bad = Status(grpc.StatusCode.INVALID_ARGUMENT, "spec.sinusoidal.d_model: too large")
     fake = Fake(unary_failures=[bad])
     with pytest.raises(posenc.InvalidArgumentError, match="d_model"):
         run(fake, get_range(make_core(), 0, 4))
