@@ -1,4 +1,7 @@
-"""posenc: exact positional-encoding tables (sinusoidal and rotary) from a gRPC service.
+"""posenc: exact positional-encoding tables from a gRPC service.
+
+Sinusoidal tables, rotary cos/sin tables with their scalings, M-RoPE, sin-cos grids and
+N-axis rotary tables, in the conventions model families use.
 
 The SDK of the posenc service::
 

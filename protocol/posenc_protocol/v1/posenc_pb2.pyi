@@ -1310,7 +1310,9 @@ class GetServerInfoResponse(_message.Message):
     server_id: _builtins.str
     """Identifies this server process (host and pid), to tell replicas apart."""
     rows_computed: _builtins.int
-    """Rows computed by this process since it started."""
+    """Rows computed by the server since it started: every process it runs, summed
+    (as its cache statistics are).
+    """
     @_builtins.property
     def limits(self) -> Global___Limits: ...
     @_builtins.property

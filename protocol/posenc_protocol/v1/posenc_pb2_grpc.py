@@ -26,8 +26,8 @@ if _version_not_supported:
 
 
 class PositionalEncodingServiceStub:
-    """Serves positional-encoding tables (sinusoidal and rotary), computed exactly
-    and cached.
+    """Serves positional-encoding tables (sinusoidal, rotary with its scalings,
+    M-RoPE, sin-cos grids and N-axis rotary), computed exactly and cached.
 
     Rows are positions, columns are encoding dimensions. Every table is fully
     determined by an EncodingSpec; the same spec and positions always produce
@@ -58,8 +58,8 @@ class PositionalEncodingServiceStub:
 
 
 class PositionalEncodingServiceServicer:
-    """Serves positional-encoding tables (sinusoidal and rotary), computed exactly
-    and cached.
+    """Serves positional-encoding tables (sinusoidal, rotary with its scalings,
+    M-RoPE, sin-cos grids and N-axis rotary), computed exactly and cached.
 
     Rows are positions, columns are encoding dimensions. Every table is fully
     determined by an EncodingSpec; the same spec and positions always produce
@@ -120,8 +120,8 @@ def add_PositionalEncodingServiceServicer_to_server(servicer, server):
 
  # This class is part of an EXPERIMENTAL API.
 class PositionalEncodingService:
-    """Serves positional-encoding tables (sinusoidal and rotary), computed exactly
-    and cached.
+    """Serves positional-encoding tables (sinusoidal, rotary with its scalings,
+    M-RoPE, sin-cos grids and N-axis rotary), computed exactly and cached.
 
     Rows are positions, columns are encoding dimensions. Every table is fully
     determined by an EncodingSpec; the same spec and positions always produce

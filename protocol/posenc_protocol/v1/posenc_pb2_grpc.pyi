@@ -27,8 +27,8 @@ GRPC_GENERATED_VERSION: str
 GRPC_VERSION: str
 
 class PositionalEncodingServiceStub:
-    """Serves positional-encoding tables (sinusoidal and rotary), computed exactly
-    and cached.
+    """Serves positional-encoding tables (sinusoidal, rotary with its scalings,
+    M-RoPE, sin-cos grids and N-axis rotary), computed exactly and cached.
 
     Rows are positions, columns are encoding dimensions. Every table is fully
     determined by an EncodingSpec; the same spec and positions always produce
@@ -56,8 +56,8 @@ class PositionalEncodingServiceStub:
 
 @_typing.type_check_only
 class PositionalEncodingServiceAsyncStub(PositionalEncodingServiceStub):
-    """Serves positional-encoding tables (sinusoidal and rotary), computed exactly
-    and cached.
+    """Serves positional-encoding tables (sinusoidal, rotary with its scalings,
+    M-RoPE, sin-cos grids and N-axis rotary), computed exactly and cached.
 
     Rows are positions, columns are encoding dimensions. Every table is fully
     determined by an EncodingSpec; the same spec and positions always produce
@@ -81,8 +81,8 @@ class PositionalEncodingServiceAsyncStub(PositionalEncodingServiceStub):
     """Describes the server: version, limits, supported options, cache statistics."""
 
 class PositionalEncodingServiceServicer(metaclass=_abc_1.ABCMeta):
-    """Serves positional-encoding tables (sinusoidal and rotary), computed exactly
-    and cached.
+    """Serves positional-encoding tables (sinusoidal, rotary with its scalings,
+    M-RoPE, sin-cos grids and N-axis rotary), computed exactly and cached.
 
     Rows are positions, columns are encoding dimensions. Every table is fully
     determined by an EncodingSpec; the same spec and positions always produce
