@@ -638,49 +638,6 @@ def worker_pids(supervisor_pid: int) -> list[int]:
     return sorted(workers)
 
 
-@pytest.mark.slow  # 128 MiB, twice
-@pytest.mark.timeout(120)
-@pytest.mark.parametrize(
-    ("width", "asynchronous"),
-    [(None, False), (256, False), (None, True)],
-    ids=["new-table", "known-width", "async"],
-)
-def test_a_large_range_is_fetched_in_parts_over_the_connections(
-    server_factory: Callable[..., RunningServer], width: int | None, asynchronous: bool
-) -> None:
-    """A range of 128 MiB travels as one stream per connection (up to 8, each part at least
-    16,384 rows), each part in its place: the parts make the exact table that one
-    connection gets in one stream. Connections that reach distinct server processes or
-    replicas have their parts computed at once."""
-    server = server_factory()
-    rows = 1 << 16
-    table = posenc.Spec("rotary", head_dim=256, rope_theta=123457.0)
-    recorder = Recorder()
-    if asynchronous:
-
-        async def fetch() -> np.ndarray[Any, Any]:
-            async with posenc.AsyncClient(server.target, connections=16) as client:
-                return await client.get_range(10**9, 10**9 + rows, table)
-
-        spread = asyncio.run(fetch())
-    else:
-        with posenc.Client(server.target, connections=16, interceptors=[recorder]) as client:
-            if width is not None:
-                client.get_range(0, 1, table)  # the width is known before the large range
-                recorder.calls.clear()
-            spread = client.get_range(10**9, 10**9 + rows, table)
-        streams = [
-            (request.range.start - 10**9, request.range.stop - 10**9)
-            for method, _, request in recorder.calls
-            if method.endswith("/StreamEncoding")
-        ]
-        assert streams == [(part * rows // 4, (part + 1) * rows // 4) for part in range(4)]
-    with posenc.Client(server.target, connections=1) as one:
-        whole = one.get_range(10**9, 10**9 + rows, table)
-    assert spread.shape == (rows, 512)  # cos and sin
-    assert same_bits(spread, whole)
-
-
 @pytest.mark.slow  # starts servers of two processes and of one
 @pytest.mark.timeout(180)
 def test_a_range_in_parts_survives_a_worker_killed_mid_stream(

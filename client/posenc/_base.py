@@ -69,8 +69,7 @@ class BaseClient(Generic[ArrayT, InfoT, StatusT, SlicesT]):
         options: Extra gRPC channel options, overriding the SDK's.
         connections: How many connections the client opens to each server address. Calls
             take them in turn (a decode loop's :meth:`get_positions` calls keep to one, by
-            table), a stream resumes on the next, and a range of 32,768 rows or more is
-            fetched in parts, one per connection (up to 8). A server's worker processes share its
+            table), and a stream resumes on the next. A server's worker processes share its
             port and the kernel gives each connection to one of them at random: more
             connections than the server has processes reach most of them.
         transport: A :class:`posenc.testing.MockTransport` that answers every call in this

@@ -12,12 +12,11 @@ driver of a few lines and the operations' I/O.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 import zlib
 from collections.abc import Awaitable, Callable, Generator, Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any, Final, Generic, TypeAlias, TypeVar
+from typing import Any, Generic, TypeAlias, TypeVar
 
 import grpc
 import numpy as np
@@ -52,24 +51,15 @@ from posenc._rows import (
 )
 from posenc.errors import (
     ClientClosedError,
-    InternalError,
     InvalidArgumentError,
     NotFoundError,
-    PermissionDeniedError,
     ResourceExhaustedError,
-    UnimplementedError,
 )
 from posenc.spec import position_axes
 from posenc.types import DEFAULT, DTypeArg, ServerInfo, Timeout, server_info_from_proto
 from posenc_protocol.v1 import posenc_pb2 as pb
 
 T = TypeVar("T")
-#: A range of at least this many rows is fetched in parts over several connections at once
-#: (see ``Core._spread``), each part at least half of it. By rows, not bytes: a range asked
-#: for again must be split as it was, whether or not its width is known by then.
-SPREAD_MIN_ROWS: Final = 32768
-#: The most parts a range is fetched in.
-MAX_PARTS: Final = 8
 Rows: TypeAlias = npt.NDArray[Any]
 #: What a table method returns: a numpy array, a ``torch.Tensor``, or a ``(cos, sin)`` pair of
 #: either (see :mod:`posenc._output`).
@@ -220,29 +210,6 @@ class Stepper(Generic[T]):
         self._steps.close()
 
 
-def _together(parts: list[Steps[None]]) -> Steps[None]:
-    """Runs the steps of several streams in turn, a chunk of each at a time, so that the
-    server processes they went to compute and send at once (each stream's steps see their
-    own outcomes, errors included, and retry as they would alone). Closing it (or a
-    part's failure) closes them all, which cancels their calls."""
-    running = [Stepper(part) for part in parts]
-    try:
-        while running:
-            for stepper in list(running):
-                while (operation := stepper.next()) is not None:
-                    try:
-                        stepper.send((yield operation))
-                    except grpc.RpcError as error:
-                        stepper.throw(error)
-                    if isinstance(operation, NextChunk):
-                        break  # the next stream's turn
-                else:
-                    running.remove(stepper)
-    finally:
-        for stepper in running:
-            stepper.close()
-
-
 def _over_a_limit(error: grpc.RpcError) -> bool:
     """RESOURCE_EXHAUSTED without a retry delay: the request is over a size limit (with one,
     the server is busy, and the retry budget handles it)."""
@@ -288,8 +255,6 @@ class Core:
         self.settings = settings
         self.rows = rows
         self.widths = Widths()
-        # The server's stream limit, asked before the first range fetched in parts.
-        self._max_stream_bytes: int | None = None
         self._new_token = new_token
         self._contact = Contact(settings.target)
         # Set by the clients' close(); every call starts at budget(), so one check refuses all.
@@ -519,13 +484,6 @@ class Core:
                 if len(tables) == 1:
                     query.check_size(tables[0].shape[1])  # the whole, once the width is told
             return np.concatenate(tables)
-        if self._large_range(query):
-            spread = self._parts(query)
-            limit = (yield from self._stream_limit(budget)) if spread > 1 else None
-            if limit is not None:
-                if query.columns is not None:
-                    query.check_size(query.columns, limit)
-                return (yield from self._spread(query, budget, spread, limit))
         unary_max = self.settings.unary_max_bytes if unary_max_bytes is None else unary_max_bytes
         size = query.nbytes
         if size is None:
@@ -544,70 +502,6 @@ class Core:
         cursor = self._cursor(query, collect=True)
         yield from self._stream(cursor, budget)
         return cursor.result()
-
-    def _large_range(self, query: Query) -> bool:
-        """Whether ``query`` is a range fetched in parts (see :meth:`_spread`)."""
-        return (
-            self.settings.connections > 1
-            and query.positions is None
-            and query.rows >= SPREAD_MIN_ROWS
-        )
-
-    def _parts(self, query: Query) -> int:
-        """How many parts a large range is fetched in: one per connection, up to
-        ``MAX_PARTS``, each of at least half ``SPREAD_MIN_ROWS`` rows."""
-        return min(self.settings.connections, MAX_PARTS, query.rows // (SPREAD_MIN_ROWS // 2))
-
-    def _stream_limit(self, budget: CallBudget) -> Steps[int | None]:
-        """The server's stream limit (``max_stream_bytes``), asked once per client; None
-        where the server does not say (a proxy that passes only the encoding calls): a
-        large range then travels in one stream, which the server judges itself."""
-        if self._max_stream_bytes is None:
-            try:
-                info = yield from self._server_info(budget)
-            except (UnimplementedError, PermissionDeniedError, NotFoundError):
-                self._max_stream_bytes = -1
-            else:
-                self._max_stream_bytes = info.limits.max_stream_bytes
-        return None if self._max_stream_bytes < 0 else self._max_stream_bytes
-
-    def _spread(self, query: Query, budget: CallBudget, parts: int, limit: int) -> Steps[Rows]:
-        """A large range fetched in ``parts`` streams at once, part ``i`` over channel ``i``
-        (so a range asked for again goes where it went, and finds its blocks cached there),
-        into one result.
-
-        One stream is computed by one server process, at most one core of it; parts that
-        the connections took to two processes (or replicas) are computed by two cores, at
-        the price of one more stream when they reach the same one. Each part's rows are
-        copied into their
-        place in the result (allocated when the first chunk tells the width), and an
-        interrupted part resumes on its own. The whole result is judged against the
-        server's stream ``limit`` (and this machine's memory) before it is allocated, as
-        one stream would be: the parts are each under it, and whether a range travels in
-        parts depends on the client's connections, never on whether it is served.
-        """
-        result: list[Rows] = []
-
-        def into(first: int, stop: int, columns: int) -> Rows:
-            if not result:
-                self.widths.learn(query.spec_key, columns)  # as in _cursor
-                query.check_size(columns, limit)
-                result.append(query.allocate(columns))
-            elif result[0].shape[1] != columns:
-                raise InternalError(
-                    f"server sent {columns} columns, then {result[0].shape[1]} in the same table"
-                )
-            return result[0][first:stop]
-
-        streams = []
-        for part in range(parts):
-            first, stop = query.rows * part // parts, query.rows * (part + 1) // parts
-            piece = dataclasses.replace(query, start=query.start + first, rows=stop - first)
-            cursor = self._cursor(piece, collect=True)
-            cursor.into = functools.partial(into, first, stop)
-            streams.append(self._stream(cursor, budget, channel=part))
-        yield from _together(streams)
-        return result[0]
 
     def _stream(
         self,

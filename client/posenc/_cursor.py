@@ -81,7 +81,7 @@ class StreamCursor:
         self._max_rows: int | None = None  # rows per call, once a call was over the limit
         self.collect = collect
         #: Where collected rows go, given the width: the query's result (or a part of a
-        #: larger one: see ``Core._spread``).
+        #: larger one).
         self.into: Callable[[int], np.ndarray[Any, Any]] = query.allocate
         self._out: np.ndarray[Any, Any] | None = None
 
