@@ -666,9 +666,7 @@ def test_a_range_in_parts_survives_a_worker_killed_mid_stream(
 
 @pytest.mark.slow  # starts a server of two processes
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize(
-    "rows", [256, 8192, 1 << 15], ids=["unary", "stream", "streams-from-every-process"]
-)
+@pytest.mark.parametrize("rows", [256, 8192, 1 << 15], ids=["unary", "stream", "large-stream"])
 def test_a_range_asked_again_is_served_from_the_cache_it_filled(
     spawn_server: Callable[..., ServerProcess], rows: int
 ) -> None:

@@ -133,9 +133,8 @@ class AsyncClient(
             case core.Unary(method, request, timeout, affinity):
                 call = getattr(self._connect().pick(_affinity(affinity)), method)
                 return await call(request, timeout=timeout)
-            case core.OpenStream(request, timeout, affinity, channel):
-                pool = self._connect()
-                calls = pool[pool.choose(_affinity(affinity), channel)]
+            case core.OpenStream(request, timeout, affinity):
+                calls = self._connect().pick(_affinity(affinity))
                 return core.Stream(calls.stream_encoding(request, timeout=timeout))
             case core.NextChunk(stream):
                 chunk = await stream.call.read()

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Iterable, Sequence
-from typing import Any, Generic, TypeVar, Unpack, cast
+from typing import TYPE_CHECKING, Any, Generic, TypeVar, Unpack, cast
 
 import grpc
 import numpy.typing as npt
@@ -30,8 +30,10 @@ from posenc._rows import (
     AheadFetch,
     RowCache,
 )
-from posenc.testing import MockTransport
 from posenc.types import DEFAULT, ClassicOptions, DTypeArg, Table, Timeout
+
+if TYPE_CHECKING:
+    from posenc.testing import MockTransport
 
 # What the methods return: the value itself (Client) or an awaitable of it (AsyncClient).
 ArrayT = TypeVar("ArrayT")

@@ -298,18 +298,8 @@ class Pool:
         # itertools.count is one C call: threads sharing the client each get their own turn.
         self._turns = itertools.count()
 
-    def choose(self, affinity: int | None = None, channel: int | None = None) -> int:
-        """The index of ``channel`` when given, else of the one that ``affinity`` keeps,
-        else of the next channel."""
-        if channel is not None:
-            return channel
-        if affinity is None:
-            return next(self._turns) % len(self._calls)
-        return affinity % len(self._calls)
-
     def pick(self, affinity: int | None = None) -> Calls:
         """The calls of the next channel, or of the one that ``affinity`` keeps."""
-        return self._calls[self.choose(affinity)]
-
-    def __getitem__(self, channel: int) -> Calls:
-        return self._calls[channel]
+        if affinity is None:
+            return self._calls[next(self._turns) % len(self._calls)]
+        return self._calls[affinity % len(self._calls)]

@@ -136,9 +136,9 @@ class Client(BaseClient[Result, ServerInfo, str, Iterator[Slice]]):
                 self._core.check_open()  # an iterator made before close() starts no new RPC
                 call = getattr(self._pool.pick(_affinity(affinity)), method)
                 return call(request, timeout=timeout)
-            case core.OpenStream(request, timeout, affinity, channel):
+            case core.OpenStream(request, timeout, affinity):
                 self._core.check_open()
-                calls = self._pool[self._pool.choose(_affinity(affinity), channel)]
+                calls = self._pool.pick(_affinity(affinity))
                 return core.Stream(calls.stream_encoding(request, timeout=timeout))
             case core.NextChunk(stream):
                 return next(stream.call, None)

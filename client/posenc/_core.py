@@ -88,13 +88,12 @@ class Unary:
 
 @dataclass(frozen=True, slots=True)
 class OpenStream:
-    """Start a StreamEncoding call over ``channel`` (an index into the client's channels),
-    else as ``affinity`` says (as for :class:`Unary`); a :class:`Stream` is sent back."""
+    """Start a StreamEncoding call over the connection ``affinity`` keeps (as for
+    :class:`Unary`); a :class:`Stream` is sent back."""
 
     request: pb.StreamEncodingRequest
     timeout: float | None
     affinity: int | None = None
-    channel: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -508,17 +507,15 @@ class Core:
         cursor: StreamCursor,
         budget: CallBudget,
         output: Output | None = None,
-        channel: int | None = None,
     ) -> Steps[None]:
-        """The cursor's chunks (delivered unless it collects them), over ``channel`` when
-        given; an interrupted call resumes with the missing rows."""
+        """The cursor's chunks (delivered unless it collects them); an interrupted call
+        resumes with the missing rows."""
         collect = cursor.collect
         affinity = _affinity(cursor.query)
         while True:
-            call = yield OpenStream(cursor.request(), budget.attempt_timeout(), affinity, channel)
-            # A stream that resumes, or goes on with its next part, takes the next
-            # connection: the one that failed may be gone.
-            affinity = channel = None
+            call = yield OpenStream(cursor.request(), budget.attempt_timeout(), affinity)
+            # A stream that resumes takes the next connection: the one that failed may be gone.
+            affinity = None
             try:
                 while (chunk := (yield NextChunk(call))) is not None:
                     label, rows = cursor.accept(chunk)

@@ -32,6 +32,7 @@ from __future__ import annotations
 import asyncio
 import threading
 from collections.abc import Callable
+from functools import partial
 from typing import TYPE_CHECKING, Any, Final, Generic, TypedDict, TypeVar, Unpack
 
 import numpy as np
@@ -459,7 +460,7 @@ class GrowingTable(_TableBase["Client"]):
             return held
         output, flat = self._plan.output(positions, out, device, cos_sin)
         grows = self._plan.grows(positions=flat)
-        steps = lambda: self._plan.gather(flat, output.host, grows)  # noqa: E731
+        steps = partial(self._plan.gather, flat, output.host, grows)
         return output.finish(self._run(steps, grows))
 
     def _run(self, plan: Callable[[], Steps[T]], grows: bool) -> T:
@@ -506,7 +507,7 @@ class AsyncGrowingTable(_TableBase["AsyncClient"]):
             return held
         output, flat = self._plan.output(positions, out, device, cos_sin)
         grows = self._plan.grows(positions=flat)
-        steps = lambda: self._plan.gather(flat, output.host, grows)  # noqa: E731
+        steps = partial(self._plan.gather, flat, output.host, grows)
         return output.finish(await self._run(steps, grows))
 
     async def _run(self, plan: Callable[[], Steps[T]], grows: bool) -> T:

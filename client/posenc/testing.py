@@ -128,7 +128,7 @@ class MockTransport:
 
     def calls_for(self, asynchronous: bool) -> Any:
         """The RPC methods the clients call (``posenc._channel.Calls``), answered here."""
-        return _AsyncCalls(self) if asynchronous else _Calls(self)
+        return _AsyncCalls(self) if asynchronous else _SyncCalls(self)
 
 
 def _response(dtype: int, row_offset: int, rows: npt.NDArray[Any]) -> wire.TensorView:
@@ -179,14 +179,19 @@ class _Stream:
 
 
 class _Calls:
+    """The calls of a channel, as :class:`posenc._channel.Calls` makes them."""
+
     def __init__(self, transport: MockTransport) -> None:
         self._transport = transport
 
+    def stream_encoding(self, request: pb.StreamEncodingRequest, timeout: Any = None) -> Any:
+        # One stream object serves both clients: it iterates and it reads.
+        return _Stream(self._transport._stream(request))
+
+
+class _SyncCalls(_Calls):
     def get_encoding(self, request: pb.GetEncodingRequest, timeout: Any = None) -> Any:
         return self._transport._unary(request)
-
-    def stream_encoding(self, request: pb.StreamEncodingRequest, timeout: Any = None) -> Any:
-        return _Stream(self._transport._stream(request))
 
     def get_server_info(self, request: Any, timeout: Any = None) -> Any:
         return _server_info()
