@@ -34,7 +34,8 @@ test: $(STAMP)
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -m "not slow and not soak" -q
 
-# The proof under pressure in full: 120 s of load, 5,000 cache keys (tests/test_soak.py).
+# The proof under pressure in full: 120 s of load and 5,000 cache keys (tests/test_soak.py),
+# every attack at once for 10 minutes beside real clients (tests/test_attacks.py): ~25 min.
 soak: $(STAMP)
 	POSENC_SOAK=1 $(BIN)/python -m pytest tests/test_soak.py tests/test_bad_input.py tests/test_table_ranges.py tests/test_spec_memory.py tests/test_attacks.py -s
 

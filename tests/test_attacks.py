@@ -18,6 +18,7 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
@@ -29,12 +30,14 @@ from google.rpc import error_details_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_status import rpc_status
 from rawh2 import RawConnection
+from reference import classic
 from test_operations import metric, metrics_port, scrape
 
 import posenc
 from posenc_protocol.v1 import posenc_pb2 as pb
 from posenc_server import admission
 from posenc_server.app import RunningServer
+from posenc_server.engine import encode_positions, encode_range
 
 MIB = 1 << 20
 GET_ENCODING = "/posenc.v1.PositionalEncodingService/GetEncoding"
@@ -756,65 +759,186 @@ def test_the_cli_sends_a_token_over_loopback_only_when_told(
 SOAK = os.environ.get("POSENC_SOAK") == "1"
 
 
+# The sizing rule of docs/operations.md ("Memory sizing"): per server process, and the supervisor.
+PROCESS_MIB, SUPERVISOR_MIB = 310, 64
+
+
+@dataclass
+class Watched:
+    """What the clients beside the attacks saw: their calls, wrong results and errors."""
+
+    calls: int = 0
+    wrong: int = 0
+    errors: list[BaseException] = field(default_factory=list)
+
+
 @pytest.mark.soak
-@pytest.mark.timeout(400)
-def test_waves_of_attacks_leave_a_decode_loop_served_and_memory_bounded(
+@pytest.mark.timeout(900)
+def test_every_attack_at_once_leaves_the_clients_served_and_memory_bounded(
     spawn_server: Callable[..., ServerProcess],
 ) -> None:
-    """Rounds of 256 stalled calls and 100 unread 4 MB results, each round on new
-    connections dropped at its end, while a decode loop runs: every step of the loop gets its
-    rows (the SDK retries what the server asks it to), memory stays within the cache budget
-    plus 128 MiB, and nothing stays admitted once the attackers are gone. 120 s in
-    `make soak`, 10 s in `make test`."""
-    cache_mib = 64
-    server = spawn_server(0, "--cache-bytes", f"{cache_mib}MiB", "--read-timeout-seconds", "5")
+    """The attacks of this file together, in rounds on new connections dropped at each
+    round's end, against a 2-process server: 256 stalled GetEncoding calls, 64 stalled
+    health checks, 100 unread 4 MB results, 200 idle connections, 10 silent /metrics
+    connections, 10 MB lists the server must refuse and calls with an upper-case header.
+    Beside them a decode loop, a streaming client and a kubelet-like prober (a new channel
+    each time) run: every result is exact, every probe answers SERVING, no worker is
+    replaced, the replica's memory (sampled ten times a second) stays within the sizing
+    rule and nothing stays admitted once the attackers are gone. 10 minutes in `make soak`,
+    10 s in `make test`."""
+    cache_mib = 128
+    server = spawn_server(
+        0, "--processes", "2", "--cache-bytes", f"{cache_mib}MiB", "--read-timeout-seconds", "5"
+    )
+    workers = sorted(int(pid) for pid in _children(server.process.pid))
+    assert len(workers) == 2
     port = metrics_port(server)
-    duration = 120.0 if SOAK else 10.0
+    duration = 600.0 if SOAK else 10.0
     stop = threading.Event()
-    steps: list[int] = []
-    failures: list[BaseException] = []
+    decode, stream = Watched(), Watched()
+    probes: list[object] = []
 
     def decode_loop() -> None:
+        spec = classic(64)
         with posenc.Client(server.target, row_cache_bytes=0) as client:
             position = 0
             while not stop.is_set():
+                positions = [position, position + 1, 7 * position + 2**40]
                 try:
-                    rows = client.get_positions([position, position + 1], 64)
-                    assert rows.shape == (2, 64)
-                    steps.append(position)
+                    rows = client.get_positions(positions, 64)
+                    decode.wrong += rows.tobytes() != encode_positions(spec, positions).tobytes()
                 except BaseException as error:  # reported below
-                    failures.append(error)
+                    decode.errors.append(error)
+                decode.calls += 1
                 position += 2
 
-    loop = threading.Thread(target=decode_loop)
-    loop.start()
-    request = encoding_request(0, 1024, 1020)
+    # Ranges of 4 to 16 MiB in three dtypes, their bytes known before the attacks start.
+    ranges = [
+        (start, stop, d_model, dtype, encode_range(classic(d_model, dtype=dtype), start, stop))
+        for start, stop, d_model, dtype in [
+            (0, 8192, 512, "float32"),
+            (2**40, 2**40 + 4096, 1024, "bfloat16"),
+            (-5000, 3192, 128, "float64"),
+        ]
+    ]
+
+    def stream_loop() -> None:
+        with posenc.Client(server.target) as client:
+            while not stop.is_set():
+                start, stop_, d_model, dtype, expected = ranges[stream.calls % len(ranges)]
+                try:
+                    rows = client.get_range(start, stop_, d_model, dtype=dtype, timeout=120)
+                    stream.wrong += rows.tobytes() != expected.tobytes()
+                except BaseException as error:  # reported below
+                    stream.errors.append(error)
+                stream.calls += 1
+
+    def probe_loop() -> None:
+        while not stop.wait(0.5):
+            with grpc.insecure_channel(server.target) as channel:
+                check = health_pb2_grpc.HealthStub(channel).Check
+                try:
+                    probes.append(check(health_pb2.HealthCheckRequest(), timeout=3).status)
+                except grpc.RpcError as error:
+                    probes.append(error.code())  # type: ignore[attr-defined]
+
+    refused = pb.GetEncodingRequest(
+        spec=pb.EncodingSpec(mrope=pb.MRopeTable(head_dim=64, mrope_section=[1] * 10**7)),
+        range=pb.PositionRange(start=0, stop=4),
+    ).SerializeToString()
+    refusals: list[grpc.StatusCode] = []
+
+    def refuse_twice() -> None:
+        options = [("grpc.max_send_message_length", 16 << 20)]
+        with grpc.insecure_channel(server.target, options=options) as channel:
+            for _ in range(2):
+                try:
+                    channel.unary_unary(GET_ENCODING)(refused, timeout=60)
+                except grpc.RpcError as error:
+                    refusals.append(error.code())  # type: ignore[attr-defined]
+
+    pids = [server.process.pid, *workers]
+    memory = [0.0]
+
+    def memory_loop() -> None:
+        while not stop.wait(0.1):
+            memory[0] = max(memory[0], replica_mib(pids))
+
+    loops = (decode_loop, stream_loop, probe_loop, memory_loop)
+    clients = [threading.Thread(target=run) for run in loops]
+    for client in clients:
+        client.start()
+    unread_request = encoding_request(0, 1024, 1020)
     deadline = time.monotonic() + duration
     rounds = 0
     try:
         while time.monotonic() < deadline:
             stalled = [RawConnection("127.0.0.1", server.port) for _ in range(4)]
-            unread = RawConnection("127.0.0.1", server.port, window=0)
             for connection in stalled:
                 for _ in range(64):
                     connection.call(GET_ENCODING, None, end=False)
+                for _ in range(16):
+                    connection.call("/grpc.health.v1.Health/Check", None, end=False)
+            unread = RawConnection("127.0.0.1", server.port, window=0)
             for _ in range(100):
-                unread.call(GET_ENCODING, request)
-            pump_until([*stalled, unread], lambda: False, 2.0)
-            assert health_latency(server.target, checks=3) < 1.0
-            for connection in [*stalled, unread]:
+                unread.call(GET_ENCODING, unread_request)
+            upper = RawConnection("127.0.0.1", server.port)
+            upper.conn.config.validate_outbound_headers = False
+            upper.conn.config.normalize_outbound_headers = False
+            for _ in range(10):
+                upper.call(GET_ENCODING, encoding_request(0, 4, 8), metadata=[("X-Upper", "1")])
+            idle = [RawConnection("127.0.0.1", server.port) for _ in range(200)]
+            silent = [socket.create_connection(("127.0.0.1", port), timeout=10) for _ in range(10)]
+            for held in silent:
+                held.sendall(b"G")  # the start of a request line, never ended
+            refusing = threading.Thread(target=refuse_twice)
+            refusing.start()
+            pump_until([*stalled, unread, upper, *idle], lambda: False, 2.0)
+            refusing.join(60)
+            for connection in [*stalled, unread, upper, *idle]:
                 connection.close()
+            for held in silent:
+                held.close()
             rounds += 1
     finally:
         stop.set()
-        loop.join()
-    assert not failures, failures[:3]
-    assert len(steps) > 10 and rounds >= 2
-    assert peak_rss_mib(server.process.pid) <= cache_mib + SERVER_HEADROOM_MIB
+        for client in clients:
+            client.join(180)
+    print(
+        f"{rounds} rounds in {duration:.0f} s: {decode.calls} decode steps, {stream.calls} "
+        f"streams, {len(probes)} probes; memory {memory[0]:.0f} MiB at most (peak RSS: "
+        f"{', '.join(f'{peak_rss_mib(pid):.0f}' for pid in pids)} MiB)"
+    )
+    assert not decode.errors and not stream.errors, (decode.errors[:3], stream.errors[:3])
+    assert decode.wrong == stream.wrong == 0
+    assert decode.calls > 10 and stream.calls >= 1 and rounds >= 2
+    assert probes and set(probes) == {health_pb2.HealthCheckResponse.SERVING}, probes
+    assert set(refusals) <= {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED}
+    assert len(refusals) == 2 * rounds
+    assert sorted(int(pid) for pid in _children(server.process.pid)) == workers
+    assert memory[0] <= cache_mib + 2 * PROCESS_MIB + SUPERVISOR_MIB
     settle = time.monotonic() + 10
     while in_flight_bytes(port) > 0 and time.monotonic() < settle:
         time.sleep(0.2)
     assert in_flight_bytes(port) == 0
+
+
+def replica_mib(pids: list[int]) -> float:
+    """The memory of processes ``pids`` as their container's memory limit counts it, in MiB:
+    each one's private pages, and the pages they share (the libraries and the compiled
+    kernels, mapped by all of them) once. Adding their RSS counts those once per process;
+    adding their PSS divides them with any other process mapping the same files."""
+    private, shared = 0, 0
+    for pid in pids:
+        fields = {}
+        with open(f"/proc/{pid}/smaps_rollup") as rollup:
+            for line in rollup:
+                name, _, value = line.partition(":")
+                if name.startswith(("Private_", "Shared_")):
+                    fields[name] = int(value.split()[0])
+        private += fields["Private_Clean"] + fields["Private_Dirty"]
+        shared = max(shared, fields["Shared_Clean"] + fields["Shared_Dirty"])
+    return (private + shared) / 1024
 
 
 @pytest.mark.slow
