@@ -812,7 +812,7 @@ def test_every_attack_at_once_leaves_the_clients_served_and_memory_bounded(
                 decode.calls += 1
                 position += 2
 
-    # Ranges of 4 to 16 MiB in three dtypes, their bytes known before the attacks start.
+    # Ranges of 8 to 16 MiB in three dtypes, their bytes known before the attacks start.
     ranges = [
         (start, stop, d_model, dtype, encode_range(classic(d_model, dtype=dtype), start, stop))
         for start, stop, d_model, dtype in [
@@ -865,9 +865,9 @@ def test_every_attack_at_once_leaves_the_clients_served_and_memory_bounded(
             memory[0] = max(memory[0], replica_mib(pids))
 
     loops = (decode_loop, stream_loop, probe_loop, memory_loop)
-    clients = [threading.Thread(target=run) for run in loops]
-    for client in clients:
-        client.start()
+    threads = [threading.Thread(target=run) for run in loops]
+    for thread in threads:
+        thread.start()
     unread_request = encoding_request(0, 1024, 1020)
     deadline = time.monotonic() + duration
     rounds = 0
@@ -902,8 +902,8 @@ def test_every_attack_at_once_leaves_the_clients_served_and_memory_bounded(
             rounds += 1
     finally:
         stop.set()
-        for client in clients:
-            client.join(180)
+        for thread in threads:
+            thread.join(180)
     print(
         f"{rounds} rounds in {duration:.0f} s: {decode.calls} decode steps, {stream.calls} "
         f"streams, {len(probes)} probes; memory {memory[0]:.0f} MiB at most (peak RSS: "
