@@ -758,6 +758,13 @@ def test_a_disk_filled_by_another_writer_mid_fetch_takes_nothing_from_it(
         for pid in process_tree(server.process.pid):
             os.kill(pid, signal.SIGSTOP)
             paused.append(pid)
+        # A tmpfs allocates a reservation page by page: the other writer starts once the
+        # fetch holds the whole table's space (it took part of it while the reservation ran).
+        deadline = time.monotonic() + 30
+        while free - shutil.disk_usage(small_disk).free < rows * width * 4:
+            assert fetch.poll() is None, fetch.stderr.read() if fetch.stderr else ""
+            assert time.monotonic() < deadline, "the fetch did not reserve its table's space"
+            time.sleep(0.001)
         with (
             open(small_disk / "filler", "wb", buffering=0) as filler,
             pytest.raises(OSError) as full,
