@@ -119,6 +119,20 @@ NGINX_BASE = DebianImage(
     aptopts=('Acquire::Check-Valid-Until "false"',),
 )
 
+# The stand-in for prom/prometheus (docker-compose.yml): Debian 14's Prometheus 3, from the
+# same suite as nginx. Its entrypoint and command are the registry image's (the binary is in
+# /usr/bin here), so the compose file's `command:` means the same to both; it runs as the
+# compose file's user.
+PROMETHEUS_BASE = DebianImage(
+    "posenc-base-prometheus",
+    "forky",
+    ("prometheus",),
+    changes=(
+        'ENTRYPOINT ["/usr/bin/prometheus"]',
+        'CMD ["--config.file=/etc/prometheus/prometheus.yml", "--storage.tsdb.path=/prometheus"]',
+    ),
+    aptopts=('Acquire::Check-Valid-Until "false"',),
+)
 
 # Waits for another apt-get or dpkg (an unattended upgrade, a second test run) to finish
 # instead of failing at once on its lock.

@@ -1,27 +1,37 @@
-"""The compose stack, run: three posenc replicas behind nginx, from docker-compose.yml.
+"""The compose stack, run: three posenc replicas behind nginx, and Prometheus scraping them,
+from docker-compose.yml.
 
 The file's services run as podman commands (tests/containers.py, ComposeStack), each key
 translated to the podman flag with the same meaning. Three substitutions, and only these:
 images made from Debian packages (posenc:1.0.0 built from the Dockerfile; nginx 1.30 from
-Debian 14, forky, for `server ... resolve`) instead of registry pulls; nginx's host port, a
-free one on 127.0.0.1; and nginx.conf's resolver address, 127.0.0.11 (Docker's DNS server),
-replaced by the address of podman's DNS server on the test's network. Every call goes from
-the host to nginx on 127.0.0.1, and each replica's calls are read from its own metrics.
+Debian 14, forky, for `server ... resolve`; Prometheus 3 from forky too) instead of registry
+pulls; the host ports, free ones on 127.0.0.1; and nginx.conf's resolver address, 127.0.0.11
+(Docker's DNS server), replaced by the address of podman's DNS server on the test's network.
+Prometheus reads deploy/prometheus's files as they are. Every call goes from the host to
+nginx on 127.0.0.1, and each replica's calls are read from its own metrics and from
+Prometheus's API, on 127.0.0.1 too.
 """
 
 from __future__ import annotations
 
+import contextlib
+import json
 import random
 import re
 import threading
 import time
+import urllib.parse
+import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import pytest
+import yaml
 from containers import (  # noqa: F401  (fixtures)
     NGINX_BASE,
+    PROMETHEUS_BASE,
     ComposeStack,
     Podman,
     expected,
@@ -33,6 +43,7 @@ from containers import (  # noqa: F401  (fixtures)
 import posenc
 
 NGINX_CONF = Path(__file__).resolve().parent.parent / "deploy" / "nginx" / "nginx.conf"
+RULES = NGINX_CONF.parent.parent / "prometheus" / "rules.yml"
 METRICS_PORT = 9464
 
 # A cold first run builds both images here (make test runs this file first): about 6 min.
@@ -43,6 +54,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 class Stack:
     compose: ComposeStack
     target: str
+    prometheus: str  # its API's base URL, from the host
 
     @property
     def podman(self) -> Podman:
@@ -58,6 +70,25 @@ class Stack:
             for name in self.replicas()
         }
 
+    def address(self, container: str) -> str:
+        """The container's address on the stack's network, which DNS answers for it."""
+        networks = json.loads(self.podman.out("inspect", container))[0]["NetworkSettings"]
+        address: str = networks["Networks"][self.compose.network]["IPAddress"]
+        return address
+
+    def api(self, path: str, **params: str) -> Any:
+        """The ``data`` of a Prometheus API answer."""
+        url = f"{self.prometheus}{path}?{urllib.parse.urlencode(params)}"
+        with urllib.request.urlopen(url, timeout=10) as response:
+            body = json.load(response)
+        assert body["status"] == "success", body
+        return body["data"]
+
+    def query(self, expr: str) -> dict[str, float]:
+        """An instant query's values by their ``instance`` label ("" where it has none)."""
+        result = self.api("/api/v1/query", query=expr)["result"]
+        return {r["metric"].get("instance", ""): float(r["value"][1]) for r in result}
+
 
 @pytest.fixture(scope="module")
 def stack(
@@ -65,8 +96,13 @@ def stack(
 ) -> Iterator[Stack]:
     started = time.monotonic()
     nginx_image = podman.debian_image(NGINX_BASE)
-    print(f"nginx image: {time.monotonic() - started:.1f} s")
-    compose = ComposeStack(podman, images={"nginx:1.28": nginx_image})
+    prometheus_image = podman.debian_image(PROMETHEUS_BASE)
+    print(f"nginx and prometheus images: {time.monotonic() - started:.1f} s")
+    compose = ComposeStack(podman)
+    compose.images = {
+        compose.services["nginx"]["image"]: nginx_image,
+        compose.services["prometheus"]["image"]: prometheus_image,
+    }
     directory = tmp_path_factory.mktemp("compose")
     try:
         compose.create_network()
@@ -92,7 +128,9 @@ def stack(
                     pass
                 assert time.monotonic() < deadline, "nginx does not answer"
                 time.sleep(0.2)
-        yield Stack(compose, target)
+        (prometheus,) = compose.running("prometheus")
+        api = f"http://127.0.0.1:{podman.host_port(prometheus, 9090)}"
+        yield Stack(compose, target, api)
     finally:
         compose.down()
 
@@ -216,3 +254,64 @@ def test_scale_to_four_is_picked_up(stack: Stack) -> None:
                 break
             assert time.monotonic() < deadline, f"not every replica is used: {served}"
     print(f"scaled to 4 (started {started}): calls per replica {sorted(served.values())}")
+
+
+def test_prometheus_scrapes_every_replica_and_runs_the_rules(stack: Stack) -> None:
+    """Prometheus finds every running replica by DNS (after the test above, the one added by
+    scaling too), each `up`, with the groups of rules.yml loaded and healthy, and its
+    recording of the request rate rises with calls made through nginx."""
+    started = time.monotonic()
+    instances = {f"{stack.address(name)}:{METRICS_PORT}" for name in stack.replicas()}
+    up: dict[str, float] = {}
+    # Names re-resolved every 5 s, targets scraped every 5 s: a new replica is up within 10 s.
+    deadline = time.monotonic() + 60
+    while up != dict.fromkeys(instances, 1.0):
+        assert time.monotonic() < deadline, f"up: {up}, replicas: {sorted(instances)}"
+        time.sleep(0.5)
+        with contextlib.suppress(OSError):  # until Prometheus listens
+            up = stack.query('up{job="posenc"}')
+    targets_seconds = time.monotonic() - started
+    groups = [rule_group["name"] for rule_group in yaml.safe_load(RULES.read_text())["groups"]]
+    rate = 'sum by (instance) (posenc:requests:rate5m{job="posenc"})'
+    calls = 'sum(posenc_requests_total{job="posenc"})'
+    rate_before, (calls_before,) = stack.query(rate), stack.query(calls).values()
+
+    def running(rates: dict[str, float]) -> float:
+        # A replica gone earlier in this module keeps its rate for 5 minutes: only the
+        # running ones count.
+        return sum(rates.get(instance, 0) for instance in instances)
+
+    loaded = time.monotonic()
+    # The load lasts until every replica's rate has risen: a counter's first sample is not
+    # counted as an increase, so each replica must be scraped twice while it serves calls.
+    # Scraped every 5 s and the rules evaluated every 5 s: within 15 s or so.
+    with Load(stack.target, threads=2, max_calls=400) as load:
+        deadline = loaded + 60
+        while True:
+            rate_after = stack.query(rate)
+            each = all(rate_after.get(instance, 0) > 0 for instance in instances)
+            if each and running(rate_after) > running(rate_before):
+                break
+            assert time.monotonic() < deadline, (rate_before, rate_after)
+            time.sleep(0.5)
+    assert not load.failed and load.exact == load.made
+    rate_seconds = time.monotonic() - loaded
+    deadline = time.monotonic() + 30
+    while True:
+        rules = stack.api("/api/v1/rules")["groups"]
+        health = {rule["name"]: rule["health"] for group in rules for rule in group["rules"]}
+        (calls_after,) = stack.query(calls).values()
+        if (
+            sorted(group["name"] for group in rules) == sorted(groups)
+            and set(health.values()) == {"ok"}
+            and calls_after >= calls_before + load.made
+        ):
+            break
+        assert time.monotonic() < deadline, (rules, health, calls_before, calls_after, load.made)
+        time.sleep(0.5)
+    print(
+        f"prometheus: {len(instances)} targets up in {targets_seconds:.1f} s; "
+        f"posenc:requests:rate5m {running(rate_before):.2f} -> {running(rate_after):.2f}/s "
+        f"in {rate_seconds:.1f} s of load; {load.made} calls, {calls_after - calls_before:.0f} "
+        f"seen; {len(health)} rules ok; {time.monotonic() - started:.1f} s in all"
+    )
