@@ -49,6 +49,13 @@ def free_port() -> int:
 SERVER_HEADROOM_MIB = 280
 
 
+def sizing_rule_mib(cache_mib: float, processes: int) -> float:
+    """The memory a replica is sized for (docs/operations.md, "Memory sizing"): its cache
+    budget, 310 MiB per server process (Python, gRPC and numpy, numba's compiler, the spec
+    table, the calls in flight) and, with several processes, 64 MiB for their supervisor."""
+    return cache_mib + 310 * processes + (64 if processes > 1 else 0)
+
+
 def peak_rss_mib(pid: int) -> float:
     """The peak resident memory of process ``pid`` (VmHWM), in MiB."""
     with open(f"/proc/{pid}/status") as status:

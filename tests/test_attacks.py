@@ -9,6 +9,7 @@ metrics do not grow with what a caller invents.
 from __future__ import annotations
 
 import asyncio
+import functools
 import os
 import select
 import signal
@@ -25,7 +26,7 @@ import grpc
 import grpc.aio
 import numpy as np
 import pytest
-from conftest import SERVER_HEADROOM_MIB, ServerProcess, peak_rss_mib
+from conftest import SERVER_HEADROOM_MIB, ServerProcess, peak_rss_mib, sizing_rule_mib
 from google.rpc import error_details_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_status import rpc_status
@@ -93,6 +94,47 @@ def pump_until(connections: list[RawConnection], done: Callable[[], bool], secon
     while not done() and time.monotonic() < deadline:
         for connection in connections:
             connection.pump(0.02)
+
+
+def fresh_probe(target: str) -> object:
+    """A health check on a new channel, as a kubelet probes: its status, or the call's code."""
+    with grpc.insecure_channel(target) as channel:
+        check = health_pb2_grpc.HealthStub(channel).Check
+        try:
+            return check(health_pb2.HealthCheckRequest(), timeout=3).status
+        except grpc.RpcError as error:
+            return error.code()  # type: ignore[attr-defined]
+
+
+@functools.cache
+def refused_list() -> bytes:
+    """A request no spec can hold (an M-RoPE section of 10**7 counts): 10 MB to refuse.
+    Built once, when first asked for (it takes about a second)."""
+    return pb.GetEncodingRequest(
+        spec=pb.EncodingSpec(mrope=pb.MRopeTable(head_dim=64, mrope_section=[1] * 10**7)),
+        range=pb.PositionRange(start=0, stop=4),
+    ).SerializeToString()
+
+
+def send_refused_lists(target: str, codes: list[grpc.StatusCode]) -> None:
+    """Sends ``refused_list()`` twice on one new channel; the codes answered go into
+    ``codes``."""
+    options = [("grpc.max_send_message_length", 16 << 20)]
+    request = refused_list()
+    with grpc.insecure_channel(target, options=options) as channel:
+        for _ in range(2):
+            try:
+                channel.unary_unary(GET_ENCODING)(request, timeout=60)
+            except grpc.RpcError as error:
+                codes.append(error.code())  # type: ignore[attr-defined]
+
+
+def upper_case_connection(port: int) -> RawConnection:
+    """A connection that sends header names as given, upper case included (HTTP/2 forbids)."""
+    connection = RawConnection("127.0.0.1", port)
+    connection.conn.config.validate_outbound_headers = False
+    connection.conn.config.normalize_outbound_headers = False
+    return connection
 
 
 # -- 0: connection floods ---------------------------------------------------------------------
@@ -759,10 +801,6 @@ def test_the_cli_sends_a_token_over_loopback_only_when_told(
 SOAK = os.environ.get("POSENC_SOAK") == "1"
 
 
-# The sizing rule of docs/operations.md ("Memory sizing"): per server process, and the supervisor.
-PROCESS_MIB, SUPERVISOR_MIB = 310, 64
-
-
 @dataclass
 class Watched:
     """What the clients beside the attacks saw: their calls, wrong results and errors."""
@@ -835,28 +873,9 @@ def test_every_attack_at_once_leaves_the_clients_served_and_memory_bounded(
 
     def probe_loop() -> None:
         while not stop.wait(0.5):
-            with grpc.insecure_channel(server.target) as channel:
-                check = health_pb2_grpc.HealthStub(channel).Check
-                try:
-                    probes.append(check(health_pb2.HealthCheckRequest(), timeout=3).status)
-                except grpc.RpcError as error:
-                    probes.append(error.code())  # type: ignore[attr-defined]
+            probes.append(fresh_probe(server.target))
 
-    refused = pb.GetEncodingRequest(
-        spec=pb.EncodingSpec(mrope=pb.MRopeTable(head_dim=64, mrope_section=[1] * 10**7)),
-        range=pb.PositionRange(start=0, stop=4),
-    ).SerializeToString()
     refusals: list[grpc.StatusCode] = []
-
-    def refuse_twice() -> None:
-        options = [("grpc.max_send_message_length", 16 << 20)]
-        with grpc.insecure_channel(server.target, options=options) as channel:
-            for _ in range(2):
-                try:
-                    channel.unary_unary(GET_ENCODING)(refused, timeout=60)
-                except grpc.RpcError as error:
-                    refusals.append(error.code())  # type: ignore[attr-defined]
-
     pids = [server.process.pid, *workers]
     memory = [0.0]
 
@@ -882,16 +901,14 @@ def test_every_attack_at_once_leaves_the_clients_served_and_memory_bounded(
             unread = RawConnection("127.0.0.1", server.port, window=0)
             for _ in range(100):
                 unread.call(GET_ENCODING, unread_request)
-            upper = RawConnection("127.0.0.1", server.port)
-            upper.conn.config.validate_outbound_headers = False
-            upper.conn.config.normalize_outbound_headers = False
+            upper = upper_case_connection(server.port)
             for _ in range(10):
                 upper.call(GET_ENCODING, encoding_request(0, 4, 8), metadata=[("X-Upper", "1")])
             idle = [RawConnection("127.0.0.1", server.port) for _ in range(200)]
             silent = [socket.create_connection(("127.0.0.1", port), timeout=10) for _ in range(10)]
             for held in silent:
                 held.sendall(b"G")  # the start of a request line, never ended
-            refusing = threading.Thread(target=refuse_twice)
+            refusing = threading.Thread(target=send_refused_lists, args=(server.target, refusals))
             refusing.start()
             pump_until([*stalled, unread, upper, *idle], lambda: False, 2.0)
             refusing.join(60)
@@ -916,7 +933,7 @@ def test_every_attack_at_once_leaves_the_clients_served_and_memory_bounded(
     assert set(refusals) <= {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED}
     assert len(refusals) == 2 * rounds
     assert sorted(int(pid) for pid in _children(server.process.pid)) == workers
-    assert memory[0] <= cache_mib + 2 * PROCESS_MIB + SUPERVISOR_MIB
+    assert memory[0] <= sizing_rule_mib(cache_mib, 2)
     settle = time.monotonic() + 10
     while in_flight_bytes(port) > 0 and time.monotonic() < settle:
         time.sleep(0.2)
@@ -978,12 +995,7 @@ def test_a_flood_of_stalled_health_checks_starves_no_probe_and_kills_no_worker(
         # chance to.
         deadline = time.monotonic() + 8
         while time.monotonic() < deadline or opened[0] < 200:
-            with grpc.insecure_channel(server.target) as channel:  # a kubelet's fresh probe
-                check = health_pb2_grpc.HealthStub(channel).Check
-                try:
-                    statuses.append(check(health_pb2.HealthCheckRequest(), timeout=3).status)
-                except grpc.RpcError as error:
-                    statuses.append(error.code())
+            statuses.append(fresh_probe(server.target))
             time.sleep(0.25)
     finally:
         stop.set()
@@ -1006,22 +1018,11 @@ def test_refused_lists_cost_no_more_than_they_brought(
     server = spawn_server(0)
     pid = server.process.pid
     baseline = current_rss_mib(pid)
-    request = pb.GetEncodingRequest(
-        spec=pb.EncodingSpec(mrope=pb.MRopeTable(head_dim=64, mrope_section=[1] * 10**7)),
-        range=pb.PositionRange(start=0, stop=4),
-    ).SerializeToString()
+    cost = admission.request_cost(refused_list())  # built here, once, not by 16 threads
     codes: list[grpc.StatusCode] = []
-
-    def send() -> None:
-        options = [("grpc.max_send_message_length", 16 << 20)]
-        with grpc.insecure_channel(server.target, options=options) as channel:
-            for _ in range(2):
-                try:
-                    channel.unary_unary(GET_ENCODING)(request, timeout=60)
-                except grpc.RpcError as error:
-                    codes.append(error.code())  # type: ignore[attr-defined]
-
-    threads = [threading.Thread(target=send) for _ in range(16)]
+    threads = [
+        threading.Thread(target=send_refused_lists, args=(server.target, codes)) for _ in range(16)
+    ]
     for thread in threads:
         thread.start()
     for thread in threads:
@@ -1032,7 +1033,7 @@ def test_refused_lists_cost_no_more_than_they_brought(
     assert grpc.StatusCode.INVALID_ARGUMENT in codes
     # Such a request is admitted alone (its cost is over the budget): what admission
     # counts for it, and no more, besides the heap's slack.
-    assert grown <= admission.request_cost(request) / MIB + 32
+    assert grown <= cost / MIB + 32
     assert health_latency(server.target) < 1
 
 
@@ -1105,9 +1106,7 @@ def test_an_upper_case_header_is_answered_by_grpc_and_harms_nothing(
     server = spawn_server(0)
     port = metrics_port(server)
     before = scrape(port)
-    connection = RawConnection("127.0.0.1", server.port)
-    connection.conn.config.validate_outbound_headers = False
-    connection.conn.config.normalize_outbound_headers = False
+    connection = upper_case_connection(server.port)
     try:
         streams = [
             connection.call(GET_ENCODING, encoding_request(0, 4, 8), metadata=[("X-Upper", "1")])

@@ -759,7 +759,8 @@ def test_a_disk_filled_by_another_writer_mid_fetch_takes_nothing_from_it(
             os.kill(pid, signal.SIGSTOP)
             paused.append(pid)
         # A tmpfs allocates a reservation page by page: the other writer starts once the
-        # fetch holds the whole table's space (it took part of it while the reservation ran).
+        # fetch holds the whole table's space, or it would take pages the reservation has
+        # yet to get, which is a race, not the behaviour under test.
         deadline = time.monotonic() + 30
         while free - shutil.disk_usage(small_disk).free < rows * width * 4:
             assert fetch.poll() is None, fetch.stderr.read() if fetch.stderr else ""

@@ -19,7 +19,7 @@ from typing import Any
 import kubernetes_validate
 import pytest
 import yaml
-from conftest import ROOT
+from conftest import ROOT, sizing_rule_mib
 from kubernetes_validate.utils import all_versions
 
 from posenc_server import app
@@ -32,11 +32,6 @@ VERSIONS = sorted(
     {v for v in all_versions() if tuple(map(int, v.split(".")[:2])) >= (1, 27)},
     key=lambda v: tuple(map(int, v.split("."))),
 )
-# The sizing rule (docs/operations.md, "Scaling"): the cache budget, plus this per server
-# process (Python, gRPC and numpy, numba's compiler, the spec table, the calls in flight),
-# plus this for the supervisor.
-PER_PROCESS = 310 * MIB
-SUPERVISOR = 64 * MIB
 
 Doc = dict[str, Any]
 
@@ -230,8 +225,7 @@ def test_resources_fit_the_cache_budget_and_the_processes() -> None:
     # The default, one process per core the container sees, would follow the node's cores.
     assert config.processes >= 1
     assert config.processes <= quantity(limits["cpu"])
-    supervisor = SUPERVISOR if config.processes > 1 else 0
-    needed = config.cache_bytes + config.processes * PER_PROCESS + supervisor
+    needed = sizing_rule_mib(config.cache_bytes / MIB, config.processes) * MIB
     assert quantity(requests["memory"]) >= needed
     assert quantity(limits["memory"]) > quantity(requests["memory"])
     assert 0 < quantity(requests["cpu"]) <= quantity(limits["cpu"])
@@ -306,12 +300,11 @@ def test_compose_replicas_fit_their_memory_limit() -> None:
     environment = {k: str(v) for k, v in replica["environment"].items()}
     config = ServerConfig.from_args([], environment)
     assert config.processes >= 1
-    supervisor = SUPERVISOR if config.processes > 1 else 0
     limit = replica["deploy"]["resources"]["limits"]["memory"]
     match = re.fullmatch(r"(\d+)([mg])", limit)
     assert match
     limit_bytes = int(match.group(1)) * {"m": MIB, "g": 1024 * MIB}[match.group(2)]
-    assert limit_bytes >= config.cache_bytes + config.processes * PER_PROCESS + supervisor
+    assert limit_bytes >= sizing_rule_mib(config.cache_bytes / MIB, config.processes) * MIB
     assert replica["stop_grace_period"] == "40s" and config.grace_seconds < 40
 
 

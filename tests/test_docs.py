@@ -188,9 +188,11 @@ def test_recipes_name_make_targets_that_exist() -> None:
 
 
 def test_the_podman_recipe_runs_the_compose_files_replicas() -> None:
-    """The deployment guide's podman commands give each replica what docker-compose.yml
-    gives it: the same replicas, environment, memory, grace and hardening."""
-    service = yaml.safe_load((ROOT / "docker-compose.yml").read_text())["services"]["posenc"]
+    """The deployment guide's podman commands give each replica, and Prometheus, what
+    docker-compose.yml gives them: the same replicas, environment, memory, grace and
+    hardening."""
+    services = yaml.safe_load((ROOT / "docker-compose.yml").read_text())["services"]
+    service = services["posenc"]
     guide = (DOCS / "guide" / "deployment.md").read_text()
     recipe = next(block for block in sh_blocks(guide) if "--network-alias posenc" in block)
     replicas = service["deploy"]["replicas"]
@@ -211,3 +213,10 @@ def test_the_podman_recipe_runs_the_compose_files_replicas() -> None:
     assert "--read-only" in recipe and "--tmpfs /tmp" in recipe
     assert f"posenc:1.0.0 {' '.join(service['command'])}" in recipe
     assert service["image"] == "posenc:1.0.0"
+    # Prometheus runs as the compose file runs it: its image, flags, user and memory.
+    prometheus = services["prometheus"]
+    assert f"{prometheus['image']} \\" in recipe
+    for flag in prometheus["command"]:
+        assert flag in recipe, flag
+    assert f"--user {prometheus['user']}" in recipe
+    assert f"--memory {prometheus['deploy']['resources']['limits']['memory']}" in recipe

@@ -15,7 +15,7 @@ from collections.abc import Callable
 import grpc
 import numpy as np
 import pytest
-from conftest import SERVER_HEADROOM_MIB, ServerProcess, peak_rss_mib
+from conftest import SERVER_HEADROOM_MIB, ServerProcess, peak_rss_mib, sizing_rule_mib
 
 from posenc_protocol.v1 import posenc_pb2 as pb
 from posenc_protocol.v1 import posenc_pb2_grpc
@@ -77,8 +77,6 @@ def _tree_peak_mib(supervisor_pid: int) -> tuple[float, list[float]]:
 def test_spec_churn_with_2_processes_stays_within_the_sizing_rule(
     spawn_server: Callable[..., ServerProcess],
 ) -> None:
-    # README, Kubernetes: "the cache budget plus 310 MiB per server process ... plus 64 MiB
-    # for the supervisor".
     keys = 5000 if SOAK else 1200
     budget, processes = 128 * MIB, 2
     process = spawn_server(0, "--processes", str(processes), "--cache-bytes", str(budget))
@@ -120,10 +118,10 @@ def test_spec_churn_with_2_processes_stays_within_the_sizing_rule(
     for channel in churning:
         channel.close()
     total, workers = _tree_peak_mib(process.process.pid)
-    rule = budget / MIB + 310 * processes + 64
+    rule = sizing_rule_mib(budget / MIB, processes)
     print(
         f"spec churn, {processes} processes, cache {budget // MIB} MiB: peak RSS {total:.0f} "
         f"MiB (workers {', '.join(f'{w:.0f}' for w in workers)}), sizing rule {rule:.0f} MiB"
     )
     assert len(workers) == processes
-    assert total <= rule, f"peak RSS {total:.0f} MiB over the README's {rule:.0f} MiB"
+    assert total <= rule, f"peak RSS {total:.0f} MiB over the sizing rule's {rule:.0f} MiB"
