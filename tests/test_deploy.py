@@ -24,10 +24,11 @@ from kubernetes_validate.utils import all_versions
 
 from posenc_server import app
 from posenc_server.config import MIB, ServerConfig
+from posenc_server.metrics import HEALTH_PATH
 
 K8S = ROOT / "deploy" / "k8s"
 NGINX_CONF = ROOT / "deploy" / "nginx" / "nginx.conf"
-# Native gRPC probes are GA from 1.27: validate against every schema version from there on.
+# Validate against every schema version from 1.27, the oldest Kubernetes release supported.
 VERSIONS = sorted(
     {v for v in all_versions() if tuple(map(int, v.split(".")[:2])) >= (1, 27)},
     key=lambda v: tuple(map(int, v.split("."))),
@@ -113,8 +114,8 @@ def test_manifests_match_the_kubernetes_schemas_offline(version: str) -> None:
 @pytest.mark.parametrize(
     ("path", "value"),
     [
-        (["spec", "template", "spec", "containers", 0, "readinessProbe", "grpc", "port"], "grpc"),
-        (["spec", "template", "spec", "containers", 0, "livenessProbe", "grcp"], {"port": 1}),
+        (["spec", "template", "spec", "containers", 0, "readinessProbe", "httpGet", "port"], []),
+        (["spec", "template", "spec", "containers", 0, "livenessProbe", "httpGot"], {"port": 1}),
         (["spec", "template", "spec", "terminationGracePeriodSeconds"], "45s"),
         (["spec", "selector"], None),
     ],
@@ -172,8 +173,8 @@ def test_probes_and_services_use_the_served_port() -> None:
     assert ports["metrics"] == ServerConfig.from_args([], env()).metrics_port
     for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
         check = container()[probe]
-        # The kubelet's native gRPC health check of the whole server (service "").
-        assert check["grpc"] == {"port": port}, probe
+        # The server's health on the metrics port, which no connection flood fails.
+        assert check["httpGet"] == {"path": HEALTH_PATH, "port": "metrics"}, probe
     headless = one("Service", "posenc-headless")["spec"]
     assert headless["clusterIP"] == "None"
     assert headless["publishNotReadyAddresses"] is False

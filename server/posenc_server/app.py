@@ -420,13 +420,16 @@ def run(argv: Sequence[str] | None = None) -> int:
         return supervisor.supervise(config, argv, stop, hurry, signals)
     if worker is not None:
         supervisor.die_with_supervisor()
+    started = threading.Event()
     try:
         metrics_port: int | None = None  # a worker's: its supervisor serves them
         if worker is None:
             # Both ports are checked before either listens: nothing serves half-started.
             # (A supervisor's workers share its port, and it serves their metrics.)
             supervisor.check_port_free(config.host, config.port, "--port (POSENC_PORT)")
-            metrics_port = supervisor.serve_metrics(config)
+            metrics_port = supervisor.serve_metrics(
+                config, lambda: started.is_set() and not stop.is_set()
+            )
         # Every dtype, kind and layout runs once before the server listens (the kernels
         # compiled or loaded from numba's cache, ml_dtypes imported): no request waits for it.
         warmup.warm_up()
@@ -434,6 +437,7 @@ def run(argv: Sequence[str] | None = None) -> int:
     except (OSError, RuntimeError, ValueError) as error:
         print(f"posenc serve: {error}", file=sys.stderr)
         return 1
+    started.set()
     threading.Thread(
         target=housekeeping,
         args=(running, stop),

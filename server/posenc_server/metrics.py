@@ -1,4 +1,5 @@
-"""Prometheus metrics of the service, served over HTTP on ``metrics_port``.
+"""Prometheus metrics of the service, and its health for probes, served over HTTP on
+``metrics_port``.
 
 With several server processes, prometheus-client's multiprocess mode aggregates them: the
 supervisor points every worker at one directory (``PROMETHEUS_MULTIPROC_DIR``, read when
@@ -29,6 +30,7 @@ MULTIPROCESS_DIR_ENV = "PROMETHEUS_MULTIPROC_DIR"
 # imported from there, which imports this module).
 _WORKER_INDEX_ENV = "POSENC_WORKER_INDEX"
 METRICS_PATH = "/metrics"
+HEALTH_PATH = "/healthz"
 
 if os.environ.get(MULTIPROCESS_DIR_ENV) and os.environ.get(_WORKER_INDEX_ENV):
     # A worker's metric files are named after its index, not its pid: a replaced worker
@@ -258,29 +260,42 @@ class _QuietHandler(WSGIRequestHandler):
 _WsgiApp = Callable[[dict[str, Any], Callable[..., Any]], Iterable[bytes]]
 
 
-def _only_metrics(app: _WsgiApp) -> _WsgiApp:
-    """``app`` at /metrics; 404 everywhere else."""
+def _routes(app: _WsgiApp, serving: Callable[[], bool]) -> _WsgiApp:
+    """``app`` at /metrics, the server's health at /healthz; 404 everywhere else."""
 
     def serve(environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
-        if environ.get("PATH_INFO") != METRICS_PATH:
+        path = environ.get("PATH_INFO")
+        if path == HEALTH_PATH:
+            up = serving()
+            start_response(
+                "200 OK" if up else "503 Service Unavailable", [("Content-Type", "text/plain")]
+            )
+            return [b"SERVING\n" if up else b"NOT_SERVING\n"]
+        if path != METRICS_PATH:
             start_response("404 Not Found", [("Content-Type", "text/plain")])
-            return [b"not found: the metrics are at /metrics\n"]
+            return [b"not found: the metrics are at /metrics, the health at /healthz\n"]
         return app(environ, start_response)
 
     return serve
 
 
-def serve(host: str, port: int, multiprocess_dir: str | None = None) -> int:
-    """Serve /metrics, and nothing else, on ``host:port`` (0: a free port) in a thread;
-    returns the port.
+def serve(
+    host: str, port: int, serving: Callable[[], bool], multiprocess_dir: str | None = None
+) -> int:
+    """Serve /metrics and /healthz, and nothing else, on ``host:port`` (0: a free port) in a
+    thread; returns the port.
 
-    With ``multiprocess_dir``, serves the sum of the worker processes writing there.
+    /healthz answers 200 ``SERVING`` while ``serving()`` is true, else 503 ``NOT_SERVING``:
+    the probe for kubelets and container engines. It shares this server's connection
+    handling, where a new connection takes the place of a silent one, so no flood of
+    connections (to this port or the gRPC one, whose connections are capped) fails it.
+    With ``multiprocess_dir``, /metrics serves the sum of the worker processes writing there.
     """
     registry: CollectorRegistry = prometheus_client.REGISTRY
     if multiprocess_dir is not None:
         registry = CollectorRegistry()
         multiprocess.MultiProcessCollector(registry, path=multiprocess_dir)  # type: ignore[no-untyped-call]
-    app = _only_metrics(prometheus_client.make_wsgi_app(registry))
+    app = _routes(prometheus_client.make_wsgi_app(registry), serving)
     server_class = _Server6 if ":" in host else _Server
     server = make_server(host, port, app, server_class, handler_class=_QuietHandler)
     threading.Thread(target=server.serve_forever, name="posenc-metrics", daemon=True).start()

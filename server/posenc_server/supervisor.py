@@ -24,7 +24,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Final
@@ -94,20 +94,23 @@ def check_port_free(host: str, port: int, setting: str) -> None:
             raise
 
 
-def serve_metrics(config: ServerConfig, multiprocess_dir: str | None = None) -> int:
-    """Serve /metrics as ``config`` says; its port, or -1 when metrics are off.
+def serve_metrics(
+    config: ServerConfig, serving: Callable[[], bool], multiprocess_dir: str | None = None
+) -> int:
+    """Serve /metrics and /healthz (200 while ``serving()``) as ``config`` says; the port, or
+    -1 when metrics are off.
 
     A failure raises OSError whose message names the port and the setting that chose it.
     """
     if config.metrics_port < 0:
         return -1
     try:
-        return metrics.serve(config.metrics_host, config.metrics_port, multiprocess_dir)
+        return metrics.serve(config.metrics_host, config.metrics_port, serving, multiprocess_dir)
     except OSError as error:
         if config.metrics_port == DEFAULT_METRICS_PORT and error.errno == errno.EADDRINUSE:
             # A second server on a developer's machine: the default port is a convention,
             # not a promise, so it yields; a port chosen on purpose fails the start below.
-            port = metrics.serve(config.metrics_host, 0, multiprocess_dir)
+            port = metrics.serve(config.metrics_host, 0, serving, multiprocess_dir)
             log.warning(
                 "metrics port busy: serving metrics on a free port",
                 extra={"fields": {"busy_port": DEFAULT_METRICS_PORT, "metrics_port": port}},
@@ -204,6 +207,10 @@ class _Worker:
                 healthy = False
         self.failed_checks = 0 if healthy else self.failed_checks + 1
 
+    def serving(self) -> bool:
+        """Started, running, and SERVING at its last health check."""
+        return self.ready.is_set() and self.failed_checks == 0 and self.process.poll() is None
+
 
 def _reserve_port(config: ServerConfig) -> socket.socket:
     """A socket holding the port (resolving port 0) for the server's lifetime.
@@ -251,10 +258,15 @@ def supervise(
     # live here too.
     _remove_orphaned_metrics_dirs()
     metrics_dir = tempfile.TemporaryDirectory(prefix=f"{_METRICS_DIR_PREFIX}{os.getpid()}-")
+    workers: list[_Worker] = []
+
+    def serving() -> bool:
+        return not stop.is_set() and any(worker.serving() for worker in list(workers))
+
     # Metrics listen before any worker does: a busy metrics port fails the start while
     # nothing serves yet.
     try:
-        metrics_port = serve_metrics(config, metrics_dir.name)
+        metrics_port = serve_metrics(config, serving, metrics_dir.name)
     except OSError as error:
         port_holder.close()
         metrics_dir.cleanup()
@@ -292,7 +304,7 @@ def supervise(
         threading.Thread(target=_forward_logs, args=(worker,), daemon=True).start()
         return worker
 
-    workers = [start(index) for index in range(count)]
+    workers.extend(start(index) for index in range(count))
     try:
         deadline = time.monotonic() + _START_TIMEOUT
         for worker in workers:

@@ -1,0 +1,111 @@
+"""The probe for kubelets and container engines: ``GET /healthz`` on the metrics port.
+
+It must answer while an unauthenticated client holds every connection the gRPC port allows
+(where a probe of gRPC health then fails), and while the client floods the metrics port
+itself with connections that never speak; it must turn 503 when a drain starts.
+"""
+
+from __future__ import annotations
+
+import http.client
+import signal
+import socket
+import time
+from collections.abc import Callable, Iterator
+
+import grpc
+import pytest
+from conftest import ServerProcess
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from rawh2 import RawConnection
+from test_operations import metrics_port
+
+import posenc
+
+
+def healthz(port: int, path: str = "/healthz") -> tuple[int, bytes]:
+    """One probe on a new connection, as a kubelet's: the status and the body."""
+    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+    try:
+        connection.request("GET", path)
+        response = connection.getresponse()
+        return response.status, response.read()
+    finally:
+        connection.close()
+
+
+def grpc_probe(target: str) -> object:
+    """A gRPC health check on a new channel: its status, or the call's code."""
+    with grpc.insecure_channel(target) as channel:
+        try:
+            return (
+                health_pb2_grpc.HealthStub(channel)
+                .Check(health_pb2.HealthCheckRequest(), timeout=3)
+                .status
+            )
+        except grpc.RpcError as error:
+            return error.code()  # type: ignore[attr-defined]
+
+
+def workers(server: ServerProcess) -> list[int]:
+    pid = server.process.pid
+    with open(f"/proc/{pid}/task/{pid}/children") as children:
+        return sorted(int(child) for child in children.read().split())
+
+
+@pytest.fixture
+def flooded(spawn_server: Callable[..., ServerProcess]) -> Iterator[ServerProcess]:
+    """A 2-process server whose gRPC port holds all the connections it allows (16 each),
+    all idle HTTP/2 connections of one client, and whose metrics port has 200 connections
+    that never send a request."""
+    server = spawn_server(0, "--processes", "2", "--max-connections", "16")
+    grpc_flood = [RawConnection("127.0.0.1", server.port) for _ in range(200)]
+    metrics_flood = [
+        socket.create_connection(("127.0.0.1", metrics_port(server))) for _ in range(200)
+    ]
+    try:
+        yield server
+    finally:
+        for connection in grpc_flood:
+            connection.close()
+        for sock in metrics_flood:
+            sock.close()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_no_connection_flood_fails_the_http_probe(flooded: ServerProcess) -> None:
+    before = workers(flooded)
+    assert len(before) == 2
+    # The flood is real: a probe of the gRPC port finds no place.
+    assert grpc_probe(flooded.target) != health_pb2.HealthCheckResponse.SERVING
+    port = metrics_port(flooded)
+    # Probes the way the kubelet runs them (a liveness period is 10 s; here back to back, for
+    # longer than the supervisor takes to replace a worker that fails its checks).
+    answers = [healthz(port) for _ in range(50)]
+    time.sleep(5)
+    answers += [healthz(port) for _ in range(50)]
+    assert set(answers) == {(200, b"SERVING\n")}
+    assert workers(flooded) == before
+
+
+@pytest.mark.timeout(60)
+def test_healthz_turns_503_when_the_drain_starts(
+    spawn_server: Callable[..., ServerProcess],
+) -> None:
+    server = spawn_server(0, "--grace-seconds", "60")
+    port = metrics_port(server)
+    assert healthz(port) == (200, b"SERVING\n")
+    assert healthz(port, "/health")[0] == 404
+    with posenc.Client(server.target) as client:
+        # A stream left unread keeps the drain going while the probe is asked.
+        rows = client.iter_range(0, 1 << 18, 4096)
+        next(rows)
+        server.terminate()
+        status = 200
+        while status == 200:
+            status, body = healthz(port)
+        assert (status, body) == (503, b"NOT_SERVING\n")
+        assert server.process.poll() is None  # still draining
+        server.process.send_signal(signal.SIGTERM)  # a second signal ends the drain
+    assert server.process.wait(30) == 0
