@@ -243,11 +243,19 @@ class Podman:
 
     def build_posenc(self, base: str, wheelhouse: Path, tag: str = IMAGE) -> str:
         """Builds the Dockerfile on ``base`` with the host's wheels; returns the image id."""
+        return self.build_posenc_steps(base, wheelhouse, tag)[0]
+
+    def build_posenc_steps(
+        self, base: str, wheelhouse: Path, tag: str = IMAGE
+    ) -> tuple[str, list[str]]:
+        """Builds as ``build_posenc`` does; returns the image id and podman's account of each
+        step: its ``STEP n/m: ...`` line and what followed it (``--> Using cache ...`` for a
+        step taken from the layer cache, none for a FROM)."""
         with _building():
             return self._build_posenc(base, wheelhouse, tag)
 
-    def _build_posenc(self, base: str, wheelhouse: Path, tag: str) -> str:
-        self.run(
+    def _build_posenc(self, base: str, wheelhouse: Path, tag: str) -> tuple[str, list[str]]:
+        built = self.run(
             "build",
             "--format=docker",  # HEALTHCHECK is a Docker image field, not an OCI one
             "--layers",
@@ -258,7 +266,13 @@ class Podman:
             str(ROOT),
             timeout=900,
         )
-        return self.out("image", "inspect", "--format", "{{.Id}}", tag)
+        # "STEP 2/11: ...", or "[1/2] STEP 2/11: ..." in a build of several stages.
+        step = r"(?:\[\d+/\d+\] )?STEP \d+/\d+: "
+        parts = re.split(f"^(?={step})", built.stdout, flags=re.MULTILINE)
+        return (
+            self.out("image", "inspect", "--format", "{{.Id}}", tag),
+            [part for part in parts if re.match(step, part)],
+        )
 
     # -- containers --------------------------------------------------------------------
 

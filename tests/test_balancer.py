@@ -272,7 +272,6 @@ class Load:
     kinds: tuple[str, ...]
     threads: int = 3
     calls: Counter[str] = field(default_factory=Counter)
-    finished_at: list[float] = field(default_factory=list)
     failures: list[str] = field(default_factory=list)
     wrong: list[str] = field(default_factory=list)
     _stop: threading.Event = field(default_factory=threading.Event)
@@ -292,8 +291,10 @@ class Load:
             worker.join(30)
             assert not worker.is_alive(), "a client thread is stuck"
 
-    def calls_after(self, moment: float) -> int:
-        return sum(1 for t in self.finished_at if t > moment)
+    def completed(self) -> int:
+        """The calls that completed so far, exact or not."""
+        with self._lock:
+            return sum(self.calls.values())
 
     def _run(self, seed: int) -> None:
         rng = np.random.default_rng(seed)
@@ -311,7 +312,6 @@ class Load:
                     continue
                 with self._lock:
                     self.calls[kind] += 1
-                    self.finished_at.append(time.monotonic())
                     if not exact:
                         self.wrong.append(kind)
 
@@ -324,10 +324,13 @@ LONG_CHUNK_BYTES = 64 << 10
 @dataclass
 class LongStream:
     """One ``iter_range`` whose slow consumer (2 ms a chunk, 32 MB/s at most) keeps it
-    running for 8 s and more. Socket and proxy buffers hold far less than the 128 MiB the
-    replica is at least ahead of the kill, so the kill always cuts the replica's stream."""
+    running for 8 s and more, and which stops reading at a quarter of the table until
+    ``killed`` is set. Socket and proxy buffers hold far less than the 192 MiB the replica
+    then has yet to send, so the kill always cuts the replica's stream, however fast or
+    slow the machine."""
 
     target: Target
+    killed: threading.Event = field(default_factory=threading.Event)
     received: int = 0
     gaps: int = 0
     table: np.ndarray[Any, Any] | None = None
@@ -353,6 +356,8 @@ class LongStream:
                         self.gaps += 1
                     table[first : first + len(rows)] = rows
                     self.received = first + len(rows)
+                    if self.received >= LONG_ROWS // 4:
+                        self.killed.wait(30)  # a hang guard: the kill comes first
                     time.sleep(0.002)
         except Exception as error:
             self.error = f"{type(error).__name__}: {error}"
@@ -379,10 +384,18 @@ def serving_replica(replicas: list[Replica]) -> Replica:
     raise TimeoutError("no replica started computing")
 
 
+def wait_until(condition: Callable[[], bool], what: str) -> None:
+    """Until ``condition()`` holds (30 s at most: a hang guard, not a measure)."""
+    deadline = time.monotonic() + 30
+    while not condition() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert condition(), what
+
+
 @dataclass
 class Outcome:
     load: Load
-    killed_at: float
+    completed_at_kill: int  # calls completed when the victim had been killed
     before: dict[str, int]  # rows computed per replica just before the kill
     after: dict[str, int]  # rows computed per surviving replica at the end
 
@@ -394,26 +407,45 @@ def kill_under_load(
     victim: Replica,
     long_stream: LongStream | None = None,
 ) -> Outcome:
-    """3 client threads call ``kinds`` through ``target``; ``victim`` is SIGKILLed after
-    1.5 s and the load goes on for 2.5 s more."""
+    """3 client threads call ``kinds`` through ``target``; ``victim`` is SIGKILLed once the
+    load is under way (as many calls completed as there are kinds, every replica computed
+    rows, the long stream if any is received in part), and the load goes on until 10 calls
+    more completed, every kind 3 times, and each survivor computed rows since the kill."""
     load = Load(target, kinds).start()
-    time.sleep(1.5)
+    wait_until(
+        lambda: (
+            load.completed() >= len(kinds)
+            and all(info(r.target).rows_computed > 0 for r in replicas)
+            and (long_stream is None or long_stream.received > 0)
+        ),
+        "the load did not reach every replica",
+    )
     before = {r.target: info(r.target).rows_computed for r in replicas}
     if long_stream is not None:
         # Well inside the stream, with the replica's rest of it not yet sent.
         print(f"killed after {long_stream.received} rows of the long stream were received")
         assert 0 < long_stream.received < LONG_ROWS // 2, "the kill must cut the long stream"
     victim.kill()
-    killed_at = time.monotonic()
-    time.sleep(2.5)
+    completed_at_kill = load.completed()
+    if long_stream is not None:
+        long_stream.killed.set()
+    survivors = [r for r in replicas if r is not victim]
+    wait_until(
+        lambda: (
+            load.completed() >= completed_at_kill + 10
+            and all(load.calls[kind] >= 3 for kind in kinds)
+            and all(info(r.target).rows_computed > before[r.target] for r in survivors)
+        ),
+        "the survivors did not take the load over",
+    )
     load.finish()
-    after = {r.target: info(r.target).rows_computed for r in replicas if r is not victim}
-    return Outcome(load, killed_at, before, after)
+    after = {r.target: info(r.target).rows_computed for r in survivors}
+    return Outcome(load, completed_at_kill, before, after)
 
 
 def check_no_failed_call(outcome: Outcome) -> None:
     load = outcome.load
-    after_kill = load.calls_after(outcome.killed_at)
+    after_kill = load.completed() - outcome.completed_at_kill
     print(f"calls {dict(load.calls)}, {after_kill} of them completed after the kill")
     print(f"rows computed: before the kill {outcome.before}, survivors at the end {outcome.after}")
     assert not load.failures, f"{len(load.failures)} failed SDK calls: {load.failures[:5]}"

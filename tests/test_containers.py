@@ -15,7 +15,6 @@ import re
 import subprocess
 import sys
 import threading
-import time
 import tomllib
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
@@ -266,13 +265,21 @@ def test_the_image_is_slim_without_a_compiler(podman: Podman, posenc_image: str)
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_a_cached_rebuild_takes_under_two_minutes(podman: Podman, posenc_image: str) -> None:
+def test_a_rebuild_without_changes_comes_from_the_layer_cache(
+    podman: Podman, posenc_image: str
+) -> None:
+    """Rebuilding unchanged sources runs no step again (no pip install, no compiling of the
+    engine's kernels): podman takes every step but the FROMs from its layer cache, and the
+    image is the one built before."""
     before = podman.out("image", "inspect", "--format", "{{.Id}}", IMAGE)
-    started = time.monotonic()
-    after = podman.build_posenc(podman.debian_image(PYTHON_BASE), wheelhouse())
-    elapsed = time.monotonic() - started
-    print(f"cached rebuild: {elapsed:.1f} s")
-    assert after == before and elapsed < 120
+    after, steps = podman.build_posenc_steps(podman.debian_image(PYTHON_BASE), wheelhouse())
+    ran = [
+        step.splitlines()[0]
+        for step in steps
+        if not step.split(": ", 1)[1].startswith("FROM ") and "--> Using cache " not in step
+    ]
+    assert steps and not ran, ran
+    assert after == before
 
 
 def streams_in_flight(podman: Podman, name: str) -> float:
@@ -282,62 +289,62 @@ def streams_in_flight(podman: Podman, name: str) -> float:
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(600)
 def test_sigterm_lets_a_stream_in_flight_finish_and_the_container_exit_0(
     podman: Podman, posenc_image: str
 ) -> None:
-    # 200 MiB in 1 MiB chunks, read slowly: the stream lasts at least 4 s whatever the CPU,
-    # so it is in flight when the signal comes, and ends well within the grace.
+    """SIGTERM with a stream in flight: the server drains, the stream goes on to its last
+    row, exact, and the container exits 0, every process saying it drained (each call in
+    flight finished within the grace, by the server's own account)."""
+    # 200 MiB in 1 MiB chunks. The reader stops after the first chunk until the signal has
+    # been sent: the stream is in flight when it comes, however fast or slow the machine.
     start, stop, d_model = 0, 51200, 1024
-    chunk_bytes, pause = 1 << 20, 0.02
-    grace = 30
+    chunk_bytes = 1 << 20
+    grace = 60
     with network(podman) as net:
         name = f"{net}-posenc"
         try:
             target = run_hardened(podman, name, net, f"POSENC_GRACE_SECONDS={grace}")
             outcome: dict[str, object] = {}
+            first_chunk, signalled = threading.Event(), threading.Event()
 
             def fetch() -> None:
                 parts = []
                 try:
                     with posenc.Client(target) as client:
                         for _, rows in client.iter_range(
-                            start, stop, d_model, chunk_bytes=chunk_bytes, timeout=120
+                            start, stop, d_model, chunk_bytes=chunk_bytes, timeout=240
                         ):
                             parts.append(np.array(rows))
-                            time.sleep(pause)
+                            if not first_chunk.is_set():
+                                first_chunk.set()
+                                signalled.wait(120)  # a hang guard: the signal comes first
                     outcome["table"] = np.concatenate(parts)
                 except Exception as error:  # reported below
                     outcome["error"] = error
-                outcome["done"] = time.monotonic()
+                finally:
+                    first_chunk.set()
 
             thread = threading.Thread(target=fetch)
             thread.start()
-            deadline = time.monotonic() + 20
-            while streams_in_flight(podman, name) < 1:
-                assert time.monotonic() < deadline and thread.is_alive(), "no stream started"
-                time.sleep(0.05)
-            signalled = time.monotonic()
+            assert first_chunk.wait(120) and "error" not in outcome, outcome.get("error")
+            assert streams_in_flight(podman, name) >= 1  # the server counts it in flight
             podman.run("kill", "--signal=TERM", name)
-            assert podman.out("wait", name, timeout=grace + 10) == "0"
-            exited = time.monotonic()
-            thread.join(60)
+            signalled.set()
+            assert podman.out("wait", name, timeout=grace + 120) == "0"  # a hang guard
+            thread.join(120)
             logs = podman.run("logs", name).stderr
         finally:
+            signalled.set()
             podman.run("rm", "--force", "--time=5", name, check=False)
     assert "error" not in outcome, outcome.get("error")
-    done = float(outcome["done"])  # type: ignore[arg-type]
-    print(
-        f"SIGTERM mid-stream: the stream ended {done - signalled:.1f} s and the container "
-        f"exited 0 {exited - signalled:.1f} s after the signal (grace {grace} s)"
-    )
-    # The stream was still running when the signal came, and finished within the grace.
-    assert signalled < done < signalled + grace
-    assert exited - signalled < grace
     table = outcome["table"]
     assert isinstance(table, np.ndarray)
     assert table.tobytes() == expected(start, stop, d_model)
-    assert '"message": "draining"' in logs and '"drained": true' in logs
+    entries = [json.loads(line) for line in logs.splitlines() if line.startswith("{")]
+    assert any(entry["message"] == "draining" for entry in entries)
+    stopped = [entry for entry in entries if entry["message"] == "stopped"]
+    assert stopped and all(entry["drained"] is True for entry in stopped), stopped
 
 
 @pytest.mark.slow

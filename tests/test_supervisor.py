@@ -88,14 +88,28 @@ def test_sigterm_drains_every_worker_and_exits_zero(
     assert messages[-2:] == ["draining", "stopped"]
 
 
+def wait_for_log(process: ServerProcess, message: str, count: int) -> None:
+    """Until ``process`` (its workers included) logged ``message`` ``count`` times (60 s at
+    most: a hang guard, not a measure)."""
+    deadline = time.monotonic() + 60
+
+    def logged() -> int:
+        return sum(entry["message"] == message for entry in process.logs())
+
+    while logged() < count and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert logged() >= count, process.log_lines[-20:]
+
+
 @pytest.mark.parametrize("processes", [1, 2])
-@pytest.mark.timeout(120)
-def test_ctrl_c_drains_and_a_second_ctrl_c_stops_at_once(
+@pytest.mark.timeout(180)
+def test_ctrl_c_drains_and_a_second_ctrl_c_stops_without_waiting_for_the_grace(
     spawn_server: Callable[..., ServerProcess], processes: int
 ) -> None:
     """Ctrl-C signals every process of the terminal's group: once, the server drains (a
-    stream in flight goes on); twice, it stops at once, well within the 30 s grace."""
-    process = spawn_server(0, "--processes", str(processes), "--grace-seconds", "30")
+    stream in flight goes on); twice, it stops, cutting the stream instead of giving it the
+    grace (an hour here: a process that exits at all did not wait for it)."""
+    process = spawn_server(0, "--processes", str(processes), "--grace-seconds", "3600")
     group = [process.process.pid, *worker_pids(process.process.pid)]
     with posenc.Client(process.target, max_retries=0) as client:
         # 4 GiB, read a few chunks at a time: in flight for as long as the test lasts.
@@ -103,21 +117,23 @@ def test_ctrl_c_drains_and_a_second_ctrl_c_stops_at_once(
         next(stream)
         for pid in group:
             os.kill(pid, signal.SIGINT)
-        time.sleep(1.0)
+        wait_for_log(process, "draining", len(group))  # every process took the first signal
         for _ in range(32):
             next(stream)  # still streaming: one Ctrl-C drains
         assert process.process.poll() is None
-        started = time.monotonic()
         for pid in group:
             with contextlib.suppress(ProcessLookupError):  # a worker with nothing in flight
                 os.kill(pid, signal.SIGINT)  # has drained and exited already
-        assert process.process.wait(15) == 0
-        assert time.monotonic() - started < 10
+        assert process.process.wait(60) == 0  # a hang guard: the grace is an hour
         with pytest.raises(posenc.PosencError):
             for _ in stream:  # what the transport still held, then the cut
                 pass
     assert not any(alive(pid) for pid in group)
     assert any(entry["message"].startswith("stopping now") for entry in process.logs())
+    # The server's own account (the supervisor's, with several processes): not drained,
+    # the stream was cut rather than finished.
+    stopped = [e for e in process.logs() if e["message"] == "stopped" and "worker" not in e]
+    assert [entry["drained"] for entry in stopped] == [False]
 
 
 @pytest.mark.timeout(120)
@@ -248,34 +264,38 @@ def test_healthy_workers_pass_the_supervisors_health_checks(
     assert worker_pids(process.process.pid) == workers
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(180)
 def test_a_hung_worker_is_replaced(spawn_server: Callable[..., ServerProcess]) -> None:
+    """A worker that stops answering (SIGSTOP: alive, its port open, silent) fails the
+    supervisor's health checks and is killed and replaced for it."""
     process = spawn_server(0, "--processes", "2")
     victim = min(worker_pids(process.process.pid))
     os.kill(victim, signal.SIGSTOP)
-    stopped = time.monotonic()
     try:
+        # A hang guard only: the supervisor acts after three failed checks a second apart.
+        deadline = time.monotonic() + 60
         while (
             victim in worker_pids(process.process.pid) or len(worker_pids(process.process.pid)) < 2
-        ):
-            assert time.monotonic() - stopped < 20, "the hung worker was not replaced"
+        ) and time.monotonic() < deadline:
             time.sleep(0.1)
-        replaced_after = time.monotonic() - stopped
+        workers = worker_pids(process.process.pid)
+        assert victim not in workers and len(workers) == 2, "the hung worker was not replaced"
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.kill(victim, signal.SIGKILL)
-    assert replaced_after < 10
+    # Replaced for its health checks (the supervisor's reason, with the worker's pid).
     assert any(
         entry["message"] == "worker stopped answering its health checks; replacing it"
+        and entry["pid"] == victim
         for entry in process.logs()
     )
     # New connections reach live workers only: every call succeeds.
-    deadline = time.monotonic() + 30
+    deadline = time.monotonic() + 60
     while not any(entry.get("message") == "worker listening" for entry in process.logs()[-5:]):
         assert time.monotonic() < deadline
         time.sleep(0.1)
     for _ in range(10):
-        with posenc.Client(process.target, timeout=5) as client:
+        with posenc.Client(process.target, timeout=30) as client:
             assert client.health() == "SERVING"
             assert client.get_range(0, 4, 8).shape == (4, 8)
 
