@@ -648,3 +648,140 @@ def test_wan_takes_its_rotary_tables_from_posenc_past_its_own_length(
         rows = torch.cat(model.rope(beyond["hidden_states"]), dim=-1).reshape(len(cells), -1)
         assert float((rows.double() - exact).abs().max()) <= 2.0**-24
         assert torch.isfinite(_run(model, beyond)).all()
+
+
+# -- CogVideoX-5b and 1.5: the 3D rotary their pipelines build --------------------------------
+
+_PREPARE = "_prepare_rotary_positional_embeddings"
+
+
+def _cogvideox_pipeline(patch_size_t: int | None, sample: tuple[int, int, int] = (8, 12, 5)) -> Any:
+    from diffusers import CogVideoXDDIMScheduler, CogVideoXPipeline, CogVideoXTransformer3DModel
+
+    torch.manual_seed(0)
+    height, width, frames = sample
+    # CogVideoX-5b's rotary settings: head 64 (axes 16, 24, 24), theta 10000, patch 2,
+    # temporal compression 4; CogVideoX 1.5 adds a temporal patch of 2. Latent sample sizes
+    # shrunk (the published 60 x 90 for the tables only).
+    transformer = CogVideoXTransformer3DModel(
+        num_attention_heads=2,
+        attention_head_dim=64,
+        in_channels=4,
+        out_channels=4,
+        time_embed_dim=32,
+        text_embed_dim=16,
+        num_layers=1,
+        sample_height=height,
+        sample_width=width,
+        sample_frames=frames,
+        patch_size=2,
+        patch_size_t=patch_size_t,
+        temporal_compression_ratio=4,
+        max_text_seq_length=8,
+        use_rotary_positional_embeddings=True,
+    )
+    # The prompt comes as embeddings and the video goes out as latents: no tokenizer, text
+    # encoder or VAE to build; the denoising loop, the scheduler and the tables are the
+    # pipeline's own.
+    pipeline = CogVideoXPipeline(
+        tokenizer=None,
+        text_encoder=None,
+        vae=None,
+        transformer=transformer.eval(),
+        scheduler=CogVideoXDDIMScheduler(),
+    )
+    pipeline.set_progress_bar_config(disable=True)
+    return pipeline
+
+
+def _generate(pipeline: Any, height: int, width: int, frames: int) -> Any:
+    torch.manual_seed(1)
+    with torch.no_grad():
+        return pipeline(
+            prompt_embeds=torch.randn(1, 8, 16),
+            height=height,
+            width=width,
+            num_frames=frames,
+            num_inference_steps=2,
+            guidance_scale=1.0,
+            output_type="latent",
+            generator=torch.Generator().manual_seed(0),
+            return_dict=False,
+        )[0].double()
+
+
+def _table_errors(patched: posenc.integrations.diffusers.Patch, pipeline: Any, *size: int) -> Any:
+    """The largest errors of the pipeline's own float32 table and of posenc's, against
+    float64, for a video of ``size`` (pixels, pixels, latent frames), both built as the
+    pipeline builds them for its denoising steps."""
+    height, width, frames = size
+    cpu = torch.device("cpu")
+    ours = torch.cat(getattr(pipeline, _PREPARE)(height, width, frames, cpu), dim=-1)
+    theirs = torch.cat(
+        type(pipeline)._prepare_rotary_positional_embeddings(pipeline, height, width, frames, cpu),
+        dim=-1,
+    )
+    grid = (height // 16, width // 16)
+    cells = _grid_cells(ours.shape[0] // (grid[0] * grid[1]), *grid)
+    exact = _exact_rotary(patched.specs[_PREPARE], cells)
+    return (
+        float((theirs.double() - exact).abs().max()),
+        float((ours.double() - exact).abs().max()),
+    )
+
+
+def test_cogvideox_5b_takes_exact_rotary_tables_from_its_pipeline(
+    client: posenc.Client,
+) -> None:
+    pipeline = _cogvideox_pipeline(None)
+    native = _generate(pipeline, 64, 96, 5)  # the training size: 8 x 12 latents, 2 frames
+    bigger = _generate(pipeline, 128, 192, 5)
+    with patch(pipeline, client) as patched:
+        assert patched.specs == {
+            _PREPARE: posenc.Spec("rotary_axes", axes_dim=[16, 24, 24], rope_theta=10000.0)
+        }
+        ours = _generate(pipeline, 64, 96, 5)
+        assert float((ours - native).abs().max()) <= SAME_SIZE_TOLERANCE
+        fetches = patched.fetches
+        assert torch.isfinite(_generate(pipeline, 64, 96, 13)).all()  # 2x the frames
+        assert patched.fetches == fetches + 1
+        # At another size its training grid's positions are spread over the video (i * 8 /
+        # 16): not posenc's integer cells, so the pipeline's own table serves it.
+        assert torch.equal(_generate(pipeline, 128, 192, 5), bigger)
+        assert patched.fetches == fetches + 1
+    assert torch.equal(_generate(pipeline, 64, 96, 5), native)
+
+    # The tables at the published size (720 x 480 px, 13 latent frames) and twice the frames:
+    # the pipeline's own are built from float32 positions and frequencies.
+    published = _cogvideox_pipeline(None, (60, 90, 49))
+    with patch(published, client) as patched:
+        for frames in (13, 26):
+            native_error, ours_error = _table_errors(patched, published, 480, 720, frames)
+            assert ours_error <= 2.0**-24 and native_error >= 16 * ours_error, (
+                frames,
+                native_error,
+                ours_error,
+            )
+
+
+def test_cogvideox_1_5_takes_rotary_tables_past_its_training_grid(
+    client: posenc.Client,
+) -> None:
+    pipeline = _cogvideox_pipeline(2)
+    native = _generate(pipeline, 64, 96, 5)
+    with pytest.raises(RuntimeError):
+        _generate(pipeline, 128, 192, 5)  # its own table stops at the training grid
+    with patch(pipeline, client) as patched:
+        ours = _generate(pipeline, 64, 96, 5)
+        assert float((ours - native).abs().max()) <= SAME_SIZE_TOLERANCE
+        for height, width in ((128, 192), (256, 384)):  # 2x and 4x the training size
+            assert torch.isfinite(_generate(pipeline, height, width, 5)).all()
+            cells = _grid_cells(1, height // 16, width // 16)
+            exact = _exact_rotary(patched.specs[_PREPARE], cells)
+            rows = torch.cat(getattr(pipeline, _PREPARE)(height, width, 2, torch.device("cpu")), -1)
+            assert float((rows.double() - exact).abs().max()) <= 2.0**-24
+
+
+def test_a_cogvideox_rotary_transformer_alone_names_its_pipeline(client: posenc.Client) -> None:
+    with pytest.raises(ValueError, match="holds no positional table"):
+        patch(_cogvideox_pipeline(None).transformer, client)

@@ -23,7 +23,13 @@ posenc's grid instead, whose positions are exact rationals:
 - the N-axis rotary embeddings of Flux (``FluxPosEmbed``: the ids of each forward), and of
   HunyuanVideo and Wan (their ``(t, h, w)`` grid of each video size): posenc's
   ``rotary_axes`` tables, exact at any coordinate (HunyuanVideo builds its frequencies in
-  float32; Wan's own table stops at ``rope_max_seq_len`` positions per axis).
+  float32; Wan's own table stops at ``rope_max_seq_len`` positions per axis);
+- the 3D rotary of CogVideoX-5b and CogVideoX 1.5, which their pipelines build for each
+  video size (``_prepare_rotary_positional_embeddings``): patch the pipeline. CogVideoX 1.5's
+  positions are the integer cells at any size (its own table stops at the training grid).
+  CogVideoX-5b spreads its training grid's positions over a video of another size (a cell
+  at ``i * 30 / n``): there posenc's integer coordinates do not apply, and the pipeline's
+  own table is used; at the training size, any number of frames, the table is posenc's.
 
 Each size's grid is fetched once and reused by every denoising step at that size. Learned
 position embeddings (CogVideoX-5b-I2V) are weights, not tables: they are left alone and
@@ -168,6 +174,13 @@ def patch(model: Any, client: posenc.Client, *, verify: bool = True) -> Patch:
         raise TypeError(f"expected a diffusers model or pipeline, got {type(model).__name__}")
     handle = Patch(client)
     try:
+        if _builds_cogvideox_rotary(module):
+            if model is module:
+                handle.skipped[""] = (
+                    "CogVideoX's 3D rotary comes from its pipeline: patch the pipeline"
+                )
+            else:
+                _CogVideoXRotary(handle, model).install(verify)
         for name, child in module.named_modules():
             kind = type(child).__name__
             if _is_patch_embed(child):
@@ -230,6 +243,13 @@ def _is_cogvideox_embed(module: nn.Module) -> bool:
         {"max_text_seq_length", "spatial_interpolation_scale"} <= attributes.keys()
         and hasattr(module, "_get_positional_embeddings")
         and bool(attributes.get("use_positional_embeddings"))
+    )
+
+
+def _builds_cogvideox_rotary(module: nn.Module) -> bool:
+    config = getattr(module, "config", None)
+    return type(module).__name__ == "CogVideoXTransformer3DModel" and bool(
+        getattr(config, "use_rotary_positional_embeddings", False)
     )
 
 
@@ -476,3 +496,64 @@ _ROTARY: Final[dict[str, type[_AxesRotary]]] = {
     "HunyuanVideoRotaryPosEmbed": _HunyuanVideo,
     "WanRotaryPosEmbed": _Wan,
 }
+
+
+class _CogVideoXRotary:
+    """The 3D rotary a CogVideoX pipeline builds for each video size and passes to every
+    denoising step: cells ``(t, h, w)``, axes of ``head // 4``, ``head // 8 * 3`` and
+    ``head // 8 * 3`` columns, theta 10000, diffusers' interleaved pairs."""
+
+    NAME: Final = "_prepare_rotary_positional_embeddings"
+
+    def __init__(self, handle: Patch, pipeline: Any) -> None:
+        self.handle, self.pipeline = handle, pipeline
+        self.native = getattr(pipeline, self.NAME)
+        self.config = pipeline.transformer.config
+        head = int(self.config.attention_head_dim)
+        self.spec = posenc.Spec(
+            "rotary_axes", axes_dim=[head // 4, head // 8 * 3, head // 8 * 3], rope_theta=10000.0
+        )
+
+    def install(self, verify: bool) -> None:
+        if verify:  # at the training size, where every version's cells are integers
+            scale = int(self.pipeline.vae_scale_factor_spatial)
+            size = (self.config.sample_height * scale, self.config.sample_width * scale)
+            frames = (self.config.sample_frames - 1) // self.config.temporal_compression_ratio + 1
+            with torch.no_grad():
+                theirs = torch.cat(self.native(*size, frames, torch.device("cpu")), dim=-1)
+                ours = torch.cat(self(*size, frames, torch.device("cpu")), dim=-1)
+            _check(self.NAME, self.spec, ours.reshape(-1), theirs.reshape(-1))
+        self.handle.specs[self.NAME] = self.spec
+        self.handle._override(self.pipeline, self.NAME, self)
+
+    def __call__(
+        self, height: int, width: int, num_frames: int, device: torch.device
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(cos, sin)``, ``[cells, head]`` each, for a video of ``num_frames`` latent
+        frames and ``height x width`` pixels."""
+        patch = int(self.config.patch_size)
+        scale = int(self.pipeline.vae_scale_factor_spatial)
+        rows, columns = height // (scale * patch), width // (scale * patch)
+        patch_t = self.config.patch_size_t
+        if patch_t is None:  # CogVideoX 1.0: the training grid, resized over this one
+            if self._crop(rows, columns) != ((0, 0), (rows, columns)):
+                return self.native(height, width, num_frames, device)  # type: ignore[no-any-return]
+            frames = num_frames
+        else:  # CogVideoX 1.5: the first cells of each axis
+            frames = (num_frames + patch_t - 1) // patch_t
+        table = self.handle.rotary(self.spec, _grid_cells(frames, rows, columns)).to(device)
+        half = table.shape[-1] // 2
+        return table[:, :half], table[:, half:]
+
+    def _crop(self, rows: int, columns: int) -> tuple[tuple[int, int], tuple[int, int]]:
+        """The pipeline's crop of its training grid for a grid of ``rows x columns``: cell
+        ``i`` of an axis of ``n`` lies at ``top + i * (bottom - top) / n`` there, integers
+        (``i``) when the crop is the grid itself."""
+        patch = int(self.config.patch_size)
+        tall, wide = self.config.sample_height // patch, self.config.sample_width // patch
+        if rows / columns > tall / wide:
+            high, broad = tall, round(tall / rows * columns)
+        else:
+            high, broad = round(wide / columns * rows), wide
+        top, left = round((tall - high) / 2.0), round((wide - broad) / 2.0)
+        return (top, left), (top + high, left + broad)
