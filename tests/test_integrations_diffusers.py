@@ -785,3 +785,69 @@ def test_cogvideox_1_5_takes_rotary_tables_past_its_training_grid(
 def test_a_cogvideox_rotary_transformer_alone_names_its_pipeline(client: posenc.Client) -> None:
     with pytest.raises(ValueError, match="holds no positional table"):
         patch(_cogvideox_pipeline(None).transformer, client)
+
+
+def _lumina2(axes_lens: tuple[int, int, int]) -> Any:
+    from diffusers import Lumina2Transformer2DModel
+
+    torch.manual_seed(0)
+    # Lumina-Image 2.0's rotary settings shrunk: three axes (caption index, h, w), theta
+    # 10000, patch 2; a head of 32 split (8, 12, 12).
+    return Lumina2Transformer2DModel(
+        sample_size=16,
+        patch_size=2,
+        in_channels=4,
+        hidden_size=64,
+        num_layers=1,
+        num_refiner_layers=1,
+        num_attention_heads=2,
+        num_kv_heads=1,
+        multiple_of=16,
+        axes_dim_rope=(8, 12, 12),
+        axes_lens=axes_lens,
+        cap_feat_dim=16,
+    )
+
+
+_LUMINA_TEXT = {
+    "encoder_hidden_states": lambda: torch.randn(1, 4, 16),
+    "encoder_attention_mask": lambda: torch.ones(1, 4, dtype=torch.bool),
+}
+
+
+def _image_inputs(size: int, text: dict[str, Any]) -> dict[str, Any]:
+    torch.manual_seed(1)
+    return {
+        "hidden_states": torch.randn(1, 4, size, size),
+        "timestep": torch.tensor([0.5]),
+        **{name: make() for name, make in text.items()},
+    }
+
+
+def test_lumina2_takes_its_rotary_tables_from_posenc_past_its_own_length(
+    client: posenc.Client,
+) -> None:
+    model = _lumina2(axes_lens=(32, 16, 16)).eval()
+    inside = _image_inputs(16, _LUMINA_TEXT)  # 8 x 8 patches: within its 16-row tables
+    beyond = _image_inputs(48, _LUMINA_TEXT)  # 24 x 24 patches: past them
+    native = _run(model, inside)
+    with pytest.raises(RuntimeError):
+        _run(model, beyond)
+    with patch(model, client) as patched:
+        assert patched.specs["rope_embedder"] == posenc.Spec(
+            "rotary_axes", axes_dim=[8, 12, 12], rope_theta=10000.0
+        )
+        # Its own tables come from float64 frequencies, in complex128, as posenc's here.
+        assert float((_run(model, inside) - native).abs().max()) <= SAME_SIZE_TOLERANCE
+        fetches = patched.fetches
+        _run(model, inside)  # the next denoising step
+        assert patched.fetches == fetches
+        assert torch.isfinite(_run(model, beyond)).all()
+        cells = _grid_cells(1, 24, 24) + torch.tensor([4, 0, 0])  # after 4 caption tokens
+        rotations = model.rope_embedder._get_freqs_cis(cells.unsqueeze(0))[0]
+        exact = _exact_rotary(patched.specs["rope_embedder"], cells)
+        half = exact.shape[-1] // 2
+        expected = torch.complex(exact[:, :half:2], exact[:, half::2])
+        # float64 either way: as close as the float64 reference's own rounding.
+        assert float((rotations - expected).abs().max()) <= 1e-13
+    assert torch.equal(_run(model, inside), native)

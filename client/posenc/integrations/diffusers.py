@@ -20,10 +20,11 @@ posenc's grid instead, whose positions are exact rationals:
   coordinates of the crop;
 - ``CogVideoXPatchEmbed`` with sin-cos positions (CogVideoX-2b): the 3D grid of each video
   size, after its text tokens' zero rows;
-- the N-axis rotary embeddings of Flux (``FluxPosEmbed``: the ids of each forward), and of
-  HunyuanVideo and Wan (their ``(t, h, w)`` grid of each video size): posenc's
-  ``rotary_axes`` tables, exact at any coordinate (HunyuanVideo builds its frequencies in
-  float32; Wan's own table stops at ``rope_max_seq_len`` positions per axis);
+- the N-axis rotary embeddings of Flux (``FluxPosEmbed``: the ids of each forward), of
+  HunyuanVideo and Wan (their ``(t, h, w)`` grid of each video size) and of Lumina-Image 2.0
+  (caption and image ids): posenc's ``rotary_axes`` tables, exact at any coordinate
+  (HunyuanVideo builds its frequencies in float32; Wan's own table stops at
+  ``rope_max_seq_len`` positions per axis, Lumina 2's at ``axes_lens``);
 - the 3D rotary of CogVideoX-5b and CogVideoX 1.5, which their pipelines build for each
   video size (``_prepare_rotary_positional_embeddings``): patch the pipeline. CogVideoX 1.5's
   positions are the integer cells at any size (its own table stops at the training grid).
@@ -88,14 +89,17 @@ class Patch:
         self._rotary: dict[tuple[Any, ...], torch.Tensor] = {}
         self._undo: list[Callable[[], None]] = []
 
-    def rotary(self, spec: posenc.Spec, coordinates: torch.Tensor) -> torch.Tensor:
-        """The float32 rows of an N-axis rotary spec at ``[rows, 3]`` integer coordinates,
-        fetched once per coordinates (every denoising step of a size asks for the same)."""
+    def rotary(
+        self, spec: posenc.Spec, coordinates: torch.Tensor, dtype: str = "float32"
+    ) -> torch.Tensor:
+        """The rows of an N-axis rotary spec at ``[rows, 3]`` integer coordinates, fetched
+        once per coordinates (every denoising step of a size asks for the same)."""
         array = np.ascontiguousarray(coordinates.detach().cpu().numpy().astype(np.int64))
-        key = (spec, array.shape, hashlib.blake2b(array.tobytes(), digest_size=16).digest())
+        digest = hashlib.blake2b(array.tobytes(), digest_size=16).digest()
+        key = (spec, dtype, array.shape, digest)
         rows = self._rotary.get(key)
         if rows is None:
-            rows = as_tensor(self.client.get_positions(array, spec, dtype="float32"))
+            rows = as_tensor(self.client.get_positions(array, spec, dtype=dtype))
             if len(self._rotary) >= _ROTARY_KEPT:
                 self._rotary.pop(next(iter(self._rotary)))
             self._rotary[key] = rows
@@ -153,8 +157,9 @@ def patch(model: Any, client: posenc.Client, *, verify: bool = True) -> Patch:
         model: A diffusers model (``DiTTransformer2DModel``, ``PixArtTransformer2DModel``,
             ``SD3Transformer2DModel``, ``CogVideoXTransformer3DModel``,
             ``FluxTransformer2DModel``, ``HunyuanVideoTransformer3DModel``,
-            ``WanTransformer3DModel``, any ``nn.Module`` holding their position modules) or a
-            pipeline (its ``transformer`` is patched).
+            ``WanTransformer3DModel``, ``Lumina2Transformer2DModel``, any ``nn.Module``
+            holding their position modules) or a pipeline (its ``transformer`` is patched;
+            a CogVideoX pipeline's 3D rotary too).
         client: The :class:`posenc.Client` grids are fetched with; it must stay open while
             the model runs patched.
         verify: Compare each module's grid at its training size with the module's own
@@ -378,27 +383,35 @@ class _AxesRotary:
     """A diffusers rotary module whose forward gives ``(cos, sin)`` of integer coordinates,
     in diffusers' interleaved-pairs layout (posenc's ``gptj``)."""
 
+    #: The module's method that gives its tables, which the patch replaces.
+    METHOD = "forward"
+
     def __init__(self, handle: Patch, name: str, module: Any) -> None:
         self.handle, self.name, self.module = handle, name, module
-        self.native = module.forward
+        self.native = getattr(module, self.METHOD)
 
     @property
     def spec(self) -> posenc.Spec:
         raise NotImplementedError
 
     def sample(self) -> tuple[Any, ...]:
-        """Arguments of a small forward, to compare with the native one."""
+        """Arguments of a small call of the method, to compare with the native one."""
         raise NotImplementedError
+
+    @staticmethod
+    def values(tables: Any) -> torch.Tensor:
+        """What the method gave, as one real tensor: ``cos | sin``."""
+        return torch.cat(tables, dim=-1)
 
     def install(self, verify: bool) -> None:
         spec = self.spec
         if verify:
             with torch.no_grad():
-                theirs = torch.cat(self.native(*self.sample()), dim=-1)
-                ours = torch.cat(self(*self.sample()), dim=-1)
+                theirs = self.values(self.native(*self.sample()))
+                ours = self.values(self(*self.sample()))
             _check(self.name, spec, ours.reshape(-1), theirs.reshape(-1))
         self.handle.specs[self.name] = spec
-        self.handle._override(self.module, "forward", self)
+        self.handle._override(self.module, self.METHOD, self)
 
     def cos_sin(self, coordinates: torch.Tensor, like: torch.Tensor) -> tuple[Any, Any]:
         rows = self.handle.rotary(self.spec, coordinates).to(like.device)
@@ -491,10 +504,43 @@ class _Wan(_AxesRotary):
         return cos.reshape(1, len(cells), 1, -1), sin.reshape(1, len(cells), 1, -1)
 
 
+class _Lumina2(_AxesRotary):
+    """``Lumina2RotaryPosEmbed``: complex rotations of the ids it builds for the caption
+    tokens ``(i, 0, 0)`` and the image patches ``(caption length, h, w)``, at any size (the
+    module's own table stops at ``axes_lens`` positions per axis). Its own are built from
+    float64 frequencies and kept in complex128: so are posenc's, fetched in float64."""
+
+    METHOD = "_get_freqs_cis"
+
+    @property
+    def spec(self) -> posenc.Spec:
+        return posenc.Spec(
+            "rotary_axes",
+            axes_dim=[int(dim) for dim in self.module.axes_dim],
+            rope_theta=float(self.module.theta),
+        )
+
+    def sample(self) -> tuple[Any, ...]:
+        return (_grid_cells(2, 3, 4).unsqueeze(0),)
+
+    @staticmethod
+    def values(tables: Any) -> torch.Tensor:
+        return torch.view_as_real(tables)
+
+    def __call__(self, ids: torch.Tensor) -> torch.Tensor:
+        """``[batch, tokens, head / 2]`` complex rotations of ``[batch, tokens, 3]`` ids."""
+        rows = self.handle.rotary(self.spec, ids.reshape(-1, 3), dtype="float64")
+        half = rows.shape[-1] // 2
+        # diffusers' interleaved pairs repeat each value: one per pair makes the rotation.
+        rotations = torch.complex(rows[:, :half:2], rows[:, half::2])
+        return rotations.reshape(*ids.shape[:-1], -1).to(ids.device)
+
+
 _ROTARY: Final[dict[str, type[_AxesRotary]]] = {
     "FluxPosEmbed": _Flux,
     "HunyuanVideoRotaryPosEmbed": _HunyuanVideo,
     "WanRotaryPosEmbed": _Wan,
+    "Lumina2RotaryPosEmbed": _Lumina2,
 }
 
 
