@@ -31,6 +31,7 @@ PICTURES: dict[str, list[str]] = {
     "similarity": ["similarity"],
     "wavelength": ["wavelength"],
     "table-rotary-axes": ["table"],
+    "grid-drift": ["grid-drift"],
 }
 
 

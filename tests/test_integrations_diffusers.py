@@ -23,6 +23,7 @@ import copy
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import numpy as np
 import pytest
 
 import posenc
@@ -851,3 +852,20 @@ def test_lumina2_takes_its_rotary_tables_from_posenc_past_its_own_length(
         # float64 either way: as close as the float64 reference's own rounding.
         assert float((rotations - expected).abs().max()) <= 1e-13
     assert torch.equal(_run(model, inside), native)
+
+
+def test_the_grid_drift_figure_measures_diffusers_own_grids(client: posenc.Client) -> None:
+    """``posenc plot grid-drift`` builds its float32-position grids itself (the plot extra
+    needs no diffusers): their errors are those of diffusers' own function."""
+    from posenc import plot
+
+    spec = plot.default_spec("grid-drift")
+    sides = [48, 64, 84]
+    data = plot.grid_drift(client, spec, sides=np.asarray(sides))
+    for side, measured in zip(sides, data.float32_positions, strict=True):
+        native = embeddings.get_2d_sincos_pos_embed(
+            64, side, base_size=64, interpolation_scale=2.0
+        ).float()
+        exact = _exact_2d(64, side, base_size=64, interpolation_scale=2.0)
+        # The exact grids (posenc's float64, and the float64 one here) differ by 1e-15.
+        assert abs(measured - float((native.double() - exact).abs().max())) <= 1e-12, side

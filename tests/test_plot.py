@@ -280,6 +280,9 @@ def test_every_figure_renders_a_png_of_the_expected_size(
         "table": plot.draw_table(
             plot.table_rows(client, posenc.Spec("mrope", head_dim=16, mrope_section=[2, 3, 3]))
         ),
+        "grid-drift": plot.draw_grid_drift(
+            plot.grid_drift(client, plot.default_spec("grid-drift"), sides=np.array([32, 48]))
+        ),
     }
     assert set(figures) == set(plot.FIGURES)
     for name, drawn in figures.items():
@@ -403,6 +406,10 @@ def test_the_figures_page_quotes_the_figures_data(client: posenc.Client) -> None
     )
     longest = [v[-1] for v in plot.wavelengths(client).wavelength.values()]
     quoted.append(f"{longest[0]:,.0f}, {longest[1]:,.0f} and {longest[2] / 1e6:.3g} million")
+    grids = plot.grid_drift(client, plot.default_spec("grid-drift"))
+    quoted.append(f"float32's rounding ({_g(grids.posenc.max())})")
+    quoted.append(f"off by up to {_g(grids.float32_positions.max())}, thirty")
+    assert round(grids.float32_positions.max() / grids.posenc.max(), -1) == 30
     missing = [text for text in quoted if text not in section]
     assert not missing, f"docs/figures.md is stale (make plots, then update): {missing}"
 

@@ -160,7 +160,7 @@ CLI_OUTPUTS: dict[str, tuple[int, int, int | posenc.Spec, str]] = {
 }
 # The figures `posenc plot` draws: checked to be PNG images (tests/test_plot.py checks their
 # data).
-CLI_PICTURES = {"drift.png", "scaling.png", "rows.png"}
+CLI_PICTURES = {"drift.png", "scaling.png", "rows.png", "grids.png"}
 
 
 def load(path: Path, dtype: str) -> npt.NDArray[Any]:

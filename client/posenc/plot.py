@@ -44,6 +44,7 @@ __all__ = [
     "MAX_D_MODEL",
     "SIZE",
     "Drift",
+    "GridDrift",
     "Heatmap",
     "Rotation",
     "Scalings",
@@ -51,6 +52,7 @@ __all__ = [
     "Wavelengths",
     "default_spec",
     "draw_drift",
+    "draw_grid_drift",
     "draw_heatmap",
     "draw_rotation",
     "draw_scalings",
@@ -59,6 +61,7 @@ __all__ = [
     "drift",
     "drift_positions",
     "figure",
+    "grid_drift",
     "heatmap",
     "render",
     "rope_scaling_specs",
@@ -744,6 +747,101 @@ def draw_table(data: Rows) -> Figure:
     return fig
 
 
+# -- sin-cos grids at other sizes ----------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class GridDrift:
+    """Largest absolute error of a 2D sin-cos grid against the exact values, per grid size."""
+
+    spec: Spec
+    """The grid at its base size."""
+    sides: Ints
+    """Cells per side of each square grid measured."""
+    posenc: Floats
+    """posenc's float32 grid."""
+    float32_positions: Floats
+    """The grid of float32 positions ``i / (n / base_size) / interpolation_scale``, values in
+    float64 rounded to float32: how diffusers builds it at a size other than its buffer's."""
+
+
+def _grid_sides(base: int) -> Ints:
+    """Sides from half ``base`` to four times it, four per doubling."""
+    return np.unique(np.round(base * 2.0 ** (np.arange(-4, 9) / 4)).astype(np.int64))
+
+
+def _float32_position_axis(side: int, embed_dim: int, base: float, scale: float) -> Floats:
+    """One axis's half of a grid row, ``[sin | cos]`` of ``embed_dim / 2`` columns, from
+    positions computed in float32."""
+    positions = np.arange(side, dtype=np.float32) / np.float32(side / base) / np.float32(scale)
+    quarter = embed_dim // 4
+    omega = 1.0 / 10000.0 ** (np.arange(quarter, dtype=np.float64) / quarter)
+    angles = np.outer(positions.astype(np.float64), omega)
+    axis = np.concatenate([np.sin(angles), np.cos(angles)], axis=1)
+    return np.asarray(axis.astype(np.float32), dtype=np.float64)
+
+
+def grid_drift(client: Client, spec: Spec, sides: Ints | None = None) -> GridDrift:
+    """Largest error of posenc's float32 grid and of the float32-position grid at each
+    square size, both against posenc's float64 grid (within 2**-50 of exact).
+
+    Args:
+        client: A client of the server whose grids are measured.
+        spec: A ``sincos_grid_2d`` grid (its ``base_size`` and ``interpolation_scale``; its
+            own height and width are replaced by each size's).
+        sides: Cells per side; default half the base size to four times it.
+    """
+    if spec.kind != "sincos_grid_2d":
+        raise ValueError(f"the grid drift figure takes a sincos_grid_2d grid, got {spec!r}")
+    parameters = dict(spec.parameters)
+    embed_dim = int(parameters["embed_dim"])
+    base = float(parameters.get("base_size", parameters["grid_height"]))
+    scale = float(parameters.get("interpolation_scale", 1.0))
+    where = _grid_sides(round(base)) if sides is None else np.asarray(sides, dtype=np.int64)
+    ours, theirs = [], []
+    for side in where.tolist():
+        sized = Spec("sincos_grid_2d", **{**parameters, "grid_height": side, "grid_width": side})
+        exact = np.asarray(client.get_grid(sized, dtype="float64"), dtype=np.float64)
+        exact = exact.reshape(-1, embed_dim)
+        served = np.asarray(client.get_grid(sized, dtype="float32"), dtype=np.float64)
+        ours.append(float(np.abs(served.reshape(-1, embed_dim) - exact).max()))
+        # A cell (row r, column c) is [axis(c) | axis(r)]: the grid's error is its axis's.
+        axis = _float32_position_axis(side, embed_dim, base, scale)
+        cells = np.arange(side * side)
+        built = np.concatenate([axis[cells % side], axis[cells // side]], axis=1)
+        theirs.append(float(np.abs(built - exact).max()))
+    return GridDrift(spec, where, np.asarray(ours), np.asarray(theirs))
+
+
+def draw_grid_drift(data: GridDrift) -> Figure:
+    """Error against grid size: float32 positions drift wherever ``i / (n / base_size) /
+    scale`` is not a float32 number; posenc's grid stays at its rounding."""
+    fig = _new_figure()
+    ax = fig.add_subplot()
+    ax.semilogy(
+        data.sides,
+        np.maximum(data.float32_positions, _FLOOR),
+        "o-",
+        ms=3,
+        label="float32 positions (diffusers at a size other than its buffer's)",
+    )
+    ax.semilogy(data.sides, np.maximum(data.posenc, _FLOOR), "o-", ms=3, label="posenc float32")
+    ax.axhline(2.0**-24, color="grey", ls=":", lw=1, label="1 ulp of float32 in [0.5, 1)")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("grid side (patches)")
+    ax.set_ylabel("largest |value - exact| in the grid")
+    parameters = data.spec.parameters
+    ax.set_title(
+        f"Sin-cos grids at other sizes: embed_dim {parameters['embed_dim']}, base_size "
+        f"{parameters.get('base_size', parameters['grid_height']):g}, interpolation_scale "
+        f"{parameters.get('interpolation_scale', 1.0):g}",
+        fontsize=10,
+    )
+    ax.grid(True, which="major", alpha=0.3)
+    ax.legend(fontsize=8)
+    return fig
+
+
 # -- figures by name ---------------------------------------------------------------------
 
 
@@ -769,6 +867,15 @@ _DEFAULTS: Final[Mapping[str, Spec]] = {
     "similarity": Spec("sinusoidal", d_model=128),
     "wavelength": Spec("sinusoidal", d_model=128),
     "table": Spec("rotary_axes", axes_dim=[16, 24, 24]),
+    # PixArt-alpha 1024's grid: 64 patches a side at 1024 px, interpolation scale 2.
+    "grid-drift": Spec(
+        "sincos_grid_2d",
+        embed_dim=64,
+        grid_height=64,
+        grid_width=64,
+        base_size=64.0,
+        interpolation_scale=2.0,
+    ),
 }
 
 FIGURES: Final[Mapping[str, Callable[[Client, Spec, Sequence[float], str], Figure]]] = {
@@ -785,6 +892,7 @@ FIGURES: Final[Mapping[str, Callable[[Client, Spec, Sequence[float], str], Figur
         wavelengths(client, _base_of(spec)[0], bases)
     ),
     "table": lambda client, spec, bases, dtype: draw_table(table_rows(client, spec)),
+    "grid-drift": lambda client, spec, bases, dtype: draw_grid_drift(grid_drift(client, spec)),
 }
 """Each figure of ``posenc plot KIND``: (client, spec, bases, dtype) -> figure."""
 
