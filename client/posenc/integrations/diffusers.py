@@ -380,11 +380,14 @@ class _CogVideoXEmbed:
 
 
 class _AxesRotary:
-    """A diffusers rotary module whose forward gives ``(cos, sin)`` of integer coordinates,
-    in diffusers' interleaved-pairs layout (posenc's ``gptj``)."""
+    """A diffusers rotary module whose method ``METHOD`` gives the rotations of integer
+    coordinates (``(cos, sin)`` in diffusers' interleaved-pairs layout, posenc's ``gptj``,
+    unless a subclass says otherwise)."""
 
     #: The module's method that gives its tables, which the patch replaces.
     METHOD = "forward"
+    #: The module's attribute holding each axis's width (its ``theta`` is the base).
+    DIMS = "axes_dim"
 
     def __init__(self, handle: Patch, name: str, module: Any) -> None:
         self.handle, self.name, self.module = handle, name, module
@@ -392,7 +395,14 @@ class _AxesRotary:
 
     @property
     def spec(self) -> posenc.Spec:
-        raise NotImplementedError
+        dims = [int(dim) for dim in getattr(self.module, self.DIMS)]
+        if len(dims) > 3:
+            raise ValueError(f"{self.name}: {len(dims)} rotary axes, posenc serves at most 3")
+        return posenc.Spec(
+            "rotary_axes",
+            axes_dim=dims + [0] * (3 - len(dims)),
+            rope_theta=float(self.module.theta),
+        )
 
     def sample(self) -> tuple[Any, ...]:
         """Arguments of a small call of the method, to compare with the native one."""
@@ -431,17 +441,6 @@ def _grid_cells(*sizes: int) -> torch.Tensor:
 class _Flux(_AxesRotary):
     """``FluxPosEmbed``: the ids of each forward (text ``(0, 0, 0)``, image ``(0, h, w)``)."""
 
-    @property
-    def spec(self) -> posenc.Spec:
-        dims = [int(dim) for dim in self.module.axes_dim]
-        if len(dims) > 3:
-            raise ValueError(f"{self.name}: {len(dims)} rotary axes, posenc serves at most 3")
-        return posenc.Spec(
-            "rotary_axes",
-            axes_dim=dims + [0] * (3 - len(dims)),
-            rope_theta=float(self.module.theta),
-        )
-
     def sample(self) -> tuple[Any, ...]:
         return (_grid_cells(1, 3, 4)[:, : len(self.module.axes_dim)].float(),)
 
@@ -457,13 +456,7 @@ class _Flux(_AxesRotary):
 class _HunyuanVideo(_AxesRotary):
     """``HunyuanVideoRotaryPosEmbed``: the (t, h, w) grid of the latent's patches."""
 
-    @property
-    def spec(self) -> posenc.Spec:
-        return posenc.Spec(
-            "rotary_axes",
-            axes_dim=[int(dim) for dim in self.module.rope_dim],
-            rope_theta=float(self.module.theta),
-        )
+    DIMS = "rope_dim"
 
     def sample(self) -> tuple[Any, ...]:
         p, pt = self.module.patch_size, self.module.patch_size_t
@@ -511,14 +504,6 @@ class _Lumina2(_AxesRotary):
     float64 frequencies and kept in complex128: so are posenc's, fetched in float64."""
 
     METHOD = "_get_freqs_cis"
-
-    @property
-    def spec(self) -> posenc.Spec:
-        return posenc.Spec(
-            "rotary_axes",
-            axes_dim=[int(dim) for dim in self.module.axes_dim],
-            rope_theta=float(self.module.theta),
-        )
 
     def sample(self) -> tuple[Any, ...]:
         return (_grid_cells(2, 3, 4).unsqueeze(0),)
