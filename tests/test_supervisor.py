@@ -134,6 +134,9 @@ def test_ctrl_c_drains_and_a_second_ctrl_c_stops_without_waiting_for_the_grace(
     # the stream was cut rather than finished.
     stopped = [e for e in process.logs() if e["message"] == "stopped" and "worker" not in e]
     assert [entry["drained"] for entry in stopped] == [False]
+    # The process that served the stream says what it cut.
+    (cut,) = [e for e in process.logs() if e["message"].startswith("calls in flight at the end")]
+    assert (cut["calls"], cut["streams"]) == (1, 1)
 
 
 @pytest.mark.timeout(120)
@@ -364,4 +367,5 @@ def test_sigterm_to_the_process_group_drains(
     assert process.process.wait(60) == 0
     assert not any(entry["message"].startswith("stopping now") for entry in process.logs())
     stopped = [entry for entry in process.logs() if entry["message"] == "stopped"]
-    assert stopped and all(entry["drained"] for entry in stopped)
+    cut = [entry for entry in process.logs() if entry["message"].startswith("calls in flight")]
+    assert stopped and all(entry["drained"] for entry in stopped), (stopped, cut)

@@ -175,6 +175,15 @@ class RunningServer:
         hurried = hurry.is_set()
         if hurried:
             log.info("stopping now: a second signal came during the drain")
+        if not drained:
+            # What the grace (or the second signal) cuts: the operator's clue to a stream
+            # longer than the grace, or to a call that never ends.
+            log.warning(
+                "calls in flight at the end of the drain are cancelled",
+                extra={
+                    "fields": {"calls": self.service.in_flight, "streams": self.service.streams}
+                },
+            )
         self.stop(0.0 if hurried else max(0.0, deadline - time.monotonic()))
         return drained
 

@@ -193,6 +193,11 @@ class EncodingService:
         return self._streams
 
     @property
+    def in_flight(self) -> int:
+        """Encoding calls in flight (admitted, not yet finished), streams included."""
+        return self._in_flight
+
+    @property
     def draining(self) -> bool:
         """Whether new encoding calls are refused (a drain began)."""
         return self._draining
