@@ -139,6 +139,23 @@ class RunningServer:
         """Run ``coroutine`` on the server's event loop and return its result."""
         return asyncio.run_coroutine_threadsafe(coroutine, self.loop).result()
 
+    def serving(self, timeout: float) -> bool:
+        """Whether health says SERVING, as the event loop answers it within ``timeout``
+        seconds: a loop that does not answer is not serving either."""
+
+        async def status() -> bool:
+            return bool(self.health.status("") == health.SERVING)
+
+        try:
+            answer = asyncio.run_coroutine_threadsafe(status(), self.loop)
+        except RuntimeError:  # the loop is closed
+            return False
+        try:
+            return answer.result(timeout)
+        except TimeoutError:
+            answer.cancel()
+            return False
+
     def not_serving(self) -> None:
         """Health says NOT_SERVING from now on (as at the start of a drain)."""
         self.call(self.health.enter_graceful_shutdown())
@@ -175,7 +192,7 @@ class RunningServer:
         hurried = hurry.is_set()
         if hurried:
             log.info("stopping now: a second signal came during the drain")
-        if not drained:
+        if self.service.in_flight:
             # What the grace (or the second signal) cuts: the operator's clue to a stream
             # longer than the grace, or to a call that never ends.
             log.warning(
@@ -205,6 +222,8 @@ def server_credentials(config: ServerConfig) -> grpc.ServerCredentials | None:
     )
 
 
+# How long /healthz waits for the event loop's answer (a probe's own timeout is seconds).
+_PROBE_TIMEOUT = 1.0
 # glibc's mallopt parameter for the number of malloc arenas (malloc.h).
 _M_ARENA_MAX = -8
 
@@ -429,16 +448,18 @@ def run(argv: Sequence[str] | None = None) -> int:
         return supervisor.supervise(config, argv, stop, hurry, signals)
     if worker is not None:
         supervisor.die_with_supervisor()
-    started = threading.Event()
+    started: list[RunningServer] = []  # the server, once it listens
+
+    def serving() -> bool:
+        return bool(started) and not stop.is_set() and started[0].serving(_PROBE_TIMEOUT)
+
     try:
         metrics_port: int | None = None  # a worker's: its supervisor serves them
         if worker is None:
             # Both ports are checked before either listens: nothing serves half-started.
             # (A supervisor's workers share its port, and it serves their metrics.)
             supervisor.check_port_free(config.host, config.port, "--port (POSENC_PORT)")
-            metrics_port = supervisor.serve_metrics(
-                config, lambda: started.is_set() and not stop.is_set()
-            )
+            metrics_port = supervisor.serve_metrics(config, serving)
         # Every dtype, kind and layout runs once before the server listens (the kernels
         # compiled or loaded from numba's cache, ml_dtypes imported): no request waits for it.
         warmup.warm_up()
@@ -446,7 +467,7 @@ def run(argv: Sequence[str] | None = None) -> int:
     except (OSError, RuntimeError, ValueError) as error:
         print(f"posenc serve: {error}", file=sys.stderr)
         return 1
-    started.set()
+    started.append(running)
     threading.Thread(
         target=housekeeping,
         args=(running, stop),

@@ -178,6 +178,9 @@ _TAKE_OVER_SECONDS = 1.0
 
 class _Server(ThreadingMixIn, WSGIServer):
     daemon_threads = True
+    # The kernel's queue of connections not yet accepted (socketserver's default is 5): a
+    # burst of connections must not crowd a probe's out before it is accepted.
+    request_queue_size = 1024
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -286,9 +289,9 @@ def serve(
     thread; returns the port.
 
     /healthz answers 200 ``SERVING`` while ``serving()`` is true, else 503 ``NOT_SERVING``:
-    the probe for kubelets and container engines. It shares this server's connection
-    handling, where a new connection takes the place of a silent one, so no flood of
-    connections (to this port or the gRPC one, whose connections are capped) fails it.
+    the probe for kubelets. It shares this server's connection handling, where a new
+    connection takes the place of a silent one, so no flood of idle connections (to this
+    port or the gRPC one, whose connections are capped) fails it.
     With ``multiprocess_dir``, /metrics serves the sum of the worker processes writing there.
     """
     registry: CollectorRegistry = prometheus_client.REGISTRY
