@@ -415,6 +415,30 @@ def test_the_figures_page_quotes_the_figures_data(client: posenc.Client) -> None
 
 
 @pytest.mark.parametrize(
+    "spec",
+    [
+        posenc.Spec("sincos_grid_2d", embed_dim=8, grid_height=4, grid_width=4),
+        posenc.Spec(
+            "sincos_grid_2d",
+            embed_dim=8,
+            grid_height=4,
+            grid_width=4,
+            base_size=4.0,
+            height_first=True,
+        ),
+        posenc.Spec("sinusoidal", d_model=8),
+    ],
+)
+def test_the_grid_drift_figure_refuses_grids_it_would_not_rebuild(
+    client: posenc.Client, spec: posenc.Spec
+) -> None:
+    # Without a base_size the served positions are i / scale, and other parameters change
+    # the layout or frequencies: the float32-position grid would be another grid.
+    with pytest.raises(ValueError, match="base_size"):
+        plot.grid_drift(client, spec)
+
+
+@pytest.mark.parametrize(
     ("spec", "label"),
     [
         (posenc.Spec("rotary_axes", axes_dim=[4, 6, 6]), "coordinate"),

@@ -787,15 +787,21 @@ def grid_drift(client: Client, spec: Spec, sides: Ints | None = None) -> GridDri
 
     Args:
         client: A client of the server whose grids are measured.
-        spec: A ``sincos_grid_2d`` grid (its ``base_size`` and ``interpolation_scale``; its
-            own height and width are replaced by each size's).
+        spec: A ``sincos_grid_2d`` grid with a ``base_size`` (and an
+            ``interpolation_scale``; its own height and width are replaced by each size's;
+            its other parameters at their defaults, as diffusers builds its grids).
         sides: Cells per side; default half the base size to four times it.
     """
-    if spec.kind != "sincos_grid_2d":
-        raise ValueError(f"the grid drift figure takes a sincos_grid_2d grid, got {spec!r}")
     parameters = dict(spec.parameters)
+    drawn = {"embed_dim", "grid_height", "grid_width", "base_size", "interpolation_scale"}
+    if spec.kind != "sincos_grid_2d" or "base_size" not in parameters or parameters.keys() - drawn:
+        raise ValueError(
+            "the grid drift figure takes a sincos_grid_2d grid with a base_size (diffusers' "
+            f"positions i / (n / base_size) / interpolation_scale) and its other parameters "
+            f"at their defaults, got {spec!r}"
+        )
     embed_dim = int(parameters["embed_dim"])
-    base = float(parameters.get("base_size", parameters["grid_height"]))
+    base = float(parameters["base_size"])
     scale = float(parameters.get("interpolation_scale", 1.0))
     where = _grid_sides(round(base)) if sides is None else np.asarray(sides, dtype=np.int64)
     ours, theirs = [], []
@@ -833,7 +839,7 @@ def draw_grid_drift(data: GridDrift) -> Figure:
     parameters = data.spec.parameters
     ax.set_title(
         f"Sin-cos grids at other sizes: embed_dim {parameters['embed_dim']}, base_size "
-        f"{parameters.get('base_size', parameters['grid_height']):g}, interpolation_scale "
+        f"{parameters['base_size']:g}, interpolation_scale "
         f"{parameters.get('interpolation_scale', 1.0):g}",
         fontsize=10,
     )
