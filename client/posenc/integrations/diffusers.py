@@ -28,9 +28,10 @@ posenc's grid instead, whose positions are exact rationals:
 - the 3D rotary of CogVideoX-5b and CogVideoX 1.5, which their pipelines build for each
   video size (``_prepare_rotary_positional_embeddings``): patch the pipeline. CogVideoX 1.5's
   positions are the integer cells at any size (its own table stops at the training grid).
-  CogVideoX-5b spreads its training grid's positions over a video of another size (a cell
-  at ``i * 30 / n``): there posenc's integer coordinates do not apply, and the pipeline's
-  own table is used; at the training size, any number of frames, the table is posenc's.
+  CogVideoX-5b spreads its training grid's positions over a video of another size
+  (fractions such as ``i * 30 / n``): there posenc's integer coordinates do not apply, and the
+  pipeline's own table is used; at the training size, any number of frames, the table is
+  posenc's.
 
 Each size's grid is fetched once and reused by every denoising step at that size. Learned
 position embeddings (CogVideoX-5b-I2V) are weights, not tables: they are left alone and
@@ -205,7 +206,10 @@ def patch(model: Any, client: posenc.Client, *, verify: bool = True) -> Patch:
     for name, reason in handle.skipped.items():
         log.info("posenc left %s alone: %s", name or type(module).__name__, reason)
     if not handle.specs:
-        raise ValueError(f"{type(module).__name__} holds no positional table posenc serves")
+        reasons = "".join(f"; {name or 'the model'}: {why}" for name, why in handle.skipped.items())
+        raise ValueError(
+            f"{type(module).__name__} holds no positional table posenc serves{reasons}"
+        )
     return handle
 
 
@@ -577,9 +581,10 @@ class _CogVideoXRotary:
         return table[:, :half], table[:, half:]
 
     def _crop(self, rows: int, columns: int) -> tuple[tuple[int, int], tuple[int, int]]:
-        """The pipeline's crop of its training grid for a grid of ``rows x columns``: cell
-        ``i`` of an axis of ``n`` lies at ``top + i * (bottom - top) / n`` there, integers
-        (``i``) when the crop is the grid itself."""
+        """The pipeline's crop of its training grid for a grid of ``rows x columns``: the
+        ``n`` cells of an axis lie at ``linspace(top, bottom * (n - 1) / n, n)`` there,
+        the integers ``0 .. n - 1`` when the crop is the grid itself (``top`` 0, ``bottom``
+        ``n``), fractions otherwise."""
         patch = int(self.config.patch_size)
         tall, wide = self.config.sample_height // patch, self.config.sample_width // patch
         if rows / columns > tall / wide:
