@@ -18,6 +18,7 @@ from typing import IO, Any
 import grpc
 import numpy as np
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 from hypothesis import settings
 
 from posenc_protocol.v1 import posenc_pb2_grpc
@@ -47,6 +48,33 @@ def free_port() -> int:
 # llvmlite's shared library, shared between processes); the rest is calls in flight, the
 # spec table and heap slack.
 SERVER_HEADROOM_MIB = 280
+
+
+def worker_pids(supervisor_pid: int) -> list[int]:
+    """The pids of a supervisor's worker processes, sorted."""
+    workers: set[int] = set()
+    for task in os.listdir(f"/proc/{supervisor_pid}/task"):
+        try:
+            with open(f"/proc/{supervisor_pid}/task/{task}/children") as listing:
+                workers.update(int(pid) for pid in listing.read().split())
+        except FileNotFoundError:
+            continue  # the thread ended meanwhile
+    return sorted(workers)
+
+
+def fresh_probe(target: str, timeout: float = 30) -> object:
+    """A health check on a new channel, as a kubelet probes: its status, or the call's code.
+
+    The timeout only guards against a hang: a probe that is refused, or queued behind
+    stalled calls until the server gives up on them, shows as a status code
+    (RESOURCE_EXHAUSTED, DEADLINE_EXCEEDED, UNAVAILABLE), not as a slow answer, so a loaded
+    machine's slowness decides nothing."""
+    with grpc.insecure_channel(target) as channel:
+        check = health_pb2_grpc.HealthStub(channel).Check
+        try:
+            return check(health_pb2.HealthCheckRequest(), timeout=timeout).status
+        except grpc.RpcError as error:
+            return error.code()  # type: ignore[attr-defined]
 
 
 def sizing_rule_mib(cache_mib: float, processes: int) -> float:

@@ -26,7 +26,14 @@ import grpc
 import grpc.aio
 import numpy as np
 import pytest
-from conftest import SERVER_HEADROOM_MIB, ServerProcess, peak_rss_mib, sizing_rule_mib
+from conftest import (
+    SERVER_HEADROOM_MIB,
+    ServerProcess,
+    fresh_probe,
+    peak_rss_mib,
+    sizing_rule_mib,
+    worker_pids,
+)
 from google.rpc import error_details_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_status import rpc_status
@@ -81,21 +88,6 @@ def pump_until(connections: list[RawConnection], done: Callable[[], bool], secon
     while not done() and time.monotonic() < deadline:
         for connection in connections:
             connection.pump(0.02)
-
-
-def fresh_probe(target: str, timeout: float = 30) -> object:
-    """A health check on a new channel, as a kubelet probes: its status, or the call's code.
-
-    The timeout only guards against a hang: a probe that is refused, or queued behind
-    stalled calls until the server gives up on them, shows as a status code
-    (RESOURCE_EXHAUSTED, DEADLINE_EXCEEDED), not as a slow answer, so a loaded machine's
-    slowness decides nothing."""
-    with grpc.insecure_channel(target) as channel:
-        check = health_pb2_grpc.HealthStub(channel).Check
-        try:
-            return check(health_pb2.HealthCheckRequest(), timeout=timeout).status
-        except grpc.RpcError as error:
-            return error.code()  # type: ignore[attr-defined]
 
 
 def assert_health_serving(target: str, checks: int = 5) -> None:
@@ -185,13 +177,13 @@ def test_a_connection_flood_leaves_the_supervisor_its_health_line(
     """The supervisor checks its workers over a line of their own, which the connection
     limit does not count: a flood that fills the limit restarts no worker."""
     server = spawn_server(0, "--processes", "2", "--max-connections", "16")
-    workers = sorted(int(pid) for pid in _children(server.process.pid))
+    workers = worker_pids(server.process.pid)
     assert len(workers) == 2
     connections = _flood(server.port, 200, 32)
     try:
         assert sum(not connection.closed for connection in connections) <= 32
         time.sleep(5)  # the supervisor restarts a worker after 3 failed checks a second apart
-        assert sorted(int(pid) for pid in _children(server.process.pid)) == workers
+        assert worker_pids(server.process.pid) == workers
     finally:
         for connection in connections:
             connection.close()
@@ -234,11 +226,6 @@ def test_a_connection_that_never_speaks_is_closed_by_the_handshake_timeout(
         spoke.close()
     with posenc.Client(server.target, timeout=30) as client:
         assert client.server_info().version
-
-
-def _children(pid: int) -> list[str]:
-    with open(f"/proc/{pid}/task/{pid}/children") as children:
-        return children.read().split()
 
 
 # -- 1: stalled calls ------------------------------------------------------------------------
@@ -867,7 +854,7 @@ def test_every_attack_at_once_leaves_the_clients_served_and_memory_bounded(
     server = spawn_server(
         0, "--processes", "2", "--cache-bytes", f"{cache_mib}MiB", "--read-timeout-seconds", "5"
     )
-    workers = sorted(int(pid) for pid in _children(server.process.pid))
+    workers = worker_pids(server.process.pid)
     assert len(workers) == 2
     port = metrics_port(server)
     duration = 600.0 if SOAK else 10.0
@@ -971,7 +958,7 @@ def test_every_attack_at_once_leaves_the_clients_served_and_memory_bounded(
     assert probes and set(probes) == {health_pb2.HealthCheckResponse.SERVING}, probes
     assert set(refusals) <= {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED}
     assert len(refusals) == 2 * rounds
-    assert sorted(int(pid) for pid in _children(server.process.pid)) == workers
+    assert worker_pids(server.process.pid) == workers
     assert memory[0] <= sizing_rule_mib(cache_mib, 2)
     settle = time.monotonic() + 10
     while in_flight_bytes(port) > 0 and time.monotonic() < settle:
@@ -1008,7 +995,7 @@ def test_a_flood_of_stalled_health_checks_starves_no_probe_and_kills_no_worker(
     Now a probe never waits for that read, and the supervisor asks each worker on a line of
     its own: every probe answers SERVING, and no worker is replaced."""
     server = spawn_server(0, "--processes", "2")
-    workers = sorted(int(pid) for pid in _children(server.process.pid))
+    workers = worker_pids(server.process.pid)
     stop = threading.Event()
     opened = [0]
 
@@ -1040,7 +1027,7 @@ def test_a_flood_of_stalled_health_checks_starves_no_probe_and_kills_no_worker(
         stop.set()
         flooder.join(10)
     assert statuses and set(statuses) == {health_pb2.HealthCheckResponse.SERVING}, statuses
-    assert sorted(int(pid) for pid in _children(server.process.pid)) == workers
+    assert worker_pids(server.process.pid) == workers
     assert not any("health checks" in str(entry["message"]) for entry in server.logs())
 
 

@@ -14,10 +14,9 @@ import socket
 import time
 from collections.abc import Callable, Iterator
 
-import grpc
 import pytest
-from conftest import ServerProcess
-from grpc_health.v1 import health_pb2, health_pb2_grpc
+from conftest import ServerProcess, fresh_probe, worker_pids
+from grpc_health.v1 import health_pb2
 from rawh2 import RawConnection
 from test_operations import metrics_port
 
@@ -33,25 +32,6 @@ def healthz(port: int, path: str = "/healthz") -> tuple[int, bytes]:
         return response.status, response.read()
     finally:
         connection.close()
-
-
-def grpc_probe(target: str) -> object:
-    """A gRPC health check on a new channel: its status, or the call's code."""
-    with grpc.insecure_channel(target) as channel:
-        try:
-            return (
-                health_pb2_grpc.HealthStub(channel)
-                .Check(health_pb2.HealthCheckRequest(), timeout=3)
-                .status
-            )
-        except grpc.RpcError as error:
-            return error.code()  # type: ignore[attr-defined]
-
-
-def workers(server: ServerProcess) -> list[int]:
-    pid = server.process.pid
-    with open(f"/proc/{pid}/task/{pid}/children") as children:
-        return sorted(int(child) for child in children.read().split())
 
 
 @pytest.fixture
@@ -76,10 +56,10 @@ def flooded(spawn_server: Callable[..., ServerProcess]) -> Iterator[ServerProces
 @pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_no_connection_flood_fails_the_http_probe(flooded: ServerProcess) -> None:
-    before = workers(flooded)
+    before = worker_pids(flooded.process.pid)
     assert len(before) == 2
     # The flood is real: a probe of the gRPC port finds no place.
-    assert grpc_probe(flooded.target) != health_pb2.HealthCheckResponse.SERVING
+    assert fresh_probe(flooded.target) != health_pb2.HealthCheckResponse.SERVING
     port = metrics_port(flooded)
     # Probes the way the kubelet runs them (a liveness period is 10 s; here back to back, for
     # longer than the supervisor takes to replace a worker that fails its checks).
@@ -94,7 +74,7 @@ def test_no_connection_flood_fails_the_http_probe(flooded: ServerProcess) -> Non
         for sock in again:
             sock.close()
     assert set(answers) == {(200, b"SERVING\n")}
-    assert workers(flooded) == before
+    assert worker_pids(flooded.process.pid) == before
 
 
 @pytest.mark.slow
@@ -104,7 +84,7 @@ def test_healthz_turns_503_while_no_worker_answers_and_200_once_replaced(
 ) -> None:
     server = spawn_server(0, "--processes", "2")
     port = metrics_port(server)
-    hung = workers(server)
+    hung = worker_pids(server.process.pid)
     for pid in hung:
         os.kill(pid, signal.SIGSTOP)  # alive, but answering nothing: hung
     status = 200
@@ -114,7 +94,7 @@ def test_healthz_turns_503_while_no_worker_answers_and_200_once_replaced(
     while status == 503:  # the supervisor replaces both
         status, body = healthz(port)
     assert (status, body) == (200, b"SERVING\n")
-    assert set(workers(server)).isdisjoint(hung)
+    assert set(worker_pids(server.process.pid)).isdisjoint(hung)
 
 
 @pytest.mark.timeout(60)

@@ -23,7 +23,7 @@ import grpc.aio
 import ml_dtypes
 import numpy as np
 import pytest
-from conftest import Recorder, ServerProcess, free_port, same_bits
+from conftest import Recorder, ServerProcess, free_port, same_bits, worker_pids
 from google.protobuf import any_pb2
 from google.rpc import error_details_pb2, status_pb2
 from prometheus_client import REGISTRY
@@ -639,14 +639,6 @@ def test_one_client_reaches_every_process(spawn_server: Callable[..., ServerProc
         # One connection, one process.
         assert len({single.server_info().server_id for _ in range(8)}) == 1
         assert same_bits(single.get_range(0, 100, 16), table)
-
-
-def worker_pids(supervisor_pid: int) -> list[int]:
-    workers = set()
-    for task in os.listdir(f"/proc/{supervisor_pid}/task"):
-        with open(f"/proc/{supervisor_pid}/task/{task}/children") as listing:
-            workers.update(int(pid) for pid in listing.read().split())
-    return sorted(workers)
 
 
 @pytest.mark.slow  # starts servers of two processes and of one

@@ -14,7 +14,7 @@ from pathlib import Path
 import grpc
 import numpy as np
 import pytest
-from conftest import ServerProcess
+from conftest import ServerProcess, worker_pids
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from reference import classic
 
@@ -25,18 +25,6 @@ from posenc_server import engine, supervisor
 
 # Every test here starts server processes and waits on them.
 pytestmark = pytest.mark.slow
-
-
-def worker_pids(supervisor_pid: int) -> set[int]:
-    children = set()
-    for task in os.listdir(f"/proc/{supervisor_pid}/task"):
-        try:
-            with open(f"/proc/{supervisor_pid}/task/{task}/children") as listing:
-                children.update(int(pid) for pid in listing.read().split())
-        except FileNotFoundError:
-            continue  # the thread ended meanwhile
-
-    return children
 
 
 def alive(pid: int) -> bool:
