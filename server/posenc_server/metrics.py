@@ -164,12 +164,11 @@ def _advance(counter: Counter, published: int, current: int) -> int:
     return published
 
 
-# Scrapers are few and quick: at most this many connections are served at once, and a
-# connection silent this long is closed. A thread serves each connection: unbounded,
-# connections opened and left silent piled up threads (2,000 connections, 2,000 threads) for
-# as long as they stayed open. When every place is taken, a new connection takes the place of
-# the oldest one that has not sent its request yet (a scraper sends it at once): a client
-# holding 40 silent connections made 23 of 40 scrapes fail when new ones were turned away.
+# Scrapers and probes are few and quick: at most this many connections are served at once
+# (a thread each, so silent connections cannot pile up threads), and a connection silent this
+# long is closed. When every place is taken, a new connection takes the place of the oldest
+# one that has not sent its request yet (a scraper or a probe sends it at once): turning new
+# connections away instead would let a client holding silent ones fail every scrape.
 _MAX_SCRAPES = 32
 _SCRAPE_TIMEOUT_SECONDS = 5.0
 # How long a new connection waits for the place of a silent one it closed.
