@@ -533,33 +533,31 @@ _ROTARY: Final[dict[str, type[_AxesRotary]]] = {
 }
 
 
-class _CogVideoXRotary:
+class _CogVideoXRotary(_AxesRotary):
     """The 3D rotary a CogVideoX pipeline builds for each video size and passes to every
     denoising step: cells ``(t, h, w)``, axes of ``head // 4``, ``head // 8 * 3`` and
-    ``head // 8 * 3`` columns, theta 10000, diffusers' interleaved pairs."""
+    ``head // 8 * 3`` columns, theta 10000, diffusers' interleaved pairs. Its module is the
+    pipeline."""
 
-    NAME: Final = "_prepare_rotary_positional_embeddings"
+    METHOD = "_prepare_rotary_positional_embeddings"
 
     def __init__(self, handle: Patch, pipeline: Any) -> None:
-        self.handle, self.pipeline = handle, pipeline
-        self.native = getattr(pipeline, self.NAME)
+        super().__init__(handle, self.METHOD, pipeline)
         self.config = pipeline.transformer.config
+
+    @property
+    def spec(self) -> posenc.Spec:
         head = int(self.config.attention_head_dim)
-        self.spec = posenc.Spec(
+        return posenc.Spec(
             "rotary_axes", axes_dim=[head // 4, head // 8 * 3, head // 8 * 3], rope_theta=10000.0
         )
 
-    def install(self, verify: bool) -> None:
-        if verify:  # at the training size, where every version's cells are integers
-            scale = int(self.pipeline.vae_scale_factor_spatial)
-            size = (self.config.sample_height * scale, self.config.sample_width * scale)
-            frames = (self.config.sample_frames - 1) // self.config.temporal_compression_ratio + 1
-            with torch.no_grad():
-                theirs = torch.cat(self.native(*size, frames, torch.device("cpu")), dim=-1)
-                ours = torch.cat(self(*size, frames, torch.device("cpu")), dim=-1)
-            _check(self.NAME, self.spec, ours.reshape(-1), theirs.reshape(-1))
-        self.handle.specs[self.NAME] = self.spec
-        self.handle._override(self.pipeline, self.NAME, self)
+    def sample(self) -> tuple[Any, ...]:
+        """The training size, where every version's cells are integers."""
+        scale = int(self.module.vae_scale_factor_spatial)
+        frames = (self.config.sample_frames - 1) // self.config.temporal_compression_ratio + 1
+        height, width = self.config.sample_height * scale, self.config.sample_width * scale
+        return (height, width, frames, torch.device("cpu"))
 
     def __call__(
         self, height: int, width: int, num_frames: int, device: torch.device
@@ -567,7 +565,7 @@ class _CogVideoXRotary:
         """``(cos, sin)``, ``[cells, head]`` each, for a video of ``num_frames`` latent
         frames and ``height x width`` pixels."""
         patch = int(self.config.patch_size)
-        scale = int(self.pipeline.vae_scale_factor_spatial)
+        scale = int(self.module.vae_scale_factor_spatial)
         rows, columns = height // (scale * patch), width // (scale * patch)
         patch_t = self.config.patch_size_t
         if patch_t is None:  # CogVideoX 1.0: the training grid, resized over this one
