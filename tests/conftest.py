@@ -50,6 +50,14 @@ def free_port() -> int:
 SERVER_HEADROOM_MIB = 280
 
 
+def wait_until(condition: Callable[[], bool], what: str) -> None:
+    """Until ``condition()`` holds (30 s at most: a hang guard, not a measure)."""
+    deadline = time.monotonic() + 30
+    while not condition() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert condition(), what
+
+
 def worker_pids(supervisor_pid: int) -> list[int]:
     """The pids of a supervisor's worker processes, sorted."""
     workers: set[int] = set()

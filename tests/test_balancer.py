@@ -34,7 +34,7 @@ from typing import Any
 import grpc
 import numpy as np
 import pytest
-from conftest import ROOT, ServerProcess, free_port
+from conftest import ROOT, ServerProcess, free_port, wait_until
 from containers import APT_WAIT
 from reference import classic
 
@@ -382,14 +382,6 @@ def serving_replica(replicas: list[Replica]) -> Replica:
             return busy[0]
         time.sleep(0.01)
     raise TimeoutError("no replica started computing")
-
-
-def wait_until(condition: Callable[[], bool], what: str) -> None:
-    """Until ``condition()`` holds (30 s at most: a hang guard, not a measure)."""
-    deadline = time.monotonic() + 30
-    while not condition() and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert condition(), what
 
 
 @dataclass

@@ -9,7 +9,7 @@ from collections.abc import Callable
 
 import grpc
 import pytest
-from conftest import ServerProcess
+from conftest import ServerProcess, wait_until
 from google.rpc import error_details_pb2
 from grpc_status import rpc_status
 from prometheus_client import REGISTRY
@@ -198,14 +198,6 @@ def test_the_sdk_waits_at_the_stream_cap_as_the_server_asks(
     assert all(isinstance(delay, float) and delay >= retry_after for delay in delays), delays
     refused = REGISTRY.get_sample_value(refusals, {"method": "StreamEncoding"}) or 0.0
     assert refused - refused_before >= 1 + len(retries)
-
-
-def wait_until(condition: Callable[[], bool], what: str) -> None:
-    """Until ``condition()`` holds (30 s at most: a hang guard, not a measure)."""
-    deadline = time.monotonic() + 30
-    while not condition() and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert condition(), what
 
 
 @pytest.mark.slow
