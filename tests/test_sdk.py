@@ -612,7 +612,13 @@ def test_round_robin_over_two_servers(server_factory: Callable[..., RunningServe
         assert client.target == f"ipv4:127.0.0.1:{first.port},127.0.0.1:{second.port}"
         for i in range(40):
             client.get_range(i * 10_000, i * 10_000 + 10, 8)
-        server_ids = {client.server_info().server_id for _ in range(6)}
+        # Round robin takes turns among the connections that are ready: one reconnecting (a
+        # busy machine, a connection's age) leaves the other its turns for a while.
+        server_ids: set[str] = set()
+        for _ in range(200):
+            server_ids.add(client.server_info().server_id)
+            if len(server_ids) == 2:
+                break
     direct_ids = set()
     for server in (first, second):
         with posenc.Client(server.target) as direct:
@@ -620,7 +626,7 @@ def test_round_robin_over_two_servers(server_factory: Callable[..., RunningServe
         assert info.rows_computed > 0
         assert info.cache.misses > 0
         direct_ids.add(info.server_id)
-    # Round robin: six calls reach both servers.
+    # Round robin: the calls reach both servers.
     assert server_ids == direct_ids and len(direct_ids) == 2
 
 
