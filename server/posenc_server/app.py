@@ -135,9 +135,15 @@ class RunningServer:
         self.publisher.publish(self.service.cache_stats(), self.service.rows_computed)
         metrics.IN_FLIGHT_BYTES.set(self.budget.used)
 
-    def call(self, coroutine: Coroutine[Any, Any, T]) -> T:
-        """Run ``coroutine`` on the server's event loop and return its result."""
-        return asyncio.run_coroutine_threadsafe(coroutine, self.loop).result()
+    def call(self, coroutine: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
+        """Run ``coroutine`` on the server's event loop and return its result (TimeoutError,
+        the coroutine cancelled, when the loop has not answered within ``timeout``)."""
+        answer = asyncio.run_coroutine_threadsafe(coroutine, self.loop)
+        try:
+            return answer.result(timeout)
+        except TimeoutError:
+            answer.cancel()
+            raise
 
     def serving(self, timeout: float) -> bool:
         """Whether health says SERVING, as the event loop answers it within ``timeout``
@@ -147,13 +153,8 @@ class RunningServer:
             return bool(self.health.status("") == health.SERVING)
 
         try:
-            answer = asyncio.run_coroutine_threadsafe(status(), self.loop)
-        except RuntimeError:  # the loop is closed
-            return False
-        try:
-            return answer.result(timeout)
-        except TimeoutError:
-            answer.cancel()
+            return self.call(status(), timeout)
+        except (TimeoutError, RuntimeError):  # RuntimeError: the loop is closed
             return False
 
     def not_serving(self) -> None:
