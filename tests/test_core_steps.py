@@ -133,7 +133,10 @@ def run(fake: Fake, steps: core.Steps[Any]) -> tuple[Any, list[core.Slice]]:
             if isinstance(operation, core.Deliver):
                 delivered.append(operation.slice)
             else:
-                stepper.perform(fake.perform, operation)
+                try:
+                    stepper.send(fake.perform(operation))
+                except grpc.RpcError as error:
+                    stepper.throw(error)
         return stepper.result, delivered
 
 
@@ -158,8 +161,7 @@ def make_core(
 
 
 def get_range(c: core.Core, start: int, stop: int) -> core.Steps[Any]:
-    query, output = c.range_query(start, stop, WIDTH, None, {})
-    return c.fetch(query, output, DEFAULT)
+    return c.get_range(start, stop, WIDTH, None, {}, DEFAULT)
 
 
 def expected(positions: list[int]) -> np.ndarray[Any, Any]:
@@ -210,8 +212,7 @@ def test_an_interrupted_stream_resumes_from_the_last_row_received() -> None:
 def test_an_iterator_delivers_each_row_once_across_a_resume() -> None:
     fake = Fake(stream_failures=[(6, UNAVAILABLE)])
     c = make_core()
-    query, output = c.range_query(0, 20, WIDTH, None, {})
-    _, slices = run(fake, c.stream(query, output, None, DEFAULT))
+    _, slices = run(fake, c.iter_range(0, 20, WIDTH, None, {}, None, DEFAULT, None))
     labels = [label for label, _ in slices]
     rows = np.concatenate([rows for _, rows in slices])
     assert labels == [0, 4, 6, 10, 14, 18]
@@ -254,8 +255,7 @@ def test_a_decode_loop_reads_ahead_and_then_takes_rows_from_its_cache() -> None:
     fake = Fake()
 
     def step(position: int) -> np.ndarray[Any, Any]:
-        query, output = c.positions_query([position], WIDTH, None, {})
-        result, _ = run(fake, c.fetch_positions(query, output, DEFAULT))
+        result, _ = run(fake, c.get_positions([position], WIDTH, None, {}, -1, DEFAULT))
         for ahead in fake.ahead:  # the client's background read-ahead, run to its end
             rows, _ = run(fake, c.fetch_ahead(ahead))
             c.finish_ahead(ahead, rows)
@@ -276,4 +276,6 @@ def test_a_closed_core_refuses_calls() -> None:
     c = make_core()
     c.closed = True
     with pytest.raises(posenc.ClientClosedError):
-        get_range(c, 0, 4)
+        run(Fake(), get_range(c, 0, 4))
+    with pytest.raises(posenc.ClientClosedError):  # an iterator's, when it is made
+        c.iter_range(0, 4, WIDTH, None, {}, None, DEFAULT, None)

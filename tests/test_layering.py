@@ -1,14 +1,22 @@
 """Dependencies point one way: the protocol package imports neither the SDK nor the server, the
 server imports nothing of the SDK, and no module imports back, directly or around a cycle, a
-module that imports it. Every import counts, a late one inside a function too."""
+module that imports it. Every import counts, a late one inside a function too. And one
+request passes each module of the SDK once."""
 
 from __future__ import annotations
 
 import ast
-from collections.abc import Iterator
+import sys
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from types import FrameType
 
+import numpy as np
+import pytest
 from conftest import ROOT
+
+import posenc
+from posenc.testing import MockTransport, positions
 
 PACKAGES = {
     "posenc_protocol": ROOT / "protocol" / "posenc_protocol",
@@ -89,3 +97,68 @@ def test_no_module_imports_back_a_module_that_imports_it() -> None:
                     seen.add(target)
                     stack.append((target, [*path, target]))
     assert cycles == []
+
+
+# -- the path of one request ---------------------------------------------------------------------
+
+
+def _modules_entered(call: Callable[[], object]) -> list[str]:
+    """The SDK modules that ``call`` enters, in order, until its first request reaches the
+    transport: the module of each Python function called from another module (a module
+    called several times in a row, e.g. one argument check per argument, is entered once)."""
+    entered: list[str] = []
+    reached: list[bool] = []
+
+    def module(frame: FrameType | None) -> str | None:
+        while frame is not None:  # the nearest SDK frame: library code in between is not a step
+            name = str(frame.f_globals.get("__name__", ""))
+            if name.startswith("posenc"):
+                return name
+            frame = frame.f_back
+        return None
+
+    def profile(frame: FrameType, event: str, _: object) -> None:
+        if event != "call" or reached:
+            return
+        name = module(frame)
+        if name == "posenc.testing":  # the transport answers: the request has arrived
+            reached.append(True)
+        elif name is not None and name != module(frame.f_back) and entered[-1:] != [name]:
+            entered.append(name)
+
+    sys.setprofile(profile)
+    try:
+        call()
+    finally:
+        sys.setprofile(None)
+    assert reached, "the call reached no transport"
+    return entered
+
+
+@pytest.mark.parametrize("rows", [4, 100_000], ids=["unary", "stream"])
+@pytest.mark.parametrize("width_known", [False, True], ids=["first", "again"])
+def test_a_get_range_request_passes_each_module_once(rows: int, width_known: bool) -> None:
+    """From ``get_range`` to the transport a request passes each SDK module once, in the order
+    of the architecture: the public method, the driver, the core, the argument conversion
+    (with its checks, the spec and the output), the wire requests, the connection pool.
+
+    A module is not asked twice for pieces of one request. Once the request is out, the
+    driver and the core alternate once per operation: that is the step protocol.
+    """
+    client = posenc.Client(transport=MockTransport(lambda r: np.zeros((len(positions(r)), 64))))
+    if width_known:
+        client.get_range(0, 4, 64)
+    entered = _modules_entered(lambda: client.get_range(0, rows, 64))
+    assert len(entered) == len(set(entered)), entered
+    assert entered == [
+        "posenc._base",
+        "posenc._client",
+        "posenc._core",
+        "posenc._retry",  # the call's timeout argument
+        "posenc._query",
+        "posenc._checks",
+        "posenc.spec",
+        "posenc._output",
+        "posenc._cursor",
+        "posenc._channel",
+    ]

@@ -36,10 +36,9 @@ MIB = 1 << 20
 
 def query(positions: Any, d_model: int = D_MODEL, dtype: str = "float32") -> Query:
     """A positions query of the classic table, whose width a response already told."""
-    spec = table_spec(d_model, dtype, {})
     widths = Widths()
-    widths.learn(spec.SerializeToString(deterministic=True), d_model)
-    return positions_query(positions, spec, widths)
+    widths.learn(table_spec(d_model, dtype, {}).SerializeToString(deterministic=True), d_model)
+    return positions_query(positions, d_model, dtype, {}, widths)[0]
 
 
 def fake_rows(q: Query) -> npt.NDArray[Any]:
@@ -174,7 +173,7 @@ def test_the_budget_bounds_the_cache_and_evicts_the_least_recently_used() -> Non
 
 def test_a_table_of_unknown_width_is_not_cached_but_its_steps_count() -> None:
     cache = RowCache(64 * MIB, MIB)
-    unknown = positions_query([1000], table_spec(D_MODEL, "float32", {}), Widths())
+    unknown, _ = positions_query([1000], D_MODEL, "float32", {}, Widths())
     assert unknown.columns is None
     assert cache.plan(unknown) is None  # the first call of a table: its width unknown
     assert cache.claim_ahead(unknown, object) == []
@@ -533,8 +532,7 @@ def test_prefetch_claims_only_rows_neither_cached_nor_in_flight() -> None:
 
 def test_a_prefetch_in_flight_is_waited_for_even_before_the_width_is_known() -> None:
     cache = RowCache(64 * MIB, MIB)
-    spec = table_spec(96, "float32", {})
-    unknown = positions_query([5, 6], spec, Widths())  # no response has told the width
+    unknown, _ = positions_query([5, 6], 96, "float32", {}, Widths())  # no width told yet
     assert len(cache.claim_prefetch(unknown, lambda: "token")) == 1
     assert isinstance(cache.plan(unknown), Pending)
     assert cache.plan(unknown, wait=False) is None  # no width: the caller's own call

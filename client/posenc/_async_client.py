@@ -4,7 +4,7 @@ described once in :mod:`posenc._core`; this is how asyncio performs them."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Coroutine
 from types import TracebackType
 from typing import Any, assert_never
 
@@ -17,6 +17,7 @@ from posenc._base import BaseClient
 from posenc._channel import Calls, Pool
 from posenc._core import Result, Slice, Stepper, Steps
 from posenc._rows import AheadFetch
+from posenc.errors import ClientClosedError
 from posenc.types import ServerInfo
 
 __all__ = ["AsyncClient"]
@@ -67,7 +68,8 @@ class AsyncClient(
         built before ``asyncio.run``: creating them in the first call puts them in the right
         loop.
         """
-        self._core.check_open()  # ClientClosedError, as the blocking client raises
+        if self._core.closed:
+            raise ClientClosedError()  # as the blocking client raises
         if self._pool is None and self._transport is not None:
             calls = self._transport.calls_for(asynchronous=True)
             self._pool = Pool([calls] * self._core.settings.connections)
@@ -111,8 +113,12 @@ class AsyncClient(
 
     # -- I/O ------------------------------------------------------------------------------
 
-    async def _run(self, steps: Steps[Any]) -> Any:
-        stepper = Stepper(steps)
+    def _run(self, steps: Steps[Any]) -> Coroutine[Any, Any, Any]:
+        # The first step runs now: a bad argument raises where the call is made, as with the
+        # blocking client, rather than where it is awaited.
+        return self._result(Stepper(steps).start())
+
+    async def _result(self, stepper: Stepper[Any]) -> Any:
         async for _ in self._drive(stepper):
             raise AssertionError("only iterators deliver slices")
         return stepper.result
@@ -126,7 +132,10 @@ class AsyncClient(
                 if isinstance(operation, core.Deliver):
                     yield operation.slice
                 else:
-                    await stepper.perform_async(self._perform, operation)
+                    try:
+                        stepper.send(await self._perform(operation))
+                    except grpc.RpcError as error:
+                        stepper.throw(error)
 
     async def _perform(self, operation: core.Performed) -> Any:
         match operation:

@@ -1,8 +1,8 @@
 """The public methods of ``Client`` and ``AsyncClient``, written once.
 
-Each method checks its arguments, asks :mod:`posenc._core` for the steps of the call and
-hands them to the client's driver: ``_run`` (blocking: the result; asyncio: an awaitable of
-it) or ``_iterate`` (an iterator, or an async iterator, of slices). The type parameters say
+Each method asks :mod:`posenc._core` for the steps of the call and hands them to the
+client's driver: ``_run`` (blocking: the result; asyncio: an awaitable of it) or
+``_iterate`` (an iterator, or an async iterator, of slices). The type parameters say
 which, so that each client's signatures are exact for type checkers.
 """
 
@@ -189,10 +189,10 @@ class BaseClient(Generic[ArrayT, InfoT, StatusT, SlicesT]):
             DeadlineExceededError: The timeout expired.
             UnavailableError: The server stayed unreachable through every retry.
         """
-        query, output = self._core.range_query(
-            start, stop, table, dtype, classic, out=out, device=device, cos_sin=cos_sin
+        steps = self._core.get_range(
+            start, stop, table, dtype, classic, timeout, out=out, device=device, cos_sin=cos_sin
         )
-        return cast(ArrayT, self._run(self._core.fetch(query, output, timeout)))
+        return cast(ArrayT, self._run(steps))
 
     def get_positions(
         self,
@@ -227,17 +227,18 @@ class BaseClient(Generic[ArrayT, InfoT, StatusT, SlicesT]):
         the background (see ``row_cache_bytes`` and ``readahead_bytes``). The result is
         always a new array (or ``out``). ``AsyncClient``: awaitable.
         """
-        query, output = self._core.positions_query(
+        steps = self._core.get_positions(
             positions,
             table,
             dtype,
             classic,
             coordinate_axis,
+            timeout,
             out=out,
             device=device,
             cos_sin=cos_sin,
         )
-        return cast(ArrayT, self._run(self._core.fetch_positions(query, output, timeout)))
+        return cast(ArrayT, self._run(steps))
 
     def prefetch(
         self,
@@ -260,8 +261,7 @@ class BaseClient(Generic[ArrayT, InfoT, StatusT, SlicesT]):
         positions; a fetch that fails is forgotten (the later call fetches the rows
         itself and reports its own error). Arguments as in :meth:`get_positions`.
         """
-        query, _ = self._core.positions_query(positions, table, dtype, classic)
-        for ahead in self._core.prefetch(query):
+        for ahead in self._core.prefetch(positions, table, dtype, classic):
             self._read_ahead(ahead)
 
     def iter_range(
@@ -287,8 +287,10 @@ class BaseClient(Generic[ArrayT, InfoT, StatusT, SlicesT]):
         checked when this is called, not at the first slice. ``AsyncClient``:
         ``async for``.
         """
-        query, output = self._core.range_query(start, stop, table, dtype, classic, device=device)
-        return self._iterate(self._core.stream(query, output, chunk_bytes, timeout))
+        steps = self._core.iter_range(
+            start, stop, table, dtype, classic, chunk_bytes, timeout, device
+        )
+        return self._iterate(steps)
 
     def iter_positions(
         self,
@@ -306,8 +308,10 @@ class BaseClient(Generic[ArrayT, InfoT, StatusT, SlicesT]):
         ``rows`` are the rows of ``positions.reshape(-1)[index : index + len(rows)]``
         (positions of any shape are read flat). Otherwise as :meth:`iter_range`.
         """
-        query, output = self._core.positions_query(positions, table, dtype, classic, device=device)
-        return self._iterate(self._core.stream(query, output, chunk_bytes, timeout))
+        steps = self._core.iter_positions(
+            positions, table, dtype, classic, chunk_bytes, timeout, device
+        )
+        return self._iterate(steps)
 
     def get_grid(
         self,
@@ -325,8 +329,8 @@ class BaseClient(Generic[ArrayT, InfoT, StatusT, SlicesT]):
         It is ``get_range(0, cells, table)`` (row ``r`` is the row-major cell ``r``)
         reshaped; other arguments as in :meth:`get_range`. ``AsyncClient``: awaitable.
         """
-        query, output = self._core.grid_query(table, dtype, out=out, device=device)
-        return cast(ArrayT, self._run(self._core.fetch(query, output, timeout)))
+        steps = self._core.get_grid(table, dtype, timeout, out=out, device=device)
+        return cast(ArrayT, self._run(steps))
 
     def iter_grid(
         self,
@@ -340,8 +344,7 @@ class BaseClient(Generic[ArrayT, InfoT, StatusT, SlicesT]):
         """Streams a grid kind's whole grid, row-major, as ``(first_row, rows)`` slices
         (row ``r`` is the cell ``np.unravel_index(r, spec.grid_shape)``), in memory of one
         chunk however large the grid: as :meth:`iter_range` over ``[0, cells)``."""
-        query, output = self._core.grid_query(table, dtype, device=device)
-        return self._iterate(self._core.stream(query, output, chunk_bytes, timeout))
+        return self._iterate(self._core.iter_grid(table, dtype, chunk_bytes, timeout, device))
 
     # -- service --------------------------------------------------------------------------
 

@@ -18,6 +18,7 @@ from posenc._base import BaseClient
 from posenc._channel import Calls, Pool
 from posenc._core import Result, Slice, Stepper, Steps
 from posenc._rows import AheadFetch
+from posenc.errors import ClientClosedError
 from posenc.types import ServerInfo
 
 __all__ = ["Client"]
@@ -128,16 +129,21 @@ class Client(BaseClient[Result, ServerInfo, str, Iterator[Slice]]):
                 if isinstance(operation, core.Deliver):
                     yield operation.slice
                 else:
-                    stepper.perform(self._perform, operation)
+                    try:
+                        stepper.send(self._perform(operation))
+                    except grpc.RpcError as error:
+                        stepper.throw(error)
 
     def _perform(self, operation: core.Performed) -> Any:
         match operation:
             case core.Unary(method, request, timeout, affinity):
-                self._core.check_open()  # an iterator made before close() starts no new RPC
+                if self._core.closed:  # an iterator made before close() starts no new RPC
+                    raise ClientClosedError()
                 call = getattr(self._pool.pick(_affinity(affinity)), method)
                 return call(request, timeout=timeout)
             case core.OpenStream(request, timeout, affinity):
-                self._core.check_open()
+                if self._core.closed:
+                    raise ClientClosedError()
                 calls = self._pool.pick(_affinity(affinity))
                 return core.Stream(calls.stream_encoding(request, timeout=timeout))
             case core.NextChunk(stream):

@@ -4,17 +4,20 @@ Each SDK call is a generator of this module (sans-I/O): it yields operations —
 unary call, open this stream, read its next chunk, sleep, wait for these read-ahead tokens,
 hand this slice to the caller, start this read-ahead — and the client performs each one
 its own way (blocking, or awaited), sending the result back in, or throwing the
-``grpc.RpcError`` in. Request building, the unary-or-stream choice, stream resume, retries,
-error mapping and the read-ahead bookkeeping are written here only; the clients hold a
-driver of a few lines and the operations' I/O.
+``grpc.RpcError`` in. The unary-or-stream choice, stream resume, the deadline and retries
+and the read-ahead bookkeeping are written here only, on a query that :mod:`posenc._query`
+made of the call's arguments and whose requests :mod:`posenc._cursor` writes; the clients
+hold a driver of a few lines and the operations' I/O.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
+import logging
+import random
+import time
 import zlib
-from collections.abc import Awaitable, Callable, Generator, Iterator, Mapping
+from collections.abc import Callable, Generator, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, Generic, TypeAlias, TypeVar
 
@@ -24,22 +27,21 @@ import numpy.typing as npt
 from grpc_health.v1 import health_pb2
 
 from posenc._channel import Settings
-from posenc._checks import bad_argument
-from posenc._cursor import StreamCursor, decode_unary
-from posenc._output import Output, is_tensor, is_torch_dtype, positions_of, torch_dtype_name
+from posenc._cursor import StreamCursor, decode_unary, parts, unary_request
+from posenc._output import Output
 from posenc._query import (
     Query,
     Widths,
-    as_spec,
     check_chunk_bytes,
+    grid_query,
     positions_query,
     range_query,
-    table_spec,
 )
 from posenc._retry import (
-    CallBudget,
-    Contact,
+    MAX_RETRY_BACKOFF,
+    is_transient,
     map_rpc_error,
+    nobody_there,
     resolve_timeout,
 )
 from posenc._rows import (
@@ -51,13 +53,15 @@ from posenc._rows import (
 )
 from posenc.errors import (
     ClientClosedError,
+    DeadlineExceededError,
     InvalidArgumentError,
     NotFoundError,
     ResourceExhaustedError,
 )
-from posenc.spec import position_axes
 from posenc.types import DEFAULT, DTypeArg, ServerInfo, Timeout, server_info_from_proto
 from posenc_protocol.v1 import posenc_pb2 as pb
+
+log = logging.getLogger("posenc")
 
 T = TypeVar("T")
 Rows: TypeAlias = npt.NDArray[Any]
@@ -152,15 +156,23 @@ Steps: TypeAlias = Generator[Operation, Any, T]
 
 class Stepper(Generic[T]):
     """Runs the steps of one call for a driver: :meth:`next` gives the next operation,
-    after :meth:`send` or :meth:`throw` gave the outcome of the last; None once the call
-    returned (its value is :attr:`result`). Closing it closes the steps, which cancels a
-    stream left open."""
+    after :meth:`send` (the operation's outcome) or :meth:`throw` (its ``grpc.RpcError``)
+    told the outcome of the last; None once the call returned (its value is
+    :attr:`result`). Closing it closes the steps, which cancels a stream left open."""
 
     def __init__(self, steps: Steps[T]) -> None:
         self._steps = steps
         self._value: Any = None
         self._error: BaseException | None = None
+        self._started = False
+        self._first: Operation | None = None
         self.result: T
+
+    def start(self) -> Stepper[T]:
+        """Runs the first step now (which checks the call's arguments, and raises for a bad
+        one); iterating then begins with its operation."""
+        self._first, self._started = self.next(), True
+        return self
 
     def next(self) -> Operation | None:
         error, self._error = self._error, None
@@ -173,6 +185,11 @@ class Stepper(Generic[T]):
             return None
 
     def __iter__(self) -> Iterator[Operation]:
+        if self._started:
+            self._started = False
+            if self._first is None:
+                return
+            yield self._first
         while (operation := self.next()) is not None:
             yield operation
 
@@ -181,22 +198,6 @@ class Stepper(Generic[T]):
 
     def throw(self, error: BaseException) -> None:
         self._value, self._error = None, error
-
-    def perform(self, perform: Callable[[Performed], Any], operation: Performed) -> None:
-        """Performs ``operation``; its outcome goes to the steps at :meth:`next`."""
-        try:
-            self.send(perform(operation))
-        except grpc.RpcError as error:
-            self.throw(error)
-
-    async def perform_async(
-        self, perform: Callable[[Performed], Awaitable[Any]], operation: Performed
-    ) -> None:
-        """:meth:`perform`, awaited."""
-        try:
-            self.send(await perform(operation))
-        except grpc.RpcError as error:
-            self.throw(error)
 
     def __enter__(self) -> Stepper[T]:
         return self
@@ -207,6 +208,97 @@ class Stepper(Generic[T]):
     def close(self) -> None:
         """Closes the steps (a stream left open is cancelled)."""
         self._steps.close()
+
+
+# -- the deadline and retries of a call --------------------------------------------------------
+
+
+class Contact:
+    """Whether a server of this client's target has ever answered it.
+
+    A refused connection is retried within the call's budget either way (a new client may
+    start while its server restarts); once the budget is spent, a target that never answered
+    is said to have no server ("is it running?") rather than only UNAVAILABLE. A name that
+    does not resolve, at a target that never answered, is said at once.
+    """
+
+    def __init__(self, target: str) -> None:
+        self.target = target
+        self.answered = False
+
+
+class CallBudget:
+    """Deadline and retries of one SDK call, shared by all its attempts.
+
+    The timeout bounds the whole call, retries and resumed streams included: each attempt
+    gets what remains of it. Only transient failures are retried (see :func:`is_transient`);
+    the other codes say retrying the same request would fail the same way (or, for
+    DEADLINE_EXCEEDED, too late).
+    """
+
+    def __init__(
+        self, timeout: float | None, max_retries: int, backoff: float, contact: Contact
+    ) -> None:
+        self.timeout = timeout
+        self._contact = contact
+        self._deadline = None if timeout is None else time.monotonic() + timeout
+        self._max_retries = max_retries
+        self._backoff = backoff
+        self._failures = 0  # consecutive failed attempts without progress
+
+    def attempt_timeout(self) -> float | None:
+        """The timeout of the next attempt: what remains of the call's deadline."""
+        if self._deadline is None:
+            return None
+        remaining = self._deadline - time.monotonic()
+        if remaining <= 0:
+            raise DeadlineExceededError(f"deadline of {self.timeout} s exceeded")
+        return remaining
+
+    def progress(self) -> None:
+        """A server answered: a stream that keeps moving gets its full retry budget again."""
+        self._failures = 0
+        self._contact.answered = True
+
+    def on_error(self, error: grpc.RpcError) -> float:
+        """Returns how long to sleep before retrying, or raises the mapped exception."""
+        mapped = map_rpc_error(error)
+        nobody, at_once = (
+            (None, False)
+            if self._contact.answered
+            else nobody_there(mapped, self._contact.target, self._failures)
+        )
+        if nobody is not None and (at_once or self._failures >= self._max_retries):
+            raise nobody from error
+        if not is_transient(mapped) or self._failures >= self._max_retries:
+            if self._failures:
+                mapped.details += f" (after {self._failures + 1} attempts)"
+            try:
+                raise mapped from error
+            finally:
+                # Else this frame holds the exception whose traceback holds the frame: a
+                # cycle that keeps the call's frames, and its result, until a collection.
+                del mapped
+        delay = min(MAX_RETRY_BACKOFF, self._backoff * 2.0**self._failures)
+        delay = max(delay, mapped.retry_after or 0.0)
+        # Jitter upwards only, so the documented budget stays a lower bound, while
+        # clients that failed together do not all come back in the same millisecond.
+        delay *= 1.0 + 0.2 * random.random()
+        if self._deadline is not None and time.monotonic() + delay >= self._deadline:
+            if nobody is not None:
+                raise nobody from error
+            raise DeadlineExceededError(
+                f"deadline of {self.timeout} s exceeded while retrying: {mapped}"
+            ) from error
+        self._failures += 1
+        log.info(
+            "retrying in %.2f s (retry %d of %d): %s",
+            delay,
+            self._failures,
+            self._max_retries,
+            mapped,
+        )
+        return delay
 
 
 def _over_a_limit(error: grpc.RpcError) -> bool:
@@ -233,21 +325,13 @@ def _affinity(query: Query) -> int | None:
 # -- the calls ---------------------------------------------------------------------------------
 
 
-def result_dtype(dtype: object, out: object) -> Any:
-    """A ``dtype=`` argument, None being ``out``'s dtype (else float32)."""
-    if dtype is not None:
-        return dtype
-    if out is None:
-        return "float32"
-    name = out.dtype  # type: ignore[attr-defined]
-    return torch_dtype_name(name) if is_tensor(out) else name
-
-
 class Core:
     """The steps of every SDK call, on a client's settings, row cache and known widths.
 
-    The public-facing methods check their arguments when called (not at the first step) and
-    return the steps; ``new_token`` makes the futures that read-ahead tokens are.
+    The steps of a call that returns a result (``get_range``, ``get_positions``, ...)
+    check its arguments at their first step, which the client runs at once; an iterator's
+    (``iter_range``, ...) are checked when it is made, before its first slice is asked for.
+    ``new_token`` makes the futures that read-ahead tokens are.
     """
 
     def __init__(self, settings: Settings, rows: RowCache, new_token: Callable[[], Any]) -> None:
@@ -262,7 +346,7 @@ class Core:
     def check_open(self) -> None:
         """ClientClosedError once the client is closed (every call starts here)."""
         if self.closed:
-            raise ClientClosedError("the client is closed: create a new one")
+            raise ClientClosedError()
 
     def budget(self, timeout: Timeout, *, retry: bool = True) -> CallBudget:
         """The deadline and retry budget of one call (every call starts with it)."""
@@ -274,103 +358,94 @@ class Core:
             self._contact,
         )
 
-    # -- what the public methods run; arguments are checked, and deadlines start, when
-    # these are called, not at the first step
+    # -- what the public methods run
 
-    def range_query(
+    def get_range(
         self,
         start: object,
         stop: object,
         table: object,
         dtype: DTypeArg | None,
         classic: Classic,
+        timeout: Timeout,
         **output: Any,
-    ) -> tuple[Query, Output]:
-        """The query of a range and how its rows are handed back (``output``: ``out``,
-        ``device``, ``cos_sin``; see :class:`posenc._output.Output`)."""
-        spec = table_spec(table, result_dtype(dtype, output.get("out")), classic)
-        query = range_query(start, stop, spec, self.widths)
-        return self._with_output(query, (max(query.rows, 0),), dtype, None, output)
+    ) -> Steps[Result]:
+        """Rows ``[start, stop)``, handed back as ``output`` (``out``, ``device``,
+        ``cos_sin``; see :class:`posenc._output.Output`) says."""
+        budget = self.budget(timeout)
+        query, result = range_query(start, stop, table, dtype, classic, self.widths, **output)
+        return result.finish((yield from self._fetch(query, budget)))
 
-    def positions_query(
+    def get_positions(
         self,
         positions: npt.ArrayLike,
         table: object,
         dtype: DTypeArg | None,
         classic: Classic,
-        coordinate_axis: int = -1,
+        coordinate_axis: int,
+        timeout: Timeout,
         **output: Any,
-    ) -> tuple[Query, Output]:
-        """The query of positions of any shape (a tensor's on any device), and how its
-        rows are handed back; a several-axis table's coordinates lie along
-        ``coordinate_axis``."""
-        array, device = positions_of(positions)
-        spec = table_spec(table, result_dtype(dtype, output.get("out")), classic)
-        axes = position_axes(str(spec.WhichOneof("table")))
-        if coordinate_axis != -1:
-            if axes == 1:
-                raise bad_argument(
-                    "coordinate_axis", f"spec.{spec.WhichOneof('table')} has one position axis"
-                )
-            try:
-                array = np.moveaxis(np.asarray(array), coordinate_axis, -1)
-            except (np.exceptions.AxisError, TypeError) as error:
-                raise bad_argument("coordinate_axis", str(error)) from None
-        query = positions_query(array, spec, self.widths, axes)
-        shape = np.shape(array)[: -1 if axes > 1 else None]
-        return self._with_output(query, shape, dtype, device, output)
-
-    def grid_query(
-        self, table: object, dtype: DTypeArg | None, **output: Any
-    ) -> tuple[Query, Output]:
-        """The query of a grid kind's whole grid (its rows in row-major order), handed back
-        as ``[*grid_shape, width]``."""
-        spec = as_spec(table, {})
-        shape = spec.grid_shape
-        if shape is None:
-            raise bad_argument(
-                "spec.table",
-                f"{spec.kind} is not a grid kind (sincos_grid_2d, sincos_grid_3d): "
-                "use get_range or get_positions",
-            )
-        proto = table_spec(spec, result_dtype(dtype, output.get("out")), {})
-        query = range_query(0, math.prod(shape), proto, self.widths)
-        return self._with_output(query, shape, dtype, None, output)
-
-    @staticmethod
-    def _with_output(
-        query: Query,
-        shape: tuple[int, ...],
-        dtype: object,
-        positions_device: Any,
-        output: Mapping[str, Any],
-    ) -> tuple[Query, Output]:
-        result = Output.create(
-            shape,
-            query.dtype,
-            positions_device=positions_device,
-            torch_dtype=is_torch_dtype(dtype),
-            rotary=query.spec.WhichOneof("table") in ("rotary", "mrope"),
-            **output,
+    ) -> Steps[Result]:
+        """The rows of positions of any shape (coordinates along ``coordinate_axis`` for a
+        table of several position axes), one-axis ones through the row cache."""
+        budget = self.budget(timeout)
+        query, result = positions_query(
+            positions, table, dtype, classic, self.widths, coordinate_axis, **output
         )
-        return dataclasses.replace(query, out=result.host), result
-
-    def fetch(self, query: Query, output: Output, timeout: Timeout) -> Steps[Result]:
-        """A whole table (``get_range``)."""
-        return self._finish(self._fetch(query, self.budget(timeout)), output)
-
-    def fetch_positions(self, query: Query, output: Output, timeout: Timeout) -> Steps[Result]:
-        """The rows of a positions query, through the row cache (``get_positions``)."""
         if query.axes > 1:  # coordinates: the row cache keys rows by one position
-            return self.fetch(query, output, timeout)
-        return self._finish(self._through_rows(query, self.budget(timeout)), output)
+            return result.finish((yield from self._fetch(query, budget)))
+        return result.finish((yield from self._through_rows(query, budget)))
 
-    def stream(
-        self, query: Query, output: Output, chunk_bytes: object, timeout: Timeout
+    def get_grid(
+        self, table: object, dtype: DTypeArg | None, timeout: Timeout, **output: Any
+    ) -> Steps[Result]:
+        """A grid kind's whole grid, ``[*grid_shape, width]``."""
+        budget = self.budget(timeout)
+        query, result = grid_query(table, dtype, self.widths, **output)
+        return result.finish((yield from self._fetch(query, budget)))
+
+    def iter_range(
+        self,
+        start: object,
+        stop: object,
+        table: object,
+        dtype: DTypeArg | None,
+        classic: Classic,
+        chunk_bytes: object,
+        timeout: Timeout,
+        device: Any,
     ) -> Steps[None]:
-        """A table slice by slice (``iter_range``, ``iter_positions``)."""
-        cursor = self._cursor(query, chunk_bytes)
-        return self._stream(cursor, self.budget(timeout), output)
+        """Rows ``[start, stop)`` slice by slice; arguments are checked now."""
+        query, result = range_query(start, stop, table, dtype, classic, self.widths, device=device)
+        return self._stream(self._cursor(query, chunk_bytes), self.budget(timeout), result)
+
+    def iter_positions(
+        self,
+        positions: npt.ArrayLike,
+        table: object,
+        dtype: DTypeArg | None,
+        classic: Classic,
+        chunk_bytes: object,
+        timeout: Timeout,
+        device: Any,
+    ) -> Steps[None]:
+        """The rows of positions (read flat) slice by slice; arguments are checked now."""
+        query, result = positions_query(
+            positions, table, dtype, classic, self.widths, device=device
+        )
+        return self._stream(self._cursor(query, chunk_bytes), self.budget(timeout), result)
+
+    def iter_grid(
+        self,
+        table: object,
+        dtype: DTypeArg | None,
+        chunk_bytes: object,
+        timeout: Timeout,
+        device: Any,
+    ) -> Steps[None]:
+        """A grid kind's grid, row-major, slice by slice; arguments are checked now."""
+        query, result = grid_query(table, dtype, self.widths, device=device)
+        return self._stream(self._cursor(query, chunk_bytes), self.budget(timeout), result)
 
     def server_info(self, timeout: Timeout) -> Steps[ServerInfo]:
         return self._server_info(self.budget(timeout))
@@ -382,10 +457,13 @@ class Core:
         request = health_pb2.HealthCheckRequest(service=service)
         return self._health(request, self.budget(timeout, retry=False))
 
-    def prefetch(self, query: Query) -> list[AheadFetch]:
-        """The background fetches that bring the rows of a positions query into the row
-        cache (``prefetch``); the client starts each one as a read-ahead."""
+    def prefetch(
+        self, positions: npt.ArrayLike, table: object, dtype: DTypeArg | None, classic: Classic
+    ) -> list[AheadFetch]:
+        """The background fetches that bring the rows of ``positions`` into the row cache
+        (``prefetch``); the client starts each one as a read-ahead."""
         self.check_open()
+        query, _ = positions_query(positions, table, dtype, classic, self.widths)
         if query.axes > 1:
             return []  # coordinates bypass the row cache
         return self.rows.claim_prefetch(query, self._new_token)
@@ -408,15 +486,10 @@ class Core:
 
     # -- the steps
 
-    @staticmethod
-    def _finish(steps: Steps[Rows], output: Output) -> Steps[Result]:
-        rows = yield from steps
-        return output.finish(rows)
-
     def _cursor(
         self, query: Query, chunk_bytes: object = None, *, collect: bool = False
     ) -> StreamCursor:
-        chunk = check_chunk_bytes(chunk_bytes) or self.settings.chunk_bytes
+        chunk = self.settings.chunk_bytes if chunk_bytes is None else check_chunk_bytes(chunk_bytes)
         cursor = StreamCursor(query, chunk, collect=collect)
 
         def into(columns: int) -> Rows:
@@ -473,23 +546,20 @@ class Core:
         one column: the server refuses a unary result over its limit before computing
         anything, and the call then streams. A decode loop's first step is one unary call.
         """
-        if query.columns is not None:
-            query.check_size(query.columns)  # the width is known: refused before any call
-        parts = query.parts()
-        if len(parts) > 1:
+        pieces = parts(query)
+        if len(pieces) > 1:
             tables = []
-            for part in parts:
+            for part in pieces:
                 tables.append((yield from self._fetch(part, budget, unary_max_bytes)))
                 if len(tables) == 1:
                     query.check_size(tables[0].shape[1])  # the whole, once the width is told
             return np.concatenate(tables)
         unary_max = self.settings.unary_max_bytes if unary_max_bytes is None else unary_max_bytes
-        size = query.nbytes
-        if size is None:
-            size = query.rows * query.dtype.itemsize
+        # A width not known yet counts as one column.
+        size = query.rows * (query.columns or 1) * query.dtype.itemsize
         if query.rows <= 0 or size <= unary_max:
             try:
-                request = query.unary_request()
+                request = unary_request(query)
                 tensor = yield from self._call("get_encoding", request, budget, _affinity(query))
                 rows = decode_unary(tensor, query)
                 self.widths.learn(query.spec_key, rows.shape[1])
@@ -545,8 +615,11 @@ class Core:
         plan = self.rows.plan(query)
         if isinstance(plan, Pending):  # rows on their way: wait, then take them
             yield Wait(plan.tokens, budget.attempt_timeout())
-            # The fetch waited for may be the first to tell this table's width.
+            # The fetch waited for may be the first to tell this table's width: the result
+            # is judged now, as one whose width was known is when its query is made.
             query = dataclasses.replace(query, columns=self.widths.get(query.spec_key))
+            if query.columns is not None:
+                query.check_size(query.columns)
             plan = self.rows.plan(query, wait=False)
         rows = yield from self._rows_of(query, plan, budget)
         for ahead in self.rows.claim_ahead(query, self._new_token):

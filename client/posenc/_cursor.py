@@ -1,4 +1,5 @@
-"""Responses into arrays: the unary decode, and the stream cursor that resumes a stream.
+"""A query on the wire: its requests, the unary decode, and the stream cursor that resumes
+a stream.
 
 Responses are parsed by :mod:`posenc_protocol.wire`, which hands out the payload as a view of the
 received message, so each chunk is copied once: into the result array. The width of a
@@ -7,8 +8,9 @@ table is whatever the server's ``columns`` say (the same in every response of a 
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Final
 
 import numpy as np
 
@@ -17,6 +19,54 @@ from posenc.errors import InternalError
 from posenc.spec import enum_name
 from posenc_protocol.v1 import posenc_pb2 as pb
 from posenc_protocol.wire import TensorView
+
+#: Positions one request carries at most (a coordinate is one position of its row): longer
+#: lists travel in several calls. A request of this many positions is at most 640 KiB, so a
+#: server holds little for each call while reading it (gRPC reads a request whole before
+#: admitting it against its memory budget), and the calls of many clients at once stay small.
+MAX_POSITIONS_PER_REQUEST: Final = 1 << 16
+
+
+def _rows_per_request(query: Query) -> int:
+    """Rows one request carries at most: ``MAX_POSITIONS_PER_REQUEST`` positions, a
+    several-axis table's row being ``axes`` of them."""
+    return max(MAX_POSITIONS_PER_REQUEST // query.axes, 1)
+
+
+def _request_stop(query: Query, first_row: int) -> int:
+    """The row after the last one a request starting at ``first_row`` asks for."""
+    if query.positions is None:
+        return query.rows
+    return min(query.rows, first_row + _rows_per_request(query))
+
+
+def _selection(query: Query, first_row: int, stop_row: int) -> dict[str, Any]:
+    # Rows before first_row were already received: ask only for the rest (up to stop_row,
+    # when a long selection travels in parts).
+    if query.positions is None:
+        range_ = pb.PositionRange(start=query.start + first_row, stop=query.start + stop_row)
+        return {"range": range_}
+    if query.axes > 1:
+        coordinates = query.positions[first_row:stop_row].reshape(-1).tolist()
+        return {"coordinates": pb.CoordinateList(axes=query.axes, coordinates=coordinates)}
+    return {"positions": pb.PositionList(positions=query.positions[first_row:stop_row].tolist())}
+
+
+def parts(query: Query) -> list[Query]:
+    """``query`` as queries that one request each carries (split by rows: a several-axis
+    table's ``positions`` are ``[rows, axes]``)."""
+    step = _rows_per_request(query)
+    if query.positions is None or query.rows <= step:
+        return [query]
+    return [
+        dataclasses.replace(query, rows=len(part), positions=part)
+        for part in np.split(query.positions, range(step, query.rows, step))
+    ]
+
+
+def unary_request(query: Query) -> pb.GetEncodingRequest:
+    """The GetEncoding request of a query that one request carries (see :func:`parts`)."""
+    return pb.GetEncodingRequest(spec=query.spec, **_selection(query, 0, query.rows))
 
 
 def _copy_tensor(
@@ -96,10 +146,14 @@ class StreamCursor:
     def request(self) -> pb.StreamEncodingRequest:
         """The request for the rows not yet received."""
         self._base = self.received
-        self._stop = self.query.request_stop(self.received)
+        self._stop = _request_stop(self.query, self.received)
         if self._max_rows is not None:
             self._stop = min(self._stop, self.received + self._max_rows)
-        return self.query.stream_request(self.received, self.max_chunk_bytes, self._stop)
+        return pb.StreamEncodingRequest(
+            spec=self.query.spec,
+            max_chunk_bytes=self.max_chunk_bytes or 0,
+            **_selection(self.query, self.received, self._stop),
+        )
 
     def split(self) -> bool:
         """After the server refused the current call as over its stream limit: whether

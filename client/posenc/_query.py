@@ -6,7 +6,7 @@ the checks here refuse only what the wire types cannot carry, and what would be 
 
 from __future__ import annotations
 
-import dataclasses
+import math
 import threading
 from collections import OrderedDict
 from collections.abc import Mapping
@@ -18,24 +18,20 @@ import numpy.typing as npt
 
 from posenc._checks import INT64_MAX, INT64_MIN, as_int, as_int64, bad_argument, choice
 from posenc._memory import memory_limit, new_array
-from posenc._output import is_torch_dtype, torch_dtype_name
+from posenc._output import Output, is_tensor, is_torch_dtype, positions_of, torch_dtype_name
 from posenc.errors import ResourceExhaustedError
-from posenc.spec import Spec, enum_name, enum_names
+from posenc.spec import Spec, enum_names, position_axes
 from posenc.types import DTypeArg
 from posenc_protocol.v1 import posenc_pb2 as pb
 
 #: The ``dtype=`` names, from the ``Dtype`` enum; numpy knows each by that name.
 DTYPE_NAMES: Final = tuple(enum_names(pb.Dtype.DESCRIPTOR))
 _DTYPE_ENUMS: Final[Mapping[str, int]] = enum_names(pb.Dtype.DESCRIPTOR)
+_DTYPE_NAMES_BY_ENUM: Final = {number: name for name, number in _DTYPE_ENUMS.items()}
 # The classic table: what an int ``table`` is.
 _CLASSIC: Final = "sinusoidal"
 # Widths learned from responses, per spec: more than any process uses at once.
 _WIDTHS_KEPT: Final = 256
-#: Positions one request carries at most (a coordinate is one position of its row): longer
-#: lists travel in several calls. A request of this many positions is at most 640 KiB, so a
-#: server holds little for each call while reading it (gRPC reads a request whole before
-#: admitting it against its memory budget), and the calls of many clients at once stay small.
-MAX_POSITIONS_PER_REQUEST: Final = 1 << 16
 
 
 def dtype_name(dtype: DTypeArg) -> str:
@@ -179,55 +175,6 @@ class Query:
         list's index into the positions."""
         return self.start + row if self.positions is None else row
 
-    def _selection(self, first_row: int, stop_row: int | None = None) -> dict[str, Any]:
-        # Rows before first_row were already received: ask only for the rest (up to
-        # stop_row, when a long selection travels in parts).
-        stop = self.request_stop(first_row) if stop_row is None else stop_row
-        if self.positions is None:
-            range_ = pb.PositionRange(start=self.start + first_row, stop=self.start + stop)
-            return {"range": range_}
-        if self.axes > 1:
-            coordinates = self.positions[first_row:stop].reshape(-1).tolist()
-            return {"coordinates": pb.CoordinateList(axes=self.axes, coordinates=coordinates)}
-        return {"positions": pb.PositionList(positions=self.positions[first_row:stop].tolist())}
-
-    @property
-    def rows_per_request(self) -> int:
-        """Rows one request carries at most: ``MAX_POSITIONS_PER_REQUEST`` positions, a
-        several-axis table's row being ``axes`` of them."""
-        return max(MAX_POSITIONS_PER_REQUEST // self.axes, 1)
-
-    def request_stop(self, first_row: int) -> int:
-        """The row after the last one a request starting at ``first_row`` asks for."""
-        if self.positions is None:
-            return self.rows
-        return min(self.rows, first_row + self.rows_per_request)
-
-    def parts(self) -> list[Query]:
-        """The query as queries of at most :attr:`rows_per_request` rows each (split by
-        rows: a several-axis table's ``positions`` are ``[rows, axes]``)."""
-        step = self.rows_per_request
-        if self.positions is None or self.rows <= step:
-            return [self]
-        return [
-            dataclasses.replace(self, rows=len(part), positions=part)
-            for part in np.split(self.positions, range(step, self.rows, step))
-        ]
-
-    def unary_request(self) -> pb.GetEncodingRequest:
-        return pb.GetEncodingRequest(spec=self.spec, **self._selection(0))
-
-    def stream_request(
-        self, first_row: int, max_chunk_bytes: int | None, stop_row: int | None = None
-    ) -> pb.StreamEncodingRequest:
-        """The request for rows ``[first_row, stop_row)`` (default: as many as one
-        request carries)."""
-        return pb.StreamEncodingRequest(
-            spec=self.spec,
-            max_chunk_bytes=max_chunk_bytes or 0,
-            **self._selection(first_row, stop_row),
-        )
-
     def check_size(self, columns: int, stream_limit: int | None = None) -> None:
         """Refuses a whole result of ``columns`` columns that this machine's memory cannot
         hold, or over the server's ``stream_limit`` (when known: a result fetched in parts,
@@ -288,41 +235,120 @@ class Widths:
                 self._widths.popitem(last=False)
 
 
+def _result_dtype(dtype: DTypeArg | None, out: Any) -> DTypeArg:
+    """A ``dtype=`` argument, None being ``out``'s dtype (else float32)."""
+    if dtype is not None:
+        return dtype
+    if out is None:
+        return "float32"
+    return torch_dtype_name(out.dtype) if is_tensor(out) else out.dtype
+
+
 def table_spec(table: object, dtype: DTypeArg, classic: Mapping[str, object]) -> pb.EncodingSpec:
     """The ``EncodingSpec`` of a table method's ``table``, ``dtype`` and classic options."""
+    name = dtype_name(dtype)
     spec = as_spec(table, classic).to_proto()
-    spec.dtype = _DTYPE_ENUMS[dtype_name(dtype)]  # type: ignore[assignment]
+    spec.dtype = _DTYPE_ENUMS[name]  # type: ignore[assignment]
     return spec
 
 
-def range_query(start: object, stop: object, spec: pb.EncodingSpec, widths: Widths) -> Query:
-    """The query for positions ``[start, stop)``."""
+def range_query(
+    start: object,
+    stop: object,
+    table: object,
+    dtype: DTypeArg | None,
+    classic: Mapping[str, object],
+    widths: Widths,
+    **output: Any,
+) -> tuple[Query, Output]:
+    """The query for positions ``[start, stop)``, and how its rows are handed back
+    (``output``: ``out``, ``device``, ``cos_sin``; see :class:`posenc._output.Output`)."""
     first, end = as_int64(start, "range.start"), as_int64(stop, "range.stop")
+    spec = table_spec(table, _result_dtype(dtype, output.get("out")), classic)
     # A negative row count (stop < start) goes to the server, which refuses it with its
     # own field violation; results are only allocated once the server has answered.
-    return _query(spec, widths, rows=end - first, start=first)
+    rows = end - first
+    return _query(spec, widths, (max(rows, 0),), dtype, output, rows=rows, start=first)
 
 
 def positions_query(
-    positions: npt.ArrayLike, spec: pb.EncodingSpec, widths: Widths, axes: int = 1
-) -> Query:
-    """The query for an explicit list of positions (any shape, flattened), or of
-    coordinates (``[..., axes]``, read as ``[rows, axes]``) for a several-axis table."""
-    array = as_positions(positions)
+    positions: npt.ArrayLike,
+    table: object,
+    dtype: DTypeArg | None,
+    classic: Mapping[str, object],
+    widths: Widths,
+    coordinate_axis: int = -1,
+    **output: Any,
+) -> tuple[Query, Output]:
+    """The query for an explicit list of positions of any shape (a tensor's on any device),
+    read flat, or of coordinates along ``coordinate_axis`` (``[..., axes]``, read as
+    ``[rows, axes]``) for a several-axis table; and how its rows are handed back."""
+    array, device = positions_of(positions)
+    spec = table_spec(table, _result_dtype(dtype, output.get("out")), classic)
+    kind = spec.WhichOneof("table")
+    axes = position_axes(str(kind))
+    if coordinate_axis != -1:
+        if axes == 1:
+            raise bad_argument("coordinate_axis", f"spec.{kind} has one position axis")
+        try:
+            array = np.moveaxis(np.asarray(array), coordinate_axis, -1)
+        except (np.exceptions.AxisError, TypeError) as error:
+            raise bad_argument("coordinate_axis", str(error)) from None
+    flat = as_positions(array)
+    shape = np.shape(array)
     if axes > 1:
-        shape = np.shape(positions)
         if not shape or shape[-1] != axes:
-            kind = spec.WhichOneof("table")
             raise bad_argument(
                 "coordinates.axes",
                 f"spec.{kind} rows have {axes} position axes: positions must have a "
                 f"trailing axis of {axes}, got shape {tuple(shape)}",
             )
-        array = array.reshape(-1, axes)
-    return _query(spec, widths, rows=len(array), positions=array, axes=axes)
+        flat = flat.reshape(-1, axes)
+        shape = shape[:-1]
+    return _query(
+        spec, widths, shape, dtype, output, device, rows=len(flat), positions=flat, axes=axes
+    )
 
 
-def _query(spec: pb.EncodingSpec, widths: Widths, **selection: Any) -> Query:
+def grid_query(
+    table: object, dtype: DTypeArg | None, widths: Widths, **output: Any
+) -> tuple[Query, Output]:
+    """The query of a grid kind's whole grid (its rows in row-major order), handed back as
+    ``[*grid_shape, width]``."""
+    spec = as_spec(table, {})
+    shape = spec.grid_shape
+    if shape is None:
+        raise bad_argument(
+            "spec.table",
+            f"{spec.kind} is not a grid kind (sincos_grid_2d, sincos_grid_3d): "
+            "use get_range or get_positions",
+        )
+    proto = table_spec(spec, _result_dtype(dtype, output.get("out")), {})
+    return _query(proto, widths, shape, dtype, output, rows=math.prod(shape), start=0)
+
+
+def _query(
+    spec: pb.EncodingSpec,
+    widths: Widths,
+    shape: tuple[int, ...],
+    dtype: DTypeArg | None,
+    output: Mapping[str, Any],
+    positions_device: Any = None,
+    **selection: Any,
+) -> tuple[Query, Output]:
+    """The query and its output; a result whose width is known already is judged now,
+    before any call (see :meth:`Query.check_size`)."""
     key = spec.SerializeToString(deterministic=True)
-    dtype = named_dtype(enum_name(pb.Dtype.DESCRIPTOR, spec.dtype))
-    return Query(spec, key, dtype, columns=widths.get(key), **selection)
+    numpy_type = named_dtype(_DTYPE_NAMES_BY_ENUM[spec.dtype])
+    result = Output.create(
+        shape,
+        numpy_type,
+        positions_device=positions_device,
+        torch_dtype=is_torch_dtype(dtype),
+        rotary=spec.WhichOneof("table") in ("rotary", "mrope"),
+        **output,
+    )
+    query = Query(spec, key, numpy_type, columns=widths.get(key), out=result.host, **selection)
+    if query.columns is not None:
+        query.check_size(query.columns)
+    return query, result

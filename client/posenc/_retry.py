@@ -1,12 +1,9 @@
-"""Failures: gRPC errors into :mod:`posenc.errors`, which of them are retried, and the
-deadline and retry budget that one SDK call shares among all its attempts."""
+"""Failures: gRPC errors into :mod:`posenc.errors`, and which of them are retried (the
+budget of retries one call spends is :class:`posenc._core.CallBudget`)."""
 
 from __future__ import annotations
 
-import logging
 import math
-import random
-import time
 from collections.abc import Iterable
 from typing import Final
 
@@ -16,15 +13,12 @@ from google.rpc import error_details_pb2, status_pb2
 from grpc_status import rpc_status
 
 from posenc.errors import (
-    DeadlineExceededError,
     InvalidArgumentError,
     PosencError,
     UnavailableError,
     error_class_for_code,
 )
 from posenc.types import DEFAULT, Timeout
-
-log = logging.getLogger("posenc")
 
 DEFAULT_TIMEOUT: Final = 60.0
 DEFAULT_MAX_RETRIES: Final = 6
@@ -127,102 +121,21 @@ def is_transient(error: PosencError) -> bool:
     return error.code in _TRANSPORT_CODES and error.details.startswith("Stream removed")
 
 
-class Contact:
-    """Whether a server of this client's target has ever answered it.
-
-    A refused connection is retried within the call's budget either way (a new client may
-    start while its server restarts); once the budget is spent, a target that never answered
-    is said to have no server ("is it running?") rather than only UNAVAILABLE. A name that
-    does not resolve, at a target that never answered, is said at once.
-    """
-
-    def __init__(self, target: str) -> None:
-        self.target = target
-        self.answered = False
-
-
-class CallBudget:
-    """Deadline and retries of one SDK call, shared by all its attempts.
-
-    The timeout bounds the whole call, retries and resumed streams included: each attempt
-    gets what remains of it. Only transient failures are retried (see :func:`is_transient`);
-    the other codes say retrying the same request would fail the same way (or, for
-    DEADLINE_EXCEEDED, too late).
-    """
-
-    def __init__(
-        self, timeout: float | None, max_retries: int, backoff: float, contact: Contact
-    ) -> None:
-        self.timeout = timeout
-        self._contact = contact
-        self._deadline = None if timeout is None else time.monotonic() + timeout
-        self._max_retries = max_retries
-        self._backoff = backoff
-        self._failures = 0  # consecutive failed attempts without progress
-
-    def attempt_timeout(self) -> float | None:
-        """The timeout of the next attempt: what remains of the call's deadline."""
-        if self._deadline is None:
-            return None
-        remaining = self._deadline - time.monotonic()
-        if remaining <= 0:
-            raise DeadlineExceededError(f"deadline of {self.timeout} s exceeded")
-        return remaining
-
-    def progress(self) -> None:
-        """A server answered: a stream that keeps moving gets its full retry budget again."""
-        self._failures = 0
-        self._contact.answered = True
-
-    def _nobody_there(self, mapped: PosencError) -> tuple[UnavailableError | None, bool]:
-        """The error that says no server was ever at the target, when nothing answered this
-        client and ``mapped`` says why (see ``_NOBODY_THERE``), and whether it is said at
-        once; else None."""
-        if mapped.code != grpc.StatusCode.UNAVAILABLE or self._contact.answered:
-            return None, False
-        details = mapped.details.lower()
-        for signs, why, at_once in _NOBODY_THERE:
-            if any(sign in details for sign in signs):
-                attempts = f" (after {self._failures + 1} attempts)" if self._failures else ""
-                message = f"no posenc server at {self._contact.target}{why} ({mapped.details})"
-                return UnavailableError(message + attempts, code=mapped.code), at_once
+def nobody_there(
+    mapped: PosencError, target: str, failures: int
+) -> tuple[UnavailableError | None, bool]:
+    """The error that says no server was ever at ``target``, when ``mapped`` (the failure of
+    a client that no server answered yet, after ``failures`` earlier failed attempts) says
+    why (see ``_NOBODY_THERE``), and whether it is said at once; else None."""
+    if mapped.code != grpc.StatusCode.UNAVAILABLE:
         return None, False
-
-    def on_error(self, error: grpc.RpcError) -> float:
-        """Returns how long to sleep before retrying, or raises the mapped exception."""
-        mapped = map_rpc_error(error)
-        nobody, at_once = self._nobody_there(mapped)
-        if nobody is not None and (at_once or self._failures >= self._max_retries):
-            raise nobody from error
-        if not is_transient(mapped) or self._failures >= self._max_retries:
-            if self._failures:
-                mapped.details += f" (after {self._failures + 1} attempts)"
-            try:
-                raise mapped from error
-            finally:
-                # Else this frame holds the exception whose traceback holds the frame: a
-                # cycle that keeps the call's frames, and its result, until a collection.
-                del mapped
-        delay = min(MAX_RETRY_BACKOFF, self._backoff * 2.0**self._failures)
-        delay = max(delay, mapped.retry_after or 0.0)
-        # Jitter upwards only, so the documented budget stays a lower bound, while
-        # clients that failed together do not all come back in the same millisecond.
-        delay *= 1.0 + 0.2 * random.random()
-        if self._deadline is not None and time.monotonic() + delay >= self._deadline:
-            if nobody is not None:
-                raise nobody from error
-            raise DeadlineExceededError(
-                f"deadline of {self.timeout} s exceeded while retrying: {mapped}"
-            ) from error
-        self._failures += 1
-        log.info(
-            "retrying in %.2f s (retry %d of %d): %s",
-            delay,
-            self._failures,
-            self._max_retries,
-            mapped,
-        )
-        return delay
+    details = mapped.details.lower()
+    for signs, why, at_once in _NOBODY_THERE:
+        if any(sign in details for sign in signs):
+            attempts = f" (after {failures + 1} attempts)" if failures else ""
+            message = f"no posenc server at {target}{why} ({mapped.details})"
+            return UnavailableError(message + attempts, code=mapped.code), at_once
+    return None, False
 
 
 def resolve_timeout(timeout: Timeout, default: float | None) -> float | None:

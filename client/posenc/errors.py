@@ -74,6 +74,9 @@ class ClientClosedError(PosencError, RuntimeError):
 
     default_code = grpc.StatusCode.CANCELLED
 
+    def __init__(self, details: str = "the client is closed: create a new one") -> None:
+        super().__init__(details)
+
 
 class InvalidArgumentError(PosencError, ValueError):
     """The request was malformed (INVALID_ARGUMENT).

@@ -174,15 +174,19 @@ class _Plan:
     def _range(self, start: int, stop: int, out: npt.NDArray[Any] | None = None) -> Steps[Any]:
         """Rows ``[start, stop)`` of the held table (into ``out`` when given), as
         ``get_range`` fetches them."""
-        query, output = self.core.range_query(
-            start, stop, self.fetch_table, self.dtype, {}, out=out
+        return (
+            yield from self.core.get_range(
+                start, stop, self.fetch_table, self.dtype, {}, self.timeout, out=out
+            )
         )
-        return (yield from self.core.fetch(query, output, self.timeout))
 
     def _positions(self, positions: npt.NDArray[np.int64]) -> Steps[Any]:
         """The rows of ``positions``, as ``get_positions`` fetches them."""
-        query, output = self.core.positions_query(positions, self.fetch_table, self.dtype, {})
-        return (yield from self.core.fetch_positions(query, output, self.timeout))
+        return (
+            yield from self.core.get_positions(
+                positions, self.fetch_table, self.dtype, {}, -1, self.timeout
+            )
+        )
 
     # -- growth ---------------------------------------------------------------------------------
 
