@@ -10,6 +10,8 @@ import tempfile
 import time
 from collections.abc import Sequence
 
+import numpy as np
+
 import posenc
 from bench import procs
 from bench.common import MIB, REPO, Section, Sizes, Table, median, ratio, runs_target
@@ -18,11 +20,13 @@ from bench.floor import FloorClient
 TIMEOUT = 600.0
 DTYPES = ("float32", "bfloat16", "float16", "float64")
 _ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 8}
-# What a server process runs before it listens (posenc_server.warmup), timed in a fresh
-# interpreter: its imports included, as a server process pays them.
+# What a server process runs before it listens (posenc_server.warmup, then the default cache
+# budget faulted in: posenc_server.heap), timed in a fresh interpreter: its imports
+# included, as a server process pays them.
 _WARM_UP = (
-    "import time; t = time.perf_counter(); from posenc_server import warmup; "
-    "warmup.warm_up(); print(time.perf_counter() - t)"
+    "import time; t = time.perf_counter(); from posenc_server import heap, warmup; "
+    "heap.one_heap(); warmup.warm_up(); heap.prefault(512 << 20); "
+    "print(time.perf_counter() - t)"
 )
 
 
@@ -59,14 +63,17 @@ def run(sizes: Sizes, posenc_target: str, floor_target: str, extra: Sequence[str
             "GetServerInfo (SERVING); then a new client connects (GetServerInfo) and makes "
             f"the first table call the server ever serves, `get_range` of {rows} x {d_model} "
             "in that dtype from position 10^6 (so a spec it has never seen); right after "
-            "it, a new floor client connects (its empty call) and streams the same bytes "
-            "(each copied into an already-touched array): both first streams of a new "
-            "connection, whose flow-control window has yet to grow. The harness's own "
-            "client ran every dtype before (its own imports are not the server's). Its "
-            "ratio: floor time / first call time. The warm-up "
-            "(`posenc_server.warmup.warm_up`, what a server process runs before it "
-            "listens: numba's kernels for every array type, a table of every "
-            "kind and layout in every dtype) is also timed alone in a new interpreter, its "
+            "it, a new floor client connects (its empty call) and streams the same bytes. "
+            "Both copy the bytes into an already-touched array (`out=` for posenc): what "
+            "is measured is the server's first call, not the client's fresh memory. Both "
+            "are first streams of a new connection, whose flow-control window has yet to "
+            "grow. The harness's own client ran every dtype before (its own imports are "
+            "not the server's). Its ratio: floor time / first call time. The warm-up "
+            "(what a server process runs before it listens: "
+            "`posenc_server.warmup.warm_up`, numba's kernels for every array type and a "
+            "table of every kind and layout in every dtype; then "
+            "`posenc_server.heap.prefault`, the default 512 MiB cache budget faulted in) "
+            "is also timed alone in a new interpreter, its "
             "imports included: with numba's on-disk cache in place (median of 3), and"
             + (
                 " once with an empty cache directory (every kernel compiled: a new "
@@ -82,8 +89,11 @@ def run(sizes: Sizes, posenc_target: str, floor_target: str, extra: Sequence[str
     first: dict[str, list[float]] = {dtype: [] for dtype in DTYPES}
     floor_times: dict[str, list[float]] = {dtype: [] for dtype in DTYPES}
     with posenc.Client(posenc_target, timeout=TIMEOUT) as client:
-        for dtype in DTYPES:  # the harness's lazy imports (ml_dtypes), paid here
-            client.get_range(0, 2, d_model, dtype=dtype)
+        # The harness's lazy imports (ml_dtypes), paid here; and the arrays the first calls
+        # fill, touched (as the floor's).
+        touched = {
+            dtype: np.ones_like(client.get_range(0, rows, d_model, dtype=dtype)) for dtype in DTYPES
+        }
     # Each floor process builds a size's payload when first asked for it: every size is
     # asked for first on a few connections, which reach both processes.
     for _ in range(4):
@@ -105,7 +115,7 @@ def run(sizes: Sizes, posenc_target: str, floor_target: str, extra: Sequence[str
                 with posenc.Client(server.target, timeout=TIMEOUT) as fresh:
                     fresh.server_info()  # connected, as the floor's client below
                     t0 = time.perf_counter()
-                    fresh.get_range(10**6, 10**6 + rows, d_model, dtype=dtype)
+                    fresh.get_range(10**6, 10**6 + rows, d_model, dtype=dtype, out=touched[dtype])
                     first[dtype].append(time.perf_counter() - t0)
             finally:
                 server.stop()
@@ -149,9 +159,9 @@ def run(sizes: Sizes, posenc_target: str, floor_target: str, extra: Sequence[str
                 for name, values in (
                     ("started to listening (fresh server)", listening),
                     ("started to SERVING (fresh server)", serving),
-                    ("warm-up alone, numba's cache in place", warm),
+                    ("warm-up alone (512 MiB of cache faulted in), numba's cache in place", warm),
                     *(
-                        (("warm-up alone, empty numba cache (compiling)", [compiled]),)
+                        (("the same, empty numba cache (compiling)", [compiled]),)
                         if compiled is not None
                         else ()
                     ),

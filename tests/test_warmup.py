@@ -1,16 +1,22 @@
 """The start-up warm-up: a table of every kind, with valid parameters, run in every dtype,
-and every kernel specialization a call can need compiled before a server listens."""
+every kernel specialization a call can need compiled, and the cache's memory faulted in,
+before a server listens."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
+from conftest import ServerProcess
 
-from posenc_server import kernel, numerics, warmup
+import posenc
+from posenc_server import heap, kernel, numerics, warmup
 from posenc_server.config import ServerConfig
 from posenc_server.tables import KINDS
+
+MIB = 1 << 20
 
 
 def test_the_warm_up_runs_every_table_kind_with_valid_parameters() -> None:
@@ -60,3 +66,23 @@ def test_an_unwritable_kernel_cache_is_left_to_numba(
     monkeypatch.setenv(warmup.KERNEL_CACHE_SEED, str(seed))
     monkeypatch.setenv("NUMBA_CACHE_DIR", "/proc/posenc-numba-cache")  # no directory here
     warmup.seed_kernel_cache()  # no error: numba compiles, as without a seed
+
+
+def _minor_faults(pid: int) -> int:
+    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[7])
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc")
+def test_a_fresh_servers_first_calls_fault_in_no_cache_memory(
+    spawn_server: Callable[..., ServerProcess],
+) -> None:
+    # The cache's budget is faulted in before the server listens: its first cold calls
+    # fill the cache without a page fault per page of it.
+    server = spawn_server(0, "--cache-bytes", str(64 * MIB))
+    with posenc.Client(server.target) as client:
+        client.server_info()
+        before = _minor_faults(server.process.pid)
+        rows = client.get_range(10**6, 10**6 + 8192, 2048)  # 64 MiB of new blocks
+        faults = _minor_faults(server.process.pid) - before
+    assert rows.nbytes == 64 * MIB
+    assert faults * heap.PAGE_BYTES < rows.nbytes // 8, faults

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import ctypes
 import json
 import logging
 import os
@@ -12,7 +10,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Callable, Coroutine, Sequence
+from collections.abc import Coroutine, Sequence
 from concurrent import futures
 from dataclasses import dataclass, field
 from types import FrameType
@@ -22,7 +20,7 @@ import grpc
 import grpc.aio
 from grpc_reflection.v1alpha import reflection
 
-from posenc_server import auth, health, metrics, supervisor, warmup
+from posenc_server import auth, health, heap, metrics, supervisor, warmup
 from posenc_server.admission import ByteBudget
 from posenc_server.config import ServerConfig, startup_fields, version
 from posenc_server.interceptors import ServingInterceptor
@@ -67,7 +65,6 @@ _OTHER_METHODS = frozenset(
 _TRIM_AFTER_RELEASED_BYTES = 16 << 20
 # Memory beyond what the process accounts for, kept rather than trimmed (see housekeeping).
 _HEAP_SLACK_BYTES = 32 << 20
-_PAGE_BYTES = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 _loop: asyncio.AbstractEventLoop | None = None
 _loop_lock = threading.Lock()
 
@@ -225,65 +222,29 @@ def server_credentials(config: ServerConfig) -> grpc.ServerCredentials | None:
 
 # How long /healthz waits for the event loop's answer (a probe's own timeout is seconds).
 _PROBE_TIMEOUT = 1.0
-# glibc's mallopt parameter for the number of malloc arenas (malloc.h).
-_M_ARENA_MAX = -8
 
 
-def one_heap() -> None:
-    """Make every thread of this process allocate from one glibc heap (before they start).
-
-    glibc gives threads arenas of their own: a block computed on one pool thread and evicted
-    on another frees its space in the first's arena, which the second cannot reuse, so the
-    process grows under cache churn until the housekeeping trims it, and the space given
-    back costs page faults when the next blocks take it again. A cold 256 MiB stream made
-    glibc hand about 1 GiB back to the kernel (MADV_DONTNEED); on one heap, none, and the
-    server's system time per stream halved. The threads' allocations are few and large (a
-    block's message, numpy's passes), so one heap's lock costs nothing measurable here.
-    """
-    mallopt = _glibc("mallopt")
-    if mallopt is not None:
-        mallopt(_M_ARENA_MAX, 1)
-
-
-def _glibc(name: str) -> Callable[..., int] | None:
-    """glibc's function ``name`` (Linux), else None. ctypes calls it without the GIL."""
-    if sys.platform.startswith("linux"):
-        with contextlib.suppress(OSError, AttributeError):
-            function: Callable[..., int] = getattr(ctypes.CDLL(None), name)
-            return function
-    return None
-
-
-def _resident_bytes() -> int | None:
-    """This process's resident memory (Linux), else None."""
-    try:
-        with open("/proc/self/statm", "rb") as statm:
-            return int(statm.read().split()[1]) * _PAGE_BYTES
-    except (OSError, IndexError, ValueError):
-        return None
-
-
-def housekeeping(running: RunningServer, stop: threading.Event) -> None:
+def housekeeping(running: RunningServer, stop: threading.Event, prefaulted: int) -> None:
     """Publish the cache metrics five times a second, and trim the heap after evictions and
     after calls in flight gave memory back, when the process holds more than it should.
 
-    glibc serves the 1 MiB blocks from its heap, where long-lived cached blocks pin the
-    space freed between them: without trimming, RSS under cache churn creeps past the
-    budget. Mapping every block on its own instead costs page faults on every chunk, so the
-    heap is trimmed after evictions only: at the next tick, or at once when the service has
-    evicted enough for memory to run ahead of the ticks (``EncodingService.trim_due``). gRPC
-    receives requests in many small buffers, which fragment the heap the same way: the heap
-    is trimmed too once calls in flight have given back ``_TRIM_AFTER_RELEASED_BYTES`` since
-    the last trim.
+    glibc serves the 1 MiB blocks from its heap (see :mod:`posenc_server.heap`), where
+    long-lived cached blocks pin the space freed between them: without trimming, RSS under
+    cache churn creeps past the budget. Mapping every block on its own instead costs page
+    faults on every chunk, so the heap is trimmed after evictions only: at the next tick, or
+    at once when the service has evicted enough for memory to run ahead of the ticks
+    (``EncodingService.trim_due``). gRPC receives requests in many small buffers, which
+    fragment the heap the same way: the heap is trimmed too once calls in flight have given
+    back ``_TRIM_AFTER_RELEASED_BYTES`` since the last trim.
 
     A trim also gives back the space the next blocks would reuse: under steady cache churn
     (cold tables, the cache full) every new block then costs page faults again. So the heap
-    is trimmed only when the process holds more than it accounts for: its size at start, the
-    cache, the bytes of calls in flight and ``_HEAP_SLACK_BYTES``.
+    is trimmed only when the process holds more than it accounts for: its size at start
+    (``prefaulted`` bytes of it the space the cache fills first), the cache beyond that, the
+    bytes of calls in flight and ``_HEAP_SLACK_BYTES``.
     """
-    malloc_trim = _glibc("malloc_trim")
     service, budget = running.service, running.budget
-    baseline = _resident_bytes()
+    baseline = heap.resident_bytes()
     evictions = released = 0
     while not stop.is_set():
         due = service.trim_due.wait(0.2)
@@ -291,14 +252,15 @@ def housekeeping(running: RunningServer, stop: threading.Event) -> None:
         running.publish_metrics()
         cache = service.cache_stats()
         freed = budget.released - released >= _TRIM_AFTER_RELEASED_BYTES
-        if (due or freed or cache.evictions != evictions) and malloc_trim is not None:
-            resident = _resident_bytes()
+        if due or freed or cache.evictions != evictions:
+            resident = heap.resident_bytes()
             if baseline is not None and resident is not None:
-                accounted = baseline + cache.bytes + budget.used + _HEAP_SLACK_BYTES
+                cache_beyond = max(cache.bytes - prefaulted, 0)
+                accounted = baseline + cache_beyond + budget.used + _HEAP_SLACK_BYTES
                 if resident <= accounted:
                     continue  # the space freed is reused by the next blocks
             evictions, released = cache.evictions, budget.released
-            malloc_trim(0)
+            heap.trim()
 
 
 def start_server(config: ServerConfig, *, reuse_port: bool = False) -> RunningServer:
@@ -422,7 +384,7 @@ def run(argv: Sequence[str] | None = None) -> int:
     except ValueError as error:
         print(f"posenc serve: {error}", file=sys.stderr)
         return 2
-    one_heap()
+    heap.one_heap()
     worker = supervisor.worker_index()
     if worker is None:  # once, before any process compiles
         warmup.seed_kernel_cache()
@@ -462,8 +424,10 @@ def run(argv: Sequence[str] | None = None) -> int:
             supervisor.check_port_free(config.host, config.port, "--port (POSENC_PORT)")
             metrics_port = supervisor.serve_metrics(config, serving)
         # Every dtype, kind and layout runs once before the server listens (the kernels
-        # compiled or loaded from numba's cache, ml_dtypes imported): no request waits for it.
+        # compiled or loaded from numba's cache, ml_dtypes imported), and the cache's memory
+        # is faulted in: no request waits for either.
         warmup.warm_up()
+        prefaulted = heap.prefault(config.cache_bytes)
         running = start_server(config, reuse_port=worker is not None)
     except (OSError, RuntimeError, ValueError) as error:
         print(f"posenc serve: {error}", file=sys.stderr)
@@ -471,7 +435,7 @@ def run(argv: Sequence[str] | None = None) -> int:
     started.append(running)
     threading.Thread(
         target=housekeeping,
-        args=(running, stop),
+        args=(running, stop, prefaulted),
         name="posenc-housekeeping",
         daemon=True,
     ).start()
