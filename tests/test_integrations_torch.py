@@ -361,6 +361,46 @@ def test_a_transformers_rotary_table_travels_and_is_held_as_halves(server: Any) 
     assert recorder.calls and layouts == {"ROPE_LAYOUT_VLLM"}
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_table_with_views_reads_a_held_run_without_a_copy(
+    client: posenc.Client, dtype: str
+) -> None:
+    """``views=True``: a prefill's positions (one run of held positions) come back as a view
+    of the held rows, numpy read-only or a CPU tensor of the same memory, in the layout asked
+    for (transformers' rotary rows held whole); anything else is a copy as before."""
+    table = GrowingTable(client, ROTARY, dtype=dtype, min_rows=512, views=True)
+    table.reserve(512)
+    held = table.rows()
+    assert held.shape == (512, 32)  # transformers' layout, held as read
+    expected = client.get_range(0, 512, ROTARY, dtype=dtype)
+    assert np.array_equal(bits(held), bits(expected))
+
+    prefill = table.get(np.arange(100, 300)[None, :])  # [batch 1, seq]
+    assert prefill.shape == (1, 200, 32) and np.shares_memory(prefill, held)
+    assert not prefill.flags.writeable
+    assert np.array_equal(bits(prefill[0]), bits(expected[100:300]))
+    cos, sin = table.get(np.arange(10, 20), cos_sin=True)
+    assert np.shares_memory(cos, held) and np.shares_memory(sin, held)
+    assert np.array_equal(bits(sin), bits(expected[10:20, 16:]))
+
+    ids = torch.arange(100, 300).unsqueeze(0)
+    tensor = table.get(ids)
+    assert isinstance(tensor, torch.Tensor) and tensor.shape == (1, 200, 32)
+    assert tensor.data_ptr() == table.get(torch.arange(100, 101)).data_ptr()  # the held rows
+    assert np.array_equal(bits(tensor[0]), bits(expected[100:300]))
+
+    # Not a run, a buffer, rows not held: copies, as without views.
+    scattered = table.get([5, 7, 6])
+    assert not np.shares_memory(scattered, held)
+    assert np.array_equal(bits(scattered), bits(expected[[5, 7, 6]]))
+    out = np.empty((3, 32), dtype=expected.dtype)
+    assert table.get([1, 2, 3], out=out) is out
+    assert np.array_equal(bits(out), bits(expected[1:4]))
+    beyond = table.get(np.arange(500, 600))
+    assert not np.shares_memory(beyond, held)
+    assert np.array_equal(bits(beyond), bits(client.get_range(500, 600, ROTARY, dtype=dtype)))
+
+
 def test_concurrent_readers_see_consistent_rows(client: posenc.Client) -> None:
     table = GrowingTable(client, SINUSOIDAL, min_rows=16)
     expected = client.get_range(0, 3000, SINUSOIDAL)

@@ -20,7 +20,8 @@ the ``[torch]`` extra; ``out=`` buffers; ``(cos, sin)`` pairs), through the same
 A rotary table in transformers' layout, whose rows repeat each half (``[c, c | s, s]``), is
 fetched and held as vLLM's rows (``[c | s]``): half the bytes for the server to compute and
 send, and for the table to hold; reads repeat the halves, in the pass that copies the rows
-out, so a prefill costs what it did.
+out, so a prefill costs what it did. A table made with ``views=True`` holds rows as they are
+read, so that a read of consecutive held rows can be a view of them, without a copy.
 
 :class:`AsyncGrowingTable` is the same table over a :class:`posenc.AsyncClient`: both run
 one plan (``_Plan``), whose reads are steps of the client's own calls (``posenc._core``),
@@ -95,6 +96,7 @@ class _Plan:
         min_rows: int,
         max_bytes: int,
         max_step_bytes: int,
+        views: bool,
     ) -> None:
         if min_rows < 1 or max_bytes < 1 or max_step_bytes < 1:
             raise ValueError("min_rows, max_bytes and max_step_bytes must be positive")
@@ -104,10 +106,13 @@ class _Plan:
         self.rotary = isinstance(table, Spec) and table.kind == "rotary"
         # A rotary table in transformers' layout repeats each half of a row ([c, c | s, s]):
         # it is fetched and held in vLLM's layout ([c | s]), half the bytes to compute,
-        # send and keep, and its halves are repeated as rows are read (``_expand``).
+        # send and keep, and its halves are repeated as rows are read (``_expand``); unless
+        # reads may be views, which must be of rows in the layout asked for.
+        self.views = views
         self.fetch_table: Table = table
         self.repeat = (
             self.rotary
+            and not views
             and isinstance(table, Spec)  # (for the type checker: rotary tables are specs)
             and table.parameters.get("layout", "transformers") == "transformers"
         )
@@ -247,6 +252,45 @@ class _Plan:
 
     # -- reading --------------------------------------------------------------------------------
 
+    def held_view(self, positions: Any, out: Any, device: Any, cos_sin: bool) -> Any:
+        """With ``views``: the rows of a run of consecutive held positions (a prefill) as a
+        view of the held rows, in the form ``get`` gives (numpy, read-only, or a CPU tensor;
+        ``(cos, sin)`` views of its halves); None where a copy is needed (views off, rows
+        not held, positions that are not one run, ``out=``, another device, ``cos_sin`` of a
+        table that is not rotary). Held rows are never written, so a view stays valid."""
+        rows = self.rows
+        if not self.views or rows is None or out is not None or (cos_sin and not self.rotary):
+            return None
+        tensor = is_tensor(positions) or self.torch_dtype or device is not None
+        if tensor and (
+            (is_tensor(positions) and positions.device.type != "cpu")
+            or (device is not None and torch_module().device(device).type != "cpu")
+        ):
+            return None
+        array, _ = positions_of(positions)
+        shape = np.shape(array)
+        flat = as_positions(array)
+        if flat.size == 0:
+            return None
+        low, top = int(flat[0]), int(flat[-1])
+        if not 0 <= low <= top < len(rows) or top - low != flat.size - 1:
+            return None
+        if flat.size > 1 and not (np.diff(flat) == 1).all():
+            return None
+        if tensor:
+            result = self._held_tensor(rows)[low : top + 1].view(*shape, -1)
+        else:
+            result = rows[low : top + 1].reshape(*shape, -1)
+            result.flags.writeable = False
+        return cos_sin_halves(result) if cos_sin else result
+
+    def _held_tensor(self, rows: npt.NDArray[Any]) -> Any:
+        """The held rows as a tensor (the same memory), made once per buffer."""
+        held = self._tensor
+        if held is None or held[0] is not rows:
+            held = self._tensor = (rows, as_tensor(rows))
+        return held[1]
+
     def held_tensors(self, positions: Any, out: Any, device: Any, cos_sin: bool) -> Any:
         """A decode step's rows by torch's own indexing of the held rows, or None where the
         general path (``output``, ``gather``) is needed: positions that are not a small CPU
@@ -274,10 +318,7 @@ class _Plan:
         low, high = torch.aminmax(flat)
         if int(low) < 0 or int(high) >= len(rows):
             return None
-        held = self._tensor
-        if held is None or held[0] is not rows:
-            held = self._tensor = (rows, as_tensor(rows))
-        picked = held[1].index_select(0, flat)
+        picked = self._held_tensor(rows).index_select(0, flat)
         if self.repeat:  # [c | s] held: [c, c | s, s] read
             cos, sin = picked.chunk(2, 1)
             picked = torch.cat((cos, cos, sin, sin), 1)
@@ -359,6 +400,7 @@ class TableOptions(TypedDict, total=False):
     max_bytes: int
     max_step_bytes: int
     timeout: Timeout
+    views: bool
 
 
 class _TableBase(Generic[ClientT]):
@@ -375,9 +417,12 @@ class _TableBase(Generic[ClientT]):
         max_bytes: int = DEFAULT_MAX_BYTES,
         max_step_bytes: int = DEFAULT_MAX_STEP_BYTES,
         timeout: Timeout = DEFAULT,
+        views: bool = False,
     ) -> None:
         self._client: ClientT = client
-        self._plan = _Plan(client._core, timeout, table, dtype, min_rows, max_bytes, max_step_bytes)
+        self._plan = _Plan(
+            client._core, timeout, table, dtype, min_rows, max_bytes, max_step_bytes, views
+        )
 
     @property
     def table(self) -> Table:
@@ -418,6 +463,12 @@ class GrowingTable(_TableBase["Client"]):
         max_bytes: The most memory the table holds; rows past it are fetched per call.
         max_step_bytes: The largest extension beyond what a request needs.
         timeout: Deadline of each fetch (``DEFAULT``: the client's).
+        views: Let :meth:`get` return a view of the held rows instead of a copy when it
+            can: for positions that are one run of consecutive held positions (a
+            prefill's ``position_ids``), without ``out=``, on the CPU. A numpy view is
+            read-only; a tensor view must not be written to. The table then holds a
+            rotary table in transformers' layout as it is read, not as its halves (twice
+            the memory: see the module doc).
 
     Thread-safe: concurrent readers see a consistent table; growth happens under a lock,
     and rows already returned are never modified (a grown table is a new buffer).
@@ -457,9 +508,12 @@ class GrowingTable(_TableBase["Client"]):
         :meth:`posenc.Client.get_positions`: ``positions`` may be a ``torch.Tensor`` (the
         result is then a tensor on its device), ``device=`` asks for a tensor, ``out=``
         fills a caller's buffer (numpy or torch) without allocating, and ``cos_sin=True``
-        gives a rotary table's ``(cos, sin)`` halves.
+        gives a rotary table's ``(cos, sin)`` halves. A table made with ``views=True``
+        returns a view of its rows where it can (see the class doc), else a copy.
         """
-        held = self._plan.held_tensors(positions, out, device, cos_sin)
+        held = self._plan.held_view(positions, out, device, cos_sin)
+        if held is None:
+            held = self._plan.held_tensors(positions, out, device, cos_sin)
         if held is not None:
             return held
         output, flat = self._plan.output(positions, out, device, cos_sin)
@@ -506,7 +560,9 @@ class AsyncGrowingTable(_TableBase["AsyncClient"]):
         cos_sin: bool = False,
     ) -> Any:
         """The rows of ``positions`` (see :meth:`GrowingTable.get`)."""
-        held = self._plan.held_tensors(positions, out, device, cos_sin)
+        held = self._plan.held_view(positions, out, device, cos_sin)
+        if held is None:
+            held = self._plan.held_tensors(positions, out, device, cos_sin)
         if held is not None:
             return held
         output, flat = self._plan.output(positions, out, device, cos_sin)
