@@ -1,4 +1,5 @@
-"""One table request, as the SDK's methods were called: argument checks and the ``Query``.
+"""One table request, as the SDK's methods were called: argument checks, the ``Query``, and
+the ``Output`` its rows are handed back in.
 
 Values are the server's to judge (its limits are configurable, and its messages name them);
 the checks here refuse only what the wire types cannot carry, and what would be a bug.
