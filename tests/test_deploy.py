@@ -11,6 +11,7 @@ server's own configuration code. tests/test_balancer.py runs deploy/nginx/nginx.
 from __future__ import annotations
 
 import copy
+import os
 import re
 import socket
 from collections.abc import Iterator
@@ -23,7 +24,7 @@ from conftest import ROOT, sizing_rule_mib
 from kubernetes_validate.utils import all_versions
 
 from posenc_server import app
-from posenc_server.config import MIB, ServerConfig
+from posenc_server.config import MIB, ServerConfig, shm_peers
 from posenc_server.metrics import HEALTH_PATH
 
 K8S = ROOT / "deploy" / "k8s"
@@ -350,3 +351,73 @@ def test_the_network_policy_opens_grpc_and_limits_metrics_to_prometheus() -> Non
     assert source["podSelector"]["matchLabels"] == {"app.kubernetes.io/name": "prometheus"}
     names = {p["name"] for p in container()["ports"]}
     assert set(rules) <= names
+
+
+# -- the same-host sidecar examples ------------------------------------------------------------
+
+SIDECAR = ROOT / "deploy" / "sidecar"
+
+
+def _sidecar_pod() -> Doc:
+    doc: Doc = yaml.safe_load((SIDECAR / "deployment.yaml").read_text())
+    return doc
+
+
+@pytest.mark.usefixtures("no_network")
+@pytest.mark.parametrize("version", [VERSIONS[0], VERSIONS[-1]])
+def test_the_sidecar_manifest_matches_the_kubernetes_schemas(version: str) -> None:
+    kubernetes_validate.validate(_sidecar_pod(), version, strict=True)
+
+
+def _sidecar_parts() -> list[tuple[str, dict[str, str], list[Doc], int, float, str]]:
+    """Each sidecar example's (posenc env, worker's code, mounts...), compose's and the pod's:
+    ``(name, posenc env, [posenc mounts, worker mounts], worker uid, posenc memory limit in
+    bytes, worker's code)``."""
+    pod = _sidecar_pod()["spec"]["template"]["spec"]
+    containers = {c["name"]: c for c in pod["containers"]}
+    posenc_env = {item["name"]: item["value"] for item in containers["posenc"]["env"]}
+    k8s = (
+        "kubernetes",
+        posenc_env,
+        [
+            {m["name"]: m["mountPath"] for m in containers[n]["volumeMounts"]}
+            for n in ("posenc", "worker")
+        ],
+        int(pod["securityContext"]["runAsUser"]),
+        quantity(containers["posenc"]["resources"]["limits"]["memory"]),
+        containers["worker"]["args"][0],
+    )
+    services = yaml.safe_load((SIDECAR / "compose.yml").read_text())["services"]
+    compose = (
+        "compose",
+        services["posenc"]["environment"],
+        [
+            dict(volume.split(":", 1) for volume in services[n]["volumes"])
+            for n in ("posenc", "worker")
+        ],
+        int(services["worker"]["user"].split(":")[0]),
+        # Compose's "2048m" is 2048 MiB.
+        quantity(services["posenc"]["deploy"]["resources"]["limits"]["memory"].replace("m", "Mi")),
+        services["worker"]["command"][0],
+    )
+    return [k8s, compose]
+
+
+@pytest.mark.parametrize("index", [0, 1], ids=["kubernetes", "compose"])
+def test_the_sidecar_examples_share_the_socket_admit_the_worker_and_fit_the_memory(
+    index: int,
+) -> None:
+    parts = _sidecar_parts()[index]
+    _, environment, (server_mounts, worker_mounts), worker_uid, limit, code = parts
+    config = ServerConfig.from_args([], environment)
+    directory = os.path.dirname(config.unix_socket)
+    # The socket's directory is a volume both containers mount, at the same path.
+    assert directory in server_mounts.values() and directory in worker_mounts.values()
+    assert f'posenc.Client("unix:{config.unix_socket}")' in code
+    assert "copy=False" in code  # the worker holds a view of the server's memory
+    uids, _ = shm_peers(config.shm_peers)
+    assert worker_uid in uids
+    needed = (
+        sizing_rule_mib(config.cache_bytes / MIB, config.process_count) * MIB
+    ) + config.shm_bytes
+    assert limit >= needed

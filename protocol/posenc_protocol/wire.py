@@ -1,6 +1,8 @@
 """The wire codec of the two table responses, shared by the server and the SDK by design.
 
-``GetEncodingResponse`` and ``StreamEncodingResponse`` both hold one ``Tensor`` in field 1.
+``GetEncodingResponse`` and ``StreamEncodingResponse`` both hold one ``Tensor`` in field 1
+(a ``GetEncodingResponse`` may hold a ``SharedTensor`` in field 2 instead: rows placed in
+the server's shared memory).
 The generated classes copy a ``bytes`` field on every step: into the message, out of it when
 serializing, and again when a parsed field is read. A megabyte chunk costs more in those
 copies than in everything else, so both ends use this codec instead. It writes exactly what
@@ -23,6 +25,7 @@ _I64 = 1
 _LEN = 2
 _I32 = 5
 _TENSOR_FIELD = 1
+_SHARED_FIELD = 2
 # Tensor fields: dtype = 1, row_offset = 2, rows = 3, columns = 4, data = 5.
 _DATA_FIELD = 5
 _MAX_VARINT_BYTES = 10
@@ -38,6 +41,17 @@ class TensorView:
     rows: int = 0
     columns: int = 0
     data: memoryview = _NO_DATA
+
+
+@dataclass(frozen=True, slots=True)
+class SharedView:
+    """A parsed ``SharedTensor``: where rows lie in the server's shared memory."""
+
+    dtype: int = 0
+    rows: int = 0
+    columns: int = 0
+    offset: int = 0
+    lease: int = 0
 
 
 # Every response has a few small varints (field keys, dtype, columns): built once.
@@ -171,23 +185,47 @@ def _parse_tensor(buffer: memoryview, position: int, end: int) -> TensorView:
     return TensorView(scalars[1], scalars[2], scalars[3], scalars[4], data)
 
 
-def decode_tensor_response(message: bytes) -> TensorView:
-    """Parse a ``GetEncodingResponse``/``StreamEncodingResponse`` into its Tensor."""
-    buffer = memoryview(message)
-    end = len(buffer)
-    position = 0
-    tensor = TensorView()
+def _parse_shared(buffer: memoryview, position: int, end: int) -> SharedView:
+    scalars = [0, 0, 0, 0, 0, 0]
     while position < end:
         key, position = _read_varint(buffer, position, end)
         field, wire_type = key >> 3, key & 7
-        if field == _TENSOR_FIELD and wire_type == _LEN:
+        if 1 <= field <= 5 and wire_type == _VARINT:
+            scalars[field], position = _read_varint(buffer, position, end)
+        else:
+            position = _skip(buffer, wire_type, position, end)
+        if position > end:
+            raise DecodeError("field runs past the end of the SharedTensor")
+    return SharedView(*scalars[1:])
+
+
+def decode_tensor_response(message: bytes) -> TensorView:
+    """Parse a ``StreamEncodingResponse`` (or a ``GetEncodingResponse`` without shared
+    memory) into its Tensor."""
+    response = decode_unary_response(message)
+    if isinstance(response, SharedView):
+        raise DecodeError("a SharedTensor where a Tensor was expected")
+    return response
+
+
+def decode_unary_response(message: bytes) -> TensorView | SharedView:
+    """Parse a ``GetEncodingResponse`` into its Tensor, or its SharedTensor when it has one."""
+    buffer = memoryview(message)
+    end = len(buffer)
+    position = 0
+    response: TensorView | SharedView = TensorView()
+    while position < end:
+        key, position = _read_varint(buffer, position, end)
+        field, wire_type = key >> 3, key & 7
+        if field in (_TENSOR_FIELD, _SHARED_FIELD) and wire_type == _LEN:
             length, position = _read_varint(buffer, position, end)
             if position + length > end:
                 raise DecodeError("Tensor runs past the end of the message")
-            tensor = _parse_tensor(buffer, position, position + length)
+            parse = _parse_tensor if field == _TENSOR_FIELD else _parse_shared
+            response = parse(buffer, position, position + length)
             position += length
         else:
             position = _skip(buffer, wire_type, position, end)
             if position > end:
                 raise DecodeError("field runs past the end of the message")
-    return tensor
+    return response

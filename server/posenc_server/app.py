@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import os
@@ -20,9 +21,9 @@ import grpc
 import grpc.aio
 from grpc_reflection.v1alpha import reflection
 
-from posenc_server import auth, health, heap, metrics, supervisor, warmup
+from posenc_server import auth, health, heap, metrics, shm, supervisor, warmup
 from posenc_server.admission import ByteBudget
-from posenc_server.config import ServerConfig, startup_fields, version
+from posenc_server.config import ServerConfig, shm_peers, startup_fields, version
 from posenc_server.interceptors import ServingInterceptor
 from posenc_server.service import EncodingService
 from posenc_server.servicer import (
@@ -125,12 +126,18 @@ class RunningServer:
     publisher: metrics.ServicePublisher = field(default_factory=metrics.ServicePublisher)
     private: grpc.aio.Server | None = None
     """A worker's private health line for its supervisor (``health.serve_private``)."""
+    shared: shm.SharedPool | None = None
+    """Shared memory for results over the unix socket, and its region socket."""
+    regions: shm.RegionServer | None = None
 
     def publish_metrics(self) -> None:
         """Bring the cache and computation metrics up to date (called now and then: on
         every call, it would cost the decode steps more than their rows)."""
         self.publisher.publish(self.service.cache_stats(), self.service.rows_computed)
         metrics.IN_FLIGHT_BYTES.set(self.budget.used)
+        if self.shared is not None:
+            metrics.SHM_SESSIONS.set(self.shared.sessions)
+            metrics.SHM_LEASED_BYTES.set(self.shared.leased_bytes)
 
     def call(self, coroutine: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
         """Run ``coroutine`` on the server's event loop and return its result (TimeoutError,
@@ -163,6 +170,11 @@ class RunningServer:
         self.call(self.server.stop(grace))
         if self.private is not None:
             self.call(self.private.stop(0))
+        if self.regions is not None:
+            self.regions.close()
+        if self.config.unix_socket:
+            with contextlib.suppress(OSError):
+                os.unlink(self.config.unix_socket)
         self.pool.shutdown(wait=False, cancel_futures=True)
 
     @property
@@ -286,7 +298,8 @@ async def _start(
         _READ_PREEMPT_AFTER,
     )
     specs = SpecTable(config, max_bytes=config.spec_bytes)
-    servicer = PositionalEncodingServicer(config, specs, service, version(), pool, budget)
+    shared = shm.SharedPool(config.shm_bytes) if config.unix_socket and config.shm_bytes else None
+    servicer = PositionalEncodingServicer(config, specs, service, version(), pool, budget, shared)
     token = None
     if config.auth_token_file:
         token = auth.BearerToken(auth.read_token(config.auth_token_file))
@@ -358,22 +371,52 @@ async def _start(
             # whichever worker the kernel hands a TCP connection on the shared port, and
             # serves health alone, on a socket only the server's user can open.
             private = await health.serve_private(health_servicer, address)
-        if credentials is None:
-            port = server.add_insecure_port(config.address)
-        else:
-            port = server.add_secure_port(config.address, credentials)
+        port = _add_port(server, config.address, credentials)
+        if config.unix_socket:
+            # The same service and credentials as the TCP port, for clients on this machine.
+            shm.remove_stale_socket(config.unix_socket)
+            _add_port(server, f"unix:{config.unix_socket}", credentials)
     except RuntimeError as error:
         raise OSError(f"cannot listen on {config.address}: {error}") from None
-    if port == 0:
-        raise OSError(f"cannot listen on {config.address}")
     await server.start()
+    regions = None
+    if config.unix_socket:
+        try:
+            os.chmod(config.unix_socket, 0o660)  # its directory says who may reach it
+            if shared is not None:
+                peers = shm_peers(config.shm_peers)
+                regions = shm.RegionServer(config.unix_socket + ".shm", shared, peers)
+        except OSError:
+            await server.stop(0)
+            raise
     for name in ("", SERVICE_NAME):
         await health_servicer.set(name, health.SERVING)
     running = RunningServer(
-        config, port, server, service, health_servicer, budget, pool, loop, private=private
+        config,
+        port,
+        server,
+        service,
+        health_servicer,
+        budget,
+        pool,
+        loop,
+        private=private,
+        shared=shared,
+        regions=regions,
     )
     running.publish_metrics()
     return running
+
+
+def _add_port(server: grpc.aio.Server, address: str, credentials: Any) -> int:
+    """Listen on ``address`` (with TLS when ``credentials``); OSError when it cannot."""
+    if credentials is None:
+        port = server.add_insecure_port(address)
+    else:
+        port = server.add_secure_port(address, credentials)
+    if port == 0:
+        raise OSError(f"cannot listen on {address}")
+    return int(port)
 
 
 def run(argv: Sequence[str] | None = None) -> int:
@@ -422,6 +465,7 @@ def run(argv: Sequence[str] | None = None) -> int:
             # Both ports are checked before either listens: nothing serves half-started.
             # (A supervisor's workers share its port, and it serves their metrics.)
             supervisor.check_port_free(config.host, config.port, "--port (POSENC_PORT)")
+            supervisor.check_unix_socket_free(config)
             metrics_port = supervisor.serve_metrics(config, serving)
         # Every dtype, kind and layout runs once before the server listens (the kernels
         # compiled or loaded from numba's cache, ml_dtypes imported), and the cache's memory

@@ -32,6 +32,8 @@ MAX_VARINT_BYTES = 10
 _MAX_CONNECTION_AGE_SECONDS = 2_000_000
 # gRPC takes its settings (message sizes, the connection limit) as C ints.
 _MAX_GRPC_INT = (1 << 31) - 1
+# The longest path a unix socket takes (sun_path, less its terminating zero).
+_MAX_UNIX_PATH = 107
 # The shortest read timeout: a request needs some time to arrive, even on loopback.
 _MIN_READ_TIMEOUT_SECONDS = 0.1
 
@@ -150,6 +152,29 @@ class ServerConfig:
         default="",
         metadata={"help": "file holding the bearer token clients must send (health is exempt)"},
     )
+    unix_socket: str = field(
+        default="",
+        metadata={
+            "help": "also serve on this unix-domain socket (clients on this machine: target "
+            "unix:PATH), as the TCP port is served (TLS and token included); with shm_bytes, "
+            "large results travel through shared memory, handed out on PATH.shm. With "
+            "several processes, the first serves it"
+        },
+    )
+    shm_bytes: int = field(
+        default=GIB,
+        metadata={
+            "help": "shared memory for results over the unix socket, in bytes (memory the "
+            "server holds: count it in its limit; 0: none)"
+        },
+    )
+    shm_peers: str = field(
+        default="",
+        metadata={
+            "help": "who may map the shared memory: comma-separated uid:N and gid:N, checked "
+            "against each peer's kernel credentials (none: the server's own uid)"
+        },
+    )
 
     def __post_init__(self) -> None:
         problems = []
@@ -231,6 +256,19 @@ class ServerConfig:
             bool(self.metrics_host.strip()),
             "must name an address (0.0.0.0 or :: for every interface)",
         )
+        check("shm_bytes", 0 <= self.shm_bytes <= 1 << 50, "must be in 0..2**50")
+        # The region socket's path is the unix socket's plus ".shm"; a socket path is at
+        # most 107 bytes.
+        check(
+            "unix_socket",
+            len(os.fsencode(self.unix_socket)) <= _MAX_UNIX_PATH - len(".shm")
+            and "\0" not in self.unix_socket,
+            f"must be a path of at most {_MAX_UNIX_PATH - len('.shm')} bytes",
+        )
+        try:
+            shm_peers(self.shm_peers)
+        except ValueError as error:
+            problems.append(f"{_flag('shm_peers')} ({_env_name('shm_peers')}): {error}")
         if bool(self.tls_cert_file) != bool(self.tls_key_file):
             problems.append("--tls-cert-file and --tls-key-file go together")
         if self.tls_client_ca_file and not self.tls_cert_file:
@@ -313,6 +351,21 @@ class ServerConfig:
             "max_stream_bytes": self.max_stream_bytes,
             "max_chunk_bytes": self.max_chunk_bytes,
         }
+
+
+def shm_peers(text: str) -> tuple[frozenset[int], frozenset[int]]:
+    """The uids and gids of ``--shm-peers``: comma-separated ``uid:N`` and ``gid:N``
+    (empty: the server's own uid). ValueError names a malformed entry."""
+    uids: set[int] = set()
+    gids: set[int] = set()
+    for entry in filter(None, (part.strip() for part in text.split(","))):
+        kind, _, number = entry.partition(":")
+        if kind not in ("uid", "gid") or not number.isdigit():
+            raise ValueError(f"expected uid:N or gid:N entries, got {entry!r}")
+        (uids if kind == "uid" else gids).add(int(number))
+    if not uids and not gids:
+        uids.add(os.getuid())
+    return frozenset(uids), frozenset(gids)
 
 
 def _env_name(name: str) -> str:

@@ -88,6 +88,11 @@ def encoding_query(
         dtype = _enum_name(pb.Dtype.DESCRIPTOR, spec.dtype, "spec.dtype", violations)
     table = table_from_proto(spec, violations, limits.max_d_model)
     selection = _selection(message, limits, violations, table)
+    session = getattr(message, "shared_memory_session", b"")
+    if len(session) > _MAX_SESSION_BYTES:
+        violations.append(
+            FieldViolation("shared_memory_session", "is not a session of the region socket")
+        )
     return Query(
         # A refused request needs no key (SpecTable.resolve refuses it): a spec holding
         # megabytes is not copied only to be refused.
@@ -98,7 +103,12 @@ def encoding_query(
         selection=selection,
         max_chunk_bytes=getattr(message, "max_chunk_bytes", 0),
         violations=violations,
+        shared_session=session,
     )
+
+
+# A region socket's session token is 16 bytes; anything much longer is not one.
+_MAX_SESSION_BYTES = 64
 
 
 # The longest list a table kind's parameter may hold when no limits say: a list of
@@ -400,3 +410,10 @@ def _describe(
             if field.message_type is not None:  # a oneof of sub-messages: the kind's variants
                 variant = kind.VARIANTS[oneof.name][field.name]
                 _describe(f"{name}.{field.name}", variant, field.message_type, path, out)
+
+
+def shared_response(dtype_code: int, rows: int, columns: int, offset: int, lease: int) -> bytes:
+    """A serialized GetEncodingResponse whose rows lie in shared memory (see ``shm``)."""
+    shared = pb.SharedTensor(rows=rows, columns=columns, offset=offset, lease=lease)
+    shared.dtype = dtype_code  # type: ignore[assignment]
+    return pb.GetEncodingResponse(shared=shared).SerializeToString()

@@ -75,6 +75,20 @@ CACHE_BUDGET = Gauge("posenc_cache_budget_bytes", "Cache budget.", multiprocess_
 CACHE_ENTRIES = Gauge(
     "posenc_cache_entries", "Blocks held by the cache.", multiprocess_mode="livesum"
 )
+SHM_SESSIONS = Gauge(
+    "posenc_shm_sessions",
+    "Sessions open on the region socket (clients on this machine using shared memory).",
+    multiprocess_mode="livesum",
+)
+SHM_LEASED_BYTES = Gauge(
+    "posenc_shm_leased_bytes",
+    "Bytes of shared memory that clients hold leases on (at most --shm-bytes).",
+    multiprocess_mode="livesum",
+)
+SHM_REFUSED = Counter(
+    "posenc_shm_refused_total",
+    "Peers the region socket refused (credentials outside --shm-peers, or too many sessions).",
+)
 
 
 class MethodMetrics:

@@ -70,3 +70,5 @@ class Query:
     max_chunk_bytes: int
     """0: the server's maximum (unary calls have no chunks)."""
     violations: list[FieldViolation]
+    shared_session: bytes = b""
+    """A GetEncoding request's region-socket session (``posenc_server.shm``), or empty."""

@@ -152,6 +152,15 @@ class EncodingService:
             _check_size(spec, selection, "unary", limit, "use StreamEncoding for large results")
             return _response(spec, Chunk(0, self.table(spec, selection)))
 
+    def fill(self, request: Request, out: Table) -> None:
+        """Writes the rows of ``request`` into ``out`` (a result placed in shared memory:
+        any size up to the stream limit), a block at a time, through the cache. Counted as
+        a stream: it may be as long as one."""
+        with self._admitted(stream=True):
+            spec, selection = request.spec, request.selection
+            for chunk in self.chunks(spec, selection, self.block_rows(spec)):
+                out[chunk.row_offset : chunk.row_offset + len(chunk.rows)] = chunk.rows
+
     def stream(self, request: Request) -> StreamSteps:
         """The serialized StreamEncodingResponses of a table of any size, one per step,
         lazily: a cancelled stream stops computing.

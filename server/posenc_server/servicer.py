@@ -43,6 +43,7 @@ from posenc_server.errors import (
 )
 from posenc_server.requests import PositionRange, Query
 from posenc_server.service import SHUTTING_DOWN, EncodingService, ServerInfo, StreamSteps
+from posenc_server.shm import SharedPool, rows_of
 from posenc_server.specs import Request, SpecTable
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["PositionalEncodingService"].full_name
@@ -79,8 +80,10 @@ class PositionalEncodingServicer:
         version: str,
         pool: Executor,
         budget: ByteBudget,
+        shared: SharedPool | None = None,
     ) -> None:
         self._config = config
+        self._shared = shared
         self._specs = specs
         self._service = service
         self._version = version
@@ -98,6 +101,17 @@ class PositionalEncodingServicer:
         largest = admission.unary_cost(self._config.max_unary_bytes)
         async with self._admitted(context, largest) as (reservation, raw):
             query = self._small_query(_GET_ENCODING, raw)
+            # Over the unix socket only: its peers may map the rows (see shm).
+            shared = self._shared
+            if (
+                shared is not None
+                and (query is None or query.shared_session)
+                and context.peer().startswith("unix:")
+            ):
+                placed = await self._run(self._place, shared, raw, query)
+                await reservation.settle(len(placed))
+                yield placed
+                return
             message = None if query is None else self._unary_from_cache(query)
             if message is None:  # parsed once: a new spec's step pays the parse once
                 message = await self._run(self._unary, raw, query)
@@ -238,6 +252,33 @@ class PositionalEncodingServicer:
             and self._service.streams == 1
             and (last_call <= started or time.monotonic() - last_call > _QUIET_SECONDS)
         )
+
+    def _place(self, shared: SharedPool, raw: bytes, query: Query | None) -> bytes:
+        """GetEncoding over the unix socket: a range's rows placed in shared memory for the
+        request's session when it has one and they fit there, else the response as without
+        shared memory."""
+        if query is None:
+            query = convert.encoding_query(_GET_ENCODING(raw), self._config)
+        request = self._specs.resolve(query)
+        spec, selection = request.spec, request.selection
+        nbytes = selection.rows * spec.row_bytes
+        if (
+            query.shared_session
+            and isinstance(selection, PositionRange)
+            and 0 < nbytes <= self._config.max_stream_bytes
+        ):
+
+            def fill(view: memoryview) -> None:
+                self._service.fill(request, rows_of(view, spec.encoding.dtype, spec.width))
+
+            key = (query.spec_key, selection.start, selection.stop)
+            placed = shared.place(query.shared_session, key, nbytes, fill)
+            if placed is not None:
+                offset, lease = placed
+                return convert.shared_response(
+                    spec.dtype_code, selection.rows, spec.width, offset, lease
+                )
+        return self._service.unary(request)
 
     def _unary(self, raw: bytes, query: Query | None) -> bytes:
         return self._service.unary(self._resolve(_GET_ENCODING, raw, query))

@@ -32,7 +32,7 @@ from typing import Final
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from posenc_server import metrics
+from posenc_server import metrics, shm
 from posenc_server.config import DEFAULT_METRICS_PORT, ServerConfig, startup_fields
 
 log = logging.getLogger("posenc_server")
@@ -217,6 +217,19 @@ class _Worker:
         )
 
 
+def check_unix_socket_free(config: ServerConfig) -> None:
+    """Raise PortInUseError naming ``--unix-socket`` when another server listens on it (or
+    on its region socket), or when the path holds something else; a socket file no server
+    listens on (left by one that died) is removed."""
+    for path in (config.unix_socket, config.unix_socket + ".shm") if config.unix_socket else ():
+        try:
+            shm.remove_stale_socket(path)
+        except OSError as error:
+            raise PortInUseError(
+                errno.EADDRINUSE, f"{error}: choose another with --unix-socket (POSENC_UNIX_SOCKET)"
+            ) from None
+
+
 def _reserve_port(config: ServerConfig) -> socket.socket:
     """A socket holding the port (resolving port 0) for the server's lifetime.
 
@@ -254,6 +267,7 @@ def supervise(
     when ``hurry`` is set too: a second signal)."""
     count = config.process_count
     try:
+        check_unix_socket_free(config)
         port_holder = _reserve_port(config)
     except OSError as error:
         print(f"posenc serve: cannot listen on {config.address}: {error}", file=sys.stderr)
@@ -292,8 +306,10 @@ def supervise(
         # that a replacement never meets its predecessor's socket file.
         path = os.path.join(health_dir, f"worker-{index}-{next(generations)}.sock")
         health_socket = f"unix:{path}"
+        # The unix socket (one path) is the first worker's alone.
+        unix = () if index == 0 else ("--unix-socket", "")
         process = subprocess.Popen(
-            [sys.executable, "-m", "posenc_server", *worker_argv],
+            [sys.executable, "-m", "posenc_server", *worker_argv, *unix],
             env={
                 **os.environ,
                 WORKER_INDEX_ENV: str(index),

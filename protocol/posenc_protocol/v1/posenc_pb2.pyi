@@ -1082,6 +1082,14 @@ class GetEncodingRequest(_message.Message):
     RANGE_FIELD_NUMBER: _builtins.int
     POSITIONS_FIELD_NUMBER: _builtins.int
     COORDINATES_FIELD_NUMBER: _builtins.int
+    SHARED_MEMORY_SESSION_FIELD_NUMBER: _builtins.int
+    shared_memory_session: _builtins.bytes
+    """A session of the server's region socket (the bytes its hello sent): the
+    server may place the rows of a range in its shared memory, for that session,
+    instead of in the response (see SharedTensor). Honoured for calls over the
+    server's unix socket; elsewhere, and when the rows do not fit in shared
+    memory now, the response holds them as it would without it.
+    """
     @_builtins.property
     def spec(self) -> Global___EncodingSpec: ...
     @_builtins.property
@@ -1097,10 +1105,11 @@ class GetEncodingRequest(_message.Message):
         range: Global___PositionRange | None = ...,
         positions: Global___PositionList | None = ...,
         coordinates: Global___CoordinateList | None = ...,
+        shared_memory_session: _builtins.bytes = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["coordinates", b"coordinates", "positions", b"positions", "range", b"range", "selection", b"selection", "spec", b"spec"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["coordinates", b"coordinates", "positions", b"positions", "range", b"range", "selection", b"selection", "spec", b"spec"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["coordinates", b"coordinates", "positions", b"positions", "range", b"range", "selection", b"selection", "shared_memory_session", b"shared_memory_session", "spec", b"spec"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType_selection: _TypeAlias = _typing.Literal["range", "positions", "coordinates"]  # noqa: Y015
     _WhichOneofArgType_selection: _TypeAlias = _typing.Literal["selection", b"selection"]  # noqa: Y015
@@ -1109,22 +1118,68 @@ class GetEncodingRequest(_message.Message):
 Global___GetEncodingRequest: _TypeAlias = GetEncodingRequest  # noqa: Y015
 
 @_typing.final
+class SharedTensor(_message.Message):
+    """Rows a server placed in its shared memory, for the session of the request."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    DTYPE_FIELD_NUMBER: _builtins.int
+    ROWS_FIELD_NUMBER: _builtins.int
+    COLUMNS_FIELD_NUMBER: _builtins.int
+    OFFSET_FIELD_NUMBER: _builtins.int
+    LEASE_FIELD_NUMBER: _builtins.int
+    dtype: Global___Dtype.ValueType
+    rows: _builtins.int
+    columns: _builtins.int
+    offset: _builtins.int
+    """Where the rows start in the shared memory whose file descriptor the region
+    socket's hello sent: a multiple of the page size. rows * columns elements,
+    little-endian, row-major.
+    """
+    lease: _builtins.int
+    """The lease that keeps those bytes in place: until the session releases it,
+    or closes.
+    """
+    def __init__(
+        self,
+        *,
+        dtype: Global___Dtype.ValueType = ...,
+        rows: _builtins.int = ...,
+        columns: _builtins.int = ...,
+        offset: _builtins.int = ...,
+        lease: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["columns", b"columns", "dtype", b"dtype", "lease", b"lease", "offset", b"offset", "rows", b"rows"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SharedTensor: _TypeAlias = SharedTensor  # noqa: Y015
+
+@_typing.final
 class GetEncodingResponse(_message.Message):
-    """Response of GetEncoding."""
+    """Response of GetEncoding: its rows in the response, or in shared memory when
+    the request asked for it and the server placed them there.
+    """
 
     DESCRIPTOR: _descriptor.Descriptor
 
     TENSOR_FIELD_NUMBER: _builtins.int
+    SHARED_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def tensor(self) -> Global___Tensor: ...
+    @_builtins.property
+    def shared(self) -> Global___SharedTensor: ...
     def __init__(
         self,
         *,
         tensor: Global___Tensor | None = ...,
+        shared: Global___SharedTensor | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["tensor", b"tensor"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["shared", b"shared", "tensor", b"tensor"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["tensor", b"tensor"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["shared", b"shared", "tensor", b"tensor"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
