@@ -29,7 +29,7 @@ from posenc._rows import RowCache
 from posenc.testing import Status
 from posenc.types import DEFAULT
 from posenc_protocol.v1 import posenc_pb2 as pb
-from posenc_protocol.wire import decode_tensor_response
+from posenc_protocol.wire import SharedView, decode_tensor_response
 
 WIDTH = 8  # columns of the fake's table (d_model 8)
 ROW_BYTES = WIDTH * 4
@@ -80,9 +80,35 @@ class Fake:
     sleeps: list[float] = field(default_factory=list)
     streams: list[FakeStream] = field(default_factory=list)
     ahead: list[Any] = field(default_factory=list)
+    #: The server's shared memory (a unix: target's), when it offers one.
+    pool: bytearray | None = None
 
     def perform(self, operation: core.Operation) -> Any:
         match operation:
+            case core.ShareSession():
+                self.log.append(("session", self.pool is not None))
+                return None if self.pool is None else b"token"
+            case core.Unary(method="get_encoding_shared", request=request):
+                positions = _positions_of(request)
+                self.log.append(("shared", positions))
+                assert self.pool is not None and request.shared_memory_session == b"token"
+                rows = _tensor(positions).data
+                offset = 4096  # the server places the rows where it likes, at a page
+                self.pool[offset : offset + len(rows)] = rows
+                return SharedView(pb.DTYPE_FLOAT32, len(positions), WIDTH, offset, lease=7)
+            case core.Attach(shared=shared, dtype=dtype):
+                self.log.append(("attach", shared.lease))
+                assert self.pool is not None
+                size = shared.rows * shared.columns * dtype.itemsize
+                view = np.frombuffer(bytes(self.pool), dtype, size // dtype.itemsize, shared.offset)
+                return view.reshape(shared.rows, shared.columns)
+            case core.CopyShared(shared=shared, out=out):
+                self.log.append(("copy", shared.lease))
+                assert self.pool is not None
+                out.reshape(-1).view(np.uint8)[...] = self.pool[
+                    shared.offset : shared.offset + out.nbytes
+                ]
+                return None
             case core.Unary(method="get_encoding", request=request):
                 self.log.append(("unary", _positions_of(request)))
                 if self.unary_failures and (error := self.unary_failures.pop(0)) is not None:
@@ -142,13 +168,14 @@ def run(fake: Fake, steps: core.Steps[Any]) -> tuple[Any, list[core.Slice]]:
 
 def make_core(
     *,
+    target: str = "127.0.0.1:1",
     unary_max_bytes: int = 64 * ROW_BYTES,
     max_retries: int = 3,
     row_cache_bytes: int = 0,
     readahead_bytes: int = 0,
 ) -> core.Core:
     settings = Settings.create(
-        "127.0.0.1:1",
+        target,
         timeout=None,
         max_retries=max_retries,
         retry_backoff=0.0,
@@ -279,3 +306,34 @@ def test_a_closed_core_refuses_calls() -> None:
         run(Fake(), get_range(c, 0, 4))
     with pytest.raises(posenc.ClientClosedError):  # an iterator's, when it is made
         c.iter_range(0, 4, WIDTH, None, {}, None, DEFAULT, None)
+
+
+def test_a_unix_targets_range_travels_through_the_servers_shared_memory() -> None:
+    # The core asks the driver for the region-socket session, sends its token with the
+    # request, and copies the rows the server placed (ending their lease), or, with
+    # copy=False, hands back the mapped rows themselves.
+    fake = Fake(pool=bytearray(1 << 16))
+    c = make_core(target="unix:/run/posenc/posenc.sock")
+    assert c.settings.shared_memory == "/run/posenc/posenc.sock.shm"
+    result, _ = run(fake, get_range(c, 100, 300))
+    np.testing.assert_array_equal(result, expected(list(range(100, 300))))
+    assert result.flags.writeable
+    assert fake.log == [("session", True), ("shared", list(range(100, 300))), ("copy", 7)]
+    fake.log.clear()
+    view, _ = run(fake, c.get_range(0, 20, WIDTH, None, {}, DEFAULT, copy=False))
+    np.testing.assert_array_equal(view, expected(list(range(20))))
+    assert not view.flags.writeable
+    assert fake.log == [("session", True), ("shared", list(range(20))), ("attach", 7)]
+
+
+def test_without_a_session_a_unix_targets_range_travels_as_over_tcp() -> None:
+    fake = Fake()  # the server offers no shared memory (or refused this process)
+    c = make_core(target="unix:/run/posenc/posenc.sock", unary_max_bytes=4)
+    result, _ = run(fake, get_range(c, 0, 50))
+    np.testing.assert_array_equal(result, expected(list(range(50))))
+    assert fake.log[0] == ("session", False) and fake.log[-1][0] == "stream"
+    # Position lists (decode steps) never ask for shared memory.
+    fake.log.clear()
+    rows, _ = run(fake, c.get_positions([3, 4], WIDTH, None, {}, -1, DEFAULT))
+    np.testing.assert_array_equal(rows, expected([3, 4]))
+    assert fake.log == [("stream", [3, 4])]

@@ -15,6 +15,7 @@ import re
 import shlex
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +42,8 @@ PAGES: dict[str, str] = {
     },
 }
 TARGET = "127.0.0.1:50051"
+# The same-host examples' target, pointed at a unix socket of a test server.
+UNIX_TARGET = "unix:/run/posenc/posenc.sock"
 
 
 def blocks(text: str, language: str) -> list[str]:
@@ -124,9 +127,23 @@ SLOW = ("import transformers", "from diffusers", "import diffusers")
     ],
 )
 @pytest.mark.timeout(120)
-def test_python_examples_run(page: str, index: int, server: RunningServer) -> None:
+def test_python_examples_run(
+    page: str, index: int, server: RunningServer, request: pytest.FixtureRequest
+) -> None:
     code = blocks(PAGES[page], "python")[index].replace(TARGET, server.target)
+    if UNIX_TARGET in code:  # a same-host example: a server on a unix socket of its own
+        unix_server: RunningServer = request.getfixturevalue("unix_server")
+        code = code.replace(UNIX_TARGET, f"unix:{unix_server.config.unix_socket}")
     exec(compile(code, f"{page} python block {index}", "exec"), {"__name__": "docs"})
+
+
+@pytest.fixture
+def unix_server(
+    server_factory: Callable[..., RunningServer], tmp_path_factory: pytest.TempPathFactory
+) -> RunningServer:
+    """A server that also serves a unix socket, with 64 MiB of shared memory."""
+    path = tmp_path_factory.mktemp("unix") / "posenc.sock"
+    return server_factory(unix_socket=str(path), shm_bytes=64 << 20)
 
 
 # What each CLI example writes: (start, stop, table, dtype), as the SDK asks for it.

@@ -110,6 +110,7 @@ class AsyncClient(
             task.cancel()
         for channel in self._channels:
             await channel.close(None)
+        self._close_shared()
 
     # -- I/O ------------------------------------------------------------------------------
 
@@ -154,6 +155,12 @@ class AsyncClient(
                 return await asyncio.wait(tokens, timeout=timeout)
             case core.ReadAhead(ahead):
                 return self._read_ahead(ahead)
+            case core.ShareSession():
+                return self._share_session()
+            case core.Attach(shared, dtype):
+                return self._session().attach(shared, dtype)
+            case core.CopyShared(shared, out):
+                return self._session().copy(shared, out)
             case _:
                 assert_never(operation)
 

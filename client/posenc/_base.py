@@ -8,7 +8,10 @@ which, so that each client's signatures are exact for type checkers.
 
 from __future__ import annotations
 
+import logging
 import operator
+import threading
+import time
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any, Generic, TypeVar, Unpack, cast
 
@@ -30,10 +33,18 @@ from posenc._rows import (
     AheadFetch,
     RowCache,
 )
+from posenc._shm import Session
+from posenc.errors import InternalError
 from posenc.types import DEFAULT, ClassicOptions, DTypeArg, Table, Timeout
 
 if TYPE_CHECKING:
     from posenc.testing import MockTransport
+
+log = logging.getLogger("posenc")
+# How long a client waits for a server's region socket to say hello, and how long it then
+# makes calls without shared memory before it tries the socket again.
+_SHARED_CONNECT_SECONDS = 5.0
+_SHARED_RETRY_SECONDS = 30.0
 
 # What the methods return: the value itself (Client) or an awaitable of it (AsyncClient).
 ArrayT = TypeVar("ArrayT")
@@ -76,6 +87,10 @@ class BaseClient(Generic[ArrayT, InfoT, StatusT, SlicesT]):
             connections than the server has processes reach most of them.
         transport: A :class:`posenc.testing.MockTransport` that answers every call in this
             process instead of a server, for tests; the target is then not used.
+        shared_memory: For a ``unix:`` target (a server on this machine started with
+            ``--unix-socket``): whether large ranges travel through the server's shared
+            memory instead of its responses (None, the default: when the server offers
+            it; see ``copy=`` of :meth:`get_range`). True insists on a ``unix:`` target.
         token: Bearer token sent with every call, for servers started with
             ``--auth-token-file``, as gRPC call credentials: it needs ``credentials``
             (TLS, or local credentials for a server on this machine), and a ValueError
@@ -110,6 +125,7 @@ class BaseClient(Generic[ArrayT, InfoT, StatusT, SlicesT]):
         interceptors: Sequence[Any] = (),
         connections: int = DEFAULT_CONNECTIONS,
         transport: MockTransport | None = None,
+        shared_memory: bool | None = None,
     ) -> None:
         settings = Settings.create(
             target,
@@ -120,9 +136,13 @@ class BaseClient(Generic[ArrayT, InfoT, StatusT, SlicesT]):
             unary_max_bytes=unary_max_bytes,
             connections=connections,
             options=options,
+            shared_memory=shared_memory,
         )
         rows = RowCache(operator.index(row_cache_bytes), operator.index(readahead_bytes))
         self._core = Core(settings, rows, self._new_token)
+        self._shared: Session | None = None  # the region socket's session, once open
+        self._shared_lock = threading.Lock()
+        self._shared_retry_at = 0.0
         self._credentials = channel_credentials(credentials, token)
         self._interceptors = tuple(interceptors)
         self._transport = transport
@@ -148,6 +168,7 @@ class BaseClient(Generic[ArrayT, InfoT, StatusT, SlicesT]):
         out: Any = None,
         device: Any = None,
         cos_sin: bool = False,
+        copy: bool = True,
         timeout: Timeout = DEFAULT,
         **classic: Unpack[ClassicOptions],
     ) -> ArrayT:
@@ -175,11 +196,17 @@ class BaseClient(Generic[ArrayT, InfoT, StatusT, SlicesT]):
                 ``[torch]`` extra.
             cos_sin: For a rotary table: return ``(cos, sin)``, the two halves of the
                 rows in the spec's layout (views of one array or tensor).
+            copy: ``False``: rows that arrive in a server's shared memory (a ``unix:``
+                target) come back as a read-only numpy view of it, without a copy:
+                processes on one machine holding the same range share one copy of it,
+                until their arrays are dropped. Elsewhere (``out=``, tensors, rows in a
+                response) the result is as with ``True``.
             timeout: Deadline of the whole call in seconds (``None``: none); defaults to
                 the client's.
 
         Small results take one unary call; large ones are streamed straight into the
-        returned array, resuming after interruptions. ``AsyncClient``: awaitable.
+        returned array, resuming after interruptions, or over a ``unix:`` target placed in
+        the server's shared memory and copied from there. ``AsyncClient``: awaitable.
 
         Raises:
             InvalidArgumentError: A bad argument (``field_violations`` names it).
@@ -190,7 +217,16 @@ class BaseClient(Generic[ArrayT, InfoT, StatusT, SlicesT]):
             UnavailableError: The server stayed unreachable through every retry.
         """
         steps = self._core.get_range(
-            start, stop, table, dtype, classic, timeout, out=out, device=device, cos_sin=cos_sin
+            start,
+            stop,
+            table,
+            dtype,
+            classic,
+            timeout,
+            out=out,
+            device=device,
+            cos_sin=cos_sin,
+            copy=copy,
         )
         return cast(ArrayT, self._run(steps))
 
@@ -320,6 +356,7 @@ class BaseClient(Generic[ArrayT, InfoT, StatusT, SlicesT]):
         dtype: DTypeArg | None = None,
         out: Any = None,
         device: Any = None,
+        copy: bool = True,
         timeout: Timeout = DEFAULT,
     ) -> ArrayT:
         """Returns a grid kind's whole grid, shaped ``[*spec.grid_shape, width]``: a
@@ -329,7 +366,7 @@ class BaseClient(Generic[ArrayT, InfoT, StatusT, SlicesT]):
         It is ``get_range(0, cells, table)`` (row ``r`` is the row-major cell ``r``)
         reshaped; other arguments as in :meth:`get_range`. ``AsyncClient``: awaitable.
         """
-        steps = self._core.get_grid(table, dtype, timeout, out=out, device=device)
+        steps = self._core.get_grid(table, dtype, timeout, out=out, device=device, copy=copy)
         return cast(ArrayT, self._run(steps))
 
     def iter_grid(
@@ -365,6 +402,43 @@ class BaseClient(Generic[ArrayT, InfoT, StatusT, SlicesT]):
         an unreachable server raises :class:`UnavailableError`.
         """
         return cast(StatusT, self._run(self._core.health(service, timeout)))
+
+    # -- shared memory (unix: targets) ---------------------------------------------------
+
+    def _share_session(self) -> bytes | None:
+        """The token of this client's session on the server's region socket, opened at the
+        first call that may use it (and again when the server ended it: it restarted);
+        None while the server's shared memory is out of reach, tried again after
+        ``_SHARED_RETRY_SECONDS``."""
+        path = self._core.settings.shared_memory
+        with self._shared_lock:
+            if self._shared is not None and self._shared.alive():
+                return self._shared.token
+            if self._shared is not None:
+                self._shared.close()
+                self._shared = None
+            if path is None or time.monotonic() < self._shared_retry_at:
+                return None
+            try:
+                self._shared = Session(path, _SHARED_CONNECT_SECONDS)
+            except OSError as error:
+                log.info("shared memory out of reach, results travel in responses: %s", error)
+                self._shared_retry_at = time.monotonic() + _SHARED_RETRY_SECONDS
+                return None
+            return self._shared.token
+
+    def _session(self) -> Session:
+        with self._shared_lock:
+            session = self._shared
+        if session is None:
+            raise InternalError("rows placed in shared memory without a session")
+        return session
+
+    def _close_shared(self) -> None:
+        with self._shared_lock:
+            if self._shared is not None:
+                self._shared.close()  # once the views it handed out are gone
+                self._shared = None
 
     # -- what each client does its own way ----------------------------------------------------
 

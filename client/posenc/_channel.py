@@ -18,6 +18,7 @@ from grpc_health.v1 import health_pb2
 
 from posenc._query import check_chunk_bytes
 from posenc._retry import resolve_timeout
+from posenc._shm import region_socket
 from posenc._version import __version__
 from posenc_protocol import wire
 from posenc_protocol.v1 import posenc_pb2 as pb
@@ -191,6 +192,9 @@ class Settings:
     unary_max_bytes: int
     connections: int
     options: list[tuple[str, Any]]
+    #: The server's region socket (see :mod:`posenc._shm`), when results may travel
+    #: through its shared memory.
+    shared_memory: str | None = None
 
     @classmethod
     def create(
@@ -204,6 +208,7 @@ class Settings:
         unary_max_bytes: int,
         connections: int,
         options: Iterable[tuple[str, Any]] | None,
+        shared_memory: bool | None = None,
     ) -> Settings:
         retries = operator.index(max_retries)
         if retries < 0:
@@ -216,8 +221,15 @@ class Settings:
         pool = operator.index(connections)
         if not 1 <= pool <= _MAX_CONNECTIONS:
             raise ValueError(f"connections must be in 1..{_MAX_CONNECTIONS}, got {connections}")
+        channel = channel_target(target)
+        regions = region_socket(channel)
+        if shared_memory and regions is None:
+            raise ValueError(
+                "shared_memory=True needs a unix: target (a server on this machine), "
+                f"got {channel!r}"
+            )
         return cls(
-            target=channel_target(target),
+            target=channel,
             timeout=resolve_timeout(timeout, None),
             max_retries=retries,
             retry_backoff=float(retry_backoff),
@@ -225,6 +237,7 @@ class Settings:
             unary_max_bytes=unary_max,
             connections=pool,
             options=channel_options(options, user_agent()),
+            shared_memory=regions if shared_memory is not False else None,
         )
 
 
@@ -263,6 +276,12 @@ class Calls:
             service + "GetEncoding",
             request_serializer=pb.GetEncodingRequest.SerializeToString,
             response_deserializer=wire.decode_tensor_response,
+        )
+        # The same, for requests that may have their rows placed in shared memory.
+        self.get_encoding_shared: Any = channel.unary_unary(
+            service + "GetEncoding",
+            request_serializer=pb.GetEncodingRequest.SerializeToString,
+            response_deserializer=wire.decode_unary_response,
         )
         self.stream_encoding: Any = channel.unary_stream(
             service + "StreamEncoding",

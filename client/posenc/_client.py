@@ -111,6 +111,7 @@ class Client(BaseClient[Result, ServerInfo, str, Iterator[Slice]]):
             self._ahead_queue.put(None)  # the end mark: the read-ahead thread ends there
         for channel in self._channels:
             channel.close()
+        self._close_shared()
 
     # -- I/O ------------------------------------------------------------------------------
 
@@ -154,6 +155,12 @@ class Client(BaseClient[Result, ServerInfo, str, Iterator[Slice]]):
                 return futures.wait(tokens, timeout=timeout)
             case core.ReadAhead(ahead):
                 return self._read_ahead(ahead)
+            case core.ShareSession():
+                return self._share_session()
+            case core.Attach(shared, dtype):
+                return self._session().attach(shared, dtype)
+            case core.CopyShared(shared, out):
+                return self._session().copy(shared, out)
             case _:
                 assert_never(operation)
 

@@ -54,12 +54,14 @@ from posenc._rows import (
 from posenc.errors import (
     ClientClosedError,
     DeadlineExceededError,
+    InternalError,
     InvalidArgumentError,
     NotFoundError,
     ResourceExhaustedError,
 )
 from posenc.types import DEFAULT, DTypeArg, ServerInfo, Timeout, server_info_from_proto
 from posenc_protocol.v1 import posenc_pb2 as pb
+from posenc_protocol.wire import SharedView, TensorView
 
 log = logging.getLogger("posenc")
 
@@ -148,8 +150,35 @@ class ReadAhead:
     ahead: AheadFetch
 
 
+@dataclass(frozen=True, slots=True)
+class ShareSession:
+    """Open the client's session on the server's region socket, or take the one open:
+    its token is sent back, or None when the server's shared memory is out of reach (see
+    :mod:`posenc._shm`)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Attach:
+    """Map the rows that ``shared`` says the server placed in its shared memory, read-only,
+    as ``dtype``: their array is sent back (its lease ends with the last array using it)."""
+
+    shared: SharedView
+    dtype: np.dtype[Any]
+
+
+@dataclass(frozen=True, slots=True)
+class CopyShared:
+    """Copy the rows that ``shared`` says the server placed in its shared memory into
+    ``out``, and end their lease."""
+
+    shared: SharedView
+    out: Rows
+
+
 #: The operations a client performs (all but :class:`Deliver`, which its iterator yields).
-Performed: TypeAlias = Unary | OpenStream | NextChunk | Sleep | Wait | ReadAhead
+Performed: TypeAlias = (
+    Unary | OpenStream | NextChunk | Sleep | Wait | ReadAhead | ShareSession | Attach | CopyShared
+)
 Operation: TypeAlias = Performed | Deliver
 Steps: TypeAlias = Generator[Operation, Any, T]
 
@@ -555,6 +584,10 @@ class Core:
                     query.check_size(tables[0].shape[1])  # the whole, once the width is told
             return np.concatenate(tables)
         unary_max = self.settings.unary_max_bytes if unary_max_bytes is None else unary_max_bytes
+        if self.settings.shared_memory is not None and query.positions is None and query.rows > 0:
+            shared = yield from self._shared(query, budget)
+            if shared is not None:
+                return shared
         # A width not known yet counts as one column.
         size = query.rows * (query.columns or 1) * query.dtype.itemsize
         if query.rows <= 0 or size <= unary_max:
@@ -571,6 +604,38 @@ class Core:
         cursor = self._cursor(query, collect=True)
         yield from self._stream(cursor, budget)
         return cursor.result()
+
+    def _shared(self, query: Query, budget: CallBudget) -> Steps[Rows | None]:
+        """A range through the server's shared memory (a ``unix:`` target): one GetEncoding
+        call, whose rows the server places in its memory (or, when small or when they do
+        not fit there now, sends in the response). None when the session is out of reach,
+        or the rows are too large for a response: the call then streams them."""
+        token = yield ShareSession()
+        if token is None:
+            return None
+        request = unary_request(query)
+        request.shared_memory_session = token
+        try:
+            response = yield from self._call(
+                "get_encoding_shared", request, budget, _affinity(query)
+            )
+        except ResourceExhaustedError:
+            return None  # not placed, and over the unary limit
+        if isinstance(response, TensorView):
+            rows = decode_unary(response, query)
+        else:
+            if response.rows != query.rows or response.dtype != query.spec.dtype:
+                raise InternalError(
+                    f"server placed {response.rows} rows of dtype {response.dtype}, expected "
+                    f"{query.rows} of {query.spec.dtype}"
+                )
+            if query.view:
+                rows = yield Attach(response, query.dtype)
+            else:
+                rows = query.allocate(response.columns)
+                yield CopyShared(response, rows)
+        self.widths.learn(query.spec_key, rows.shape[1])
+        return rows
 
     def _stream(
         self,

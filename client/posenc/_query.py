@@ -160,6 +160,9 @@ class Query:
     #: The caller's ``out=`` buffer as a 2-D host array: the rows are decoded into it
     #: when its shape is the result's (see :mod:`posenc._output`).
     out: npt.NDArray[Any] | None = None
+    #: Rows that arrive in shared memory are handed back as a read-only view of it
+    #: (``copy=False``, a numpy result without ``out=``).
+    view: bool = False
 
     @property
     def row_bytes(self) -> int | None:
@@ -341,6 +344,10 @@ def _query(
     before any call (see :meth:`Query.check_size`)."""
     key = spec.SerializeToString(deterministic=True)
     numpy_type = named_dtype(_DTYPE_NAMES_BY_ENUM[spec.dtype])
+    output = dict(output)
+    copy = output.pop("copy", True)
+    if not isinstance(copy, bool):
+        raise bad_argument("copy", f"must be true or false, got {copy!r}")
     result = Output.create(
         shape,
         numpy_type,
@@ -349,7 +356,10 @@ def _query(
         rotary=spec.WhichOneof("table") in ("rotary", "mrope"),
         **output,
     )
-    query = Query(spec, key, numpy_type, columns=widths.get(key), out=result.host, **selection)
+    view = not copy and not result.tensor and result.out is None
+    query = Query(
+        spec, key, numpy_type, columns=widths.get(key), out=result.host, view=view, **selection
+    )
     if query.columns is not None:
         query.check_size(query.columns)
     return query, result

@@ -1,0 +1,279 @@
+"""Clients on the server's machine: the unix socket, and ranges through shared memory.
+
+A server started with ``--unix-socket PATH`` serves the same API there; a client of target
+``unix:PATH`` gets large ranges placed in the server's shared memory (handed out on
+``PATH.shm`` to peers whose kernel credentials ``--shm-peers`` admits), copied into its
+result or, with ``copy=False``, as a read-only view that several processes share. Every
+row is checked against the same server's rows over TCP, bit for bit; what the server holds
+is read from its metrics.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import mmap
+import os
+import socket
+import struct
+import subprocess
+import sys
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+import numpy as np
+import pytest
+from conftest import ServerProcess, wait_until
+from test_operations import metric, metrics_port, scrape
+
+import posenc
+from posenc_protocol import wire
+from posenc_protocol.v1 import posenc_pb2 as pb
+from posenc_protocol.v1 import posenc_pb2_grpc
+
+MIB = 1 << 20
+SERVE = (sys.executable, "-m", "posenc_server", "--port", "0", "--metrics-port", "-1")
+SERVE += ("--processes", "1")
+D_MODEL = 512  # float32 rows of 2 KiB
+ROWS = 1024  # 2 MiB a range
+
+
+@pytest.fixture
+def unix_server(
+    spawn_server: Callable[..., ServerProcess], tmp_path: Path
+) -> Iterator[Callable[..., tuple[ServerProcess, str]]]:
+    """Start a server on a TCP port and a unix socket in ``tmp_path``; its unix target."""
+
+    def start(*args: str) -> tuple[ServerProcess, str]:
+        path = tmp_path / f"posenc-{len(list(tmp_path.iterdir()))}.sock"
+        server = spawn_server(0, "--unix-socket", str(path), *args)
+        return server, f"unix:{path}"
+
+    yield start
+
+
+def bits(rows: Any) -> Any:
+    rows = np.ascontiguousarray(rows)
+    return rows.view(f"u{rows.dtype.itemsize}")
+
+
+def shared(samples: dict, name: str) -> float:  # type: ignore[type-arg]
+    return metric(samples, name)
+
+
+def in_shared_memory(rows: Any) -> bool:
+    """Whether ``rows`` are a view of a server's shared memory (``copy=False``)."""
+    base = rows.base
+    while isinstance(base, np.ndarray):
+        base = base.base
+    return isinstance(base.obj if isinstance(base, memoryview) else base, mmap.mmap)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float64"])
+def test_ranges_over_the_unix_socket_are_the_servers_rows(
+    unix_server: Callable[..., tuple[ServerProcess, str]], dtype: str
+) -> None:
+    server, target = unix_server("--shm-bytes", str(64 * MIB))
+    port = metrics_port(server)
+    with posenc.Client(server.target) as tcp, posenc.Client(target) as local:
+        expected = tcp.get_range(10**6, 10**6 + ROWS, D_MODEL, dtype=dtype)
+        copied = local.get_range(10**6, 10**6 + ROWS, D_MODEL, dtype=dtype)
+        assert np.array_equal(bits(copied), bits(expected))
+        assert copied.flags.writeable and not in_shared_memory(copied)
+        view = local.get_range(10**6, 10**6 + ROWS, D_MODEL, dtype=dtype, copy=False)
+        assert in_shared_memory(view) and not view.flags.writeable
+        assert np.array_equal(bits(view), bits(expected))
+        with pytest.raises(ValueError):
+            view[0, 0] = 0
+        # Small results, decode steps and streams over the unix socket as over TCP.
+        assert np.array_equal(local.get_range(0, 3, D_MODEL), tcp.get_range(0, 3, D_MODEL))
+        steps = [local.get_positions([7 + step, 90 + step], D_MODEL) for step in range(3)]
+        assert np.array_equal(steps[-1], tcp.get_positions([9, 92], D_MODEL))
+        slices = list(local.iter_range(0, 3000, D_MODEL, chunk_bytes=MIB))
+        assert np.array_equal(
+            np.concatenate([rows for _, rows in slices]), tcp.get_range(0, 3000, D_MODEL)
+        )
+        # The server publishes its metrics five times a second.
+        wait_until(lambda: shared(scrape(port), "posenc_shm_sessions") == 1, "one session")
+        leased = view.nbytes  # the view's lease
+        wait_until(lambda: shared(scrape(port), "posenc_shm_leased_bytes") == leased, "leased")
+        del view
+        gc.collect()
+        wait_until(lambda: shared(scrape(port), "posenc_shm_leased_bytes") == 0, "lease ended")
+    wait_until(lambda: shared(scrape(port), "posenc_shm_sessions") == 0, "session closed")
+
+
+def test_processes_holding_the_same_range_share_one_copy(
+    unix_server: Callable[..., tuple[ServerProcess, str]],
+) -> None:
+    server, target = unix_server("--shm-bytes", str(64 * MIB))
+    port = metrics_port(server)
+    clients = [posenc.Client(target) for _ in range(3)]
+    try:
+        views = [c.get_range(0, 4 * ROWS, D_MODEL, copy=False) for c in clients]
+        assert all(np.array_equal(v, views[0]) for v in views)
+        # Three sessions, one region: its bytes leased once.
+        wait_until(lambda: shared(scrape(port), "posenc_shm_sessions") == 3, "three sessions")
+        leased = views[0].nbytes
+        wait_until(lambda: shared(scrape(port), "posenc_shm_leased_bytes") == leased, "leased")
+    finally:
+        for c in clients:
+            c.close()
+
+
+def _session(path: str) -> tuple[socket.socket, bytes, int]:
+    """A raw session on a region socket: the socket, the token, the pool's descriptor."""
+    connection = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    connection.connect(path)
+    message, ancillary, _, _ = connection.recvmsg(64, socket.CMSG_SPACE(4))
+    assert message.startswith(b"posenc-shm/1") and len(ancillary) == 1
+    token = message[12:28]
+    return connection, token, struct.unpack("i", ancillary[0][2][:4])[0]
+
+
+def test_a_session_that_never_releases_fills_only_the_pool(
+    unix_server: Callable[..., tuple[ServerProcess, str]],
+) -> None:
+    """A peer that asks for ranges and never releases them pins the whole pool, no more:
+    other clients still get every row (in responses), the server's memory stays within
+    its budgets, and when the peer goes away its leases end."""
+    pool = 8 * MIB
+    server, target = unix_server("--shm-bytes", str(pool))
+    port = metrics_port(server)
+    path = target.removeprefix("unix:")
+    hostile, token, fd = _session(path + ".shm")
+    # The descriptor is read-only: the pool cannot be written, grown or shrunk through it.
+    with pytest.raises(OSError):
+        os.write(fd, b"x")
+    with pytest.raises(OSError):
+        os.ftruncate(fd, 0)
+    with pytest.raises(OSError):
+        mmap.mmap(fd, MIB, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    channel = grpc.insecure_channel(target)
+    stub = posenc_pb2_grpc.PositionalEncodingServiceStub(channel)
+    get = channel.unary_unary(
+        "/posenc.v1.PositionalEncodingService/GetEncoding",
+        request_serializer=pb.GetEncodingRequest.SerializeToString,
+        response_deserializer=wire.decode_unary_response,
+    )
+    placed = 0
+    for start in range(0, 40 * ROWS, ROWS):  # 40 ranges of 2 MiB: five times the pool
+        request = pb.GetEncodingRequest(
+            spec=pb.EncodingSpec(sinusoidal=pb.SinusoidalTable(d_model=D_MODEL)),
+            range=pb.PositionRange(start=start, stop=start + ROWS),
+            shared_memory_session=token,
+        )
+        placed += isinstance(get(request, timeout=30), wire.SharedView)
+    assert placed == pool // (ROWS * D_MODEL * 4)  # then the rows came in responses
+    wait_until(lambda: shared(scrape(port), "posenc_shm_leased_bytes") == pool, "pool leased")
+    with posenc.Client(target) as other, posenc.Client(server.target) as tcp:
+        rows = other.get_range(0, 3 * ROWS, D_MODEL, copy=False)
+        assert not in_shared_memory(rows)  # no room: in the response, as without a pool
+        assert np.array_equal(rows, tcp.get_range(0, 3 * ROWS, D_MODEL))
+        hostile.close()  # the peer goes away: its leases end
+        wait_until(lambda: shared(scrape(port), "posenc_shm_leased_bytes") == 0, "released")
+        again = other.get_range(0, 3 * ROWS, D_MODEL, copy=False)
+        assert in_shared_memory(again) and np.array_equal(again, rows)
+    os.close(fd)
+    channel.close()
+    del stub
+
+
+def test_a_view_outlives_its_client_and_its_server(
+    unix_server: Callable[..., tuple[ServerProcess, str]],
+) -> None:
+    server, target = unix_server("--shm-bytes", str(16 * MIB))
+    with posenc.Client(server.target) as tcp:
+        expected = tcp.get_range(5, 5 + ROWS, D_MODEL)
+    with posenc.Client(target) as local:
+        view = local.get_range(5, 5 + ROWS, D_MODEL, copy=False)
+    server.terminate()
+    server.process.wait(30)
+    assert np.array_equal(view, expected)  # the pages live while they are mapped
+
+
+def test_a_peer_outside_shm_peers_gets_rows_but_no_memory(
+    unix_server: Callable[..., tuple[ServerProcess, str]],
+) -> None:
+    """Credentials are the kernel's (SO_PEERCRED): with --shm-peers naming another uid and
+    gid than this process's, the region socket gives it no session and no descriptor, and
+    its calls over the unix socket get every row in responses."""
+    other = max(os.getuid(), os.getgid()) + 4242
+    server, target = unix_server(
+        "--shm-bytes", str(16 * MIB), "--shm-peers", f"uid:{other},gid:{other}"
+    )
+    path = target.removeprefix("unix:")
+    raw = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    raw.connect(path + ".shm")
+    message, ancillary, _, _ = raw.recvmsg(64, socket.CMSG_SPACE(4))
+    assert (message, ancillary) == (b"", [])  # closed at once: nothing handed out
+    raw.close()
+    with posenc.Client(target) as local, posenc.Client(server.target) as tcp:
+        rows = local.get_range(0, ROWS, D_MODEL, copy=False)
+        assert not in_shared_memory(rows)
+        assert np.array_equal(rows, tcp.get_range(0, ROWS, D_MODEL))
+    refusals = [e for e in server.logs() if e["message"] == "region socket: refused a peer"]
+    assert len(refusals) == 2 and all(e["uid"] == os.getuid() for e in refusals)
+    port = metrics_port(server)
+    wait_until(lambda: metric(scrape(port), "posenc_shm_refused_total") == 2, "counted")
+
+
+def test_several_processes_serve_the_unix_socket_from_the_first(
+    unix_server: Callable[..., tuple[ServerProcess, str]],
+) -> None:
+    server, target = unix_server("--processes", "2", "--shm-bytes", str(16 * MIB))
+    with posenc.Client(target) as local, posenc.Client(server.target) as tcp:
+        view = local.get_range(0, ROWS, D_MODEL, copy=False)
+        assert in_shared_memory(view) and np.array_equal(view, tcp.get_range(0, ROWS, D_MODEL))
+
+
+def test_the_unix_socket_is_refused_when_taken_or_not_a_socket(
+    unix_server: Callable[..., tuple[ServerProcess, str]], tmp_path: Path
+) -> None:
+    server, target = unix_server("--shm-bytes", str(16 * MIB))
+    path = target.removeprefix("unix:")
+    taken = subprocess.run(
+        [*SERVE, "--unix-socket", path],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert taken.returncode == 1 and path in taken.stderr and "--unix-socket" in taken.stderr
+    regular = tmp_path / "file"
+    regular.write_text("keep me")
+    refused = subprocess.run(
+        [*SERVE, "--unix-socket", str(regular)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert refused.returncode == 1 and "not a socket" in refused.stderr
+    assert regular.read_text() == "keep me"
+    bad = subprocess.run(
+        [sys.executable, "-m", "posenc_server", "--shm-peers", "everyone"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert bad.returncode == 2 and "--shm-peers" in bad.stderr
+    assert server.process.poll() is None  # the first server serves on
+
+
+def test_the_async_client_takes_ranges_through_shared_memory(
+    unix_server: Callable[..., tuple[ServerProcess, str]],
+) -> None:
+    server, target = unix_server("--shm-bytes", str(16 * MIB))
+
+    async def fetch() -> tuple[Any, Any]:
+        async with posenc.AsyncClient(target) as local:
+            copied = await local.get_range(0, ROWS, D_MODEL)
+            view = await local.get_range(0, ROWS, D_MODEL, copy=False)
+            return copied, view
+
+    copied, view = asyncio.run(fetch())
+    assert copied.flags.writeable and in_shared_memory(view)
+    with posenc.Client(server.target) as tcp:
+        expected = tcp.get_range(0, ROWS, D_MODEL)
+    assert np.array_equal(copied, expected) and np.array_equal(view, expected)
