@@ -1,7 +1,7 @@
 """Runs the suite: ``python -m bench [--quick]`` or ``python bench/run.py [--quick]``.
 
 Starts a posenc server and the raw floor server (same number of processes) on 127.0.0.1
-ephemeral ports, measures sections a-f, writes ``bench/results/latest.{md,json,png}`` and
+ephemeral ports, measures sections a-h, p and s, writes ``bench/results/latest.{md,json,png}`` and
 stops every process it started, whatever happens.
 """
 
@@ -21,7 +21,7 @@ if __package__ in (None, ""):  # run as a script: make `bench` importable
 from bench import procs
 from bench.common import REPO, Section, Sizes, cpu_ticks, load_average, machine, steal_share
 
-SECTIONS = "abcdefgps"
+SECTIONS = "abcdefghps"
 
 
 def _guarded(key: str, title: str, body: Callable[[], Section]) -> Section:
@@ -124,6 +124,16 @@ def main(argv: list[str] | None = None) -> int:
                     "g",
                     "Inference integration",
                     lambda: integrations.run(sizes, server.target, floor.target),
+                )
+            )
+        if "h" in wanted:  # its own server, on a unix socket
+            from bench import shared
+
+            sections.append(
+                _guarded(
+                    "h",
+                    "Same host: the unix socket and shared memory",
+                    lambda: shared.run(sizes, floor.target),
                 )
             )
         if "p" in wanted:  # its own servers of 1 and 2 processes

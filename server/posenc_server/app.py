@@ -253,7 +253,7 @@ def housekeeping(running: RunningServer, stop: threading.Event, prefaulted: int)
     (cold tables, the cache full) every new block then costs page faults again. So the heap
     is trimmed only when the process holds more than it accounts for: its size at start
     (``prefaulted`` bytes of it the space the cache fills first), the cache beyond that, the
-    bytes of calls in flight and ``_HEAP_SLACK_BYTES``.
+    bytes of calls in flight, the shared memory of the unix socket and ``_HEAP_SLACK_BYTES``.
     """
     service, budget = running.service, running.budget
     baseline = heap.resident_bytes()
@@ -269,6 +269,8 @@ def housekeeping(running: RunningServer, stop: threading.Event, prefaulted: int)
             if baseline is not None and resident is not None:
                 cache_beyond = max(cache.bytes - prefaulted, 0)
                 accounted = baseline + cache_beyond + budget.used + _HEAP_SLACK_BYTES
+                if running.shared is not None:  # its pages count once written
+                    accounted += running.shared.nbytes
                 if resident <= accounted:
                     continue  # the space freed is reused by the next blocks
             evictions, released = cache.evictions, budget.released
