@@ -283,9 +283,10 @@ def test_a_decode_loop_reads_ahead_and_then_takes_rows_from_its_cache() -> None:
 
     def step(position: int) -> np.ndarray[Any, Any]:
         result, _ = run(fake, c.get_positions([position], WIDTH, None, {}, -1, DEFAULT))
-        for ahead in fake.ahead:  # the client's background read-ahead, run to its end
-            rows, _ = run(fake, c.fetch_ahead(ahead))
-            c.finish_ahead(ahead, rows)
+        for job in fake.ahead:  # the client's background read-ahead, run to its end
+            for ahead in c.aheads(job):
+                rows, _ = run(fake, c.fetch_ahead(ahead))
+                c.finish_ahead(ahead, rows)
         fake.ahead.clear()
         return result  # type: ignore[no-any-return]
 

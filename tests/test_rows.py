@@ -487,6 +487,7 @@ def test_closing_an_async_client_with_a_read_ahead_in_flight_ends_it(
         client = posenc.AsyncClient(server.target)
         for step in range(34):  # the last step starts the next window in the background
             await client.get_positions([5_000 + step], D_MODEL)
+        await asyncio.sleep(0)  # the step's claim runs once the step has returned
         ahead = [t for t in asyncio.all_tasks() if t.get_name() == "posenc-read-ahead"]
         assert ahead
         await client.close()  # cancels the task

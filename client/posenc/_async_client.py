@@ -16,7 +16,7 @@ from posenc import _core as core
 from posenc._base import BaseClient
 from posenc._channel import Calls, Pool
 from posenc._core import Result, Slice, Stepper, Steps
-from posenc._rows import AheadFetch
+from posenc._rows import AheadClaim, AheadFetch
 from posenc.errors import ClientClosedError
 from posenc.types import ServerInfo
 
@@ -167,8 +167,12 @@ class AsyncClient(
     def _new_token(self) -> asyncio.Future[None]:
         return asyncio.get_running_loop().create_future()
 
-    def _read_ahead(self, ahead: AheadFetch) -> None:
-        """Start a task fetching ``ahead``."""
+    def _read_ahead(self, ahead: AheadFetch | AheadClaim) -> None:
+        """Start a task fetching ``ahead`` (a claim's fetches: claimed once the step that
+        called for them has returned)."""
+        if isinstance(ahead, AheadClaim):
+            asyncio.get_running_loop().call_soon(self._claim, ahead)
+            return
         if self._core.closed:
             self._core.finish_ahead(ahead, None)
             return
@@ -182,3 +186,8 @@ class AsyncClient(
             self._core.finish_ahead(ahead, None if failed else task.result())
 
         task.add_done_callback(landed)
+
+    def _claim(self, claim: AheadClaim) -> None:
+        if not self._core.closed:
+            for ahead in self._core.aheads(claim):
+                self._read_ahead(ahead)

@@ -30,6 +30,7 @@ from posenc._retry import DEFAULT_MAX_RETRIES, DEFAULT_RETRY_BACKOFF, DEFAULT_TI
 from posenc._rows import (
     DEFAULT_READAHEAD_BYTES,
     DEFAULT_ROW_CACHE_BYTES,
+    AheadClaim,
     AheadFetch,
     RowCache,
 )
@@ -450,7 +451,7 @@ class BaseClient(Generic[ArrayT, InfoT, StatusT, SlicesT]):
         """A future that a read-ahead completes, of the kind the client waits on."""
         raise NotImplementedError
 
-    def _read_ahead(self, ahead: AheadFetch) -> None:
+    def _read_ahead(self, ahead: AheadFetch | AheadClaim) -> None:
         """Starts ``ahead`` in the background (a thread, a task)."""
         raise NotImplementedError
 

@@ -17,7 +17,7 @@ from posenc import _core as core
 from posenc._base import BaseClient
 from posenc._channel import Calls, Pool
 from posenc._core import Result, Slice, Stepper, Steps
-from posenc._rows import AheadFetch
+from posenc._rows import AheadClaim, AheadFetch
 from posenc.errors import ClientClosedError
 from posenc.types import ServerInfo
 
@@ -33,20 +33,23 @@ def _affinity(table: int | None) -> int | None:
     return None if table is None else hash((table, threading.get_ident()))
 
 
-def _run_ahead(client_ref: weakref.ref[Client], work: queue.SimpleQueue[AheadFetch | None]) -> None:
+def _run_ahead(
+    client_ref: weakref.ref[Client], work: queue.SimpleQueue[AheadFetch | AheadClaim | None]
+) -> None:
     """The read-ahead thread of a client: background fetches, one at a time, until the
     client closes or is collected. A daemon, so that it never holds up interpreter exit."""
-    while (ahead := work.get()) is not None:
+    while (job := work.get()) is not None:
         client = client_ref()
         if client is None:
             return
-        rows = None
-        try:
-            rows = client._run(client._core.fetch_ahead(ahead))
-        except Exception:
-            pass  # the channel closed under it: the caller's own call reports that
-        finally:
-            client._core.finish_ahead(ahead, rows)
+        for ahead in client._core.aheads(job):
+            rows = None
+            try:
+                rows = client._run(client._core.fetch_ahead(ahead))
+            except Exception:
+                pass  # the channel closed under it: the caller's own call reports that
+            finally:
+                client._core.finish_ahead(ahead, rows)
         del client
 
 
@@ -68,7 +71,7 @@ class Client(BaseClient[Result, ServerInfo, str, Iterator[Slice]]):
     """
 
     def _setup(self) -> None:
-        self._ahead_queue: queue.SimpleQueue[AheadFetch | None] = queue.SimpleQueue()
+        self._ahead_queue: queue.SimpleQueue[AheadFetch | AheadClaim | None] = queue.SimpleQueue()
         self._ahead_thread: threading.Thread | None = None
         self._ahead_lock = threading.Lock()
         settings = self._core.settings
@@ -167,11 +170,12 @@ class Client(BaseClient[Result, ServerInfo, str, Iterator[Slice]]):
     def _new_token(self) -> futures.Future[None]:
         return futures.Future()
 
-    def _read_ahead(self, ahead: AheadFetch) -> None:
+    def _read_ahead(self, ahead: AheadFetch | AheadClaim) -> None:
         """Queue ``ahead`` for the read-ahead thread, started at the first one."""
         with self._ahead_lock:  # close() takes it too: nothing is queued after its end mark
             if self._core.closed:
-                self._core.finish_ahead(ahead, None)
+                if isinstance(ahead, AheadFetch):
+                    self._core.finish_ahead(ahead, None)
                 return
             if self._ahead_thread is None:
                 # The thread holds the client weakly: a client dropped without close() is

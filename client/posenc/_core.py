@@ -46,6 +46,7 @@ from posenc._retry import (
 )
 from posenc._rows import (
     MAX_CACHED_CALL_ROWS,
+    AheadClaim,
     AheadFetch,
     Pending,
     RowCache,
@@ -144,10 +145,10 @@ class Deliver:
 
 @dataclass(frozen=True, slots=True)
 class ReadAhead:
-    """Run :meth:`Core.fetch_ahead` for ``ahead`` in the background (a thread, a task),
-    then :meth:`Core.finish_ahead`."""
+    """In the background (a thread, a task): for each fetch of :meth:`Core.aheads` of
+    ``ahead``, run :meth:`Core.fetch_ahead`, then :meth:`Core.finish_ahead`."""
 
-    ahead: AheadFetch
+    ahead: AheadFetch | AheadClaim
 
 
 @dataclass(frozen=True, slots=True)
@@ -497,6 +498,13 @@ class Core:
             return []  # coordinates bypass the row cache
         return self.rows.claim_prefetch(query, self._new_token)
 
+    def aheads(self, job: AheadFetch | AheadClaim) -> list[AheadFetch]:
+        """The fetches of a read-ahead job: itself, or those a decode step's claim calls for
+        (claimed here, in the background: the step did not wait for the claim)."""
+        if isinstance(job, AheadFetch):
+            return [job]
+        return self.rows.claim_ahead(job.query, self._new_token)
+
     def fetch_ahead(self, ahead: AheadFetch) -> Steps[Rows | None]:
         """The steps of a background read-ahead: its rows, or None when it failed."""
         budget = self.budget(DEFAULT, retry=False)
@@ -511,7 +519,8 @@ class Core:
         """A read-ahead ended (``rows`` None: it failed, or never ran): its rows join the
         cache, and whoever waits for its token is woken."""
         self.rows.finish_ahead(ahead, rows)
-        ahead.token.set_result(None)
+        if not ahead.token.done():
+            ahead.token.set_result(None)
 
     # -- the steps
 
@@ -687,8 +696,9 @@ class Core:
                 query.check_size(query.columns)
             plan = self.rows.plan(query, wait=False)
         rows = yield from self._rows_of(query, plan, budget)
-        for ahead in self.rows.claim_ahead(query, self._new_token):
-            yield ReadAhead(ahead)
+        if self.rows.cacheable(query):
+            # What to fetch next is worked out in the background: not on the step's path.
+            yield ReadAhead(AheadClaim(query))
         return rows
 
     def _rows_of(

@@ -92,6 +92,15 @@ class AheadFetch:
     token: Any
 
 
+@dataclass(frozen=True, eq=False)
+class AheadClaim:
+    """The background fetches a decode step calls for (:meth:`RowCache.claim_ahead` of
+    ``query``), claimed off the caller's path: by the client's read-ahead thread or task,
+    once the step has returned."""
+
+    query: Query
+
+
 class RowCache:
     """Read-ahead rows of ``get_positions`` calls by (spec, position), least recently used
     evicted first, within ``budget_bytes``. Thread-safe; it never calls the server."""
@@ -133,6 +142,11 @@ class RowCache:
             and self.readahead_bytes > 0
             and self.budget_bytes > 0
         )
+
+    def cacheable(self, query: Query) -> bool:
+        """Whether ``query`` is a decode step whose rows the cache may hold (and so read
+        ahead of)."""
+        return self._cacheable(query)
 
     def _cacheable(self, query: Query) -> bool:
         return (
