@@ -593,13 +593,15 @@ class Core:
                     query.check_size(tables[0].shape[1])  # the whole, once the width is told
             return np.concatenate(tables)
         unary_max = self.settings.unary_max_bytes if unary_max_bytes is None else unary_max_bytes
+        too_large = False  # for a response: the server said so
         if self.settings.shared_memory is not None and query.positions is None and query.rows > 0:
             shared = yield from self._shared(query, budget)
-            if shared is not None:
+            if not isinstance(shared, bool):
                 return shared
+            too_large = shared
         # A width not known yet counts as one column.
         size = query.rows * (query.columns or 1) * query.dtype.itemsize
-        if query.rows <= 0 or size <= unary_max:
+        if not too_large and (query.rows <= 0 or size <= unary_max):
             try:
                 request = unary_request(query)
                 tensor = yield from self._call("get_encoding", request, budget, _affinity(query))
@@ -614,14 +616,15 @@ class Core:
         yield from self._stream(cursor, budget)
         return cursor.result()
 
-    def _shared(self, query: Query, budget: CallBudget) -> Steps[Rows | None]:
+    def _shared(self, query: Query, budget: CallBudget) -> Steps[Rows | bool]:
         """A range through the server's shared memory (a ``unix:`` target): one GetEncoding
         call, whose rows the server places in its memory (or, when small or when they do
-        not fit there now, sends in the response). None when the session is out of reach,
-        or the rows are too large for a response: the call then streams them."""
+        not fit there now, sends in the response). False when the session is out of reach
+        (the call goes on as over TCP); True when the server could not place the rows and
+        they are too large for a response (the call streams them)."""
         token = yield ShareSession()
         if token is None:
-            return None
+            return False
         request = unary_request(query)
         request.shared_memory_session = token
         try:
@@ -629,7 +632,7 @@ class Core:
                 "get_encoding_shared", request, budget, _affinity(query)
             )
         except ResourceExhaustedError:
-            return None  # not placed, and over the unary limit
+            return True  # not placed, and over the unary limit
         if isinstance(response, TensorView):
             rows = decode_unary(response, query)
         else:

@@ -172,6 +172,8 @@ class RunningServer:
             self.call(self.private.stop(0))
         if self.regions is not None:
             self.regions.close()
+        if self.shared is not None:
+            self.shared.close()
         if self.config.unix_socket:
             with contextlib.suppress(OSError):
                 os.unlink(self.config.unix_socket)

@@ -253,7 +253,10 @@ class SharedPool:
         self._free = merged
 
     def close(self) -> None:
-        self._map.close()
+        """Gives the pool back (peers' maps keep their pages); a fill still running keeps
+        the map until it ends."""
+        with contextlib.suppress(BufferError):
+            self._map.close()
         os.close(self._fd)
         os.close(self.read_only_fd)
 
