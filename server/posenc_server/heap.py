@@ -32,6 +32,8 @@ _MADV_POPULATE_WRITE: Final = 23
 #: Allocations from this size on are maps of their own; below it (every block and message),
 #: from the heap. glibc's own ceiling for its adaptive threshold on 64-bit systems.
 MMAP_THRESHOLD: Final = 32 << 20
+# mallopt takes a C int (ctypes would pass a larger value wrapped around).
+_MAX_C_INT: Final = (1 << 31) - 1
 # Faulted in a piece at a time: pieces under the threshold, so from the heap.
 _PIECE_BYTES: Final = 1 << 20
 PAGE_BYTES: Final = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
@@ -75,7 +77,7 @@ def prefault(nbytes: int) -> int:
     if libc is None or nbytes < _PIECE_BYTES:
         return 0
     libc.mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD)
-    libc.mallopt(_M_TRIM_THRESHOLD, nbytes + MMAP_THRESHOLD)
+    libc.mallopt(_M_TRIM_THRESHOLD, min(nbytes + MMAP_THRESHOLD, _MAX_C_INT))
     malloc, free, madvise = libc.malloc, libc.free, libc.madvise
     malloc.restype, malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
     free.argtypes = [ctypes.c_void_p]
