@@ -29,9 +29,8 @@ from conftest import ServerProcess, wait_until
 from test_operations import metric, metrics_port, scrape
 
 import posenc
-from posenc_protocol import wire
+from posenc_protocol import regions, wire
 from posenc_protocol.v1 import posenc_pb2 as pb
-from posenc_protocol.v1 import posenc_pb2_grpc
 
 MIB = 1 << 20
 SERVE = (sys.executable, "-m", "posenc_server", "--port", "0", "--metrics-port", "-1")
@@ -57,10 +56,6 @@ def unix_server(
 def bits(rows: Any) -> Any:
     rows = np.ascontiguousarray(rows)
     return rows.view(f"u{rows.dtype.itemsize}")
-
-
-def shared(samples: dict, name: str) -> float:  # type: ignore[type-arg]
-    return metric(samples, name)
 
 
 def in_shared_memory(rows: Any) -> bool:
@@ -96,13 +91,13 @@ def test_ranges_over_the_unix_socket_are_the_servers_rows(
             np.concatenate([rows for _, rows in slices]), tcp.get_range(0, 3000, D_MODEL)
         )
         # The server publishes its metrics five times a second.
-        wait_until(lambda: shared(scrape(port), "posenc_shm_sessions") == 1, "one session")
+        wait_until(lambda: metric(scrape(port), "posenc_shm_sessions") == 1, "one session")
         leased = view.nbytes  # the view's lease
-        wait_until(lambda: shared(scrape(port), "posenc_shm_leased_bytes") == leased, "leased")
+        wait_until(lambda: metric(scrape(port), "posenc_shm_leased_bytes") == leased, "leased")
         del view
         gc.collect()
-        wait_until(lambda: shared(scrape(port), "posenc_shm_leased_bytes") == 0, "lease ended")
-    wait_until(lambda: shared(scrape(port), "posenc_shm_sessions") == 0, "session closed")
+        wait_until(lambda: metric(scrape(port), "posenc_shm_leased_bytes") == 0, "lease ended")
+    wait_until(lambda: metric(scrape(port), "posenc_shm_sessions") == 0, "session closed")
 
 
 def test_processes_holding_the_same_range_share_one_copy(
@@ -115,9 +110,9 @@ def test_processes_holding_the_same_range_share_one_copy(
         views = [c.get_range(0, 4 * ROWS, D_MODEL, copy=False) for c in clients]
         assert all(np.array_equal(v, views[0]) for v in views)
         # Three sessions, one region: its bytes leased once.
-        wait_until(lambda: shared(scrape(port), "posenc_shm_sessions") == 3, "three sessions")
+        wait_until(lambda: metric(scrape(port), "posenc_shm_sessions") == 3, "three sessions")
         leased = views[0].nbytes
-        wait_until(lambda: shared(scrape(port), "posenc_shm_leased_bytes") == leased, "leased")
+        wait_until(lambda: metric(scrape(port), "posenc_shm_leased_bytes") == leased, "leased")
     finally:
         for c in clients:
             c.close()
@@ -128,9 +123,9 @@ def _session(path: str) -> tuple[socket.socket, bytes, int]:
     connection = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     connection.connect(path)
     message, ancillary, _, _ = connection.recvmsg(64, socket.CMSG_SPACE(4))
-    assert message.startswith(b"posenc-shm/1") and len(ancillary) == 1
-    token = message[12:28]
-    return connection, token, struct.unpack("i", ancillary[0][2][:4])[0]
+    hello = regions.parse_hello(message)
+    assert hello is not None and len(ancillary) == 1
+    return connection, hello[0], struct.unpack("i", ancillary[0][2][:4])[0]
 
 
 def test_a_session_that_never_releases_fills_only_the_pool(
@@ -152,7 +147,6 @@ def test_a_session_that_never_releases_fills_only_the_pool(
     with pytest.raises(OSError):
         mmap.mmap(fd, MIB, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
     channel = grpc.insecure_channel(target)
-    stub = posenc_pb2_grpc.PositionalEncodingServiceStub(channel)
     get = channel.unary_unary(
         "/posenc.v1.PositionalEncodingService/GetEncoding",
         request_serializer=pb.GetEncodingRequest.SerializeToString,
@@ -167,18 +161,17 @@ def test_a_session_that_never_releases_fills_only_the_pool(
         )
         placed += isinstance(get(request, timeout=30), wire.SharedView)
     assert placed == pool // (ROWS * D_MODEL * 4)  # then the rows came in responses
-    wait_until(lambda: shared(scrape(port), "posenc_shm_leased_bytes") == pool, "pool leased")
+    wait_until(lambda: metric(scrape(port), "posenc_shm_leased_bytes") == pool, "pool leased")
     with posenc.Client(target) as other, posenc.Client(server.target) as tcp:
         rows = other.get_range(0, 3 * ROWS, D_MODEL, copy=False)
         assert not in_shared_memory(rows)  # no room: in the response, as without a pool
         assert np.array_equal(rows, tcp.get_range(0, 3 * ROWS, D_MODEL))
         hostile.close()  # the peer goes away: its leases end
-        wait_until(lambda: shared(scrape(port), "posenc_shm_leased_bytes") == 0, "released")
+        wait_until(lambda: metric(scrape(port), "posenc_shm_leased_bytes") == 0, "released")
         again = other.get_range(0, 3 * ROWS, D_MODEL, copy=False)
         assert in_shared_memory(again) and np.array_equal(again, rows)
     os.close(fd)
     channel.close()
-    del stub
 
 
 def test_a_view_outlives_its_client_and_its_server(

@@ -146,9 +146,6 @@ class RowCache:
     def cacheable(self, query: Query) -> bool:
         """Whether ``query`` is a decode step whose rows the cache may hold (and so read
         ahead of)."""
-        return self._cacheable(query)
-
-    def _cacheable(self, query: Query) -> bool:
         return (
             self._steps(query)
             and bool(query.row_bytes)  # the width is known (and not 0, the server's error)
@@ -175,7 +172,7 @@ class RowCache:
                 tokens = {in_flight[p] for p in wanted if p not in index and p in in_flight}
                 if tokens:
                     return Pending(tuple(tokens))
-            if not self._cacheable(query):
+            if not self.cacheable(query):
                 if query.columns is None:
                     # The first call of a spec (its width still unknown) goes out as
                     # asked, but counts as a step: the next one may read ahead.
@@ -196,7 +193,7 @@ class RowCache:
             self._add_recent(recent, wanted)
         ahead = 1
         if advancing.any():
-            assert query.row_bytes is not None  # _cacheable
+            assert query.row_bytes is not None  # cacheable
             fit = self.readahead_bytes // (int(advancing.sum()) * query.row_bytes)
             ahead = min(MAX_READAHEAD_ROWS, fit)
         if missing and ahead < 2:
@@ -237,7 +234,7 @@ class RowCache:
         a fetch: a fetch that takes longer than the model's time between two steps (a
         busy server, a block to compute) delays no step.
         """
-        if not self._cacheable(query):
+        if not self.cacheable(query):
             return []
         assert query.positions is not None
         key = query.spec_key
@@ -252,7 +249,7 @@ class RowCache:
             ]
             if not moving:
                 return []
-            assert query.row_bytes is not None  # _cacheable
+            assert query.row_bytes is not None  # cacheable
             window = max(
                 1, min(MAX_READAHEAD_ROWS, self.readahead_bytes // (len(moving) * query.row_bytes))
             )

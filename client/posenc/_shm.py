@@ -19,18 +19,13 @@ import socket
 import struct
 import threading
 import weakref
-from typing import Any, Final
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 
+from posenc_protocol import regions
 from posenc_protocol.wire import SharedView
-
-# The server's hello (posenc_server.shm): a tag, a 16-byte token, the pool's size.
-_HELLO: Final = b"posenc-shm/1"
-_TOKEN_BYTES: Final = 16
-_HELLO_BYTES: Final = len(_HELLO) + _TOKEN_BYTES + 8
-_RELEASE: Final = b"R"
 
 
 def region_socket(target: str) -> str | None:
@@ -50,7 +45,7 @@ class Session:
         try:
             self._socket.connect(path)
             message, ancillary, _, _ = self._socket.recvmsg(
-                _HELLO_BYTES, socket.CMSG_SPACE(struct.calcsize("i"))
+                regions.HELLO_BYTES, socket.CMSG_SPACE(struct.calcsize("i"))
             )
         except OSError:
             self._socket.close()
@@ -60,14 +55,14 @@ class Session:
             for level, kind, data in ancillary
             if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS
         ]
-        if len(message) != _HELLO_BYTES or not message.startswith(_HELLO) or len(fds) != 1:
+        hello = regions.parse_hello(message)
+        if hello is None or len(fds) != 1:
             for fd in fds:
                 socket.close(fd)
             self._socket.close()
             raise OSError(f"{path} is not a posenc region socket (or refused this process)")
         self._socket.settimeout(None)
-        self.token = message[len(_HELLO) : len(_HELLO) + _TOKEN_BYTES]
-        self.size = int.from_bytes(message[-8:], "little")
+        self.token, self.size = hello
         self._fd = fds[0]
         self._pool = mmap.mmap(self._fd, self.size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
         # Reentrant: a view's finalizer may run in a collection while this thread holds it.
@@ -80,10 +75,7 @@ class Session:
         """The rows ``shared`` says the server placed, mapped read-only: their lease ends
         when the last array using the map is collected."""
         nbytes = shared.rows * shared.columns * dtype.itemsize
-        if shared.offset % mmap.PAGESIZE or shared.offset + nbytes > self.size or not nbytes:
-            raise ValueError(
-                f"the server placed {nbytes} bytes at {shared.offset}: not in its memory"
-            )
+        self._check(shared, nbytes)
         # MAP_POPULATE: the pages, already the server's, are mapped in one go instead of
         # one fault at a time as the rows are read.
         region = mmap.mmap(
@@ -104,10 +96,7 @@ class Session:
         pages stay mapped from one call to the next: a range asked for again costs one
         copy, without a page fault."""
         nbytes = out.nbytes
-        if shared.offset + nbytes > self.size:
-            raise ValueError(
-                f"the server placed {nbytes} bytes at {shared.offset}: not in its memory"
-            )
+        self._check(shared, nbytes)
         try:
             source = np.frombuffer(self._pool, np.uint8, nbytes, shared.offset)
             np.copyto(out.reshape(-1).view(np.uint8), source)
@@ -115,6 +104,13 @@ class Session:
         finally:
             with self._lock:
                 self._send_release(shared.lease)
+
+    def _check(self, shared: SharedView, nbytes: int) -> None:
+        """ValueError unless ``shared`` places ``nbytes`` at a page of the pool, within it."""
+        if shared.offset % mmap.PAGESIZE or not 0 < shared.offset + nbytes <= self.size:
+            raise ValueError(
+                f"the server placed {nbytes} bytes at {shared.offset}: not in its memory"
+            )
 
     def _release(self, lease: int) -> None:
         """A view's map was collected: its lease ends (and the session, if it was closed
@@ -129,7 +125,7 @@ class Session:
         if self._closed:
             return
         with contextlib.suppress(OSError):  # the server is gone: so is the lease
-            self._socket.send(_RELEASE + lease.to_bytes(8, "little"))
+            self._socket.send(regions.release([lease]))
 
     def alive(self) -> bool:
         """Whether the server still holds the session (it closes the socket when it stops)."""

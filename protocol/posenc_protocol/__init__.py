@@ -2,6 +2,8 @@
 
 ``posenc_protocol.v1`` holds the stubs generated from ``proto/posenc/v1/posenc.proto`` (the
 proto package ``posenc.v1``); :mod:`posenc_protocol.wire` encodes and decodes a response's
-payload; :mod:`posenc_protocol.numbers` reads integers as people type them. It imports
+payload; :mod:`posenc_protocol.regions` writes and reads the messages of a server's region
+socket (shared memory for clients on its machine); :mod:`posenc_protocol.numbers` reads
+integers as people type them. It imports
 neither the SDK nor the server: both import it.
 """

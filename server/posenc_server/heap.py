@@ -10,8 +10,8 @@ budget:
   back the free space at the heap's top on its own (:func:`prefault`): ``app.housekeeping``
   decides when to trim, by what the process accounts for;
 - the cache's budget is faulted in before the server reports SERVING (:func:`prefault`): a
-  fresh server's first calls fill the cache, and fresh pages cost a fault each, which made
-  its first two 256 MiB cold calls take half again the time of the later ones.
+  fresh server's first calls fill the cache, and on fresh pages each page costs a fault,
+  while later calls reuse the pages of evicted blocks.
 
 Elsewhere (another C library, another system) these are no-ops.
 """

@@ -42,20 +42,13 @@ from typing import Any, Final
 import numpy as np
 import numpy.typing as npt
 
+from posenc_protocol import regions
 from posenc_server import metrics
 
 log = logging.getLogger("posenc_server")
 
-#: What a region socket's hello starts with; then the 16-byte session token, the pool's
-#: size (8 bytes, little-endian), and the pool's descriptor beside it (``SCM_RIGHTS``).
-HELLO: Final = b"posenc-shm/1"
-#: A release: this byte, then one or more 8-byte little-endian lease numbers.
-RELEASE: Final = b"R"
-TOKEN_BYTES: Final = 16
 MAX_SESSIONS: Final = 256
 MAX_LEASES: Final = 4096
-# The largest message a session sends: a release of this many leases at once.
-_MAX_MESSAGE: Final = 1 + 8 * 512
 _PAGE: Final = mmap.PAGESIZE
 _PEERCRED: Final = struct.Struct("3i")  # pid, uid, gid
 
@@ -78,7 +71,6 @@ class _Session:
     """An admitted peer's session: its leases, by number."""
 
     token: bytes
-    peer: tuple[int, int, int]  # pid, uid, gid
     leases: dict[int, _Region] = field(default_factory=dict)
     next_lease: int = 1
 
@@ -110,13 +102,13 @@ class SharedPool:
 
     # -- sessions
 
-    def open_session(self, peer: tuple[int, int, int]) -> bytes | None:
+    def open_session(self) -> bytes | None:
         """A new session's token, or None when ``MAX_SESSIONS`` are open."""
         with self._lock:
             if len(self._sessions) >= MAX_SESSIONS:
                 return None
-            token = secrets.token_bytes(TOKEN_BYTES)
-            self._sessions[token] = _Session(token, peer)
+            token = secrets.token_bytes(regions.TOKEN_BYTES)
+            self._sessions[token] = _Session(token)
             return token
 
     def close_session(self, token: bytes) -> None:
@@ -190,10 +182,6 @@ class SharedPool:
                 self.release(token, (lease,))
                 return None
         return region.offset, lease
-
-    def view(self, offset: int, nbytes: int) -> memoryview:
-        """The pool's bytes at ``offset`` (tests and diagnostics read them here)."""
-        return memoryview(self._map)[offset : offset + nbytes]
 
     def _release_locked(self, session: _Session, lease: int) -> None:
         region = session.leases.pop(lease, None)
@@ -316,7 +304,7 @@ class RegionServer:
             )
             connection.close()
             return
-        token = self._pool.open_session(peer)
+        token = self._pool.open_session()
         if token is None:
             metrics.SHM_REFUSED.inc()
             log.warning("region socket: refused a peer: %d sessions open", MAX_SESSIONS)
@@ -324,7 +312,7 @@ class RegionServer:
             return
         try:
             connection.sendmsg(
-                [HELLO + token + struct.pack("<Q", self._pool.nbytes)],
+                [regions.hello(token, self._pool.nbytes)],
                 [
                     (
                         socket.SOL_SOCKET,
@@ -342,19 +330,19 @@ class RegionServer:
 
     def _read(self, connection: socket.socket, token: bytes) -> None:
         try:
-            message = connection.recv(_MAX_MESSAGE)
+            message = connection.recv(regions.MAX_RELEASE_BYTES)
         except BlockingIOError:
             return
         except OSError:
             message = b""
-        count, rest = divmod(len(message) - 1, 8)
-        if not message or message[:1] != RELEASE or rest or not count:
+        leases = regions.parse_release(message)
+        if leases is None:
             # The peer went away, or sent what no client sends: its session ends.
             self._selector.unregister(connection)
             connection.close()
             self._pool.close_session(token)
             return
-        self._pool.release(token, struct.unpack(f"<{count}Q", message[1:]))
+        self._pool.release(token, leases)
 
 
 def remove_stale_socket(path: str) -> None:
@@ -370,9 +358,7 @@ def remove_stale_socket(path: str) -> None:
         with socket.socket(socket.AF_UNIX, kind) as probe:
             try:
                 probe.connect(path)
-            except (ConnectionRefusedError, FileNotFoundError):
-                continue
-            except OSError:
+            except OSError:  # refused (nobody listens), or not this kind of socket
                 continue
             raise OSError(f"{path}: another server listens there")
     with contextlib.suppress(FileNotFoundError):
