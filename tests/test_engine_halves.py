@@ -46,8 +46,8 @@ def _kernel_rows(values: np.ndarray[Any, np.dtype[np.float64]], stored: int, gat
     count = -(-values.size // pairs)
     padded = np.zeros(count * pairs)
     padded[: values.size] = values
-    bases = padded.reshape(count, pairs).astype(np.complex128)
-    rotations = np.full((1, pairs), 1j)
+    bases = np.stack([padded.reshape(count, pairs), np.zeros((count, pairs))], axis=1)
+    rotations = np.stack([np.zeros((1, pairs)), np.ones((1, pairs))], axis=1)
     columns = np.arange(2 * pairs, dtype=np.int64)
     if gathered:  # the sin columns first: not the straight layout
         columns = np.concatenate([columns[0::2], columns[1::2]])

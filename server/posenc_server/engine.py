@@ -50,6 +50,9 @@ from posenc_server.numerics import STORE_BFLOAT16, STORE_FLOAT16, STORE_VALUES, 
 Float64Array = npt.NDArray[np.float64]
 Int64Array = npt.NDArray[np.int64]
 ComplexRows = npt.NDArray[np.complex128]
+Planes = npt.NDArray[np.float64]
+"""Rows of ``v`` as the kernel takes them: ``[n, 2, count]``, each row's sines then its
+cosines."""
 Rows = npt.NDArray[np.generic]
 
 
@@ -84,7 +87,7 @@ products of the widest table, far under the 2**-97 that position 2**42 needs."""
 # Rows per block: 64 amortize a block's extended-precision angle (some 60 float64 operations
 # an element) over its rows' rotations (6). Narrow tables take longer blocks, so that a block
 # holds at least _BLOCK_ENTRIES entries (a rotary table of head_dim 128: 256 rows, its
-# rotation table 256 KiB); wide ones shorter, so that the rotation table (a complex128 per
+# rotation table 256 KiB); wide ones shorter, so that the rotation table (16 bytes an
 # entry) stays within _ROTATION_ENTRIES (2 MiB).
 _BLOCK_ROWS: Final = 64
 _BLOCK_ENTRIES: Final = 1 << 14
@@ -169,7 +172,7 @@ class Waves:
     """Exact frequencies, as the block rotation needs them.
 
     ``hi + lo`` is ``inv_freq / 2pi`` in double-double. Rows are ``v(p) = sin(p w) +
-    i cos(p w)``, as complex128. A position ``p`` is its aligned block base ``b = p - j``
+    i cos(p w)``, as ``Planes``. A position ``p`` is its aligned block base ``b = p - j``
     (``j = p % block``) rotated back by ``j``: ``v(b + j) = v(b) * conj(u(j))`` with
     ``conj(u(j)) = cos(j w) - i sin(j w)``, both factors through the extended-precision
     angle, each within about 2**-53 of exact (``kernel.rotate_into`` multiplies them). Every
@@ -201,12 +204,10 @@ class Waves:
             array.flags.writeable = False
         # The rotation table (``v(j)`` for every row ``j`` of a block), made when a range
         # first needs it: a new spec's first rows (a decode step's few) need only their own.
-        self._rotation: ComplexRows | None = None
+        self._rotation: Planes | None = None
         self._rotation_lock = threading.Lock()
 
-    def factors(
-        self, positions: Int64Array
-    ) -> tuple[ComplexRows, Int64Array, ComplexRows, Int64Array]:
+    def factors(self, positions: Int64Array) -> tuple[Planes, Int64Array, Planes, Int64Array]:
         """The two factors of each position's row, as ``kernel.rotate_into`` takes them:
         block bases and the index of each position's, rotations and each position's."""
         offsets = positions % self.block
@@ -223,7 +224,7 @@ class Waves:
         rows make), rather than by rotations made for them alone (see ``factors``)."""
         return self._rotation is not None or rows > _FEW_ROTATIONS
 
-    def rotation_table(self) -> ComplexRows:
+    def rotation_table(self) -> Planes:
         """``v(j)`` for every row ``j < block`` of a block (made once, on first use)."""
         table = self._rotation
         if table is None:
@@ -233,9 +234,9 @@ class Waves:
                 table = self._rotation
         return table
 
-    def bases(self, positions: Int64Array) -> npt.NDArray[np.complex128]:
+    def bases(self, positions: Int64Array) -> Planes:
         """``v(p)`` for each position, through the extended-precision angle."""
-        out = np.empty((positions.size, self.count), dtype=np.complex128)
+        out = np.empty((positions.size, 2, self.count), dtype=np.float64)
         _kernels().angles_into(positions.astype(np.int64, copy=False), self.hi, self.lo, out)
         return out
 

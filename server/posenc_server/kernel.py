@@ -62,9 +62,9 @@ def _helper(function: _G) -> _G:
 
 @_compiled
 def rotate_into(
-    bases: npt.NDArray[np.complex128],
+    bases: npt.NDArray[np.float64],
     base_index: npt.NDArray[np.int64],
-    rotations: npt.NDArray[np.complex128],
+    rotations: npt.NDArray[np.float64],
     rotation_index: npt.NDArray[np.int64],
     columns: npt.NDArray[np.int64],
     amplitude: float,
@@ -72,7 +72,9 @@ def rotate_into(
 ) -> None:
     """``out[r]`` = the columns of ``v(b) * conj(u(j)) * amplitude``, with ``v(b)`` =
     ``bases[base_index[r]]`` and ``v(j)`` = ``rotations[rotation_index[r]]`` (rows of
-    ``sin + i cos``), for every row ``r`` of ``out``, cast to ``out``'s float32 or float64.
+    ``sin + i cos`` as planes: ``[2, count]`` float64, the sines then the cosines, which a
+    loop reads without shuffling pairs apart), for every row ``r`` of ``out``, cast to
+    ``out``'s float32 or float64.
     ``rotate_into_bfloat16`` and ``rotate_into_float16`` round them to that format instead,
     whose bits a uint16 ``out`` holds: each format a function of its own, so that numba
     compiles each one's loops only for the arrays it is given.
@@ -86,9 +88,9 @@ def rotate_into(
 
 @_compiled
 def rotate_into_bfloat16(
-    bases: npt.NDArray[np.complex128],
+    bases: npt.NDArray[np.float64],
     base_index: npt.NDArray[np.int64],
-    rotations: npt.NDArray[np.complex128],
+    rotations: npt.NDArray[np.float64],
     rotation_index: npt.NDArray[np.int64],
     columns: npt.NDArray[np.int64],
     amplitude: float,
@@ -100,9 +102,9 @@ def rotate_into_bfloat16(
 
 @_compiled
 def rotate_into_float16(
-    bases: npt.NDArray[np.complex128],
+    bases: npt.NDArray[np.float64],
     base_index: npt.NDArray[np.int64],
-    rotations: npt.NDArray[np.complex128],
+    rotations: npt.NDArray[np.float64],
     rotation_index: npt.NDArray[np.int64],
     columns: npt.NDArray[np.int64],
     amplitude: float,
@@ -114,9 +116,9 @@ def rotate_into_float16(
 
 @numba.njit(inline="always")
 def _rotate_rows(
-    bases: npt.NDArray[np.complex128],
+    bases: npt.NDArray[np.float64],
     base_index: npt.NDArray[np.int64],
-    rotations: npt.NDArray[np.complex128],
+    rotations: npt.NDArray[np.float64],
     rotation_index: npt.NDArray[np.int64],
     columns: npt.NDArray[np.int64],
     amplitude: float,
@@ -124,7 +126,7 @@ def _rotate_rows(
     stored: int,
 ) -> None:
     """``rotate_into`` in the format ``stored`` (a constant where it is inlined)."""
-    row = np.zeros(2 * bases.shape[1] + 1)  # the last value stays 0: the zero columns'
+    row = np.zeros(2 * bases.shape[2] + 1)  # the last value stays 0: the zero columns'
     halves = np.zeros(row.size, dtype=np.uint16)
     straight = _straight(columns)
     for r in range(out.shape[0]):
@@ -137,7 +139,7 @@ def range_into(
     first: int,
     freq_hi: npt.NDArray[np.float64],
     freq_lo: npt.NDArray[np.float64],
-    rotations: npt.NDArray[np.complex128],
+    rotations: npt.NDArray[np.float64],
     columns: npt.NDArray[np.int64],
     amplitude: float,
     out: npt.NDArray[np.generic],
@@ -155,7 +157,7 @@ def range_into_bfloat16(
     first: int,
     freq_hi: npt.NDArray[np.float64],
     freq_lo: npt.NDArray[np.float64],
-    rotations: npt.NDArray[np.complex128],
+    rotations: npt.NDArray[np.float64],
     columns: npt.NDArray[np.int64],
     amplitude: float,
     out: npt.NDArray[np.generic],
@@ -169,7 +171,7 @@ def range_into_float16(
     first: int,
     freq_hi: npt.NDArray[np.float64],
     freq_lo: npt.NDArray[np.float64],
-    rotations: npt.NDArray[np.complex128],
+    rotations: npt.NDArray[np.float64],
     columns: npt.NDArray[np.int64],
     amplitude: float,
     out: npt.NDArray[np.generic],
@@ -183,7 +185,7 @@ def _range_rows(
     first: int,
     freq_hi: npt.NDArray[np.float64],
     freq_lo: npt.NDArray[np.float64],
-    rotations: npt.NDArray[np.complex128],
+    rotations: npt.NDArray[np.float64],
     columns: npt.NDArray[np.int64],
     amplitude: float,
     out: npt.NDArray[np.generic],
@@ -193,7 +195,7 @@ def _range_rows(
     block = rotations.shape[0]
     row = np.zeros(2 * freq_hi.size + 1)
     halves = np.zeros(row.size, dtype=np.uint16)
-    base = np.empty((1, freq_hi.size), dtype=np.complex128)
+    base = np.empty((1, 2, freq_hi.size))
     position = np.empty(1, dtype=np.int64)
     straight = _straight(columns)
     for r in range(out.shape[0]):
@@ -217,8 +219,8 @@ def _straight(columns: npt.NDArray[np.int64]) -> bool:
 
 @numba.njit(inline="always")
 def _write_row(
-    base: npt.NDArray[np.complex128],
-    rotation: npt.NDArray[np.complex128],
+    base: npt.NDArray[np.float64],
+    rotation: npt.NDArray[np.float64],
     columns: npt.NDArray[np.int64],
     amplitude: float,
     out: npt.NDArray[np.generic],
@@ -230,18 +232,17 @@ def _write_row(
     """One row of ``rotate_into``: ``out``'s columns of ``v(b) * conj(u(j)) * amplitude``,
     stored as ``stored`` says, through the scratch ``row`` (and, rounded, ``halves``)
     unless ``straight``. Each format has a loop of its own, which runs in vector
-    instructions: the base and the rotation are read as float64 pairs (complex elements
-    keep the loop scalar)."""
+    instructions: the factors' planes are read as four arrays, one value of each a pair."""
+    factors = (base[0], base[1], rotation[0], rotation[1])
     if straight:
-        pairs, turns = base.view(np.float64), rotation.view(np.float64)
         if stored == BFLOAT16:
-            _bfloat16_columns(pairs, turns, amplitude, out)
+            _bfloat16_columns(factors, amplitude, out)
         elif stored == FLOAT16:
-            _float16_columns(pairs, turns, amplitude, out)
+            _float16_columns(factors, amplitude, out)
         else:
-            _value_columns(pairs, turns, amplitude, out)
+            _value_columns(factors, amplitude, out)
         return
-    _rotated_row(base, rotation, amplitude, row)
+    _rotated_row(factors, amplitude, row)
     if stored == VALUES:
         for k in range(columns.size):
             out[k] = row[columns[k]]
@@ -254,90 +255,80 @@ def _write_row(
         out[k] = halves[columns[k]]
 
 
+# A row's factors as ``_pair`` reads them: the base's sines and cosines, the rotation's.
+_Plane = npt.NDArray[np.float64]
+_Factors = tuple[_Plane, _Plane, _Plane, _Plane]
+
+
 @_helper
-def _pair(
-    pairs: npt.NDArray[np.float64], turns: npt.NDArray[np.float64], amplitude: float, i: int
-) -> tuple[float, float]:
-    """Pair ``i`` of a row: ``(sin, cos)`` of ``v(b) * conj(u(j)) * amplitude``, from ``v(b)``
-    and ``v(j)`` as float64 pairs (``pairs``, ``turns``)."""
-    s = pairs[2 * i]
-    c = pairs[2 * i + 1]
-    rotate_sin = turns[2 * i]
-    rotate_cos = turns[2 * i + 1]
+def _pair(factors: _Factors, amplitude: float, i: int) -> tuple[float, float]:
+    """Pair ``i`` of a row: ``(sin, cos)`` of ``v(b) * conj(u(j)) * amplitude``, from
+    ``v(b) = s + i c`` and ``v(j) = S + i C``: ``[s C + c S, c C + s (-S)]``."""
+    sines, cosines, turn_sines, turn_cosines = factors
+    s = sines[i]
+    c = cosines[i]
+    rotate_sin = turn_sines[i]
+    rotate_cos = turn_cosines[i]
     sin = (s * rotate_cos + c * rotate_sin) * amplitude
     cos = (c * rotate_cos + s * -rotate_sin) * amplitude
     return sin, cos
 
 
 @_helper
-def _value(
-    pairs: npt.NDArray[np.float64], turns: npt.NDArray[np.float64], amplitude: float, k: int
-) -> float:
+def _value(factors: _Factors, amplitude: float, k: int) -> float:
     """Value ``k`` of a row (0 past its pairs: an odd width's zero column)."""
-    if k // 2 >= pairs.size // 2:
+    if k // 2 >= factors[0].size:
         return 0.0
-    sin, cos = _pair(pairs, turns, amplitude, k // 2)
+    sin, cos = _pair(factors, amplitude, k // 2)
     return sin if k % 2 == 0 else cos
 
 
 @_helper
-def _value_columns(
-    pairs: npt.NDArray[np.float64],
-    turns: npt.NDArray[np.float64],
-    amplitude: float,
-    out: npt.NDArray[np.generic],
-) -> None:
+def _value_columns(factors: _Factors, amplitude: float, out: npt.NDArray[np.generic]) -> None:
     """``out[k]`` = value ``k`` of the row, cast as it is stored, for every column ``k``."""
-    count = min(pairs.size // 2, out.size // 2)
+    count = min(factors[0].size, out.size // 2)
     for i in range(count):
-        out[2 * i], out[2 * i + 1] = _pair(pairs, turns, amplitude, i)
+        out[2 * i], out[2 * i + 1] = _pair(factors, amplitude, i)
     for k in range(2 * count, out.size):  # an odd width's last sin, or the zero column
-        out[k] = _value(pairs, turns, amplitude, k)
+        out[k] = _value(factors, amplitude, k)
 
 
 @_helper
-def _bfloat16_columns(
-    pairs: npt.NDArray[np.float64],
-    turns: npt.NDArray[np.float64],
-    amplitude: float,
-    out: npt.NDArray[np.generic],
-) -> None:
+def _bfloat16_columns(factors: _Factors, amplitude: float, out: npt.NDArray[np.generic]) -> None:
     """``out[k]`` = the bits of value ``k`` of the row rounded to bfloat16 (``_bfloat16``),
-    for every column ``k``: the row again, exactly (``_half_bits``), when it held a tie."""
-    count = min(pairs.size // 2, out.size // 2)
+    for every column ``k``; where the row held a tie, those values again, exactly
+    (``_half_bits``)."""
+    count = min(factors[0].size, out.size // 2)
     ties = np.uint32(0)
     for i in range(count):
-        sin, cos = _pair(pairs, turns, amplitude, i)
+        sin, cos = _pair(factors, amplitude, i)
         out[2 * i] = _bfloat16(sin)
         out[2 * i + 1] = _bfloat16(cos)
         ties |= _bfloat16_tie(sin) | _bfloat16_tie(cos)
     form = _BFLOAT16_FORMAT
-    if ties:
+    if ties:  # one row in 16 at 4096 columns: its ties alone, not the whole row again
         for i in range(count):
-            sin, cos = _pair(pairs, turns, amplitude, i)
-            out[2 * i] = _half_bits(sin, form)
-            out[2 * i + 1] = _half_bits(cos, form)
+            sin, cos = _pair(factors, amplitude, i)
+            if _bfloat16_tie(sin):
+                out[2 * i] = _half_bits(sin, form)
+            if _bfloat16_tie(cos):
+                out[2 * i + 1] = _half_bits(cos, form)
     for k in range(2 * count, out.size):
-        out[k] = _half_bits(_value(pairs, turns, amplitude, k), form)
+        out[k] = _half_bits(_value(factors, amplitude, k), form)
 
 
 @_helper
-def _float16_columns(
-    pairs: npt.NDArray[np.float64],
-    turns: npt.NDArray[np.float64],
-    amplitude: float,
-    out: npt.NDArray[np.generic],
-) -> None:
+def _float16_columns(factors: _Factors, amplitude: float, out: npt.NDArray[np.generic]) -> None:
     """``out[k]`` = the bits of value ``k`` of the row rounded to float16 (``_float16``),
     for every column ``k``."""
-    count = min(pairs.size // 2, out.size // 2)
+    count = min(factors[0].size, out.size // 2)
     form = _FLOAT16_FORMAT
     for i in range(count):
-        sin, cos = _pair(pairs, turns, amplitude, i)
+        sin, cos = _pair(factors, amplitude, i)
         out[2 * i] = _float16(sin, form)
         out[2 * i + 1] = _float16(cos, form)
     for k in range(2 * count, out.size):
-        out[k] = _float16(_value(pairs, turns, amplitude, k), form)
+        out[k] = _float16(_value(factors, amplitude, k), form)
 
 
 @_helper
@@ -350,7 +341,8 @@ def _bfloat16_row(row: npt.NDArray[np.float64], halves: npt.NDArray[np.uint16]) 
     if ties:
         form = _BFLOAT16_FORMAT
         for k in range(row.size):
-            halves[k] = _half_bits(row[k], form)
+            if _bfloat16_tie(row[k]):
+                halves[k] = _half_bits(row[k], form)
 
 
 @_helper
@@ -459,16 +451,10 @@ _float16 = _float16_by_f16c if _has_f16c() else _half_bits
 
 
 @_helper
-def _rotated_row(
-    base: npt.NDArray[np.complex128],
-    rotation: npt.NDArray[np.complex128],
-    amplitude: float,
-    row: npt.NDArray[np.float64],
-) -> None:
+def _rotated_row(factors: _Factors, amplitude: float, row: npt.NDArray[np.float64]) -> None:
     """``row``'s ``[sin, cos]`` pairs: ``v(b) * conj(u(j)) * amplitude`` (``rotate_into``)."""
-    pairs, turns = base.view(np.float64), rotation.view(np.float64)
-    for i in range(base.size):
-        row[2 * i], row[2 * i + 1] = _pair(pairs, turns, amplitude, i)
+    for i in range(factors[0].size):
+        row[2 * i], row[2 * i + 1] = _pair(factors, amplitude, i)
 
 
 # Each format's kernels, by ``numerics.STORE_*``.
@@ -511,10 +497,11 @@ def angles_into(
     positions: npt.NDArray[np.int64],
     freq_hi: npt.NDArray[np.float64],
     freq_lo: npt.NDArray[np.float64],
-    out: npt.NDArray[np.complex128],
+    out: npt.NDArray[np.float64],
 ) -> None:
-    """``out[r, i]`` = ``sin(a) + i cos(a)``, ``a = 2pi * positions[r] * (freq_hi + freq_lo)[i]``
-    in turns as a double-double, within about 2**-53 (the steps: ``engine``'s docstring)."""
+    """``out[r, 0, i]``, ``out[r, 1, i]`` = ``sin(a)``, ``cos(a)``, with ``a = 2pi *
+    positions[r] * (freq_hi + freq_lo)[i]`` in turns as a double-double, within about
+    2**-53 (the steps: ``engine``'s docstring)."""
     for r in range(positions.size):
         position = float(positions[r])
         pos_high, pos_low = _split(position)
@@ -558,7 +545,8 @@ def angles_into(
                 sin, cos = sin_exact, cos_exact
             sin *= float(1 - 2 * (q >> 1))
             cos *= float(1 - 2 * ((q ^ (q >> 1)) & 1))
-            out[r, i] = complex(sin, cos)
+            out[r, 0, i] = sin
+            out[r, 1, i] = cos
 
 
 @numba.njit(inline="always")
