@@ -6,15 +6,13 @@ CPU, without fast-math: every operation is one IEEE float64 multiplication or ad
 the order written, never fused into an FMA or reassociated, so their bytes are those of the
 same operations in numpy, on any CPU. Each call runs without the GIL.
 
-numpy takes two dozen passes over cache-sized parts for the angles, and for the rows three
-passes over float64 pairs for the complex products, one more for the columns and a Python
-step per few rows; here each row is computed once into a scratch row and copied to its
-columns, cast on the way.
+Each row is computed once, from factors stored as planes (the sines, then the cosines) that
+the loops read as contiguous arrays: the interleaved sinusoidal layout's values go straight
+to their columns; other layouts' rows go through a scratch row of planes, copied to their
+columns by runs (``_runs``: a layout's halves, sections and repeats), cast on the way.
 
 bfloat16 and float16 values are rounded in the same loops, to their bits, with integer and
-float operations that run in vector instructions (``_bfloat16``, ``_half_bits``), where a
-float16 row went through a float64 scratch row and numpy's cast, and bfloat16 took a
-branching rounding per element, which kept its loop scalar.
+float operations that run in vector instructions (``_bfloat16``, ``_half_bits``).
 """
 
 from __future__ import annotations
@@ -128,10 +126,10 @@ def _rotate_rows(
     """``rotate_into`` in the format ``stored`` (a constant where it is inlined)."""
     row = np.zeros(2 * bases.shape[2] + 1)  # the last value stays 0: the zero columns'
     halves = np.zeros(row.size, dtype=np.uint16)
-    straight = _straight(columns)
+    runs = _runs(columns, bases.shape[2])
     for r in range(out.shape[0]):
         base, rotation = bases[base_index[r]], rotations[rotation_index[r]]
-        _write_row(base, rotation, columns, amplitude, out[r], row, halves, straight, stored)
+        _write_row(base, rotation, runs, amplitude, out[r], row, halves, stored)
 
 
 @_compiled
@@ -197,44 +195,57 @@ def _range_rows(
     halves = np.zeros(row.size, dtype=np.uint16)
     base = np.empty((1, 2, freq_hi.size))
     position = np.empty(1, dtype=np.int64)
-    straight = _straight(columns)
+    runs = _runs(columns, freq_hi.size)
     for r in range(out.shape[0]):
         offset = (first + r) % block
         if r == 0 or offset == 0:
             position[0] = first + r - offset
             angles_into(position, freq_hi, freq_lo, base)
         rotation = rotations[offset]
-        _write_row(base[0], rotation, columns, amplitude, out[r], row, halves, straight, stored)
+        _write_row(base[0], rotation, runs, amplitude, out[r], row, halves, stored)
 
 
 @numba.njit(inline="always")
-def _straight(columns: npt.NDArray[np.int64]) -> bool:
-    """Whether each column is the row's value of its own index (the interleaved sinusoidal
-    layout): the values then go straight to their columns, with no pass through a row."""
+def _runs(columns: npt.NDArray[np.int64], count: int) -> npt.NDArray[np.int64]:
+    """The columns as runs ``[to, from, length]``: ``out[to + j]`` = ``row[from + j]`` for
+    ``j < length``, with the row's values as planes (``_planar_row``: the sines, the
+    cosines, then the zero column's 0); none when each column is the row's value of its
+    own index (the interleaved sinusoidal layout), whose values go straight to their
+    columns. A layout's columns are a few runs (halves, sections, repeats), which copy in
+    vector instructions where a gather of each column would not."""
+    runs = np.empty((columns.size, 3), dtype=np.int64)
     straight = True
+    n = 0
     for k in range(columns.size):
-        straight = straight and columns[k] == k
-    return straight
+        value = columns[k]
+        straight = straight and value == k
+        source = 2 * count if value >= 2 * count else (value % 2) * count + value // 2
+        if n and runs[n - 1, 0] + runs[n - 1, 2] == k and runs[n - 1, 1] + runs[n - 1, 2] == source:
+            runs[n - 1, 2] += 1
+        else:
+            runs[n, 0], runs[n, 1], runs[n, 2] = k, source, 1
+            n += 1
+    return runs[:0] if straight else runs[:n]
 
 
 @numba.njit(inline="always")
 def _write_row(
     base: npt.NDArray[np.float64],
     rotation: npt.NDArray[np.float64],
-    columns: npt.NDArray[np.int64],
+    runs: npt.NDArray[np.int64],
     amplitude: float,
     out: npt.NDArray[np.generic],
     row: npt.NDArray[np.float64],
     halves: npt.NDArray[np.uint16],
-    straight: bool,
     stored: int,
 ) -> None:
     """One row of ``rotate_into``: ``out``'s columns of ``v(b) * conj(u(j)) * amplitude``,
-    stored as ``stored`` says, through the scratch ``row`` (and, rounded, ``halves``)
-    unless ``straight``. Each format has a loop of its own, which runs in vector
-    instructions: the factors' planes are read as four arrays, one value of each a pair."""
+    stored as ``stored`` says: straight to the columns when there are no ``runs``, else
+    through the scratch ``row`` (and, rounded, ``halves``) and its runs. Each format has a
+    loop of its own, which runs in vector instructions: the factors' planes are read as
+    four arrays, one value of each a pair."""
     factors = (base[0], base[1], rotation[0], rotation[1])
-    if straight:
+    if runs.shape[0] == 0:
         if stored == BFLOAT16:
             _bfloat16_columns(factors, amplitude, out)
         elif stored == FLOAT16:
@@ -242,17 +253,29 @@ def _write_row(
         else:
             _value_columns(factors, amplitude, out)
         return
-    _rotated_row(factors, amplitude, row)
+    _planar_row(factors, amplitude, row)
     if stored == VALUES:
-        for k in range(columns.size):
-            out[k] = row[columns[k]]
+        _copy_runs(row, runs, out)
         return
     if stored == BFLOAT16:
         _bfloat16_row(row, halves)
     else:
         _float16_row(row, halves)
-    for k in range(columns.size):
-        out[k] = halves[columns[k]]
+    _copy_runs(halves, runs, out)
+
+
+@_helper
+def _copy_runs(
+    row: npt.NDArray[np.generic], runs: npt.NDArray[np.int64], out: npt.NDArray[np.generic]
+) -> None:
+    """``out``'s columns from ``row`` by ``runs`` (``_runs``), cast as ``out`` stores them."""
+    for n in range(runs.shape[0]):
+        to, source, length = runs[n, 0], runs[n, 1], runs[n, 2]
+        # Slices, indexed from 0: a computed index may be negative (wrapped around) for
+        # all numba knows, which keeps the loop scalar.
+        target, values = out[to : to + length], row[source : source + length]
+        for j in range(length):
+            target[j] = values[j]
 
 
 # A row's factors as ``_pair`` reads them: the base's sines and cosines, the rotation's.
@@ -451,10 +474,13 @@ _float16 = _float16_by_f16c if _has_f16c() else _half_bits
 
 
 @_helper
-def _rotated_row(factors: _Factors, amplitude: float, row: npt.NDArray[np.float64]) -> None:
-    """``row``'s ``[sin, cos]`` pairs: ``v(b) * conj(u(j)) * amplitude`` (``rotate_into``)."""
-    for i in range(factors[0].size):
-        row[2 * i], row[2 * i + 1] = _pair(factors, amplitude, i)
+def _planar_row(factors: _Factors, amplitude: float, row: npt.NDArray[np.float64]) -> None:
+    """``row``'s sines, then its cosines: ``v(b) * conj(u(j)) * amplitude``
+    (``rotate_into``); the value after them is left as it is (the zero column's 0)."""
+    count = factors[0].size
+    sines, cosines = row[:count], row[count : 2 * count]
+    for i in range(count):
+        sines[i], cosines[i] = _pair(factors, amplitude, i)
 
 
 # Each format's kernels, by ``numerics.STORE_*``.
