@@ -205,7 +205,7 @@ def _range_rows(
         _write_row(base[0], rotation, runs, amplitude, out[r], row, halves, stored)
 
 
-@numba.njit(inline="always")
+@_helper
 def _runs(columns: npt.NDArray[np.int64], count: int) -> npt.NDArray[np.int64]:
     """The columns as runs ``[to, from, length]``: ``out[to + j]`` = ``row[from + j]`` for
     ``j < length``, with the row's values as planes (``_planar_row``: the sines, the
