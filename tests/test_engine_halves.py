@@ -1,6 +1,7 @@
 """The kernel's own rounding to bfloat16 and float16: every float64 to its nearest value,
 ties to even, as numpy (float16) and ml_dtypes (bfloat16) round it, whichever path a row
-takes (the interleaved layout's straight store, or a gathered layout through a row)."""
+takes (the interleaved layout's straight store, or another layout's row of planes, copied
+to its columns by runs)."""
 
 from __future__ import annotations
 
