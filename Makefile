@@ -24,11 +24,12 @@ $(STAMP): pyproject.toml | $(BIN)/python
 run: $(SERVER_STAMP)
 	$(BIN)/posenc serve
 
+# Two pytest workers, each module's tests in one of them (see tests/conftest.py).
 test: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest -n 2 --dist loadgroup
 
 # The fast set, for the edit-test loop: under a minute, no slow or soak tests, no linters.
 test-fast: $(STAMP)

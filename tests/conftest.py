@@ -231,3 +231,17 @@ def spawn_server() -> Iterator[Callable[..., ServerProcess]]:
         if handle.process.poll() is None:
             handle.process.kill()
             handle.process.wait(10)
+
+
+# Modules that share the container images this session builds (containers.py's cached
+# builds): one worker runs them all, one after another.
+_CONTAINER_MODULES = frozenset({"test_containers", "test_compose", "test_balancer"})
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Group each test with its module (pytest-xdist's ``--dist loadgroup``): a module's
+    fixtures start their servers once, in one worker."""
+    for item in items:
+        module = item.path.stem
+        group = "containers" if module in _CONTAINER_MODULES else module
+        item.add_marker(pytest.mark.xdist_group(group))
