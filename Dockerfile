@@ -49,9 +49,11 @@ ENV PATH=/opt/posenc/bin:$PATH \
 USER 10001:10001
 # gRPC, then Prometheus metrics (POSENC_METRICS_PORT).
 EXPOSE 50051 9464
-# `posenc health` reads the server's POSENC_TLS_* variables: it speaks TLS to a TLS server.
+# /healthz on the metrics port (POSENC_METRICS_PORT), as the kubelet probes it: plain HTTP
+# whatever the gRPC port's TLS, and answered while a client holds every connection the gRPC
+# port allows (which would fail a gRPC health check).
 HEALTHCHECK --interval=10s --timeout=3s --start-period=120s --retries=3 \
-    CMD ["posenc", "health", "--target", "127.0.0.1:50051"]
+    CMD ["posenc", "health", "--http"]
 # SIGTERM drains: in-flight calls get POSENC_GRACE_SECONDS (30 s) to finish.
 STOPSIGNAL SIGTERM
 ENTRYPOINT ["posenc"]

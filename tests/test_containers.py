@@ -11,6 +11,7 @@ on a read-only root. tests/test_compose.py runs the compose stack.
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -34,6 +35,7 @@ from containers import (  # noqa: F401  (fixtures)
     posenc_image_fixture,
     wheelhouse,
 )
+from test_operations import metrics_port
 
 import posenc
 
@@ -82,7 +84,7 @@ def test_image_entrypoint_is_the_posenc_console_script() -> None:
     assert json.loads(health.split("CMD", 1)[1]) == compose_service()["healthcheck"]["test"][1:]  # type: ignore[index]
 
 
-def test_compose_runs_serve_with_a_health_check_on_the_served_port() -> None:
+def test_compose_runs_serve_with_a_health_check_on_its_metrics_port() -> None:
     service = compose_service()
     assert service["build"] == "."
     assert service["command"] == ["serve"]
@@ -97,8 +99,9 @@ def test_compose_runs_serve_with_a_health_check_on_the_served_port() -> None:
     port = environment["POSENC_PORT"]
     check = service["healthcheck"]
     assert isinstance(check, dict)
-    assert check["test"][:3] == ["CMD", "posenc", "health"]
-    assert check["test"][-1] == f"127.0.0.1:{port}"
+    # /healthz of the port the replica serves its metrics on, which it reads from there.
+    assert check["test"] == ["CMD", "posenc", "health", "--http"]
+    assert environment["POSENC_METRICS_PORT"] in service["expose"]  # type: ignore[operator]
     # The replicas serve the port inside the compose network; nginx publishes it on the
     # host (tests/test_deploy.py checks the balancer).
     assert port in service["expose"]  # type: ignore[operator]
@@ -106,21 +109,23 @@ def test_compose_runs_serve_with_a_health_check_on_the_served_port() -> None:
     assert environment["POSENC_HOST"] == "0.0.0.0"
 
 
-def _with_target(argv: list[str], target: str) -> list[str]:
-    return [POSENC, *argv[1:-1], target]
-
-
 @pytest.mark.slow  # starts server processes
 def test_the_health_check_command_passes_on_a_live_server_and_fails_without_one(
     spawn_server: Callable[..., ServerProcess],
 ) -> None:
-    argv = compose_service()["healthcheck"]["test"][1:]  # type: ignore[index]
+    # As the container engine runs it: beside the server, with its environment.
+    argv = [POSENC, *compose_service()["healthcheck"]["test"][2:]]  # type: ignore[index]
     process = spawn_server()
-    live = subprocess.run(_with_target(argv, process.target), capture_output=True, timeout=30)
-    assert live.returncode == 0, live.stderr
+    environment = {**os.environ, "POSENC_METRICS_PORT": str(metrics_port(process))}
+
+    def check() -> subprocess.CompletedProcess[str]:
+        return subprocess.run(argv, env=environment, capture_output=True, text=True, timeout=30)
+
+    live = check()
+    assert (live.returncode, live.stdout.strip()) == (0, "SERVING"), live.stderr
     process.kill()
-    dead = subprocess.run(_with_target(argv, process.target), capture_output=True, timeout=30)
-    assert dead.returncode != 0
+    dead = check()
+    assert (dead.returncode, dead.stdout.strip()) == (1, "UNREACHABLE")
 
 
 @pytest.mark.slow  # starts server processes
@@ -217,8 +222,7 @@ def test_the_image_serves_info_tables_and_health_on_a_loopback_port(
             assert table.tobytes() == expected(start, stop, d_model)
     # The image's own HEALTHCHECK, as the engine runs it.
     image = json.loads(podman.out("image", "inspect", IMAGE))[0]
-    assert image["Healthcheck"]["Test"] == ["CMD", "posenc", "health", "--target",
-                                             "127.0.0.1:50051"]  # fmt: skip
+    assert image["Healthcheck"]["Test"] == ["CMD", "posenc", "health", "--http"]
     assert podman.healthy(name)
 
 
@@ -351,8 +355,9 @@ def test_sigterm_lets_a_stream_in_flight_finish_and_the_container_exit_0(
 def test_the_images_health_check_speaks_tls_with_the_servers_settings(
     podman: Podman, posenc_image: str, tmp_path: Path
 ) -> None:
-    # A TLS server configured by POSENC_TLS_* alone: the image's HEALTHCHECK (posenc health,
-    # no flags) reads the same variables, so it passes; the host reaches it with TLS only.
+    # A TLS server configured by POSENC_TLS_* alone: the image's HEALTHCHECK passes (its
+    # /healthz is plain HTTP whatever the gRPC port's TLS), `posenc health` beside it reads
+    # the same variables and speaks TLS without flags, and the host reaches it with TLS only.
     authority = trustme.CA()
     issued = authority.issue_cert("posenc.internal")
     certs = tmp_path / "certs"
@@ -370,6 +375,8 @@ def test_the_images_health_check_speaks_tls_with_the_servers_settings(
                 volumes=[f"{certs}:/certs:ro"],
             )  # fmt: skip
             assert podman.healthy(name)
+            beside = podman.out("exec", name, "posenc", "health")
+            assert beside.strip() == "SERVING"
             plaintext = posenc_cli("health", "--target", target)
             assert plaintext.returncode == 1
             authority.cert_pem.write_to_path(str(tmp_path / "ca.pem"))

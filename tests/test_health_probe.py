@@ -18,6 +18,7 @@ import pytest
 from conftest import ServerProcess, fresh_probe, worker_pids
 from grpc_health.v1 import health_pb2
 from rawh2 import RawConnection
+from test_cli import posenc_cli
 from test_operations import metrics_port
 
 import posenc
@@ -75,6 +76,10 @@ def test_no_connection_flood_fails_the_http_probe(flooded: ServerProcess) -> Non
             sock.close()
     assert set(answers) == {(200, b"SERVING\n")}
     assert worker_pids(flooded.process.pid) == before
+    # The containers' health check, `posenc health --http`, passes the same way.
+    url = f"http://127.0.0.1:{port}/healthz"
+    probe = posenc_cli("health", "--http", url, "--timeout", "10")
+    assert (probe.returncode, probe.stdout.strip()) == (0, "SERVING"), probe.stderr
 
 
 @pytest.mark.slow
@@ -105,6 +110,8 @@ def test_healthz_turns_503_when_the_drain_starts(
     port = metrics_port(server)
     assert healthz(port) == (200, b"SERVING\n")
     assert healthz(port, "/health")[0] == 404
+    elsewhere = posenc_cli("health", "--http", f"http://127.0.0.1:{port}/health")
+    assert (elsewhere.returncode, elsewhere.stdout.strip()) == (1, "HTTP 404")
     with posenc.Client(server.target) as client:
         # A stream left unread keeps the drain going while the probe is asked.
         rows = client.iter_range(0, 1 << 18, 4096)
@@ -114,6 +121,8 @@ def test_healthz_turns_503_when_the_drain_starts(
         while status == 200:
             status, body = healthz(port)
         assert (status, body) == (503, b"NOT_SERVING\n")
+        probe = posenc_cli("health", "--http", f"http://127.0.0.1:{port}/healthz")
+        assert (probe.returncode, probe.stdout.strip()) == (1, "NOT_SERVING")
         assert server.process.poll() is None  # still draining
         server.process.send_signal(signal.SIGTERM)  # a second signal ends the drain
     assert server.process.wait(30) == 0

@@ -21,6 +21,8 @@ import signal
 import sys
 import threading
 import time
+import urllib.error
+import urllib.request
 from collections.abc import Iterator, Sequence
 from importlib import metadata
 from pathlib import Path
@@ -476,6 +478,16 @@ def _build_parser() -> argparse.ArgumentParser:
         "is set (mutual TLS).",
     )
     health.add_argument("--service", default="", help='service name (default "": the server)')
+    health.add_argument(
+        "--http",
+        nargs="?",
+        const="",
+        metavar="URL",
+        help="ask the metrics port's /healthz over HTTP instead (200 SERVING, 503 NOT_SERVING), "
+        "which answers whatever holds the gRPC port's connections; URL defaults to "
+        f"http://127.0.0.1:${_SERVER_METRICS_PORT_ENV}/healthz ({_DEFAULT_METRICS_PORT} when "
+        "unset): the server's own metrics port where the probe runs beside it",
+    )
     _add_client_arguments(health, timeout=2.0)
     return parser
 
@@ -1008,6 +1020,12 @@ def _print_parameters(kinds: Sequence[TableKind]) -> None:
 _SERVER_CERT_ENV = "POSENC_TLS_CERT_FILE"
 _SERVER_KEY_ENV = "POSENC_TLS_KEY_FILE"
 _SERVER_CLIENT_CA_ENV = "POSENC_TLS_CLIENT_CA_FILE"
+# And its metrics port (posenc_server.config), where /healthz answers (posenc_server.metrics).
+_SERVER_METRICS_PORT_ENV = "POSENC_METRICS_PORT"
+_DEFAULT_METRICS_PORT = 9464
+_HEALTH_PATH = "/healthz"
+# /healthz's body is one word; more is not read.
+_HEALTH_BODY_BYTES = 64
 
 
 def _certificate_name(path: str) -> str | None:
@@ -1043,6 +1061,8 @@ def _probe_tls_from_server_environment(args: argparse.Namespace) -> None:
 
 
 def _health(args: argparse.Namespace) -> int:
+    if args.http is not None:
+        return _http_health(args.http or _default_health_url(), args.timeout)
     _probe_tls_from_server_environment(args)
     targets = _targets(args)
     healthy = True
@@ -1057,3 +1077,29 @@ def _health(args: argparse.Namespace) -> int:
         healthy = healthy and status == "SERVING"
         print(status if len(targets) == 1 else f"{target}: {status}")
     return EXIT_OK if healthy else EXIT_FAILURE
+
+
+def _default_health_url() -> str:
+    port = os.environ.get(_SERVER_METRICS_PORT_ENV) or _DEFAULT_METRICS_PORT
+    return f"http://127.0.0.1:{port}{_HEALTH_PATH}"
+
+
+def _http_health(url: str, timeout: float | None) -> int:
+    """``posenc health --http``: GET ``url``; prints its status word (UNREACHABLE when there
+    is no answer) and exits 0 on 200 SERVING alone."""
+    # Straight to the URL: a proxy from the environment has no business with a local probe.
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+    try:
+        with opener.open(url, timeout=timeout) as response:
+            code, body = response.status, response.read(_HEALTH_BODY_BYTES)
+    except urllib.error.HTTPError as error:  # 503 NOT_SERVING, 404 (not a posenc port)
+        code, body = error.code, error.read(_HEALTH_BODY_BYTES)
+        error.close()
+    except (OSError, ValueError) as error:  # refused, timed out, not an http:// URL
+        print(f"posenc health: {url}: {error}", file=sys.stderr)
+        print("UNREACHABLE")
+        return EXIT_FAILURE
+    words = body.decode("ascii", "replace").split()
+    status = words[0] if code in (200, 503) and words else f"HTTP {code}"
+    print(status)
+    return EXIT_OK if (code, status) == (200, "SERVING") else EXIT_FAILURE
