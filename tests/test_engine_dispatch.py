@@ -10,6 +10,7 @@ instead of this machine's CPU: the same.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import subprocess
@@ -45,6 +46,12 @@ print(json.dumps(digests))
 """
 
 
+@functools.cache
+def _native() -> dict[str, str]:
+    """This machine's digests, as every test here compares with them: computed once."""
+    return _digests(None)
+
+
 def _digests(disabled: str | None, **extra: str) -> dict[str, str]:
     env = {key: value for key, value in os.environ.items() if not key.startswith("NPY_")}
     if disabled is not None:
@@ -72,7 +79,7 @@ def test_bytes_do_not_depend_on_numpys_simd_dispatch() -> None:
     features = _dispatched_features()
     if not features:
         pytest.skip("numpy dispatches to no CPU feature beyond its baseline here")
-    native = _digests(None)
+    native = _native()
     baseline = _digests(features)
     differing = sorted(key for key in native if native[key] != baseline[key])
     assert not differing, f"bytes differ with NPY_DISABLE_CPU_FEATURES={features!r}: {differing}"
@@ -80,7 +87,7 @@ def test_bytes_do_not_depend_on_numpys_simd_dispatch() -> None:
 
 @pytest.mark.slow
 def test_bytes_do_not_depend_on_the_cpu_the_kernel_is_compiled_for() -> None:
-    native = _digests(None)
+    native = _native()
     generic = _digests(None, NUMBA_CPU_NAME="generic")
     differing = sorted(key for key in native if native[key] != generic[key])
     assert not differing, f"bytes differ with the kernel compiled for a generic CPU: {differing}"
@@ -91,6 +98,6 @@ def test_the_kernel_runs_where_numba_has_no_place_to_cache_it() -> None:
     """A server installed read-only to its user, whose home is not writable either, leaves
     numba no place for its cache (``IPythonCacheLocator`` alone finds none outside IPython):
     the kernel is then compiled in each process, with the same bytes."""
-    native = _digests(None)
+    native = _native()
     uncached = _digests(None, NUMBA_CACHE_LOCATOR_CLASSES="IPythonCacheLocator")
     assert uncached == native
