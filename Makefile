@@ -29,7 +29,7 @@ test: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy
-	$(BIN)/python -m pytest -n 2 --dist loadgroup
+	$(BIN)/python -m pytest -n 2
 
 # The fast set, for the edit-test loop: under a minute, no slow or soak tests, no linters.
 test-fast: $(STAMP)

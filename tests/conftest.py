@@ -238,10 +238,15 @@ def spawn_server() -> Iterator[Callable[..., ServerProcess]]:
 _CONTAINER_MODULES = frozenset({"test_containers", "test_compose", "test_balancer"})
 
 
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Group each test with its module (pytest-xdist's ``--dist loadgroup``): a module's
-    fixtures start their servers once, in one worker."""
-    for item in items:
-        module = item.path.stem
-        group = "containers" if module in _CONTAINER_MODULES else module
-        item.add_marker(pytest.mark.xdist_group(group))
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """pytest-xdist's workers (make test) take whole modules: a module's fixtures start
+    their servers once, in one worker; the container modules go to one worker together."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ByModule(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path = nodeid.split("::", 1)[0]
+            return "containers" if Path(path).stem in _CONTAINER_MODULES else path
+
+    return ByModule(config, log)
