@@ -493,7 +493,13 @@ def test_silent_metrics_connections_are_bounded_and_closed(
     server = spawn_server(0, "--processes", "1")
     port = metrics_port(server)
     pid = server.process.pid
-    baseline = thread_count(pid)
+    # The threads of a server that has answered a scrape, counted once they stop changing:
+    # a thread a fresh server starts late (on a busy machine) is not a connection's.
+    assert scrape(port)
+    baseline, previous = thread_count(pid), -1
+    while baseline != previous:  # the pytest timeout is the hang guard
+        time.sleep(0.5)
+        previous, baseline = baseline, thread_count(pid)
     silent = [socket.create_connection(("127.0.0.1", port), timeout=10) for _ in range(200)]
     try:
         for connection in silent:
