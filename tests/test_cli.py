@@ -24,7 +24,9 @@ import pytest
 from conftest import ServerProcess, free_port
 
 import posenc
+from posenc import cli
 from posenc.cli import main
+from posenc_server import config, metrics
 from posenc_server.app import RunningServer
 
 BIN = Path(sys.executable).parent
@@ -301,6 +303,40 @@ def test_health_of_several_targets(
     up, dead = server_factory().target, f"127.0.0.1:{free_port()}"
     assert main(["health", "--target", up, "--target", dead]) == 1
     assert capsys.readouterr().out == f"{up}: SERVING\n{dead}: UNREACHABLE\n"
+
+
+def test_health_http_takes_its_port_from_the_servers_variable(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # The default URL is the server's own: its default metrics port and health path.
+    monkeypatch.delenv("POSENC_METRICS_PORT", raising=False)
+    assert cli._default_health_url() == (
+        f"http://127.0.0.1:{config.DEFAULT_METRICS_PORT}{metrics.HEALTH_PATH}"
+    )
+    monkeypatch.setenv("POSENC_METRICS_PORT", "9100")
+    assert cli._default_health_url() == "http://127.0.0.1:9100/healthz"
+    # A port the server picks (0), metrics off (-1), or no number: a usage error, no probe.
+    for value in ("0", "-1", "65536", "9464x", "1e3"):
+        monkeypatch.setenv("POSENC_METRICS_PORT", value)
+        assert main(["health", "--http"]) == 2
+        assert "no port to probe" in capsys.readouterr().err
+
+
+def test_health_http_refuses_what_it_would_not_probe(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["health", "--http", "ftp://127.0.0.1/healthz"]) == 2
+    assert main(["health", "--http", "http://127.0.0.1:1/healthz", "--target", "x:1"]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and captured.err.count("posenc health:") == 2
+
+
+def test_health_http_of_a_grpc_port_is_unreachable(
+    server: RunningServer, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # HTTP/2 frames where an HTTP/1.x answer was expected: no traceback, no bytes echoed.
+    assert main(["health", "--http", f"http://{server.target}/healthz"]) == 1
+    captured = capsys.readouterr()
+    assert captured.out == "UNREACHABLE\n"
+    assert "no HTTP/1.x answer" in captured.err and "Traceback" not in captured.err
 
 
 @pytest.mark.slow

@@ -352,7 +352,7 @@ def test_sigterm_lets_a_stream_in_flight_finish_and_the_container_exit_0(
 
 
 @pytest.mark.slow
-def test_the_images_health_check_speaks_tls_with_the_servers_settings(
+def test_the_images_health_check_passes_beside_tls_and_posenc_health_speaks_it(
     podman: Podman, posenc_image: str, tmp_path: Path
 ) -> None:
     # A TLS server configured by POSENC_TLS_* alone: the image's HEALTHCHECK passes (its

@@ -10,6 +10,7 @@ import _ssl
 import argparse
 import contextlib
 import errno
+import http.client
 import io
 import itertools
 import json
@@ -1015,8 +1016,8 @@ def _print_parameters(kinds: Sequence[TableKind]) -> None:
 
 
 # The server's TLS settings (posenc_server.config): `posenc health` runs where the server
-# runs (the image's HEALTHCHECK, compose's healthcheck, a Kubernetes exec probe), with the
-# server's environment, so a TLS server's probe speaks TLS without flags of its own.
+# runs (`podman exec`, a Kubernetes exec probe), with the server's environment, so a TLS
+# server's probe speaks TLS without flags of its own.
 _SERVER_CERT_ENV = "POSENC_TLS_CERT_FILE"
 _SERVER_KEY_ENV = "POSENC_TLS_KEY_FILE"
 _SERVER_CLIENT_CA_ENV = "POSENC_TLS_CLIENT_CA_FILE"
@@ -1062,7 +1063,13 @@ def _probe_tls_from_server_environment(args: argparse.Namespace) -> None:
 
 def _health(args: argparse.Namespace) -> int:
     if args.http is not None:
-        return _http_health(args.http or _default_health_url(), args.timeout)
+        if args.target or args.service:
+            print("posenc health: --http asks a URL: no --target or --service", file=sys.stderr)
+            return EXIT_USAGE
+        url = args.http or _default_health_url()
+        if url is None:
+            return EXIT_USAGE
+        return _http_health(url, args.timeout)
     _probe_tls_from_server_environment(args)
     targets = _targets(args)
     healthy = True
@@ -1079,27 +1086,57 @@ def _health(args: argparse.Namespace) -> int:
     return EXIT_OK if healthy else EXIT_FAILURE
 
 
-def _default_health_url() -> str:
-    port = os.environ.get(_SERVER_METRICS_PORT_ENV) or _DEFAULT_METRICS_PORT
-    return f"http://127.0.0.1:{port}{_HEALTH_PATH}"
+def _default_health_url() -> str | None:
+    """/healthz of ``$POSENC_METRICS_PORT`` (9464 unset) on 127.0.0.1, or None (said why)
+    when that is not a port to probe: 0 (a port the server picks) or -1 (metrics off)."""
+    value = os.environ.get(_SERVER_METRICS_PORT_ENV) or str(_DEFAULT_METRICS_PORT)
+    if not value.isdecimal() or not 1 <= int(value) <= 65535:
+        print(
+            f"posenc health: {_SERVER_METRICS_PORT_ENV}={value[:32]!r} is no port to probe "
+            "(/healthz needs the metrics port on, at a fixed port): give --http URL",
+            file=sys.stderr,
+        )
+        return None
+    return f"http://127.0.0.1:{int(value)}{_HEALTH_PATH}"
 
 
-def _http_health(url: str, timeout: float | None) -> int:
+class _NoRedirects(urllib.request.HTTPRedirectHandler):
+    """A probe reports the URL it was given: a redirect is an answer (``HTTP 302``)."""
+
+    def redirect_request(self, *args: Any, **kwargs: Any) -> None:
+        return None
+
+
+# /healthz's answers (posenc_server.metrics); any other is printed as its HTTP status.
+_HEALTH_WORDS = frozenset({"SERVING", "NOT_SERVING"})
+
+
+def _http_health(url: str, timeout: float) -> int:
     """``posenc health --http``: GET ``url``; prints its status word (UNREACHABLE when there
-    is no answer) and exits 0 on 200 SERVING alone."""
+    is no HTTP answer) and exits 0 on 200 SERVING alone."""
+    if not url.startswith(("http://", "https://")):
+        print(
+            f"posenc health: --http takes an http:// or https:// URL: {url[:64]!r}", file=sys.stderr
+        )
+        return EXIT_USAGE
     # Straight to the URL: a proxy from the environment has no business with a local probe.
-    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}), _NoRedirects())
     try:
-        with opener.open(url, timeout=timeout) as response:
-            code, body = response.status, response.read(_HEALTH_BODY_BYTES)
-    except urllib.error.HTTPError as error:  # 503 NOT_SERVING, 404 (not a posenc port)
-        code, body = error.code, error.read(_HEALTH_BODY_BYTES)
-        error.close()
-    except (OSError, ValueError) as error:  # refused, timed out, not an http:// URL
-        print(f"posenc health: {url}: {error}", file=sys.stderr)
+        try:
+            with opener.open(url, timeout=timeout) as response:
+                code, body = response.status, response.read(_HEALTH_BODY_BYTES)
+        except urllib.error.HTTPError as error:  # 503 NOT_SERVING, a 404, a redirect
+            with error:
+                code, body = error.code, error.read(_HEALTH_BODY_BYTES)
+    except (OSError, ValueError, http.client.HTTPException) as error:
+        # Refused, timed out, not HTTP (such as the gRPC port's HTTP/2), a malformed URL.
+        reason = getattr(error, "reason", None) or error
+        if isinstance(error, http.client.HTTPException):  # its text is the bytes it got
+            reason = f"no HTTP/1.x answer ({type(error).__name__})"
+        print(f"posenc health: {url}: {reason}", file=sys.stderr)
         print("UNREACHABLE")
         return EXIT_FAILURE
     words = body.decode("ascii", "replace").split()
-    status = words[0] if code in (200, 503) and words else f"HTTP {code}"
+    status = words[0] if words and words[0] in _HEALTH_WORDS else f"HTTP {code}"
     print(status)
     return EXIT_OK if (code, status) == (200, "SERVING") else EXIT_FAILURE
