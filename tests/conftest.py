@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
@@ -250,3 +253,32 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
             return "containers" if Path(path).stem in _CONTAINER_MODULES else path
 
     return ByModule(config, log)
+
+
+# apt-get waits for another's dpkg lock (an unattended upgrade) instead of failing at once.
+_APT_WAIT = ("-o", "DPkg::Lock::Timeout=600")
+_APT_LOCK = Path(tempfile.gettempdir()) / "posenc-tests-apt.lock"
+
+
+def apt_install(packages: Sequence[str], tool: str, *, recommends: bool = False) -> str | None:
+    """Installs Debian's ``packages`` (which bring ``tool``) with apt-get; the reason when
+    it cannot (not root, no apt-get, no registry). One test process at a time: two workers,
+    or two runs, updating the package lists at once fail on apt's lock of them."""
+    if os.geteuid() != 0 or shutil.which("apt-get") is None:
+        return f"{tool} is missing and only root can `apt-get install {packages[0]}` here"
+    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+    options = () if recommends else ("--no-install-recommends",)
+
+    def apt_get(*args: str) -> subprocess.CompletedProcess[str]:
+        argv = ["apt-get", *_APT_WAIT, *args]
+        return subprocess.run(argv, capture_output=True, text=True, env=env, timeout=900)
+
+    with open(_APT_LOCK, "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        update = apt_get("update")
+        if update.returncode != 0:
+            return f"{tool} is missing and apt-get cannot reach the registry: {update.stderr}"
+        install = apt_get("install", "-y", *options, *packages)
+    if install.returncode != 0:
+        raise RuntimeError(f"apt-get install {tool} failed: {install.stdout}{install.stderr}")
+    return None

@@ -40,7 +40,7 @@ from typing import Any
 
 import pytest
 import yaml
-from conftest import ROOT, free_port
+from conftest import ROOT, apt_install, free_port
 from reference import classic
 
 from posenc_server.engine import encode_range
@@ -134,10 +134,6 @@ PROMETHEUS_BASE = DebianImage(
     aptopts=('Acquire::Check-Valid-Until "false"',),
 )
 
-# Waits for another apt-get or dpkg (an unattended upgrade, a second test run) to finish
-# instead of failing at once on its lock.
-APT_WAIT = ("-o", "DPkg::Lock::Timeout=600")
-
 
 def _run(
     argv: Sequence[str], timeout: float = 600, **kwargs: Any
@@ -149,16 +145,7 @@ def install_podman() -> str | None:
     """Installs podman and mmdebstrap with apt-get when missing; the reason if it cannot."""
     if all(shutil.which(tool) for tool in ("podman", "runc", "mmdebstrap")):
         return None
-    if os.geteuid() != 0 or shutil.which("apt-get") is None:
-        return "podman is missing and only root can `apt-get install podman` here"
-    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-    update = _run(["apt-get", *APT_WAIT, "update"], env=env)
-    if update.returncode != 0:
-        return f"podman is missing and apt-get cannot reach the registry: {update.stderr}"
-    install = _run(["apt-get", *APT_WAIT, "install", "-y", *APT_PACKAGES], env=env)
-    if install.returncode != 0:
-        raise RuntimeError(f"apt-get install podman failed: {install.stdout}{install.stderr}")
-    return None
+    return apt_install(APT_PACKAGES, "podman", recommends=True)
 
 
 class PodmanError(RuntimeError):

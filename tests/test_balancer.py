@@ -34,8 +34,7 @@ from typing import Any
 import grpc
 import numpy as np
 import pytest
-from conftest import ROOT, ServerProcess, free_port, wait_until
-from containers import APT_WAIT
+from conftest import ROOT, ServerProcess, apt_install, free_port, wait_until
 from reference import classic
 
 import posenc
@@ -65,24 +64,11 @@ def nginx_binary() -> str:
     found = _find_nginx()
     if found:
         return found
-    if os.geteuid() != 0 or shutil.which("apt-get") is None:
-        pytest.skip("nginx is missing and only root can `apt-get install nginx` here")
-    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-    update = subprocess.run(
-        ["apt-get", *APT_WAIT, "update"], capture_output=True, text=True, timeout=300, env=env
-    )
-    if update.returncode != 0:
-        pytest.skip(f"nginx is missing and apt-get cannot reach the registry: {update.stderr}")
-    install = subprocess.run(
-        ["apt-get", *APT_WAIT, "install", "-y", "--no-install-recommends", "nginx"],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env=env,
-    )
+    reason = apt_install(["nginx"], "nginx")
+    if reason is not None:
+        pytest.skip(reason)
     found = _find_nginx()
-    if install.returncode != 0 or found is None:
-        pytest.fail(f"apt-get install nginx failed: {install.stdout}{install.stderr}")
+    assert found is not None, "apt-get installed nginx, which is nowhere to be found"
     return found
 
 

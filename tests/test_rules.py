@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import re
 import shutil
 import subprocess
@@ -23,7 +22,7 @@ from typing import Any
 
 import pytest
 import yaml
-from conftest import ROOT, ServerProcess, free_port
+from conftest import ROOT, ServerProcess, apt_install, free_port
 from prometheus_client import REGISTRY
 from test_operations import metrics_port
 
@@ -31,7 +30,6 @@ import posenc
 from posenc_server import metrics
 
 RULES = ROOT / "deploy" / "prometheus"
-APT_WAIT = ("-o", "DPkg::Lock::Timeout=600")
 
 
 def install_prometheus() -> str | None:
@@ -39,24 +37,7 @@ def install_prometheus() -> str | None:
     when it cannot be."""
     if shutil.which("promtool") and shutil.which("prometheus"):
         return None
-    if os.geteuid() != 0 or shutil.which("apt-get") is None:
-        return "promtool is missing and only root can `apt-get install prometheus` here"
-    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-    update = subprocess.run(
-        ["apt-get", *APT_WAIT, "update"], capture_output=True, text=True, env=env, timeout=600
-    )
-    if update.returncode != 0:
-        return f"promtool is missing and apt-get cannot reach the registry: {update.stderr}"
-    install = subprocess.run(
-        ["apt-get", *APT_WAIT, "install", "-y", "--no-install-recommends", "prometheus"],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=900,
-    )
-    if install.returncode != 0:
-        raise RuntimeError(f"apt-get install prometheus failed: {install.stdout}{install.stderr}")
-    return None
+    return apt_install(["prometheus"], "promtool")
 
 
 @pytest.fixture(scope="module")
