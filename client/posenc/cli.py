@@ -22,7 +22,6 @@ import signal
 import sys
 import threading
 import time
-import urllib.error
 import urllib.request
 from collections.abc import Iterator, Sequence
 from importlib import metadata
@@ -1100,11 +1099,14 @@ def _default_health_url() -> str | None:
     return f"http://127.0.0.1:{int(value)}{_HEALTH_PATH}"
 
 
-class _NoRedirects(urllib.request.HTTPRedirectHandler):
-    """A probe reports the URL it was given: a redirect is an answer (``HTTP 302``)."""
+class _EveryStatus(urllib.request.HTTPErrorProcessor):
+    """A probe reports the answer it got, whatever its status: no error is raised for a
+    503 or a 404, and no redirect is followed (a redirect is an answer: ``HTTP 302``)."""
 
-    def redirect_request(self, *args: Any, **kwargs: Any) -> None:
-        return None
+    def http_response(self, request: Any, response: Any) -> Any:
+        return response
+
+    https_response = http_response
 
 
 # /healthz's answers (posenc_server.metrics); any other is printed as its HTTP status.
@@ -1120,23 +1122,19 @@ def _http_health(url: str, timeout: float) -> int:
         )
         return EXIT_USAGE
     # Straight to the URL: a proxy from the environment has no business with a local probe.
-    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}), _NoRedirects())
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}), _EveryStatus())
     try:
-        try:
-            with opener.open(url, timeout=timeout) as response:
-                code, body = response.status, response.read(_HEALTH_BODY_BYTES)
-        except urllib.error.HTTPError as error:  # 503 NOT_SERVING, a 404, a redirect
-            with error:
-                code, body = error.code, error.read(_HEALTH_BODY_BYTES)
-    except (OSError, ValueError, http.client.HTTPException) as error:
-        # Refused, timed out, not HTTP (such as the gRPC port's HTTP/2), a malformed URL.
+        with opener.open(url, timeout=timeout) as response:
+            code, body = response.status, response.read(_HEALTH_BODY_BYTES)
+    except http.client.HTTPException as error:  # such as the gRPC port's HTTP/2 frames
+        reason: object = f"no HTTP/1.x answer ({type(error).__name__})"  # not its bytes
+    except (OSError, ValueError) as error:  # refused, timed out, a malformed URL
         reason = getattr(error, "reason", None) or error
-        if isinstance(error, http.client.HTTPException):  # its text is the bytes it got
-            reason = f"no HTTP/1.x answer ({type(error).__name__})"
-        print(f"posenc health: {url}: {reason}", file=sys.stderr)
-        print("UNREACHABLE")
-        return EXIT_FAILURE
-    words = body.decode("ascii", "replace").split()
-    status = words[0] if words and words[0] in _HEALTH_WORDS else f"HTTP {code}"
-    print(status)
-    return EXIT_OK if (code, status) == (200, "SERVING") else EXIT_FAILURE
+    else:
+        words = body.decode("ascii", "replace").split()
+        status = words[0] if words and words[0] in _HEALTH_WORDS else f"HTTP {code}"
+        print(status)
+        return EXIT_OK if (code, status) == (200, "SERVING") else EXIT_FAILURE
+    print(f"posenc health: {url}: {reason}", file=sys.stderr)
+    print("UNREACHABLE")
+    return EXIT_FAILURE
