@@ -12,7 +12,10 @@ to their columns; other layouts' rows go through a scratch row of planes, copied
 columns by runs (``_runs``: a layout's halves, sections and repeats), cast on the way.
 
 bfloat16 and float16 values are rounded in the same loops, to their bits, with integer and
-float operations that run in vector instructions (``_bfloat16``, ``_half_bits``).
+float operations that run in vector instructions (``_bfloat16``, ``_half_bits``); the
+interleaved layout's rows eight pairs at a time, by vector code written in LLVM's IR
+(``_bfloat16_pairs``, ``_float16_pairs``), which rounds as many values an instruction as
+float32 rows store.
 """
 
 from __future__ import annotations
@@ -49,6 +52,12 @@ def _compiled(function: _F) -> _F:
         return numba.njit(nogil=True, cache=True, boundscheck=False)(function)  # type: ignore[return-value]
     except RuntimeError:  # "cannot cache function ...: no locator available"
         return numba.njit(nogil=True, boundscheck=False)(function)  # type: ignore[return-value]
+
+
+def _intrinsic(typing: Callable[..., object]) -> Callable[..., Any]:
+    """numba's ``intrinsic`` (LLVM IR the loops call, typed by ``typing``), typed as what
+    those loops call."""
+    return intrinsic(typing)
 
 
 def _helper(function: _G) -> _G:
@@ -249,7 +258,7 @@ def _write_row(
         if stored == BFLOAT16:
             _bfloat16_columns(factors, amplitude, out)
         elif stored == FLOAT16:
-            _float16_columns(factors, amplitude, out)
+            _float16_columns(factors, amplitude, out, 0)
         else:
             _value_columns(factors, amplitude, out)
         return
@@ -292,8 +301,11 @@ def _pair(factors: _Factors, amplitude: float, i: int) -> tuple[float, float]:
     c = cosines[i]
     rotate_sin = turn_sines[i]
     rotate_cos = turn_cosines[i]
-    sin = (s * rotate_cos + c * rotate_sin) * amplitude
-    cos = (c * rotate_cos + s * -rotate_sin) * amplitude
+    sin = s * rotate_cos + c * rotate_sin
+    cos = c * rotate_cos + s * -rotate_sin
+    if amplitude != 1.0:
+        sin *= amplitude
+        cos *= amplitude
     return sin, cos
 
 
@@ -318,35 +330,37 @@ def _value_columns(factors: _Factors, amplitude: float, out: npt.NDArray[np.gene
 
 @_helper
 def _bfloat16_columns(factors: _Factors, amplitude: float, out: npt.NDArray[np.generic]) -> None:
-    """``out[k]`` = the bits of value ``k`` of the row rounded to bfloat16 (``_bfloat16``),
-    for every column ``k``; where the row held a tie, those values again, exactly
-    (``_half_bits``)."""
+    """``out[k]`` = the bits of value ``k`` of the row rounded to bfloat16, for every column
+    ``k``: ``_LANES`` pairs at a time by ``_bfloat16_pairs``, whose ties (one value in
+    65536) are rounded again, exactly (``_half_bits``); the rest by ``_bfloat16``."""
     count = min(factors[0].size, out.size // 2)
-    ties = np.uint32(0)
-    for i in range(count):
-        sin, cos = _pair(factors, amplitude, i)
-        out[2 * i] = _bfloat16(sin)
-        out[2 * i + 1] = _bfloat16(cos)
-        ties |= _bfloat16_tie(sin) | _bfloat16_tie(cos)
     form = _BFLOAT16_FORMAT
-    if ties:  # one row in 16 at 4096 columns: its ties alone, not the whole row again
-        for i in range(count):
-            sin, cos = _pair(factors, amplitude, i)
-            if _bfloat16_tie(sin):
-                out[2 * i] = _half_bits(sin, form)
-            if _bfloat16_tie(cos):
-                out[2 * i + 1] = _half_bits(cos, form)
+    vectors = count - count % _LANES
+    for first in range(0, vectors, _LANES):
+        ties = _bfloat16_pairs(*factors, amplitude, out, first)
+        if ties:
+            for lane in range(2 * _LANES):
+                if ties >> lane & 1:
+                    i = first + lane % _LANES
+                    value = _pair(factors, amplitude, i)[lane // _LANES]
+                    out[2 * i + lane // _LANES] = _half_bits(value, form)
+    for i in range(vectors, count):
+        sin, cos = _pair(factors, amplitude, i)
+        out[2 * i] = _half_bits(sin, form) if _bfloat16_tie(sin) else _bfloat16(sin)
+        out[2 * i + 1] = _half_bits(cos, form) if _bfloat16_tie(cos) else _bfloat16(cos)
     for k in range(2 * count, out.size):
         out[k] = _half_bits(_value(factors, amplitude, k), form)
 
 
 @_helper
-def _float16_columns(factors: _Factors, amplitude: float, out: npt.NDArray[np.generic]) -> None:
+def _float16_scalar_columns(
+    factors: _Factors, amplitude: float, out: npt.NDArray[np.generic], first: int
+) -> None:
     """``out[k]`` = the bits of value ``k`` of the row rounded to float16 (``_float16``),
-    for every column ``k``."""
+    for every column ``k`` from pair ``first``'s on."""
     count = min(factors[0].size, out.size // 2)
     form = _FLOAT16_FORMAT
-    for i in range(count):
+    for i in range(first, count):
         sin, cos = _pair(factors, amplitude, i)
         out[2 * i] = _float16(sin, form)
         out[2 * i + 1] = _float16(cos, form)
@@ -355,9 +369,21 @@ def _float16_columns(factors: _Factors, amplitude: float, out: npt.NDArray[np.ge
 
 
 @_helper
+def _float16_vector_columns(
+    factors: _Factors, amplitude: float, out: npt.NDArray[np.generic], first: int
+) -> None:
+    """``_float16_scalar_columns``, ``_LANES`` pairs at a time by ``_float16_pairs`` (F16C)."""
+    count = min(factors[0].size, out.size // 2)
+    vectors = first + (count - first) // _LANES * _LANES
+    for i in range(first, vectors, _LANES):
+        _float16_pairs(*factors, amplitude, out, i)
+    _float16_scalar_columns(factors, amplitude, out, vectors)
+
+
+@_helper
 def _bfloat16_row(row: npt.NDArray[np.float64], halves: npt.NDArray[np.uint16]) -> None:
     """``halves`` = the bits of ``row`` rounded to bfloat16 (as ``_bfloat16_columns``)."""
-    ties = np.uint32(0)
+    ties = False
     for k in range(row.size):
         halves[k] = _bfloat16(row[k])
         ties |= _bfloat16_tie(row[k])
@@ -376,22 +402,174 @@ def _float16_row(row: npt.NDArray[np.float64], halves: npt.NDArray[np.uint16]) -
         halves[k] = _float16(row[k], form)
 
 
-@_helper
-def _bfloat16(value: float) -> np.uint32:
-    """The bits of ``value`` rounded to bfloat16, ties to even, through float32 (rounded to
-    nearest): right unless that float32 is itself a bfloat16 tie (``_bfloat16_tie``), where
-    the float64 may lie on either side of it. Eight 32-bit lanes a vector instruction."""
-    single = np.float32(value).view(np.uint32)
-    odd = (single >> np.uint32(16)) & np.uint32(1)
-    return (single + np.uint32(0x7FFF) + odd) >> np.uint32(16)
+@_intrinsic
+def _bfloat16(typingctx: object, value: types.Type) -> object:
+    """The bits of float64 ``value`` rounded to bfloat16, ties to even, through float32
+    (rounded to nearest): right unless that float32 is itself a bfloat16 tie
+    (``_bfloat16_tie``), where the float64 may lie on either side of it. In 32-bit integer
+    operations, as LLVM's IR says them: written in numba, they would be widened to 64 bits,
+    half as many lanes a vector instruction."""
+
+    def codegen(context: object, builder: ir.IRBuilder, signature: object, args: list[Any]) -> Any:
+        word = ir.IntType(32)
+        single = builder.bitcast(builder.fptrunc(args[0], ir.FloatType()), word)
+        odd = builder.and_(builder.lshr(single, word(16)), word(1))
+        rounded = builder.add(builder.add(single, word(0x7FFF)), odd)
+        return builder.trunc(builder.lshr(rounded, word(16)), ir.IntType(16))
+
+    return types.uint16(types.float64), codegen
 
 
-@_helper
-def _bfloat16_tie(value: float) -> np.uint32:
-    """1 where ``_bfloat16`` may be wrong: the float32 of ``value`` is a bfloat16 tie (one
-    value in 65536, so a row of 4096 columns in 16 has one), else 0."""
-    single = np.float32(value).view(np.uint32)
-    return np.uint32((single & np.uint32(0xFFFF)) == np.uint32(0x8000))
+@_intrinsic
+def _bfloat16_tie(typingctx: object, value: types.Type) -> object:
+    """Whether ``_bfloat16`` may be wrong: the float32 of float64 ``value`` is a bfloat16 tie
+    (one value in 65536, so a row of 4096 columns in 16 has one). A boolean, which a loop
+    or-reduces in vector instructions."""
+
+    def codegen(context: object, builder: ir.IRBuilder, signature: object, args: list[Any]) -> Any:
+        word = ir.IntType(32)
+        single = builder.bitcast(builder.fptrunc(args[0], ir.FloatType()), word)
+        return builder.icmp_unsigned("==", builder.and_(single, word(0xFFFF)), word(0x8000))
+
+    return types.boolean(types.float64), codegen
+
+
+#: Pairs a step of the vector kernels (``_bfloat16_pairs``, ``_float16_pairs``): eight,
+#: whose sines and cosines each fill a 256-bit vector of 32-bit values.
+_LANES: Final = 8
+
+
+def _vector_signature(result: types.Type, arrays: tuple[types.Type, ...]) -> Any:
+    """The signature of a vector kernel of ``arrays`` (four planes and ``out``): None (no
+    implementation: numba refuses to compile) unless all are one-dimensional and contiguous,
+    which the kernel reads and writes as vectors."""
+    if not all(isinstance(a, types.Array) and a.ndim == 1 and a.layout == "C" for a in arrays):
+        return None
+    return result(*arrays[:4], types.float64, arrays[4], types.intp)
+
+
+def _vector_pairs(context: Any, builder: ir.IRBuilder, signature: Any, args: list[Any]) -> Any:
+    """The sines and cosines of pairs ``first`` to ``first + _LANES`` of a vector kernel's
+    arguments ``(sines, cosines, turn_sines, turn_cosines, amplitude, out, first)``, as two
+    vectors of float64: ``_pair``'s IEEE operations in its order (the same bits), and the
+    amplitude's product always (by 1 it is exact)."""
+    doubles = ir.VectorType(ir.DoubleType(), _LANES)
+    s, c, turn_s, turn_c = (
+        builder.load(_vector_at(context, builder, signature, args, k, args[6], doubles), align=8)
+        for k in range(4)
+    )
+    amplitude = builder.insert_element(ir.Constant(doubles, None), args[4], ir.IntType(32)(0))
+    lanes = ir.Constant(ir.VectorType(ir.IntType(32), _LANES), [0] * _LANES)
+    amplitude = builder.shuffle_vector(amplitude, amplitude, lanes)
+    sin = builder.fadd(builder.fmul(s, turn_c), builder.fmul(c, turn_s))
+    cos = builder.fadd(builder.fmul(c, turn_c), builder.fmul(s, builder.fneg(turn_s)))
+    return builder.fmul(sin, amplitude), builder.fmul(cos, amplitude)
+
+
+def _vector_at(
+    context: Any,
+    builder: ir.IRBuilder,
+    signature: Any,
+    args: list[Any],
+    k: int,
+    index: Any,
+    vector: ir.Type,
+) -> Any:
+    """A pointer to ``vector`` at element ``index`` of array argument ``k``."""
+    data = context.make_array(signature.args[k])(context, builder, args[k]).data
+    return builder.bitcast(builder.gep(data, [index]), vector.as_pointer())
+
+
+def _out_index(builder: ir.IRBuilder, args: list[Any]) -> Any:
+    """``out``'s index of pair ``first``'s sine: ``2 * first``."""
+    return builder.mul(args[6], ir.Constant(args[6].type, 2))
+
+
+@_intrinsic
+def _bfloat16_pairs(
+    typingctx: object,
+    sines: types.Type,
+    cosines: types.Type,
+    turn_sines: types.Type,
+    turn_cosines: types.Type,
+    amplitude: types.Type,
+    out: types.Type,
+    first: types.Type,
+) -> object:
+    """Pairs ``first`` to ``first + _LANES`` of a row as ``_pair`` makes them, rounded to
+    bfloat16 as ``_bfloat16`` rounds them, into ``out[2 * first :]`` (uint16); returns a
+    mask of the ties among them (``_bfloat16_tie``): bit ``k`` for pair ``first + k``'s
+    sine, ``_LANES + k`` for its cosine.
+
+    ``_bfloat16`` in a loop gets four 32-bit lanes a vector instruction: the float64
+    products come four to a vector, the sines and the cosines in two. Here eight sines make
+    one vector of float32 bits and eight cosines another, rounded eight lanes at a time, and
+    each sine and its cosine are one 32-bit word of ``out`` (the sine's bits low,
+    little-endian), stored without shuffles."""
+
+    def codegen(context: Any, builder: ir.IRBuilder, signature: Any, args: list[Any]) -> Any:
+        words = ir.VectorType(ir.IntType(32), _LANES)
+
+        def splat(value: int) -> ir.Constant:
+            return ir.Constant(words, [value] * _LANES)
+
+        rounded, ties = [], []
+        for value in _vector_pairs(context, builder, signature, args):
+            single = builder.fptrunc(value, ir.VectorType(ir.FloatType(), _LANES))
+            bits = builder.bitcast(single, words)
+            odd = builder.and_(builder.lshr(bits, splat(16)), splat(1))
+            rounded.append(builder.add(builder.add(bits, splat(0x7FFF)), odd))
+            tie = builder.icmp_unsigned("==", builder.and_(bits, splat(0xFFFF)), splat(0x8000))
+            ties.append(builder.zext(builder.bitcast(tie, ir.IntType(_LANES)), ir.IntType(16)))
+        sines = builder.lshr(rounded[0], splat(16))
+        pairs = builder.or_(sines, builder.and_(rounded[1], splat(0xFFFF0000)))
+        at = _vector_at(context, builder, signature, args, 5, _out_index(builder, args), words)
+        builder.store(pairs, at, align=2)
+        return builder.or_(ties[0], builder.shl(ties[1], ir.IntType(16)(_LANES)))
+
+    return _vector_signature(types.uint16, (sines, cosines, turn_sines, turn_cosines, out)), codegen
+
+
+@_intrinsic
+def _float16_pairs(
+    typingctx: object,
+    sines: types.Type,
+    cosines: types.Type,
+    turn_sines: types.Type,
+    turn_cosines: types.Type,
+    amplitude: types.Type,
+    out: types.Type,
+    first: types.Type,
+) -> object:
+    """Pairs ``first`` to ``first + _LANES`` of a row as ``_pair`` makes them, rounded to
+    float16 as ``_float16_by_f16c`` rounds them, into ``out[2 * first :]`` (uint16): eight
+    values a vector instruction (F16C's), where a loop of ``_float16_by_f16c`` gets four and
+    interleaves them apart. Only where the CPU has F16C."""
+
+    def codegen(context: Any, builder: ir.IRBuilder, signature: Any, args: list[Any]) -> Any:
+        longs = ir.VectorType(ir.IntType(64), _LANES)
+        singles = ir.VectorType(ir.FloatType(), _LANES)
+
+        def splat(value: int) -> ir.Constant:
+            return ir.Constant(longs, [value] * _LANES)
+
+        halves = []
+        for value in _vector_pairs(context, builder, signature, args):
+            bits = builder.bitcast(value, longs)
+            dropped = builder.and_(bits, splat(0x1FFFFFFF))
+            sticky = builder.zext(builder.icmp_unsigned("!=", dropped, splat(0)), longs)
+            odd = builder.or_(builder.xor(bits, dropped), builder.shl(sticky, splat(29)))
+            single = builder.fptrunc(builder.bitcast(odd, value.type), singles)  # exact
+            halves.append(builder.fptrunc(single, ir.VectorType(ir.HalfType(), _LANES)))
+        # Sine k and cosine k side by side: out's columns 2k and 2k + 1.
+        interleaved = [k // 2 + (k % 2) * _LANES for k in range(2 * _LANES)]
+        order = ir.Constant(ir.VectorType(ir.IntType(32), 2 * _LANES), interleaved)
+        pairs = builder.shuffle_vector(halves[0], halves[1], order)
+        at = _vector_at(context, builder, signature, args, 5, _out_index(builder, args), pairs.type)
+        builder.store(pairs, at, align=2)
+        return context.get_dummy_value()
+
+    return _vector_signature(types.none, (sines, cosines, turn_sines, turn_cosines, out)), codegen
 
 
 def _bits(value: float) -> int:
@@ -441,7 +619,7 @@ def _has_f16c() -> bool:
     return "+f16c" in str(features).split(",")
 
 
-@intrinsic
+@_intrinsic
 def _float16_of_single(typingctx: object, single: types.Type) -> object:
     """The bits of float32 ``single`` rounded to float16, ties to even: LLVM's ``fptrunc``
     to ``half``, one F16C instruction for eight values. Only where the CPU has F16C: without
@@ -465,12 +643,14 @@ def _float16_by_f16c(value: float, form: tuple[int, int, float, float, int, int]
     dropped = bits & np.uint64(0x1FFFFFFF)
     odd = (bits ^ dropped) | (np.uint64(dropped != np.uint64(0)) << np.uint64(29))
     single = np.float32(np.uint64(odd).view(np.float64))  # exact
-    return int(_float16_of_single(single))  # type: ignore[call-arg]
+    return int(_float16_of_single(single))
 
 
 # float16 bits: by F16C where the CPU has it (about twice as fast as ``_half_bits``), the
 # same bits either way.
-_float16 = _float16_by_f16c if _has_f16c() else _half_bits
+_F16C: Final = _has_f16c()
+_float16 = _float16_by_f16c if _F16C else _half_bits
+_float16_columns = _float16_vector_columns if _F16C else _float16_scalar_columns
 
 
 @_helper
