@@ -463,7 +463,18 @@ def _vector_pairs(context: Any, builder: ir.IRBuilder, signature: Any, args: lis
     amplitude = builder.shuffle_vector(amplitude, amplitude, lanes)
     sin = builder.fadd(builder.fmul(s, turn_c), builder.fmul(c, turn_s))
     cos = builder.fadd(builder.fmul(c, turn_c), builder.fmul(s, builder.fneg(turn_s)))
-    return builder.fmul(sin, amplitude), builder.fmul(cos, amplitude)
+    # By an amplitude of 1 (most tables) the products are left out, as _pair leaves them:
+    # a branch on a value the loop never changes, which LLVM takes out of the loop.
+    unscaled = builder.block
+    scaled = builder.fcmp_ordered("!=", args[4], ir.Constant(ir.DoubleType(), 1.0))
+    with builder.if_then(scaled):
+        scaled_sin, scaled_cos = builder.fmul(sin, amplitude), builder.fmul(cos, amplitude)
+        scaled_block = builder.block
+    sin_phi, cos_phi = builder.phi(doubles), builder.phi(doubles)
+    for phi, plain, product in ((sin_phi, sin, scaled_sin), (cos_phi, cos, scaled_cos)):
+        phi.add_incoming(plain, unscaled)
+        phi.add_incoming(product, scaled_block)
+    return sin_phi, cos_phi
 
 
 def _vector_at(
