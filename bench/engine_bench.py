@@ -70,7 +70,10 @@ def run(sizes: Sizes) -> Section:
             "cast to float32; naive float32 = the usual PyTorch code (`div_term = exp(arange(0, "
             "d, 2) * -(log(10000)/d))` and `position * div_term` all in float32). The three "
             f"run interleaved, {sizes.repeats} times each (order rotated); medians. Errors are "
-            "max |x - reference| against the engine's float64 table of the same positions."
+            "max |x - reference| against the engine's float64 table of the same positions. "
+            "Per value: new rows of a known table in each dtype, written into an array "
+            "touched before; a dtype's blocks one after another as a stream's (median of ten), "
+            "the dtypes in turn."
         ),
     )
     methods: dict[str, Callable[[int, int, int], Array]] = {
@@ -148,5 +151,65 @@ def run(sizes: Sizes) -> Section:
             rows_out,
         )
     )
+    _per_value(sizes, section, data)
     section.data = data
     return section
+
+
+#: The dtypes of ``_per_value``, and the width and rows of its tables: a stream's block of a
+#: 4096-wide bfloat16 table (1 MiB).
+_PER_VALUE_DTYPES = ("float32", "bfloat16", "float16", "float64")
+_PER_VALUE_SHAPE = (128, 4096)
+
+
+def _per_value(sizes: Sizes, section: Section, data: dict[str, Any]) -> None:
+    """The engine's cost per value of a stream's blocks in each dtype: new rows of a known
+    table (its frequencies made), written into an array touched before. A dtype's blocks run
+    one after the other, as a stream's do (its factors stay in the CPU's caches), the median
+    of ten taken; the dtypes take turns. bfloat16 and float16 values are rounded in the
+    kernel, float32 and float64 ones stored as they are."""
+    from posenc_server import engine
+    from posenc_server.tables.sinusoidal import Sinusoidal
+
+    rows, d_model = _PER_VALUE_SHAPE
+    encodings = {
+        dtype: engine.Encoding.prepare(Sinusoidal(d_model), dtype) for dtype in _PER_VALUE_DTYPES
+    }
+    outs = {dtype: engine.encode_range(encodings[dtype], 0, rows) for dtype in _PER_VALUE_DTYPES}
+    samples: dict[str, list[float]] = {dtype: [] for dtype in _PER_VALUE_DTYPES}
+    start = sizes.engine_start
+    for repeat in range(4 * sizes.repeats):
+        for dtype in rotated(list(_PER_VALUE_DTYPES), repeat):
+            blocks = []
+            for _ in range(10):
+                start += rows
+                t0 = time.perf_counter()
+                engine.encode_range(encodings[dtype], start, start + rows, out=outs[dtype])
+                blocks.append(time.perf_counter() - t0)
+            samples[dtype].append(median(blocks) / (rows * d_model))
+    ns = {dtype: median(values) * 1e9 for dtype, values in samples.items()}
+    data["per_value"] = {"rows": rows, "d_model": d_model, "seconds_per_value": samples}
+    section.tables.append(
+        Table(
+            f"ns per value, {rows} new rows x {d_model} of a known table",
+            ["dtype", "ns per value", "x float32", "MiB/s"],
+            [
+                [
+                    dtype,
+                    f"{ns[dtype]:.3f}",
+                    f"{ns[dtype] / ns['float32']:.2f}",
+                    f"{outs[dtype].itemsize / ns[dtype] * 1e9 / MIB:.0f}",
+                ]
+                for dtype in _PER_VALUE_DTYPES
+            ],
+        )
+    )
+    for dtype in ("bfloat16", "float16"):
+        section.targets.append(
+            Target(
+                f"engine {dtype} value / float32 value (time, rounding included)",
+                ns[dtype] / ns["float32"],
+                "",
+                0.0,
+            )
+        )
