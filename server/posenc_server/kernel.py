@@ -12,10 +12,10 @@ to their columns; other layouts' rows go through a scratch row of planes, copied
 columns by runs (``_runs``: a layout's halves, sections and repeats), cast on the way.
 
 bfloat16 and float16 values are rounded in the same loops, to their bits, with integer and
-float operations that run in vector instructions (``_bfloat16``, ``_half_bits``); the
-interleaved layout's rows eight pairs at a time, by vector code written in LLVM's IR
-(``_bfloat16_pairs``, ``_float16_pairs``), which rounds as many values an instruction as
-float32 rows store.
+float operations that run in vector instructions (``_bfloat16``, ``_half_bits``): eight
+pairs at a time by vector code written in LLVM's IR (``_vector_kernel``), which rounds as
+many values an instruction as float32 rows store, straight to the interleaved layout's
+columns or to the scratch row of the others.
 """
 
 from __future__ import annotations
@@ -258,18 +258,18 @@ def _write_row(
         if stored == BFLOAT16:
             _bfloat16_columns(factors, amplitude, out)
         elif stored == FLOAT16:
-            _float16_columns(factors, amplitude, out, 0)
+            _float16_columns(factors, amplitude, out)
         else:
             _value_columns(factors, amplitude, out)
         return
-    _planar_row(factors, amplitude, row)
     if stored == VALUES:
+        _planar_row(factors, amplitude, row)
         _copy_runs(row, runs, out)
         return
     if stored == BFLOAT16:
-        _bfloat16_row(row, halves)
+        _bfloat16_planes(factors, amplitude, halves)
     else:
-        _float16_row(row, halves)
+        _float16_planes(factors, amplitude, halves)
     _copy_runs(halves, runs, out)
 
 
@@ -337,69 +337,114 @@ def _bfloat16_columns(factors: _Factors, amplitude: float, out: npt.NDArray[np.g
     form = _BFLOAT16_FORMAT
     vectors = count - count % _LANES
     for first in range(0, vectors, _LANES):
-        ties = _bfloat16_pairs(*factors, amplitude, out, first)
+        ties = _bfloat16_pairs(*factors, amplitude, out, first, count)
         if ties:
-            for lane in range(2 * _LANES):
-                if ties >> lane & 1:
-                    i = first + lane % _LANES
-                    value = _pair(factors, amplitude, i)[lane // _LANES]
-                    out[2 * i + lane // _LANES] = _half_bits(value, form)
-    for i in range(vectors, count):
-        sin, cos = _pair(factors, amplitude, i)
-        out[2 * i] = _half_bits(sin, form) if _bfloat16_tie(sin) else _bfloat16(sin)
-        out[2 * i + 1] = _half_bits(cos, form) if _bfloat16_tie(cos) else _bfloat16(cos)
+            _round_again(factors, amplitude, out, first, ties, form, 2, 1)
+    _bfloat16_values(factors, amplitude, out, vectors, count, 2, 1)
     for k in range(2 * count, out.size):
         out[k] = _half_bits(_value(factors, amplitude, k), form)
 
 
 @_helper
-def _float16_scalar_columns(
-    factors: _Factors, amplitude: float, out: npt.NDArray[np.generic], first: int
+def _bfloat16_planes(factors: _Factors, amplitude: float, halves: npt.NDArray[np.uint16]) -> None:
+    """``halves`` = the row's values as planes (the sines, then the cosines; the value after
+    them left as it is: the zero column's 0) rounded to bfloat16, as ``_bfloat16_columns``
+    rounds them, for the layouts whose columns are copied by runs (``_copy_runs``)."""
+    count = factors[0].size
+    form = _BFLOAT16_FORMAT
+    vectors = count - count % _LANES
+    for first in range(0, vectors, _LANES):
+        ties = _bfloat16_planes_step(*factors, amplitude, halves, first, count)
+        if ties:
+            _round_again(factors, amplitude, halves, first, ties, form, 1, count)
+    _bfloat16_values(factors, amplitude, halves, vectors, count, 1, count)
+
+
+@_helper
+def _bfloat16_values(
+    factors: _Factors,
+    amplitude: float,
+    out: npt.NDArray[np.generic],
+    first: int,
+    count: int,
+    step: int,
+    plane: int,
 ) -> None:
-    """``out[k]`` = the bits of value ``k`` of the row rounded to float16 (``_float16``),
-    for every column ``k`` from pair ``first``'s on."""
-    count = min(factors[0].size, out.size // 2)
+    """Pairs ``first`` to ``count`` rounded to bfloat16 one value at a time: pair ``i``'s
+    sine at ``out[i * step]``, its cosine ``plane`` further."""
+    form = _BFLOAT16_FORMAT
+    for i in range(first, count):
+        sin, cos = _pair(factors, amplitude, i)
+        out[i * step] = _half_bits(sin, form) if _bfloat16_tie(sin) else _bfloat16(sin)
+        out[i * step + plane] = _half_bits(cos, form) if _bfloat16_tie(cos) else _bfloat16(cos)
+
+
+@_helper
+def _float16_values(
+    factors: _Factors,
+    amplitude: float,
+    out: npt.NDArray[np.generic],
+    first: int,
+    count: int,
+    step: int,
+    plane: int,
+) -> None:
+    """Pairs ``first`` to ``count`` rounded to float16 (``_float16``) one value at a time,
+    placed as ``_bfloat16_values`` places them."""
     form = _FLOAT16_FORMAT
     for i in range(first, count):
         sin, cos = _pair(factors, amplitude, i)
-        out[2 * i] = _float16(sin, form)
-        out[2 * i + 1] = _float16(cos, form)
+        out[i * step] = _float16(sin, form)
+        out[i * step + plane] = _float16(cos, form)
+
+
+@_helper
+def _float16_columns(factors: _Factors, amplitude: float, out: npt.NDArray[np.generic]) -> None:
+    """``out[k]`` = the bits of value ``k`` of the row rounded to float16 (``_float16``),
+    for every column ``k``: ``_LANES`` pairs at a time by ``_float16_pairs`` where the CPU
+    has F16C."""
+    count = min(factors[0].size, out.size // 2)
+    vectors = 0
+    if _F16C:  # a constant: numba leaves the branch out where it is false
+        vectors = count - count % _LANES
+        for first in range(0, vectors, _LANES):
+            _float16_pairs(*factors, amplitude, out, first, count)
+    _float16_values(factors, amplitude, out, vectors, count, 2, 1)
+    form = _FLOAT16_FORMAT
     for k in range(2 * count, out.size):
         out[k] = _float16(_value(factors, amplitude, k), form)
 
 
 @_helper
-def _float16_vector_columns(
-    factors: _Factors, amplitude: float, out: npt.NDArray[np.generic], first: int
+def _float16_planes(factors: _Factors, amplitude: float, halves: npt.NDArray[np.uint16]) -> None:
+    """``halves`` = the row's values as planes rounded to float16 (as ``_bfloat16_planes``)."""
+    count = factors[0].size
+    vectors = 0
+    if _F16C:  # as in _float16_columns
+        vectors = count - count % _LANES
+        for first in range(0, vectors, _LANES):
+            _float16_planes_step(*factors, amplitude, halves, first, count)
+    _float16_values(factors, amplitude, halves, vectors, count, 1, count)
+
+
+@_helper
+def _round_again(
+    factors: _Factors,
+    amplitude: float,
+    out: npt.NDArray[np.generic],
+    first: int,
+    mask: int,
+    form: tuple[int, int, float, float, int, int],
+    step: int,
+    plane: int,
 ) -> None:
-    """``_float16_scalar_columns``, ``_LANES`` pairs at a time by ``_float16_pairs`` (F16C)."""
-    count = min(factors[0].size, out.size // 2)
-    vectors = first + (count - first) // _LANES * _LANES
-    for i in range(first, vectors, _LANES):
-        _float16_pairs(*factors, amplitude, out, i)
-    _float16_scalar_columns(factors, amplitude, out, vectors)
-
-
-@_helper
-def _bfloat16_row(row: npt.NDArray[np.float64], halves: npt.NDArray[np.uint16]) -> None:
-    """``halves`` = the bits of ``row`` rounded to bfloat16 (as ``_bfloat16_columns``)."""
-    ties = False
-    for k in range(row.size):
-        halves[k] = _bfloat16(row[k])
-        ties |= _bfloat16_tie(row[k])
-    if ties:
-        form = _BFLOAT16_FORMAT
-        for k in range(row.size):
-            if _bfloat16_tie(row[k]):
-                halves[k] = _half_bits(row[k], form)
-
-
-@_helper
-def _float16_row(row: npt.NDArray[np.float64], halves: npt.NDArray[np.uint16]) -> None:
-    """``halves`` = the bits of ``row`` rounded to float16 (``_float16``)."""
-    form = _FLOAT16_FORMAT
-    for k in range(row.size):
-        halves[k] = _float16(row[k], form)
+    """The values of a vector kernel's ``mask`` (bit ``k``: pair ``first + k``'s sine,
+    ``_LANES + k``: its cosine), placed as ``_bfloat16_values`` places them, rounded to the
+    format ``form`` straight from the float64 (``_half_bits``)."""
+    for lane in range(2 * _LANES):
+        if mask >> lane & 1:
+            i, cosine = first + lane % _LANES, lane // _LANES
+            out[i * step + cosine * plane] = _half_bits(_pair(factors, amplitude, i)[cosine], form)
 
 
 @_intrinsic
@@ -434,153 +479,136 @@ def _bfloat16_tie(typingctx: object, value: types.Type) -> object:
     return types.boolean(types.float64), codegen
 
 
-#: Pairs a step of the vector kernels (``_bfloat16_pairs``, ``_float16_pairs``): eight,
-#: whose sines and cosines each fill a 256-bit vector of 32-bit values.
+#: Pairs a step of the vector kernels: eight, whose sines and cosines each fill a 256-bit
+#: vector of 32-bit values.
 _LANES: Final = 8
+_WORDS: Final = ir.VectorType(ir.IntType(32), _LANES)
+_SINGLES: Final = ir.VectorType(ir.FloatType(), _LANES)
+_HALVES: Final = ir.VectorType(ir.IntType(16), _LANES)
 
 
-def _vector_signature(result: types.Type, arrays: tuple[types.Type, ...]) -> Any:
-    """The signature of a vector kernel of ``arrays`` (four planes and ``out``): None (no
-    implementation: numba refuses to compile) unless all are one-dimensional and contiguous,
-    which the kernel reads and writes as vectors."""
-    if not all(isinstance(a, types.Array) and a.ndim == 1 and a.layout == "C" for a in arrays):
-        return None
-    return result(*arrays[:4], types.float64, arrays[4], types.intp)
+def _splat(vector: ir.VectorType, value: int) -> ir.Constant:
+    return ir.Constant(vector, [value] * _LANES)
 
 
-def _vector_pairs(context: Any, builder: ir.IRBuilder, signature: Any, args: list[Any]) -> Any:
-    """The sines and cosines of pairs ``first`` to ``first + _LANES`` of a vector kernel's
-    arguments ``(sines, cosines, turn_sines, turn_cosines, amplitude, out, first)``, as two
-    vectors of float64: ``_pair``'s IEEE operations in its order (the same bits), and the
-    amplitude's product always (by 1 it is exact)."""
-    doubles = ir.VectorType(ir.DoubleType(), _LANES)
-    s, c, turn_s, turn_c = (
-        builder.load(_vector_at(context, builder, signature, args, k, args[6], doubles), align=8)
-        for k in range(4)
-    )
-    amplitude = builder.insert_element(ir.Constant(doubles, None), args[4], ir.IntType(32)(0))
-    lanes = ir.Constant(ir.VectorType(ir.IntType(32), _LANES), [0] * _LANES)
-    amplitude = builder.shuffle_vector(amplitude, amplitude, lanes)
-    sin = builder.fadd(builder.fmul(s, turn_c), builder.fmul(c, turn_s))
-    cos = builder.fadd(builder.fmul(c, turn_c), builder.fmul(s, builder.fneg(turn_s)))
-    # By an amplitude of 1 (most tables) the products are left out, as _pair leaves them:
-    # a branch on a value the loop never changes, which LLVM takes out of the loop.
-    unscaled = builder.block
-    scaled = builder.fcmp_ordered("!=", args[4], ir.Constant(ir.DoubleType(), 1.0))
-    with builder.if_then(scaled):
-        scaled_sin, scaled_cos = builder.fmul(sin, amplitude), builder.fmul(cos, amplitude)
-        scaled_block = builder.block
-    sin_phi, cos_phi = builder.phi(doubles), builder.phi(doubles)
-    for phi, plain, product in ((sin_phi, sin, scaled_sin), (cos_phi, cos, scaled_cos)):
-        phi.add_incoming(plain, unscaled)
-        phi.add_incoming(product, scaled_block)
-    return sin_phi, cos_phi
+def _vector_kernel(name: str, rounding: Callable[..., Any], planes: bool) -> Callable[..., Any]:
+    """A vector kernel: pairs ``first`` to ``first + _LANES`` of a row as ``_pair`` makes
+    them (the same IEEE operations in its order: the same bits), rounded by ``rounding``
+    and stored in ``out`` (uint16) as pairs (``out[2 * first]`` on: the interleaved
+    layout's columns) or as ``planes`` (the sines from ``out[first]``, the cosines from
+    ``out[count + first]``: the scratch row the other layouts' runs copy from); returns
+    the mask ``rounding`` gives of the values it may have rounded wrong (bit ``k``: pair
+    ``first + k``'s sine, ``_LANES + k``: its cosine).
+
+    A loop of one value at a time gets four 32-bit lanes a vector instruction at most: the
+    float64 products come four to a vector, the sines and the cosines in two. Here eight
+    sines are one vector and eight cosines another, rounded eight lanes at a time.
+    Contiguous arrays only (the engine's), which it reads and writes as vectors: numba
+    refuses to compile it for others."""
+
+    def typing(
+        typingctx: object,
+        sines: types.Type,
+        cosines: types.Type,
+        turn_sines: types.Type,
+        turn_cosines: types.Type,
+        amplitude: types.Type,
+        out: types.Type,
+        first: types.Type,
+        count: types.Type,
+    ) -> object:
+        arrays = (sines, cosines, turn_sines, turn_cosines, out)
+        if not all(isinstance(a, types.Array) and a.ndim == 1 and a.layout == "C" for a in arrays):
+            return None
+        signature = types.uint16(*arrays[:4], types.float64, out, types.intp, types.intp)
+
+        def codegen(context: Any, builder: ir.IRBuilder, signature: Any, args: list[Any]) -> Any:
+            def at(k: int, index: Any, vector: ir.Type) -> Any:  # vector at array k's index
+                data = context.make_array(signature.args[k])(context, builder, args[k]).data
+                return builder.bitcast(builder.gep(data, [index]), vector.as_pointer())
+
+            first, count = args[6], args[7]
+            doubles = ir.VectorType(ir.DoubleType(), _LANES)
+            s, c, turn_s, turn_c = (builder.load(at(k, first, doubles), align=8) for k in range(4))
+            sin = builder.fadd(builder.fmul(s, turn_c), builder.fmul(c, turn_s))
+            cos = builder.fadd(builder.fmul(c, turn_c), builder.fmul(s, builder.fneg(turn_s)))
+            # By an amplitude of 1 (most tables) the products are left out, as _pair leaves
+            # them: a branch on a value the loop never changes, which LLVM takes out of it.
+            unscaled = builder.block
+            scale = builder.insert_element(ir.Constant(doubles, None), args[4], ir.IntType(32)(0))
+            scale = builder.shuffle_vector(scale, scale, _splat(_WORDS, 0))
+            with builder.if_then(builder.fcmp_ordered("!=", args[4], ir.DoubleType()(1.0))):
+                scaled = (builder.fmul(sin, scale), builder.fmul(cos, scale))
+                scaled_block = builder.block
+            values = []
+            for plain, product in zip((sin, cos), scaled, strict=True):
+                value = builder.phi(doubles)
+                value.add_incoming(plain, unscaled)
+                value.add_incoming(product, scaled_block)
+                values.append(value)
+            rounded, doubts = rounding(builder, values)
+            if planes:
+                for plane, halves in enumerate(rounded):
+                    index = builder.add(first, builder.mul(count, ir.Constant(count.type, plane)))
+                    builder.store(halves, at(5, index, _HALVES), align=2)
+            else:
+                # Sine k and cosine k side by side: out's columns 2k and 2k + 1.
+                order = [k // 2 + (k % 2) * _LANES for k in range(2 * _LANES)]
+                pairs = builder.shuffle_vector(
+                    rounded[0],
+                    rounded[1],
+                    ir.Constant(ir.VectorType(ir.IntType(32), 2 * _LANES), order),
+                )
+                index = builder.mul(first, ir.Constant(first.type, 2))
+                builder.store(pairs, at(5, index, pairs.type), align=2)
+            masks = [
+                builder.zext(builder.bitcast(d, ir.IntType(_LANES)), ir.IntType(16)) for d in doubts
+            ]
+            return builder.or_(masks[0], builder.shl(masks[1], ir.IntType(16)(_LANES)))
+
+        return signature, codegen
+
+    typing.__name__ = typing.__qualname__ = name
+    return _intrinsic(typing)
 
 
-def _vector_at(
-    context: Any,
-    builder: ir.IRBuilder,
-    signature: Any,
-    args: list[Any],
-    k: int,
-    index: Any,
-    vector: ir.Type,
-) -> Any:
-    """A pointer to ``vector`` at element ``index`` of array argument ``k``."""
-    data = context.make_array(signature.args[k])(context, builder, args[k]).data
-    return builder.bitcast(builder.gep(data, [index]), vector.as_pointer())
+def _bfloat16_rounding(builder: ir.IRBuilder, values: list[Any]) -> tuple[list[Any], list[Any]]:
+    """``_bfloat16`` and ``_bfloat16_tie`` of two vectors of float64, eight lanes an
+    instruction: their bits (16-bit lanes) and their ties."""
+    rounded, ties = [], []
+    for value in values:
+        bits = builder.bitcast(builder.fptrunc(value, _SINGLES), _WORDS)
+        odd = builder.and_(builder.lshr(bits, _splat(_WORDS, 16)), _splat(_WORDS, 1))
+        nearest = builder.add(builder.add(bits, _splat(_WORDS, 0x7FFF)), odd)
+        rounded.append(builder.trunc(builder.lshr(nearest, _splat(_WORDS, 16)), _HALVES))
+        low = builder.and_(bits, _splat(_WORDS, 0xFFFF))
+        ties.append(builder.icmp_unsigned("==", low, _splat(_WORDS, 0x8000)))
+    return rounded, ties
 
 
-def _out_index(builder: ir.IRBuilder, args: list[Any]) -> Any:
-    """``out``'s index of pair ``first``'s sine: ``2 * first``."""
-    return builder.mul(args[6], ir.Constant(args[6].type, 2))
+def _float16_rounding(builder: ir.IRBuilder, values: list[Any]) -> tuple[list[Any], list[Any]]:
+    """``_float16_by_f16c`` of two vectors of float64, eight lanes an instruction (F16C's):
+    their bits (16-bit lanes), and no doubts (an empty mask)."""
+    longs = ir.VectorType(ir.IntType(64), _LANES)
+    rounded = []
+    for value in values:
+        bits = builder.bitcast(value, longs)
+        dropped = builder.and_(bits, _splat(longs, 0x1FFFFFFF))
+        sticky = builder.zext(builder.icmp_unsigned("!=", dropped, _splat(longs, 0)), longs)
+        odd = builder.or_(builder.xor(bits, dropped), builder.shl(sticky, _splat(longs, 29)))
+        single = builder.fptrunc(builder.bitcast(odd, value.type), _SINGLES)  # exact
+        half = builder.fptrunc(single, ir.VectorType(ir.HalfType(), _LANES))
+        rounded.append(builder.bitcast(half, _HALVES))
+    none = ir.Constant(ir.VectorType(ir.IntType(1), _LANES), [0] * _LANES)
+    return rounded, [none, none]
 
 
-@_intrinsic
-def _bfloat16_pairs(
-    typingctx: object,
-    sines: types.Type,
-    cosines: types.Type,
-    turn_sines: types.Type,
-    turn_cosines: types.Type,
-    amplitude: types.Type,
-    out: types.Type,
-    first: types.Type,
-) -> object:
-    """Pairs ``first`` to ``first + _LANES`` of a row as ``_pair`` makes them, rounded to
-    bfloat16 as ``_bfloat16`` rounds them, into ``out[2 * first :]`` (uint16); returns a
-    mask of the ties among them (``_bfloat16_tie``): bit ``k`` for pair ``first + k``'s
-    sine, ``_LANES + k`` for its cosine.
-
-    ``_bfloat16`` in a loop gets four 32-bit lanes a vector instruction: the float64
-    products come four to a vector, the sines and the cosines in two. Here eight sines make
-    one vector of float32 bits and eight cosines another, rounded eight lanes at a time, and
-    each sine and its cosine are one 32-bit word of ``out`` (the sine's bits low,
-    little-endian), stored without shuffles."""
-
-    def codegen(context: Any, builder: ir.IRBuilder, signature: Any, args: list[Any]) -> Any:
-        words = ir.VectorType(ir.IntType(32), _LANES)
-
-        def splat(value: int) -> ir.Constant:
-            return ir.Constant(words, [value] * _LANES)
-
-        rounded, ties = [], []
-        for value in _vector_pairs(context, builder, signature, args):
-            single = builder.fptrunc(value, ir.VectorType(ir.FloatType(), _LANES))
-            bits = builder.bitcast(single, words)
-            odd = builder.and_(builder.lshr(bits, splat(16)), splat(1))
-            rounded.append(builder.add(builder.add(bits, splat(0x7FFF)), odd))
-            tie = builder.icmp_unsigned("==", builder.and_(bits, splat(0xFFFF)), splat(0x8000))
-            ties.append(builder.zext(builder.bitcast(tie, ir.IntType(_LANES)), ir.IntType(16)))
-        sines = builder.lshr(rounded[0], splat(16))
-        pairs = builder.or_(sines, builder.and_(rounded[1], splat(0xFFFF0000)))
-        at = _vector_at(context, builder, signature, args, 5, _out_index(builder, args), words)
-        builder.store(pairs, at, align=2)
-        return builder.or_(ties[0], builder.shl(ties[1], ir.IntType(16)(_LANES)))
-
-    return _vector_signature(types.uint16, (sines, cosines, turn_sines, turn_cosines, out)), codegen
-
-
-@_intrinsic
-def _float16_pairs(
-    typingctx: object,
-    sines: types.Type,
-    cosines: types.Type,
-    turn_sines: types.Type,
-    turn_cosines: types.Type,
-    amplitude: types.Type,
-    out: types.Type,
-    first: types.Type,
-) -> object:
-    """Pairs ``first`` to ``first + _LANES`` of a row as ``_pair`` makes them, rounded to
-    float16 as ``_float16_by_f16c`` rounds them, into ``out[2 * first :]`` (uint16): eight
-    values a vector instruction (F16C's), where a loop of ``_float16_by_f16c`` gets four and
-    interleaves them apart. Only where the CPU has F16C."""
-
-    def codegen(context: Any, builder: ir.IRBuilder, signature: Any, args: list[Any]) -> Any:
-        longs = ir.VectorType(ir.IntType(64), _LANES)
-        singles = ir.VectorType(ir.FloatType(), _LANES)
-
-        def splat(value: int) -> ir.Constant:
-            return ir.Constant(longs, [value] * _LANES)
-
-        halves = []
-        for value in _vector_pairs(context, builder, signature, args):
-            bits = builder.bitcast(value, longs)
-            dropped = builder.and_(bits, splat(0x1FFFFFFF))
-            sticky = builder.zext(builder.icmp_unsigned("!=", dropped, splat(0)), longs)
-            odd = builder.or_(builder.xor(bits, dropped), builder.shl(sticky, splat(29)))
-            single = builder.fptrunc(builder.bitcast(odd, value.type), singles)  # exact
-            halves.append(builder.fptrunc(single, ir.VectorType(ir.HalfType(), _LANES)))
-        # Sine k and cosine k side by side: out's columns 2k and 2k + 1.
-        interleaved = [k // 2 + (k % 2) * _LANES for k in range(2 * _LANES)]
-        order = ir.Constant(ir.VectorType(ir.IntType(32), 2 * _LANES), interleaved)
-        pairs = builder.shuffle_vector(halves[0], halves[1], order)
-        at = _vector_at(context, builder, signature, args, 5, _out_index(builder, args), pairs.type)
-        builder.store(pairs, at, align=2)
-        return context.get_dummy_value()
-
-    return _vector_signature(types.none, (sines, cosines, turn_sines, turn_cosines, out)), codegen
+_bfloat16_pairs = _vector_kernel("_bfloat16_pairs", _bfloat16_rounding, planes=False)
+_bfloat16_planes_step = _vector_kernel("_bfloat16_planes_step", _bfloat16_rounding, planes=True)
+# Only where the CPU has F16C: without it LLVM calls a runtime function numba's linker does
+# not have (the loops that call these compile them only then).
+_float16_pairs = _vector_kernel("_float16_pairs", _float16_rounding, planes=False)
+_float16_planes_step = _vector_kernel("_float16_planes_step", _float16_rounding, planes=True)
 
 
 def _bits(value: float) -> int:
@@ -661,7 +689,6 @@ def _float16_by_f16c(value: float, form: tuple[int, int, float, float, int, int]
 # same bits either way.
 _F16C: Final = _has_f16c()
 _float16 = _float16_by_f16c if _F16C else _half_bits
-_float16_columns = _float16_vector_columns if _F16C else _float16_scalar_columns
 
 
 @_helper
