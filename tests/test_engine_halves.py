@@ -41,13 +41,15 @@ def _hard_values(mantissa_bits: int) -> np.ndarray[Any, np.dtype[np.float64]]:
 
 
 def _kernel_rows(values: np.ndarray[Any, np.dtype[np.float64]], stored: int, gathered: bool) -> Any:
-    """``values`` through the format's ``kernel.rotate_into`` as the sin columns of rows of
-    64 pairs: a base ``x + 0i`` rotated by ``0 + 1i`` is ``x`` exactly."""
+    """``values`` through the format's ``kernel.rotate_into`` as the columns of rows of 64
+    pairs: a base ``s + ci`` rotated by ``0 + 1i`` is ``(s, c)`` exactly. The sines take
+    the first half of ``values`` and the cosines the second, so that both of a pair's
+    lanes meet hard values."""
     pairs = 64
-    count = -(-values.size // pairs)
-    padded = np.zeros(count * pairs)
+    count = -(-values.size // (2 * pairs))
+    padded = np.zeros(2 * count * pairs)
     padded[: values.size] = values
-    bases = np.stack([padded.reshape(count, pairs), np.zeros((count, pairs))], axis=1)
+    bases = np.ascontiguousarray(padded.reshape(2, count, pairs).transpose(1, 0, 2))
     rotations = np.stack([np.zeros((1, pairs)), np.ones((1, pairs))], axis=1)
     columns = np.arange(2 * pairs, dtype=np.int64)
     if gathered:  # the sin columns first: not the straight layout
@@ -57,8 +59,8 @@ def _kernel_rows(values: np.ndarray[Any, np.dtype[np.float64]], stored: int, gat
     rotation_index = np.zeros(count, dtype=np.int64)
     rotate_into = kernel.ROTATE_INTO[stored]
     rotate_into(bases, base_index, rotations, rotation_index, columns, 1.0, out)
-    sines = out[:, :pairs] if gathered else out[:, 0::2]
-    return sines.reshape(-1)[: values.size]
+    sines, cosines = (out[:, :pairs], out[:, pairs:]) if gathered else (out[:, 0::2], out[:, 1::2])
+    return np.concatenate([sines.reshape(-1), cosines.reshape(-1)])[: values.size]
 
 
 @pytest.mark.parametrize("gathered", [False, True], ids=["straight", "gathered"])
