@@ -12,10 +12,10 @@ to their columns; other layouts' rows go through a scratch row of planes, copied
 columns by runs (``_runs``: a layout's halves, sections and repeats), cast on the way.
 
 bfloat16 and float16 values are rounded in the same loops, to their bits, with integer and
-float operations that run in vector instructions (``_bfloat16``, ``_half_bits``): eight
-pairs at a time by vector code written in LLVM's IR (``_vector_kernel``), which rounds as
-many values an instruction as float32 rows store, straight to the interleaved layout's
-columns or to the scratch row of the others.
+float operations: eight pairs at a time by vector code written in LLVM's IR
+(``_vector_kernel``), which rounds as many values an instruction as float32 rows store,
+straight to the interleaved layout's columns or to the scratch row of the others; the few
+values a row has beyond its last eight pairs by ``_half_bits``.
 """
 
 from __future__ import annotations
@@ -332,7 +332,7 @@ def _value_columns(factors: _Factors, amplitude: float, out: npt.NDArray[np.gene
 def _bfloat16_columns(factors: _Factors, amplitude: float, out: npt.NDArray[np.generic]) -> None:
     """``out[k]`` = the bits of value ``k`` of the row rounded to bfloat16, for every column
     ``k``: ``_LANES`` pairs at a time by ``_bfloat16_pairs``, whose ties (one value in
-    65536) are rounded again, exactly (``_half_bits``); the rest by ``_bfloat16``."""
+    65536) are rounded again, exactly (``_half_bits``); the rest by ``_half_bits``."""
     count = min(factors[0].size, out.size // 2)
     form = _BFLOAT16_FORMAT
     vectors = count - count % _LANES
@@ -340,7 +340,7 @@ def _bfloat16_columns(factors: _Factors, amplitude: float, out: npt.NDArray[np.g
         ties = _bfloat16_pairs(*factors, amplitude, out, first, count)
         if ties:
             _round_again(factors, amplitude, out, first, ties, form, 2, 1)
-    _bfloat16_values(factors, amplitude, out, vectors, count, 2, 1)
+    _rounded_values(factors, amplitude, out, vectors, count, 2, 1, form)
     for k in range(2 * count, out.size):
         out[k] = _half_bits(_value(factors, amplitude, k), form)
 
@@ -357,11 +357,11 @@ def _bfloat16_planes(factors: _Factors, amplitude: float, halves: npt.NDArray[np
         ties = _bfloat16_planes_step(*factors, amplitude, halves, first, count)
         if ties:
             _round_again(factors, amplitude, halves, first, ties, form, 1, count)
-    _bfloat16_values(factors, amplitude, halves, vectors, count, 1, count)
+    _rounded_values(factors, amplitude, halves, vectors, count, 1, count, form)
 
 
 @_helper
-def _bfloat16_values(
+def _rounded_values(
     factors: _Factors,
     amplitude: float,
     out: npt.NDArray[np.generic],
@@ -369,50 +369,32 @@ def _bfloat16_values(
     count: int,
     step: int,
     plane: int,
+    form: tuple[int, int, float, float, int, int],
 ) -> None:
-    """Pairs ``first`` to ``count`` rounded to bfloat16 one value at a time: pair ``i``'s
-    sine at ``out[i * step]``, its cosine ``plane`` further."""
-    form = _BFLOAT16_FORMAT
+    """Pairs ``first`` to ``count`` (the few a vector kernel's steps leave) rounded to the
+    format ``form`` one value at a time, straight from the float64 (``_half_bits``): pair
+    ``i``'s sine at ``out[i * step]``, its cosine ``plane`` further."""
     for i in range(first, count):
         sin, cos = _pair(factors, amplitude, i)
-        out[i * step] = _half_bits(sin, form) if _bfloat16_tie(sin) else _bfloat16(sin)
-        out[i * step + plane] = _half_bits(cos, form) if _bfloat16_tie(cos) else _bfloat16(cos)
-
-
-@_helper
-def _float16_values(
-    factors: _Factors,
-    amplitude: float,
-    out: npt.NDArray[np.generic],
-    first: int,
-    count: int,
-    step: int,
-    plane: int,
-) -> None:
-    """Pairs ``first`` to ``count`` rounded to float16 (``_float16``) one value at a time,
-    placed as ``_bfloat16_values`` places them."""
-    form = _FLOAT16_FORMAT
-    for i in range(first, count):
-        sin, cos = _pair(factors, amplitude, i)
-        out[i * step] = _float16(sin, form)
-        out[i * step + plane] = _float16(cos, form)
+        out[i * step] = _half_bits(sin, form)
+        out[i * step + plane] = _half_bits(cos, form)
 
 
 @_helper
 def _float16_columns(factors: _Factors, amplitude: float, out: npt.NDArray[np.generic]) -> None:
-    """``out[k]`` = the bits of value ``k`` of the row rounded to float16 (``_float16``),
-    for every column ``k``: ``_LANES`` pairs at a time by ``_float16_pairs`` where the CPU
-    has F16C."""
+    """``out[k]`` = the bits of value ``k`` of the row rounded to float16, for every column
+    ``k``: ``_LANES`` pairs at a time by ``_float16_pairs`` where the CPU has F16C, the rest
+    by ``_half_bits``."""
     count = min(factors[0].size, out.size // 2)
     vectors = 0
     if _F16C:  # a constant: numba leaves the branch out where it is false
         vectors = count - count % _LANES
         for first in range(0, vectors, _LANES):
             _float16_pairs(*factors, amplitude, out, first, count)
-    _float16_values(factors, amplitude, out, vectors, count, 2, 1)
     form = _FLOAT16_FORMAT
+    _rounded_values(factors, amplitude, out, vectors, count, 2, 1, form)
     for k in range(2 * count, out.size):
-        out[k] = _float16(_value(factors, amplitude, k), form)
+        out[k] = _half_bits(_value(factors, amplitude, k), form)
 
 
 @_helper
@@ -424,7 +406,7 @@ def _float16_planes(factors: _Factors, amplitude: float, halves: npt.NDArray[np.
         vectors = count - count % _LANES
         for first in range(0, vectors, _LANES):
             _float16_planes_step(*factors, amplitude, halves, first, count)
-    _float16_values(factors, amplitude, halves, vectors, count, 1, count)
+    _rounded_values(factors, amplitude, halves, vectors, count, 1, count, _FLOAT16_FORMAT)
 
 
 @_helper
@@ -439,44 +421,12 @@ def _round_again(
     plane: int,
 ) -> None:
     """The values of a vector kernel's ``mask`` (bit ``k``: pair ``first + k``'s sine,
-    ``_LANES + k``: its cosine), placed as ``_bfloat16_values`` places them, rounded to the
+    ``_LANES + k``: its cosine), placed as ``_rounded_values`` places them, rounded to the
     format ``form`` straight from the float64 (``_half_bits``)."""
     for lane in range(2 * _LANES):
         if mask >> lane & 1:
             i, cosine = first + lane % _LANES, lane // _LANES
             out[i * step + cosine * plane] = _half_bits(_pair(factors, amplitude, i)[cosine], form)
-
-
-@_intrinsic
-def _bfloat16(typingctx: object, value: types.Type) -> object:
-    """The bits of float64 ``value`` rounded to bfloat16, ties to even, through float32
-    (rounded to nearest): right unless that float32 is itself a bfloat16 tie
-    (``_bfloat16_tie``), where the float64 may lie on either side of it. In 32-bit integer
-    operations, as LLVM's IR says them: written in numba, they would be widened to 64 bits,
-    half as many lanes a vector instruction."""
-
-    def codegen(context: object, builder: ir.IRBuilder, signature: object, args: list[Any]) -> Any:
-        word = ir.IntType(32)
-        single = builder.bitcast(builder.fptrunc(args[0], ir.FloatType()), word)
-        odd = builder.and_(builder.lshr(single, word(16)), word(1))
-        rounded = builder.add(builder.add(single, word(0x7FFF)), odd)
-        return builder.trunc(builder.lshr(rounded, word(16)), ir.IntType(16))
-
-    return types.uint16(types.float64), codegen
-
-
-@_intrinsic
-def _bfloat16_tie(typingctx: object, value: types.Type) -> object:
-    """Whether ``_bfloat16`` may be wrong: the float32 of float64 ``value`` is a bfloat16 tie
-    (one value in 65536, so a row of 4096 columns in 16 has one). A boolean, which a loop
-    or-reduces in vector instructions."""
-
-    def codegen(context: object, builder: ir.IRBuilder, signature: object, args: list[Any]) -> Any:
-        word = ir.IntType(32)
-        single = builder.bitcast(builder.fptrunc(args[0], ir.FloatType()), word)
-        return builder.icmp_unsigned("==", builder.and_(single, word(0xFFFF)), word(0x8000))
-
-    return types.boolean(types.float64), codegen
 
 
 #: Pairs a step of the vector kernels: eight, whose sines and cosines each fill a 256-bit
@@ -573,8 +523,10 @@ def _vector_kernel(name: str, rounding: Callable[..., Any], planes: bool) -> Cal
 
 
 def _bfloat16_rounding(builder: ir.IRBuilder, values: list[Any]) -> tuple[list[Any], list[Any]]:
-    """``_bfloat16`` and ``_bfloat16_tie`` of two vectors of float64, eight lanes an
-    instruction: their bits (16-bit lanes) and their ties."""
+    """Two vectors of float64 rounded to bfloat16 through float32 (rounded to nearest), ties
+    to even, eight lanes an instruction: their bits (16-bit lanes), and their ties, where
+    that is wrong: a float32 that is itself a bfloat16 tie (its low 16 bits ``0x8000``), with
+    the float64 on either side of it."""
     rounded, ties = [], []
     for value in values:
         bits = builder.bitcast(builder.fptrunc(value, _SINGLES), _WORDS)
@@ -587,8 +539,11 @@ def _bfloat16_rounding(builder: ir.IRBuilder, values: list[Any]) -> tuple[list[A
 
 
 def _float16_rounding(builder: ir.IRBuilder, values: list[Any]) -> tuple[list[Any], list[Any]]:
-    """``_float16_by_f16c`` of two vectors of float64, eight lanes an instruction (F16C's):
-    their bits (16-bit lanes), and no doubts (an empty mask)."""
+    """Two vectors of float64 rounded to float16, eight lanes an instruction, and no doubts
+    (an empty mask): each rounded to float32's precision toward zero with the dropped bits'
+    "sticky" bit or-ed into the last kept one (rounding to odd: that float32 is exact, and no
+    rounding after it can be a double rounding's tie), then F16C's conversion rounds it to
+    nearest even. Values below float32's normals round to zero in float16 either way."""
     longs = ir.VectorType(ir.IntType(64), _LANES)
     rounded = []
     for value in values:
@@ -658,37 +613,7 @@ def _has_f16c() -> bool:
     return "+f16c" in str(features).split(",")
 
 
-@_intrinsic
-def _float16_of_single(typingctx: object, single: types.Type) -> object:
-    """The bits of float32 ``single`` rounded to float16, ties to even: LLVM's ``fptrunc``
-    to ``half``, one F16C instruction for eight values. Only where the CPU has F16C: without
-    it LLVM calls a runtime function numba's linker does not have."""
-
-    def codegen(context: object, builder: ir.IRBuilder, signature: object, args: list[Any]) -> Any:
-        return builder.bitcast(builder.fptrunc(args[0], ir.HalfType()), ir.IntType(16))
-
-    return types.uint16(types.float32), codegen
-
-
-@_helper
-def _float16_by_f16c(value: float, form: tuple[int, int, float, float, int, int]) -> int:
-    """``_half_bits`` of float16 (``form``, unused), in three steps that all run in vector
-    instructions: the float64 rounded to float32's precision toward zero with the dropped
-    bits' "sticky" bit or-ed into the last kept one (rounding to odd: the float32 is then
-    exact, and no rounding after it can be a double rounding's tie), then the F16C
-    conversion rounds that to nearest even. Values below float32's normals round to zero in
-    float16 either way."""
-    bits = np.float64(value).view(np.uint64)
-    dropped = bits & np.uint64(0x1FFFFFFF)
-    odd = (bits ^ dropped) | (np.uint64(dropped != np.uint64(0)) << np.uint64(29))
-    single = np.float32(np.uint64(odd).view(np.float64))  # exact
-    return int(_float16_of_single(single))
-
-
-# float16 bits: by F16C where the CPU has it (about twice as fast as ``_half_bits``), the
-# same bits either way.
 _F16C: Final = _has_f16c()
-_float16 = _float16_by_f16c if _F16C else _half_bits
 
 
 @_helper
