@@ -29,9 +29,12 @@ def _hard_values(mantissa_bits: int) -> np.ndarray[Any, np.dtype[np.float64]]:
     kept = rng.integers(0, 1 << mantissa_bits, n)
     exponents = rng.integers(-30 if mantissa_bits == 10 else -140, 17, n)
     ties = ((2 * kept + 1) / 2.0 ** (mantissa_bits + 1) + 1.0) * 2.0**exponents
+    if mantissa_bits == 10:  # float16's subnormals: ties every 2^-24, from 2^-25
+        ties = np.concatenate([ties, (2 * rng.integers(0, 1024, n) + 1) * 2.0**-25])
     near = [np.nextafter(ties, np.inf), np.nextafter(ties, -np.inf)]
     # float64 values off a tie by less than half a float32 ulp: float32 rounds them onto it.
-    twice = ties * (1.0 + rng.choice([-1.0, 1.0], n) * 2.0 ** rng.integers(-40, -26, n))
+    m = ties.size
+    twice = ties * (1.0 + rng.choice([-1.0, 1.0], m) * 2.0 ** rng.integers(-40, -26, m))
     powers = 2.0 ** np.array([-14, -24, -25, -26, -126, -133, -134], dtype=np.float64)
     largest = [65504.0, 65519.99, 65520.0, 1e5, 3.389e38, 3.4e38, 1e300, 5e-324]
     special = np.concatenate([[0.0], powers, largest])

@@ -383,14 +383,16 @@ def _rounded_values(
 @_helper
 def _float16_columns(factors: _Factors, amplitude: float, out: npt.NDArray[np.generic]) -> None:
     """``out[k]`` = the bits of value ``k`` of the row rounded to float16, for every column
-    ``k``: ``_LANES`` pairs at a time by ``_float16_pairs`` where the CPU has F16C, the rest
-    by ``_half_bits``."""
+    ``k``: ``_LANES`` pairs at a time by ``_float16_pairs`` where the CPU has F16C, whose
+    doubts are rounded again, exactly (``_half_bits``); the rest by ``_half_bits``."""
     count = min(factors[0].size, out.size // 2)
     vectors = 0
     if _F16C:  # a constant: numba leaves the branch out where it is false
         vectors = count - count % _LANES
         for first in range(0, vectors, _LANES):
-            _float16_pairs(*factors, amplitude, out, first, count)
+            doubts = _float16_pairs(*factors, amplitude, out, first, count)
+            if doubts:
+                _round_again(factors, amplitude, out, first, doubts, _FLOAT16_FORMAT, 2, 1)
     form = _FLOAT16_FORMAT
     _rounded_values(factors, amplitude, out, vectors, count, 2, 1, form)
     for k in range(2 * count, out.size):
@@ -405,7 +407,9 @@ def _float16_planes(factors: _Factors, amplitude: float, halves: npt.NDArray[np.
     if _F16C:  # as in _float16_columns
         vectors = count - count % _LANES
         for first in range(0, vectors, _LANES):
-            _float16_planes_step(*factors, amplitude, halves, first, count)
+            doubts = _float16_planes_step(*factors, amplitude, halves, first, count)
+            if doubts:
+                _round_again(factors, amplitude, halves, first, doubts, _FLOAT16_FORMAT, 1, count)
     _rounded_values(factors, amplitude, halves, vectors, count, 1, count, _FLOAT16_FORMAT)
 
 
@@ -523,15 +527,16 @@ def _vector_kernel(name: str, rounding: Callable[..., Any], planes: bool) -> Cal
 
 
 def _bfloat16_rounding(builder: ir.IRBuilder, values: list[Any]) -> tuple[list[Any], list[Any]]:
-    """Two vectors of float64 rounded to bfloat16 through float32 (rounded to nearest), ties
-    to even, eight lanes an instruction: their bits (16-bit lanes), and their ties, where
-    that is wrong: a float32 that is itself a bfloat16 tie (its low 16 bits ``0x8000``), with
-    the float64 on either side of it."""
+    """Two vectors of float64 rounded to bfloat16 through float32 (rounded to nearest), eight
+    lanes an instruction: their bits (16-bit lanes), and their ties, where that may be wrong:
+    a float32 that is itself a bfloat16 tie (its low 16 bits ``0x8000``), with the float64
+    on either side of it or on it. Only ties round differently to nearest-even and to
+    nearest-away, and the caller rounds those again from float64: so the lanes round half
+    away from zero, one addition instead of three operations for the last kept bit."""
     rounded, ties = [], []
     for value in values:
         bits = builder.bitcast(builder.fptrunc(value, _SINGLES), _WORDS)
-        odd = builder.and_(builder.lshr(bits, _splat(_WORDS, 16)), _splat(_WORDS, 1))
-        nearest = builder.add(builder.add(bits, _splat(_WORDS, 0x7FFF)), odd)
+        nearest = builder.add(bits, _splat(_WORDS, 0x8000))
         rounded.append(builder.trunc(builder.lshr(nearest, _splat(_WORDS, 16)), _HALVES))
         low = builder.and_(bits, _splat(_WORDS, 0xFFFF))
         ties.append(builder.icmp_unsigned("==", low, _splat(_WORDS, 0x8000)))
@@ -539,23 +544,21 @@ def _bfloat16_rounding(builder: ir.IRBuilder, values: list[Any]) -> tuple[list[A
 
 
 def _float16_rounding(builder: ir.IRBuilder, values: list[Any]) -> tuple[list[Any], list[Any]]:
-    """Two vectors of float64 rounded to float16, eight lanes an instruction, and no doubts
-    (an empty mask): each rounded to float32's precision toward zero with the dropped bits'
-    "sticky" bit or-ed into the last kept one (rounding to odd: that float32 is exact, and no
-    rounding after it can be a double rounding's tie), then F16C's conversion rounds it to
-    nearest even. Values below float32's normals round to zero in float16 either way."""
-    longs = ir.VectorType(ir.IntType(64), _LANES)
-    rounded = []
+    """Two vectors of float64 rounded to float16 through float32 (rounded to nearest), then
+    F16C's conversion (to nearest even), eight lanes an instruction: their bits, and the
+    lanes where that double rounding may be wrong, for the caller to round again from
+    float64. Only a float32 on a float16 tie can be: its low 13 bits ``0x1000`` for a
+    normal float16, and more low bits zero below float16's normals. So every float32 whose
+    low 12 bits are zero is a doubt (one in 4096 of arbitrary values; exact values such as
+    0 and 1 too), whatever its exponent, which costs two instructions."""
+    rounded, doubts = [], []
     for value in values:
-        bits = builder.bitcast(value, longs)
-        dropped = builder.and_(bits, _splat(longs, 0x1FFFFFFF))
-        sticky = builder.zext(builder.icmp_unsigned("!=", dropped, _splat(longs, 0)), longs)
-        odd = builder.or_(builder.xor(bits, dropped), builder.shl(sticky, _splat(longs, 29)))
-        single = builder.fptrunc(builder.bitcast(odd, value.type), _SINGLES)  # exact
+        single = builder.fptrunc(value, _SINGLES)
         half = builder.fptrunc(single, ir.VectorType(ir.HalfType(), _LANES))
         rounded.append(builder.bitcast(half, _HALVES))
-    none = ir.Constant(ir.VectorType(ir.IntType(1), _LANES), [0] * _LANES)
-    return rounded, [none, none]
+        low = builder.and_(builder.bitcast(single, _WORDS), _splat(_WORDS, 0xFFF))
+        doubts.append(builder.icmp_unsigned("==", low, _splat(_WORDS, 0)))
+    return rounded, doubts
 
 
 _bfloat16_pairs = _vector_kernel("_bfloat16_pairs", _bfloat16_rounding, planes=False)
