@@ -63,7 +63,18 @@ def _intrinsic(typing: Callable[..., object]) -> Callable[..., Any]:
 def _helper(function: _G) -> _G:
     """A loop's helper, compiled once per argument types and inlined where it is called by
     LLVM: numba's own inlining (``inline="always"``) types and lowers it again at every call
-    site, which made the kernels take several times as long to compile."""
+    site, which made the kernels take several times as long to compile.
+
+    Without numba's reference counting (a helper allocates nothing; its caller holds its
+    arrays): where LLVM does not inline a helper (one that rounds half precision, with its
+    rarely taken path of exact rounding), each call counted a reference to every array it
+    was given, atomically, in and out, which cost a rotary row of 128 values a fifth of its
+    time."""
+    return numba.njit(_nrt=False)(function)  # type: ignore[call-overload,no-any-return]
+
+
+def _allocating_helper(function: _G) -> _G:
+    """A helper that allocates arrays (so with numba's reference counting)."""
     return numba.njit(function)  # type: ignore[no-any-return]
 
 
@@ -214,7 +225,7 @@ def _range_rows(
         _write_row(base[0], rotation, runs, amplitude, out[r], row, halves, stored)
 
 
-@_helper
+@_allocating_helper
 def _runs(columns: npt.NDArray[np.int64], count: int) -> npt.NDArray[np.int64]:
     """The columns as runs ``[to, from, length]``: ``out[to + j]`` = ``row[from + j]`` for
     ``j < length``, with the row's values as planes (``_planar_row``: the sines, the
