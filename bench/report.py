@@ -147,7 +147,8 @@ def plot(sections: list[Section], about: dict[str, Any], path: Path) -> None:
     if (a := _section(sections, "a")) is not None:
         ax = grid[0]
         ax.set_visible(True)
-        shapes = list(a.data)
+        # The table shapes' entries; the section's other data (per_value) is not plotted.
+        shapes = [key for key, value in a.data.items() if "mib_per_s" in value]
         methods = list(a.data[shapes[0]]["mib_per_s"])
         width = 0.8 / len(methods)
         for i, method in enumerate(methods):
