@@ -156,60 +156,64 @@ def run(sizes: Sizes) -> Section:
     return section
 
 
-#: The dtypes of ``_per_value``, and the width and rows of its tables: a stream's block of a
-#: 4096-wide bfloat16 table (1 MiB).
+#: The dtypes of ``_per_value``, and its tables with the rows of a stream's block of their
+#: bfloat16 table (1 MiB): the classic table 4096 wide (interleaved, written straight to its
+#: columns) and the rotary table of a head of 128 (transformers' layout, copied by runs).
 _PER_VALUE_DTYPES = ("float32", "bfloat16", "float16", "float64")
-_PER_VALUE_SHAPE = (128, 4096)
+_PER_VALUE_TABLES = {"sinusoidal d_model 4096": 128, "rotary head_dim 128": 2048}
 
 
 def _per_value(sizes: Sizes, section: Section, data: dict[str, Any]) -> None:
-    """The engine's cost per value of a stream's blocks in each dtype: new rows of a known
-    table (its frequencies made), written into an array touched before. A dtype's blocks run
-    one after the other, as a stream's do (its factors stay in the CPU's caches), the median
-    of ten taken; the dtypes take turns. bfloat16 and float16 values are rounded in the
-    kernel, float32 and float64 ones stored as they are."""
+    """The engine's cost per value of a stream's blocks in each dtype and table: new rows of
+    a known table (its frequencies made), written into an array touched before. A dtype's
+    blocks run one after the other, as a stream's do (its factors stay in the CPU's
+    caches), the median of ten taken; the dtypes take turns. bfloat16 and float16 values
+    are rounded in the kernel, float32 and float64 ones stored as they are."""
     from posenc_server import engine
+    from posenc_server.tables.rotary import Rotary
     from posenc_server.tables.sinusoidal import Sinusoidal
 
-    rows, d_model = _PER_VALUE_SHAPE
-    encodings = {
-        dtype: engine.Encoding.prepare(Sinusoidal(d_model), dtype) for dtype in _PER_VALUE_DTYPES
-    }
-    outs = {dtype: engine.encode_range(encodings[dtype], 0, rows) for dtype in _PER_VALUE_DTYPES}
-    samples: dict[str, list[float]] = {dtype: [] for dtype in _PER_VALUE_DTYPES}
-    start = sizes.engine_start
-    for repeat in range(4 * sizes.repeats):
-        for dtype in rotated(list(_PER_VALUE_DTYPES), repeat):
-            blocks = []
-            for _ in range(10):
-                start += rows
-                t0 = time.perf_counter()
-                engine.encode_range(encodings[dtype], start, start + rows, out=outs[dtype])
-                blocks.append(time.perf_counter() - t0)
-            samples[dtype].append(median(blocks) / (rows * d_model))
-    ns = {dtype: median(values) * 1e9 for dtype, values in samples.items()}
-    data["per_value"] = {"rows": rows, "d_model": d_model, "seconds_per_value": samples}
-    section.tables.append(
-        Table(
-            f"ns per value, {rows} new rows x {d_model} of a known table",
-            ["dtype", "ns per value", "x float32", "MiB/s"],
-            [
+    kinds = {"sinusoidal d_model 4096": Sinusoidal(4096), "rotary head_dim 128": Rotary(128)}
+    data["per_value"] = {}
+    for name, kind in kinds.items():
+        rows = _PER_VALUE_TABLES[name]
+        encodings = {dtype: engine.Encoding.prepare(kind, dtype) for dtype in _PER_VALUE_DTYPES}
+        outs = {dtype: engine.encode_range(encodings[dtype], 0, rows) for dtype in encodings}
+        samples: dict[str, list[float]] = {dtype: [] for dtype in _PER_VALUE_DTYPES}
+        start = sizes.engine_start
+        for repeat in range(4 * sizes.repeats):
+            for dtype in rotated(list(_PER_VALUE_DTYPES), repeat):
+                blocks = []
+                for _ in range(10):
+                    start += rows
+                    t0 = time.perf_counter()
+                    engine.encode_range(encodings[dtype], start, start + rows, out=outs[dtype])
+                    blocks.append(time.perf_counter() - t0)
+                samples[dtype].append(median(blocks) / outs[dtype].size)
+        ns = {dtype: median(values) * 1e9 for dtype, values in samples.items()}
+        width = outs["float32"].shape[1]
+        data["per_value"][name] = {"rows": rows, "width": width, "seconds_per_value": samples}
+        section.tables.append(
+            Table(
+                f"ns per value, {name}: {rows} new rows x {width} of a known table",
+                ["dtype", "ns per value", "x float32", "MiB/s"],
                 [
-                    dtype,
-                    f"{ns[dtype]:.3f}",
-                    f"{ns[dtype] / ns['float32']:.2f}",
-                    f"{outs[dtype].itemsize / ns[dtype] * 1e9 / MIB:.0f}",
-                ]
-                for dtype in _PER_VALUE_DTYPES
-            ],
-        )
-    )
-    for dtype in ("bfloat16", "float16"):
-        section.targets.append(
-            Target(
-                f"engine {dtype} value / float32 value (time, rounding included)",
-                ns[dtype] / ns["float32"],
-                "",
-                0.0,
+                    [
+                        dtype,
+                        f"{ns[dtype]:.3f}",
+                        f"{ns[dtype] / ns['float32']:.2f}",
+                        f"{outs[dtype].itemsize / ns[dtype] * 1e9 / MIB:.0f}",
+                    ]
+                    for dtype in _PER_VALUE_DTYPES
+                ],
             )
         )
+        for dtype in ("bfloat16", "float16"):
+            section.targets.append(
+                Target(
+                    f"engine {dtype} value / float32 value, {name} (time, rounding included)",
+                    ns[dtype] / ns["float32"],
+                    "",
+                    0.0,
+                )
+            )
