@@ -67,9 +67,9 @@ def _helper(function: _G) -> _G:
 
     Without numba's reference counting (a helper allocates nothing; its caller holds its
     arrays): where LLVM does not inline a helper (one that rounds half precision, with its
-    rarely taken path of exact rounding), each call counted a reference to every array it
-    was given, atomically, in and out, which cost a rotary row of 128 values a fifth of its
-    time."""
+    rarely taken path of exact rounding), each call would count a reference to every array
+    it is given, atomically, in and out: a fixed cost per row, which short rows (a rotary
+    head's) would pay in full."""
     return numba.njit(_nrt=False)(function)  # type: ignore[call-overload,no-any-return]
 
 
@@ -397,14 +397,14 @@ def _float16_columns(factors: _Factors, amplitude: float, out: npt.NDArray[np.ge
     ``k``: ``_LANES`` pairs at a time by ``_float16_pairs`` where the CPU has F16C, whose
     doubts are rounded again, exactly (``_half_bits``); the rest by ``_half_bits``."""
     count = min(factors[0].size, out.size // 2)
+    form = _FLOAT16_FORMAT
     vectors = 0
     if _F16C:  # a constant: numba leaves the branch out where it is false
         vectors = count - count % _LANES
         for first in range(0, vectors, _LANES):
             doubts = _float16_pairs(*factors, amplitude, out, first, count)
             if doubts:
-                _round_again(factors, amplitude, out, first, doubts, _FLOAT16_FORMAT, 2, 1)
-    form = _FLOAT16_FORMAT
+                _round_again(factors, amplitude, out, first, doubts, form, 2, 1)
     _rounded_values(factors, amplitude, out, vectors, count, 2, 1, form)
     for k in range(2 * count, out.size):
         out[k] = _half_bits(_value(factors, amplitude, k), form)
@@ -414,14 +414,15 @@ def _float16_columns(factors: _Factors, amplitude: float, out: npt.NDArray[np.ge
 def _float16_planes(factors: _Factors, amplitude: float, halves: npt.NDArray[np.uint16]) -> None:
     """``halves`` = the row's values as planes rounded to float16 (as ``_bfloat16_planes``)."""
     count = factors[0].size
+    form = _FLOAT16_FORMAT
     vectors = 0
     if _F16C:  # as in _float16_columns
         vectors = count - count % _LANES
         for first in range(0, vectors, _LANES):
             doubts = _float16_planes_step(*factors, amplitude, halves, first, count)
             if doubts:
-                _round_again(factors, amplitude, halves, first, doubts, _FLOAT16_FORMAT, 1, count)
-    _rounded_values(factors, amplitude, halves, vectors, count, 1, count, _FLOAT16_FORMAT)
+                _round_again(factors, amplitude, halves, first, doubts, form, 1, count)
+    _rounded_values(factors, amplitude, halves, vectors, count, 1, count, form)
 
 
 @_helper
@@ -541,9 +542,9 @@ def _bfloat16_rounding(builder: ir.IRBuilder, values: list[Any]) -> tuple[list[A
     """Two vectors of float64 rounded to bfloat16 through float32 (rounded to nearest), eight
     lanes an instruction: their bits (16-bit lanes), and their ties, where that may be wrong:
     a float32 that is itself a bfloat16 tie (its low 16 bits ``0x8000``), with the float64
-    on either side of it or on it. Only ties round differently to nearest-even and to
-    nearest-away, and the caller rounds those again from float64: so the lanes round half
-    away from zero, one addition instead of three operations for the last kept bit."""
+    on either side of it or on it. The caller rounds those again from float64, and only
+    ties round differently to nearest-even and to nearest-away: so the lanes round half
+    away from zero, a single addition."""
     rounded, ties = [], []
     for value in values:
         bits = builder.bitcast(builder.fptrunc(value, _SINGLES), _WORDS)
