@@ -156,11 +156,8 @@ def run(sizes: Sizes) -> Section:
     return section
 
 
-#: The dtypes of ``_per_value``, and its tables with the rows of a stream's block of their
-#: bfloat16 table (1 MiB): the classic table 4096 wide (interleaved, written straight to its
-#: columns) and the rotary table of a head of 128 (transformers' layout, copied by runs).
+#: The dtypes of ``_per_value``.
 _PER_VALUE_DTYPES = ("float32", "bfloat16", "float16", "float64")
-_PER_VALUE_TABLES = {"sinusoidal d_model 4096": 128, "rotary head_dim 128": 2048}
 
 
 def _per_value(sizes: Sizes, section: Section, data: dict[str, Any]) -> None:
@@ -173,10 +170,15 @@ def _per_value(sizes: Sizes, section: Section, data: dict[str, Any]) -> None:
     from posenc_server.tables.rotary import Rotary
     from posenc_server.tables.sinusoidal import Sinusoidal
 
-    kinds = {"sinusoidal d_model 4096": Sinusoidal(4096), "rotary head_dim 128": Rotary(128)}
+    # Each with the rows of a stream's block of its bfloat16 table (1 MiB): the classic table
+    # 4096 wide (interleaved, written straight to its columns) and the rotary table of a
+    # head of 128 (transformers' layout, copied by runs from a row of planes).
+    tables = {
+        "sinusoidal d_model 4096": (Sinusoidal(4096), 128),
+        "rotary head_dim 128": (Rotary(128), 2048),
+    }
     data["per_value"] = {}
-    for name, kind in kinds.items():
-        rows = _PER_VALUE_TABLES[name]
+    for name, (kind, rows) in tables.items():
         encodings = {dtype: engine.Encoding.prepare(kind, dtype) for dtype in _PER_VALUE_DTYPES}
         outs = {dtype: engine.encode_range(encodings[dtype], 0, rows) for dtype in encodings}
         samples: dict[str, list[float]] = {dtype: [] for dtype in _PER_VALUE_DTYPES}
