@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 
 import posenc
+from bench import procs
 from bench.common import (
     GIB,
     MIB,
@@ -35,13 +36,9 @@ _AFTER_IDLE = f"after the freed memory sat idle {_IDLE_SECONDS:.0f} s"
 _DTYPES = ("float32", "bfloat16", "float16")
 
 
-def run(
-    sizes: Sizes,
-    posenc_target: str,
-    floor_target: str,
-    posenc_pids: Callable[[], list[int]],
-    floor_pids: Callable[[], list[int]],
-) -> Section:
+def run(sizes: Sizes, posenc_flags: Sequence[str], processes: int) -> Section:
+    """Section b, each run on a posenc server (``posenc_flags``) and a floor server of
+    ``processes`` processes started for it."""
     rows, d_model = sizes.e2e_rows, sizes.e2e_d_model
     f32_bytes = rows * d_model * 4
     runs = sizes.e2e_runs
@@ -63,9 +60,11 @@ def run(
             "received with the SDK's channel options and each copied once into one "
             "already-touched numpy array: the least a client must do. local numpy = the same "
             "table computed in the harness with plain accurate numpy (float64 angles, np.sin, "
-            f"np.cos; slices of {_LOCAL_SLICE_ROWS} rows into one array). After one repetition "
-            "of every unit that is not counted (the server processes' heaps grow while "
-            "their caches first fill), units run "
+            f"np.cos; slices of {_LOCAL_SLICE_ROWS} rows into one array). Each run has a posenc "
+            f"server and a floor server of {processes} processes started for it (how fast a "
+            "server process streams differs from one process to the next more than between "
+            "runs on one process). After one repetition of every unit that is not counted "
+            "(the server processes' heaps grow while their caches first fill), units run "
             f"interleaved (order rotated) in {runs} runs of {per_run} repetitions; the table "
             "gives medians over all repetitions (best: the fastest), the targets the median "
             "run (min - max of the runs), each run's ratio a ratio of its medians. CPU: user + "
@@ -93,13 +92,16 @@ def run(
     server_cpu: dict[str, list[float]] = {name: [] for name in samples}
     client_cpu: dict[str, list[float]] = {name: [] for name in samples}
 
+    counting = False  # a run's first repetition is not counted
+
     def measured(name: str, pids: Callable[[], list[int]], call: Callable[[], object]) -> None:
         server_before, client_before = cpu_seconds(pids()), time.process_time()
         t0 = time.perf_counter()
         call()
-        samples[name].append(time.perf_counter() - t0)
-        client_cpu[name].append(time.process_time() - client_before)
-        server_cpu[name].append(cpu_seconds(pids()) - server_before)
+        if counting:
+            samples[name].append(time.perf_counter() - t0)
+            client_cpu[name].append(time.process_time() - client_before)
+            server_cpu[name].append(cpu_seconds(pids()) - server_before)
 
     local_out = np.ones((rows, d_model), dtype=np.float32)
     touched = np.ones((rows, d_model), dtype=np.float32)
@@ -109,73 +111,93 @@ def run(
             last = min(first + _LOCAL_SLICE_ROWS, rows)
             local_out[first:last] = plain_numpy(start + first, last - first, d_model)
 
-    with posenc.Client(posenc_target, timeout=TIMEOUT) as client:
-        floor = FloorClient(floor_target)
+    def measure_run(
+        index: int, server: procs.ServerProcess, floor_server: procs.FloorServer
+    ) -> None:
+        nonlocal counting
+        posenc_pids = server.pids
+
+        def floor_pids() -> list[int]:
+            return [pid for member in floor_server.members for pid in member.pids()]
+
+        with posenc.Client(server.target, timeout=TIMEOUT) as client:
+            floor = FloorClient(floor_server.target)
+            try:
+                floor.wait_ready()
+                client.get_range(0, 1, d_model)  # connect
+                floor.get(f32_bytes)  # allocates and touches the floor's target array
+
+                def floor_unit(repeat: int) -> None:
+                    measured("floor", floor_pids, lambda: floor.get(f32_bytes, TIMEOUT))
+
+                def posenc_unit(dtype: str, repeat: int) -> None:
+                    # A start no other call of the run uses: the server has to compute it.
+                    start = 5 * 10**9 + (repeat * 3 + _DTYPES.index(dtype) + 1) * 2**22
+                    for state in ("cold", "warm"):
+                        measured(
+                            f"{dtype} {state}",
+                            posenc_pids,
+                            lambda: client.get_range(start, start + rows, d_model, dtype=dtype),
+                        )
+                    if dtype == "float32":
+                        measured(
+                            "float32 warm, out=",
+                            posenc_pids,
+                            lambda: client.get_range(start, start + rows, d_model, out=touched),
+                        )
+                        # Cold again, into the touched array: what is left without the new
+                        # array's fresh pages (a range of this repetition no call asked for).
+                        cold = start + 2**21
+                        measured(
+                            "float32 cold, out=",
+                            posenc_pids,
+                            lambda: client.get_range(cold, cold + rows, d_model, out=touched),
+                        )
+
+                def new_spec_unit(repeat: int) -> None:
+                    start = 6 * 10**9 + repeat * 2**22
+                    base = 10000.0 + 0.25 * (repeat + 1)  # a spec no call asked for before
+                    measured(
+                        "float32 cold, new spec",
+                        posenc_pids,
+                        lambda: client.get_range(start, start + rows, d_model, base=base),
+                    )
+
+                def local_unit(repeat: int) -> None:
+                    start = 5 * 10**9 + repeat * 3 * 2**22
+                    measured("local numpy float32", list, lambda: local(start))
+
+                units: list[Callable[[int], None]] = [
+                    floor_unit,
+                    lambda r: posenc_unit("float32", r),
+                    new_spec_unit,
+                    lambda r: posenc_unit("bfloat16", r),
+                    lambda r: posenc_unit("float16", r),
+                    local_unit,
+                ]
+                # One repetition of every unit first, not counted (its starts and base are
+                # none of the run's measured ones): the server processes' heaps grow while
+                # their caches first fill, a page fault per page.
+                counting = False
+                for unit in units:
+                    unit(runs * per_run + index)
+                counting = True
+                for repeat in range(index * per_run, (index + 1) * per_run):
+                    for unit in rotated(units, repeat):
+                        unit(repeat)
+            finally:
+                floor.close()
+
+    for index in range(runs):
+        server = procs.start_posenc(posenc_flags)
+        floor_server = procs.FloorServer(processes)
         try:
-            floor.wait_ready()
-            client.get_range(0, 1, d_model)  # connect
-            floor.get(f32_bytes)  # allocates and touches the floor's target array
-
-            def floor_unit(repeat: int) -> None:
-                measured("floor", floor_pids, lambda: floor.get(f32_bytes, TIMEOUT))
-
-            def posenc_unit(dtype: str, repeat: int) -> None:
-                # A start no other call of the run uses: the server has to compute it.
-                start = 5 * 10**9 + (repeat * 3 + _DTYPES.index(dtype) + 1) * 2**22
-                for state in ("cold", "warm"):
-                    measured(
-                        f"{dtype} {state}",
-                        posenc_pids,
-                        lambda: client.get_range(start, start + rows, d_model, dtype=dtype),
-                    )
-                if dtype == "float32":
-                    measured(
-                        "float32 warm, out=",
-                        posenc_pids,
-                        lambda: client.get_range(start, start + rows, d_model, out=touched),
-                    )
-                    # Cold again, into the touched array: what is left without the new
-                    # array's fresh pages (a range of this repetition no call asked for).
-                    cold = start + 2**21
-                    measured(
-                        "float32 cold, out=",
-                        posenc_pids,
-                        lambda: client.get_range(cold, cold + rows, d_model, out=touched),
-                    )
-
-            def new_spec_unit(repeat: int) -> None:
-                start = 6 * 10**9 + repeat * 2**22
-                base = 10000.0 + 0.25 * (repeat + 1)  # a spec no call asked for before
-                measured(
-                    "float32 cold, new spec",
-                    posenc_pids,
-                    lambda: client.get_range(start, start + rows, d_model, base=base),
-                )
-
-            def local_unit(repeat: int) -> None:
-                start = 5 * 10**9 + repeat * 3 * 2**22
-                measured("local numpy float32", list, lambda: local(start))
-
-            units: list[Callable[[int], None]] = [
-                floor_unit,
-                lambda r: posenc_unit("float32", r),
-                new_spec_unit,
-                lambda r: posenc_unit("bfloat16", r),
-                lambda r: posenc_unit("float16", r),
-                local_unit,
-            ]
-            # One repetition of every unit first, not counted (its starts and base are
-            # the next repetition's, which none measures): the server processes' heaps grow
-            # while their caches first fill, a page fault per page.
-            for unit in units:
-                unit(runs * per_run)
-            for values in (*samples.values(), *server_cpu.values(), *client_cpu.values()):
-                values.clear()
-            for repeat in range(runs * per_run):
-                for unit in rotated(units, repeat):
-                    unit(repeat)
+            server.wait_ready()
+            procs.wait_serving(server.target)
+            measure_run(index, server, floor_server)
         finally:
-            floor.close()
+            server.stop()
+            floor_server.stop()
 
     speeds = {name: mib_per_s(nbytes[name], median(s)) for name, s in samples.items()}
     floor_speed = speeds["floor"]

@@ -75,12 +75,12 @@ def main(argv: list[str] | None = None) -> int:
         procs.wait_serving(server.target)
         if "a" in wanted:  # in-process, once the servers are up and idle
             sections.append(_guarded("a", "Engine, cold", lambda: engine_bench.run(sizes)))
-        if "b" in wanted:
+        if "b" in wanted:  # fresh servers of its own for each run, beside the idle ones
             sections.append(
                 _guarded(
                     "b",
                     "End to end through the SDK",
-                    lambda: e2e.run(sizes, server.target, floor.target, server.pids, floor_pids),
+                    lambda: e2e.run(sizes, extra, server_processes),
                 )
             )
         if "s" in wanted:  # fresh servers of its own, beside the idle ones
