@@ -31,7 +31,7 @@ import numba.core.config
 import numpy as np
 import numpy.typing as npt
 from llvmlite import ir
-from numba.core import types
+from numba.core import cgutils, types
 from numba.extending import intrinsic
 
 from posenc_server.numerics import STORE_BFLOAT16 as BFLOAT16
@@ -340,38 +340,6 @@ def _value_columns(factors: _Factors, amplitude: float, out: npt.NDArray[np.gene
 
 
 @_helper
-def _bfloat16_columns(factors: _Factors, amplitude: float, out: npt.NDArray[np.generic]) -> None:
-    """``out[k]`` = the bits of value ``k`` of the row rounded to bfloat16, for every column
-    ``k``: ``_LANES`` pairs at a time by ``_bfloat16_pairs``, whose ties (one value in
-    65536) are rounded again, exactly (``_half_bits``); the rest by ``_half_bits``."""
-    count = min(factors[0].size, out.size // 2)
-    form = _BFLOAT16_FORMAT
-    vectors = count - count % _LANES
-    for first in range(0, vectors, _LANES):
-        ties = _bfloat16_pairs(*factors, amplitude, out, first, count)
-        if ties:
-            _round_again(factors, amplitude, out, first, ties, form, 2, 1)
-    _rounded_values(factors, amplitude, out, vectors, count, 2, 1, form)
-    for k in range(2 * count, out.size):
-        out[k] = _half_bits(_value(factors, amplitude, k), form)
-
-
-@_helper
-def _bfloat16_planes(factors: _Factors, amplitude: float, halves: npt.NDArray[np.uint16]) -> None:
-    """``halves`` = the row's values as planes (the sines, then the cosines; the value after
-    them left as it is: the zero column's 0) rounded to bfloat16, as ``_bfloat16_columns``
-    rounds them, for the layouts whose columns are copied by runs (``_copy_runs``)."""
-    count = factors[0].size
-    form = _BFLOAT16_FORMAT
-    vectors = count - count % _LANES
-    for first in range(0, vectors, _LANES):
-        ties = _bfloat16_planes_step(*factors, amplitude, halves, first, count)
-        if ties:
-            _round_again(factors, amplitude, halves, first, ties, form, 1, count)
-    _rounded_values(factors, amplitude, halves, vectors, count, 1, count, form)
-
-
-@_helper
 def _rounded_values(
     factors: _Factors,
     amplitude: float,
@@ -392,40 +360,6 @@ def _rounded_values(
 
 
 @_helper
-def _float16_columns(factors: _Factors, amplitude: float, out: npt.NDArray[np.generic]) -> None:
-    """``out[k]`` = the bits of value ``k`` of the row rounded to float16, for every column
-    ``k``: ``_LANES`` pairs at a time by ``_float16_pairs`` where the CPU has F16C, whose
-    doubts are rounded again, exactly (``_half_bits``); the rest by ``_half_bits``."""
-    count = min(factors[0].size, out.size // 2)
-    form = _FLOAT16_FORMAT
-    vectors = 0
-    if _F16C:  # a constant: numba leaves the branch out where it is false
-        vectors = count - count % _LANES
-        for first in range(0, vectors, _LANES):
-            doubts = _float16_pairs(*factors, amplitude, out, first, count)
-            if doubts:
-                _round_again(factors, amplitude, out, first, doubts, form, 2, 1)
-    _rounded_values(factors, amplitude, out, vectors, count, 2, 1, form)
-    for k in range(2 * count, out.size):
-        out[k] = _half_bits(_value(factors, amplitude, k), form)
-
-
-@_helper
-def _float16_planes(factors: _Factors, amplitude: float, halves: npt.NDArray[np.uint16]) -> None:
-    """``halves`` = the row's values as planes rounded to float16 (as ``_bfloat16_planes``)."""
-    count = factors[0].size
-    form = _FLOAT16_FORMAT
-    vectors = 0
-    if _F16C:  # as in _float16_columns
-        vectors = count - count % _LANES
-        for first in range(0, vectors, _LANES):
-            doubts = _float16_planes_step(*factors, amplitude, halves, first, count)
-            if doubts:
-                _round_again(factors, amplitude, halves, first, doubts, form, 1, count)
-    _rounded_values(factors, amplitude, halves, vectors, count, 1, count, form)
-
-
-@_helper
 def _round_again(
     factors: _Factors,
     amplitude: float,
@@ -436,18 +370,65 @@ def _round_again(
     step: int,
     plane: int,
 ) -> None:
-    """The values of a vector kernel's ``mask`` (bit ``k``: pair ``first + k``'s sine,
-    ``_LANES + k``: its cosine), placed as ``_rounded_values`` places them, rounded to the
-    format ``form`` straight from the float64 (``_half_bits``)."""
+    """The values of a vector kernel's ``mask`` of one step (bit ``k``: pair ``first + k``'s
+    sine, ``_LANES + k``: its cosine), placed as ``_rounded_values`` places them, rounded to
+    the format ``form`` straight from the float64 (``_half_bits``)."""
     for lane in range(2 * _LANES):
         if mask >> lane & 1:
             i, cosine = first + lane % _LANES, lane // _LANES
             out[i * step + cosine * plane] = _half_bits(_pair(factors, amplitude, i)[cosine], form)
 
 
+def _rounded_row(
+    kernel: Callable[..., int],
+    form: tuple[int, int, float, float, int, int],
+    *,
+    planes: bool,
+    run_pairs: int,
+    vectorized: bool = True,
+) -> Callable[[_Factors, float, npt.NDArray[np.generic]], None]:
+    """A row's values rounded to the format ``form`` by the vector kernel ``kernel``
+    (``_vector_kernel``) and the scalar rounding of the values it leaves (``_half_bits``):
+    ``out[k]`` = the bits of value ``k``, every column ``k`` (the interleaved layout), or
+    the row's values as ``planes`` (the sines, then the cosines; the value after them left
+    as it is: the zero column's 0), for the layouts copied by runs (``_copy_runs``).
+
+    The kernel takes ``run_pairs`` pairs a call and tells whether any value of them may be
+    rounded wrong (one in 65536 for bfloat16, 4096 for float16); such a run goes through it
+    again a step at a time, which gives each step's mask of those values, rounded again
+    exactly (``_round_again``). Not ``vectorized`` (float16 without F16C), rows take the
+    scalar rounding alone: numba leaves the constant branch out, and the kernel uncompiled."""
+
+    @_helper
+    def rounded(factors: _Factors, amplitude: float, out: npt.NDArray[np.generic]) -> None:
+        count = factors[0].size if planes else min(factors[0].size, out.size // 2)
+        step, plane = (1, count) if planes else (2, 1)
+        vectors = 0
+        if vectorized:
+            vectors = count - count % _LANES
+            for start in range(0, vectors, run_pairs):
+                stop = min(start + run_pairs, vectors)
+                if kernel(*factors, amplitude, out, start, stop, count):
+                    for first in range(start, stop, _LANES):
+                        mask = kernel(*factors, amplitude, out, first, first + _LANES, count)
+                        if mask:
+                            _round_again(factors, amplitude, out, first, mask, form, step, plane)
+        _rounded_values(factors, amplitude, out, vectors, count, step, plane, form)
+        if not planes:
+            for k in range(2 * count, out.size):  # an odd width's last sin, or the zero column
+                out[k] = _half_bits(_value(factors, amplitude, k), form)
+
+    return rounded
+
+
 #: Pairs a step of the vector kernels: eight, whose sines and cosines each fill a 256-bit
 #: vector of 32-bit values.
 _LANES: Final = 8
+#: Pairs a call of a vector kernel (``_rounded_row``): a run of steps with nothing but
+#: vector operations in it, checked once for values it may have rounded wrong. A run with
+#: one is done again; float16's doubts are sixteen times as common as bfloat16's ties.
+_BFLOAT16_RUN: Final = 128
+_FLOAT16_RUN: Final = 32
 _WORDS: Final = ir.VectorType(ir.IntType(32), _LANES)
 _SINGLES: Final = ir.VectorType(ir.FloatType(), _LANES)
 _HALVES: Final = ir.VectorType(ir.IntType(16), _LANES)
@@ -458,19 +439,23 @@ def _splat(vector: ir.VectorType, value: int) -> ir.Constant:
 
 
 def _vector_kernel(name: str, rounding: Callable[..., Any], planes: bool) -> Callable[..., Any]:
-    """A vector kernel: pairs ``first`` to ``first + _LANES`` of a row as ``_pair`` makes
-    them (the same IEEE operations in its order: the same bits), rounded by ``rounding``
-    and stored in ``out`` (uint16) as pairs (``out[2 * first]`` on: the interleaved
-    layout's columns) or as ``planes`` (the sines from ``out[first]``, the cosines from
-    ``out[count + first]``: the scratch row the other layouts' runs copy from); returns
-    the mask ``rounding`` gives of the values it may have rounded wrong (bit ``k``: pair
-    ``first + k``'s sine, ``_LANES + k``: its cosine).
+    """A vector kernel: pairs ``first`` to ``stop`` (a multiple of ``_LANES`` more) of a row
+    as ``_pair`` makes them (the same IEEE operations in its order: the same bits), rounded
+    by ``rounding`` and stored in ``out`` (uint16) as pairs (``out[2 * first]`` on: the
+    interleaved layout's columns) or as ``planes`` (the sines from ``out[first]``, the
+    cosines from ``out[count + first]``: the scratch row the other layouts' runs copy from).
+    Returns the mask of the values it may have rounded wrong, of all its steps at once (bit
+    ``k``: some step's ``k``-th sine, ``_LANES + k``: its ``k``-th cosine), so exact for a
+    call of one step.
 
     A loop of one value at a time gets four 32-bit lanes a vector instruction at most: the
     float64 products come four to a vector, the sines and the cosines in two. Here eight
-    sines are one vector and eight cosines another, rounded eight lanes at a time.
-    Contiguous arrays only (the engine's), which it reads and writes as vectors: numba
-    refuses to compile it for others."""
+    sines are one vector and eight cosines another, rounded eight lanes at a time. Each step
+    folds its doubts into two vectors (the least of ``rounding``'s low bits, unsigned), read
+    once, at the end: no step leaves the vector unit or branches. The loop comes twice,
+    with and without the amplitude's products (left out by an amplitude of 1, as ``_pair``
+    leaves them). Contiguous arrays only (the engine's), which it reads and writes as
+    vectors: numba refuses to compile it for others."""
 
     def typing(
         typingctx: object,
@@ -481,54 +466,83 @@ def _vector_kernel(name: str, rounding: Callable[..., Any], planes: bool) -> Cal
         amplitude: types.Type,
         out: types.Type,
         first: types.Type,
+        stop: types.Type,
         count: types.Type,
     ) -> object:
         arrays = (sines, cosines, turn_sines, turn_cosines, out)
         if not all(isinstance(a, types.Array) and a.ndim == 1 and a.layout == "C" for a in arrays):
             return None
-        signature = types.uint16(*arrays[:4], types.float64, out, types.intp, types.intp)
+        signature = types.uint16(*arrays[:4], types.float64, out, *(types.intp,) * 3)
 
         def codegen(context: Any, builder: ir.IRBuilder, signature: Any, args: list[Any]) -> Any:
-            def at(k: int, index: Any, vector: ir.Type) -> Any:  # vector at array k's index
-                data = context.make_array(signature.args[k])(context, builder, args[k]).data
-                return builder.bitcast(builder.gep(data, [index]), vector.as_pointer())
+            data = [
+                context.make_array(signature.args[k])(context, builder, args[k]).data
+                for k in (0, 1, 2, 3, 5)
+            ]
 
-            first, count = args[6], args[7]
+            def at(k: int, index: Any, vector: ir.Type) -> Any:  # vector at array k's index
+                return builder.bitcast(builder.gep(data[k], [index]), vector.as_pointer())
+
+            amplitude, first, stop, count = args[4], args[6], args[7], args[8]
             doubles = ir.VectorType(ir.DoubleType(), _LANES)
-            s, c, turn_s, turn_c = (builder.load(at(k, first, doubles), align=8) for k in range(4))
-            sin = builder.fadd(builder.fmul(s, turn_c), builder.fmul(c, turn_s))
-            cos = builder.fadd(builder.fmul(c, turn_c), builder.fmul(s, builder.fneg(turn_s)))
-            # By an amplitude of 1 (most tables) the products are left out, as _pair leaves
-            # them: a branch on a value the loop never changes, which LLVM takes out of it.
-            unscaled = builder.block
-            scale = builder.insert_element(ir.Constant(doubles, None), args[4], ir.IntType(32)(0))
+            scale = builder.insert_element(ir.Constant(doubles, None), amplitude, ir.IntType(32)(0))
             scale = builder.shuffle_vector(scale, scale, _splat(_WORDS, 0))
-            with builder.if_then(builder.fcmp_ordered("!=", args[4], ir.DoubleType()(1.0))):
-                scaled = (builder.fmul(sin, scale), builder.fmul(cos, scale))
-                scaled_block = builder.block
-            values = []
-            for plain, product in zip((sin, cos), scaled, strict=True):
-                value = builder.phi(doubles)
-                value.add_incoming(plain, unscaled)
-                value.add_incoming(product, scaled_block)
-                values.append(value)
-            rounded, doubts = rounding(builder, values)
-            if planes:
-                for plane, halves in enumerate(rounded):
-                    index = builder.add(first, builder.mul(count, ir.Constant(count.type, plane)))
-                    builder.store(halves, at(5, index, _HALVES), align=2)
-            else:
-                # Sine k and cosine k side by side: out's columns 2k and 2k + 1.
-                order = [k // 2 + (k % 2) * _LANES for k in range(2 * _LANES)]
-                pairs = builder.shuffle_vector(
-                    rounded[0],
-                    rounded[1],
-                    ir.Constant(ir.VectorType(ir.IntType(32), 2 * _LANES), order),
-                )
-                index = builder.mul(first, ir.Constant(first.type, 2))
-                builder.store(pairs, at(5, index, pairs.type), align=2)
+            # Each plane's least low bits so far, per lane (unsigned): zero where some step
+            # had a doubt.
+            least = [
+                cgutils.alloca_once_value(builder, _splat(_WORDS, 0xFFFFFFFF))  # type: ignore[no-untyped-call]
+                for _ in range(2)
+            ]
+
+            def loop(scaled: bool) -> None:
+                steps = cgutils.for_range_slice(builder, first, stop, first.type(_LANES))
+                with steps as (index, _):
+                    s, c, turn_s, turn_c = (
+                        builder.load(at(k, index, doubles), align=8) for k in range(4)
+                    )
+                    sin = builder.fadd(builder.fmul(s, turn_c), builder.fmul(c, turn_s))
+                    cos = builder.fadd(
+                        builder.fmul(c, turn_c), builder.fmul(s, builder.fneg(turn_s))
+                    )
+                    if scaled:
+                        sin, cos = builder.fmul(sin, scale), builder.fmul(cos, scale)
+                    rounded, lows = rounding(builder, sin, cos)
+                    if planes:
+                        for plane, halves in enumerate(rounded):
+                            where = builder.add(index, builder.mul(count, count.type(plane)))
+                            builder.store(halves, at(4, where, _HALVES), align=2)
+                    else:
+                        # Sine k and cosine k side by side: out's columns 2k and 2k + 1.
+                        order = [k // 2 + (k % 2) * _LANES for k in range(2 * _LANES)]
+                        pairs = builder.shuffle_vector(
+                            rounded[0],
+                            rounded[1],
+                            ir.Constant(ir.VectorType(ir.IntType(32), 2 * _LANES), order),
+                        )
+                        where = builder.mul(index, index.type(2))
+                        builder.store(pairs, at(4, where, pairs.type), align=2)
+                    for low, plane_least in zip(lows, least, strict=True):
+                        so_far = builder.load(plane_least)
+                        smaller = builder.icmp_unsigned("<", low, so_far)
+                        builder.store(builder.select(smaller, low, so_far), plane_least)
+
+            with builder.if_else(builder.fcmp_ordered("!=", amplitude, ir.DoubleType()(1.0))) as (
+                scaled,
+                plain,
+            ):
+                with scaled:
+                    loop(scaled=True)
+                with plain:
+                    loop(scaled=False)
             masks = [
-                builder.zext(builder.bitcast(d, ir.IntType(_LANES)), ir.IntType(16)) for d in doubts
+                builder.zext(
+                    builder.bitcast(
+                        builder.icmp_unsigned("==", builder.load(p), ir.Constant(_WORDS, None)),
+                        ir.IntType(_LANES),
+                    ),
+                    ir.IntType(16),
+                )
+                for p in least
             ]
             return builder.or_(masks[0], builder.shl(masks[1], ir.IntType(16)(_LANES)))
 
@@ -538,47 +552,46 @@ def _vector_kernel(name: str, rounding: Callable[..., Any], planes: bool) -> Cal
     return _intrinsic(typing)
 
 
-def _bfloat16_rounding(builder: ir.IRBuilder, values: list[Any]) -> tuple[list[Any], list[Any]]:
-    """Two vectors of float64 rounded to bfloat16 through float32 (rounded to nearest), eight
-    lanes an instruction: their bits (16-bit lanes), and their ties, where that may be wrong:
-    a float32 that is itself a bfloat16 tie (its low 16 bits ``0x8000``), with the float64
-    on either side of it or on it. The caller rounds those again from float64, and only
-    ties round differently to nearest-even and to nearest-away: so the lanes round half
-    away from zero, a single addition."""
-    rounded, ties = [], []
-    for value in values:
+def _bfloat16_rounding(builder: ir.IRBuilder, sin: Any, cos: Any) -> tuple[list[Any], Any]:
+    """Eight sines and eight cosines (float64) rounded to bfloat16 through float32 (rounded
+    to nearest), eight lanes an instruction: their bits (16-bit lanes); and low bits of each
+    (32-bit lanes), zero where that may be wrong. Those are a float32 that is itself a
+    bfloat16 tie (its low 16 bits ``0x8000``), with the float64 on either side of it or on
+    it. The caller rounds them again from float64, and only ties round differently to
+    nearest-even and to nearest-away: so the lanes round half away from zero, a single
+    addition, whose low 16 bits are zero exactly on a tie."""
+    rounded, lows = [], []
+    for value in (sin, cos):
         bits = builder.bitcast(builder.fptrunc(value, _SINGLES), _WORDS)
         nearest = builder.add(bits, _splat(_WORDS, 0x8000))
         rounded.append(builder.trunc(builder.lshr(nearest, _splat(_WORDS, 16)), _HALVES))
-        low = builder.and_(bits, _splat(_WORDS, 0xFFFF))
-        ties.append(builder.icmp_unsigned("==", low, _splat(_WORDS, 0x8000)))
-    return rounded, ties
+        lows.append(builder.and_(nearest, _splat(_WORDS, 0xFFFF)))
+    return rounded, lows
 
 
-def _float16_rounding(builder: ir.IRBuilder, values: list[Any]) -> tuple[list[Any], list[Any]]:
-    """Two vectors of float64 rounded to float16 through float32 (rounded to nearest), then
-    F16C's conversion (to nearest even), eight lanes an instruction: their bits, and the
-    lanes where that double rounding may be wrong, for the caller to round again from
-    float64. Only a float32 on a float16 tie can be: its low 13 bits ``0x1000`` for a
-    normal float16, and more low bits zero below float16's normals. So every float32 whose
-    low 12 bits are zero is a doubt (one in 4096 of arbitrary values; exact values such as
-    0 and 1 too), whatever its exponent, which costs two instructions."""
-    rounded, doubts = [], []
-    for value in values:
+def _float16_rounding(builder: ir.IRBuilder, sin: Any, cos: Any) -> tuple[list[Any], Any]:
+    """Eight sines and eight cosines (float64) rounded to float16 through float32 (rounded
+    to nearest), then F16C's conversion (to nearest even), eight lanes an instruction: their
+    bits, and low bits of each as ``_bfloat16_rounding`` gives them. Only a float32 on a
+    float16 tie can be rounded wrong: its low 13 bits ``0x1000`` for a normal float16, and
+    more low bits zero below float16's normals. So every float32 whose low 12 bits are zero
+    is a doubt (one in 4096 of arbitrary values; exact values such as 0 and 1 too), whatever
+    its exponent: those 12 bits are its low bits."""
+    rounded, lows = [], []
+    for value in (sin, cos):
         single = builder.fptrunc(value, _SINGLES)
         half = builder.fptrunc(single, ir.VectorType(ir.HalfType(), _LANES))
         rounded.append(builder.bitcast(half, _HALVES))
-        low = builder.and_(builder.bitcast(single, _WORDS), _splat(_WORDS, 0xFFF))
-        doubts.append(builder.icmp_unsigned("==", low, _splat(_WORDS, 0)))
-    return rounded, doubts
+        lows.append(builder.and_(builder.bitcast(single, _WORDS), _splat(_WORDS, 0xFFF)))
+    return rounded, lows
 
 
-_bfloat16_pairs = _vector_kernel("_bfloat16_pairs", _bfloat16_rounding, planes=False)
-_bfloat16_planes_step = _vector_kernel("_bfloat16_planes_step", _bfloat16_rounding, planes=True)
+_bfloat16_to_columns = _vector_kernel("_bfloat16_to_columns", _bfloat16_rounding, planes=False)
+_bfloat16_to_planes = _vector_kernel("_bfloat16_to_planes", _bfloat16_rounding, planes=True)
 # Only where the CPU has F16C: without it LLVM calls a runtime function numba's linker does
 # not have (the loops that call these compile them only then).
-_float16_pairs = _vector_kernel("_float16_pairs", _float16_rounding, planes=False)
-_float16_planes_step = _vector_kernel("_float16_planes_step", _float16_rounding, planes=True)
+_float16_to_columns = _vector_kernel("_float16_to_columns", _float16_rounding, planes=False)
+_float16_to_planes = _vector_kernel("_float16_to_planes", _float16_rounding, planes=True)
 
 
 def _bits(value: float) -> int:
@@ -629,6 +642,21 @@ def _has_f16c() -> bool:
 
 
 _F16C: Final = _has_f16c()
+
+# Each half-precision format's rounded rows: straight to the interleaved layout's columns, or
+# as planes for the layouts copied by runs.
+_bfloat16_columns = _rounded_row(
+    _bfloat16_to_columns, _BFLOAT16_FORMAT, planes=False, run_pairs=_BFLOAT16_RUN
+)
+_bfloat16_planes = _rounded_row(
+    _bfloat16_to_planes, _BFLOAT16_FORMAT, planes=True, run_pairs=_BFLOAT16_RUN
+)
+_float16_columns = _rounded_row(
+    _float16_to_columns, _FLOAT16_FORMAT, planes=False, run_pairs=_FLOAT16_RUN, vectorized=_F16C
+)
+_float16_planes = _rounded_row(
+    _float16_to_planes, _FLOAT16_FORMAT, planes=True, run_pairs=_FLOAT16_RUN, vectorized=_F16C
+)
 
 
 @_helper
