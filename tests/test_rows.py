@@ -228,6 +228,22 @@ def test_background_read_ahead_starts_when_a_window_is_half_used() -> None:
     assert plan is not None and plan.fetch is None and rows is not None and (rows == 1066).all()
 
 
+def test_background_read_ahead_leaves_a_callers_fetch_its_rows() -> None:
+    """A loop that outran the read-ahead thread fetches its next window itself: a background
+    claim made meanwhile does not fetch those rows again, and takes them up if it failed."""
+    cache = RowCache(64 * MIB, MIB)
+    cache.plan(query([1000]))
+    plan = cache.plan(query([1001]))  # fetching 1001 .. 1064 itself
+    assert fetched_positions(plan) == list(range(1001, 1001 + MAX_READAHEAD_ROWS))
+    assert cache.claim_ahead(query([1001]), object) == []
+    assert isinstance(plan, RowPlan)
+    plan.release()  # the call failed
+    plan.release()
+    (ahead,) = cache.claim_ahead(query([1001]), object)
+    assert ahead.query.positions is not None
+    assert ahead.query.positions.tolist() == list(range(1002, 1002 + MAX_READAHEAD_ROWS))
+
+
 def test_background_read_ahead_of_large_steps_leads_by_several_steps() -> None:
     cache = RowCache(64 * MIB, MIB)
     starts = 1000 + 100 * np.arange(64)  # 1 MiB per step: no read-ahead in the call
@@ -337,9 +353,11 @@ def read_ahead_threads() -> set[threading.Thread]:
 def test_a_decode_loop_gets_the_servers_exact_rows_from_two_calls_of_its_own(
     server: RunningServer, sequences: int, model_seconds: float
 ) -> None:
-    """After the first two steps, the rows arrive ahead in the background: the caller never
-    calls again. With 1 and 8 sequences read-ahead brings 64 and 8 rows per sequence; 64
-    (1 MiB per step) get the next step's rows while the model runs."""
+    """After the first two steps, the rows arrive ahead in the background. With 1 and 8
+    sequences read-ahead brings 64 and 8 rows per sequence; 64 (1 MiB per step) get the next
+    step's rows while the model runs, and the caller never calls again. A loop with no model
+    time between steps may outrun the read-ahead thread (a busy machine, the GIL): its step
+    then fetches the next window itself, which the background does not fetch again."""
     lengths = 1_000_003 + 9_973 * np.arange(sequences, dtype=np.int64)
     steps = 150 if sequences < 64 else 40
     cached_calls, direct_calls = CallCounter(), CallCounter()
@@ -351,10 +369,16 @@ def test_a_decode_loop_gets_the_servers_exact_rows_from_two_calls_of_its_own(
         got = decode_loop(lambda p: cached.get_positions(p, D_MODEL), lengths, steps, model_seconds)
         cached_calls.settle()
     assert direct_calls.calls == {"caller": steps, "background": 0}
-    assert cached_calls.calls["caller"] == 2
     ahead = MAX_READAHEAD_ROWS // sequences if sequences < 64 else 1
-    # A call per window, the first few windows at once (LEAD_STEPS of them at most).
-    assert cached_calls.calls["background"] <= LEAD_STEPS + steps // ahead
+    windows = steps // ahead
+    if model_seconds:
+        assert cached_calls.calls["caller"] == 2
+    else:
+        assert 2 <= cached_calls.calls["caller"] <= 2 + windows
+    # A call per window, the first few windows at once (LEAD_STEPS of them at most), each
+    # window fetched once, by the background or by the caller.
+    assert cached_calls.calls["background"] <= LEAD_STEPS + windows
+    assert sum(cached_calls.calls.values()) <= 2 + LEAD_STEPS + windows
     for step, (a, b) in enumerate(zip(got, want, strict=True)):
         assert a.tobytes() == b.tobytes(), f"step {step}"
 

@@ -716,6 +716,9 @@ class Core:
             fetched = yield from self._fetch(plan.fetch, budget, self._readahead_unary_max)
             return plan.result(fetched)
         except (InvalidArgumentError, ResourceExhaustedError):
+            plan.release()
             # Read-ahead may pass the server's position limit: the server judges the
             # caller's own request, and its error names the caller's positions.
             return (yield from self._fetch(query, budget))
+        finally:
+            plan.release()  # failed or abandoned: the background may fetch these rows now

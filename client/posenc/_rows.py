@@ -120,6 +120,9 @@ class RowCache:
         self._bytes = 0
         # Per spec: positions being fetched in the background, and the token of each fetch.
         self._in_flight: dict[bytes, dict[int, Any]] = {}
+        # Per spec: positions a caller's own call is fetching ahead now, and how many calls
+        # fetch each. Background claims leave them out; callers do not wait for them.
+        self._fetching: dict[bytes, dict[int, int]] = {}
 
     @property
     def in_flight(self) -> int:
@@ -203,7 +206,10 @@ class RowCache:
         starts = np.array(missing, dtype=np.int64)
         lengths = np.ones(len(missing), dtype=np.int64)
         lengths[advancing] = ahead
-        return RowPlan(self, query, key, found, starts, lengths)
+        plan = RowPlan(self, query, key, found, starts, lengths)
+        if plan.fetch is not None:
+            self._fetch_begins(plan)
+        return plan
 
     def _recent_of(self, key: bytes) -> OrderedDict[int, None]:
         """The positions asked for lately of spec ``key`` (under the lock)."""
@@ -242,6 +248,7 @@ class RowCache:
             recent = self._recent.get(key, OrderedDict())
             index = self._index.get(key, {})
             in_flight = self._in_flight.get(key, {})
+            fetching = self._fetching.get(key, {})
             moving = [
                 p
                 for p in set(query.positions.tolist())
@@ -261,10 +268,10 @@ class RowCache:
             layer_of: dict[int, int] = {}
             for p in moving:
                 probe = p + lead
-                if probe in index or probe in in_flight:
+                if probe in index or probe in in_flight or probe in fetching:
                     continue
                 start = p + 1
-                while start < probe and (start in index or start in in_flight):
+                while start < probe and (start in index or start in in_flight or start in fetching):
                     start += 1
                 for offset in range(max(window, probe + 1 - start)):
                     position = start + offset
@@ -328,6 +335,26 @@ class RowCache:
             if not in_flight:
                 self._in_flight.pop(ahead.key, None)
 
+    def _fetch_begins(self, plan: RowPlan) -> None:
+        """``plan``'s fetch is on its way, by the caller (until :meth:`RowPlan.release`)."""
+        assert plan.fetch is not None and plan.fetch.positions is not None
+        with self._lock:
+            fetching = self._fetching.setdefault(plan.key, {})
+            for position in plan.fetch.positions.tolist():
+                fetching[position] = fetching.get(position, 0) + 1
+
+    def _fetch_ends(self, plan: RowPlan) -> None:
+        assert plan.fetch is not None and plan.fetch.positions is not None
+        with self._lock:
+            fetching = self._fetching[plan.key]
+            for position in plan.fetch.positions.tolist():
+                if fetching[position] == 1:
+                    del fetching[position]
+                else:
+                    fetching[position] -= 1
+            if not fetching:
+                del self._fetching[plan.key]
+
     def _store(self, batch: _Batch) -> None:
         if batch.cost > self.budget_bytes:
             return
@@ -356,9 +383,11 @@ class RowPlan:
     """One ``get_positions`` call through the cache.
 
     The client fetches :attr:`fetch` (None when every row is cached), then calls
-    :meth:`result` with the rows it got. Should that fetch fail with INVALID_ARGUMENT or
-    RESOURCE_EXHAUSTED, the client makes the caller's own call instead: read-ahead may pass
-    the server's position limit, and the server's error must name the caller's positions.
+    :meth:`result` with the rows it got, or :meth:`release` if the fetch failed: until then,
+    the background read-ahead leaves the rows of :attr:`fetch` to this call. Should
+    that fetch fail with INVALID_ARGUMENT or RESOURCE_EXHAUSTED, the client makes the
+    caller's own call instead: read-ahead may pass the server's position limit, and the
+    server's error must name the caller's positions.
     """
 
     def __init__(
@@ -372,7 +401,8 @@ class RowPlan:
     ) -> None:
         self._cache = cache
         self._query = query
-        self._key = key
+        self.key = key
+        self._released = False
         self._found = found
         self.fetch: Query | None = None
         if starts.size:
@@ -388,6 +418,12 @@ class RowPlan:
             rows = np.searchsorted(positions, starts)
             self._row_of_start = dict(zip(starts.tolist(), rows.tolist(), strict=True))
 
+    def release(self) -> None:
+        """The fetch ended (its rows stored by :meth:`result`, or failed). Idempotent."""
+        if self.fetch is not None and not self._released:
+            self._released = True
+            self._cache._fetch_ends(self)
+
     def result(self, fetched: _Rows | None = None) -> _Rows:
         """The caller's rows, from the cache and ``fetched`` (the rows of :attr:`fetch`).
 
@@ -398,9 +434,10 @@ class RowPlan:
             assert fetched is not None and self.fetch.positions is not None
             positions = self.fetch.positions.tolist()
             batch = _Batch(
-                self._key, positions, fetched, fetched.nbytes + _ENTRY_BYTES * len(positions)
+                self.key, positions, fetched, fetched.nbytes + _ENTRY_BYTES * len(positions)
             )
             self._cache._store(batch)  # a fetch always reads ahead (else plan() gave None)
+            self.release()
             assert self._query.positions is not None
             entries = [
                 entry if entry is not None else (batch, self._row_of_start[position])
