@@ -158,64 +158,101 @@ def run(sizes: Sizes) -> Section:
 
 #: The dtypes of ``_per_value``.
 _PER_VALUE_DTYPES = ("float32", "bfloat16", "float16", "float64")
+#: A stream's block: the bytes of output the server computes in one call, in any dtype.
+_BLOCK_BYTES = MIB
+#: Memory the blocks of ``_per_value``'s second measure go to, in turn: far more than the
+#: CPU's caches hold, as a server's cache budget (512 MiB by default) is.
+_POOL_BYTES = 256 * MIB
+#: ``_per_value``'s measures: the same block each time, and each block to the next part
+#: of the pool.
+_IN_CACHE, _AS_A_STREAM = "in cache", "as a stream"
 
 
 def _per_value(sizes: Sizes, section: Section, data: dict[str, Any]) -> None:
-    """The engine's cost per value of a stream's blocks in each dtype and table: new rows of
-    a known table (its frequencies made), written into an array touched before. A dtype's
-    blocks run one after the other, as a stream's do (its factors stay in the CPU's
-    caches), the median of ten taken; the dtypes take turns. bfloat16 and float16 values
-    are rounded in the kernel, float32 and float64 ones stored as they are."""
+    """The engine's cost per value in each dtype and table, as a stream computes its blocks:
+    new rows of a known table (its frequencies made), 1 MiB of output a call (so half
+    precision's blocks hold twice float32's rows), one block after the other (the factors
+    stay in the CPU's caches), the median of eight taken; the dtypes take turns. Twice:
+    into the same block each time (its output stays in the CPU's caches: the computing
+    alone), and into the next MiB of a pool of 256 MiB touched before (as the server writes
+    each block into its own message, in a heap far larger than the caches). bfloat16 and
+    float16 values are rounded in the kernel, float32 and float64 ones stored as they are."""
     from posenc_server import engine
     from posenc_server.tables.rotary import Rotary
     from posenc_server.tables.sinusoidal import Sinusoidal
 
-    # Each with the rows of a stream's block of its bfloat16 table (1 MiB): the classic table
-    # 4096 wide (interleaved, written straight to its columns) and the rotary table of a
-    # head of 128 (transformers' layout, copied by runs from a row of planes).
-    tables = {
-        "sinusoidal d_model 4096": (Sinusoidal(4096), 128),
-        "rotary head_dim 128": (Rotary(128), 2048),
-    }
+    # The classic table 4096 wide (interleaved, written straight to its columns) and the
+    # rotary table of a head of 128 (transformers' layout, copied by runs from a row of
+    # planes).
+    tables = {"sinusoidal d_model 4096": Sinusoidal(4096), "rotary head_dim 128": Rotary(128)}
+    pool = np.ones(_POOL_BYTES, dtype=np.uint8)
+    blocks = _POOL_BYTES // _BLOCK_BYTES
     data["per_value"] = {}
-    for name, (kind, rows) in tables.items():
+    for name, kind in tables.items():
         encodings = {dtype: engine.Encoding.prepare(kind, dtype) for dtype in _PER_VALUE_DTYPES}
-        outs = {dtype: engine.encode_range(encodings[dtype], 0, rows) for dtype in encodings}
-        samples: dict[str, list[float]] = {dtype: [] for dtype in _PER_VALUE_DTYPES}
+        first_rows = {dtype: engine.encode_range(encodings[dtype], 0, 1) for dtype in encodings}
+        rows = {dtype: _BLOCK_BYTES // one.nbytes for dtype, one in first_rows.items()}
+        width = first_rows["float32"].shape[1]
+
+        samples: dict[str, dict[str, list[float]]] = {
+            measure: {dtype: [] for dtype in _PER_VALUE_DTYPES}
+            for measure in (_IN_CACHE, _AS_A_STREAM)
+        }
         start = sizes.engine_start
+        turn = 0
         for repeat in range(4 * sizes.repeats):
             for dtype in rotated(list(_PER_VALUE_DTYPES), repeat):
-                blocks = []
-                for _ in range(10):
-                    start += rows
-                    t0 = time.perf_counter()
-                    engine.encode_range(encodings[dtype], start, start + rows, out=outs[dtype])
-                    blocks.append(time.perf_counter() - t0)
-                samples[dtype].append(median(blocks) / outs[dtype].size)
-        ns = {dtype: median(values) * 1e9 for dtype, values in samples.items()}
-        width = outs["float32"].shape[1]
+                for measure in (_IN_CACHE, _AS_A_STREAM):
+                    times = []
+                    for _ in range(8):
+                        turn += 1
+                        index = 0 if measure == _IN_CACHE else turn % blocks
+                        out = _block(pool, index, first_rows[dtype], rows[dtype])
+                        start += rows[dtype]
+                        t0 = time.perf_counter()
+                        engine.encode_range(encodings[dtype], start, start + rows[dtype], out=out)
+                        times.append(time.perf_counter() - t0)
+                    samples[measure][dtype].append(median(times) / out.size)
+        ns = {
+            measure: {dtype: median(values) * 1e9 for dtype, values in by_dtype.items()}
+            for measure, by_dtype in samples.items()
+        }
         data["per_value"][name] = {"rows": rows, "width": width, "seconds_per_value": samples}
         section.tables.append(
             Table(
-                f"ns per value, {name}: {rows} new rows x {width} of a known table",
-                ["dtype", "ns per value", "x float32", "MiB/s"],
+                f"ns per value, {name}: 1 MiB blocks of new rows x {width} of a known table",
+                ["dtype", "rows a block", *(f"{m}: {c}" for m in ns for c in ("ns", "x float32"))],
                 [
                     [
                         dtype,
-                        f"{ns[dtype]:.3f}",
-                        f"{ns[dtype] / ns['float32']:.2f}",
-                        f"{outs[dtype].itemsize / ns[dtype] * 1e9 / MIB:.0f}",
+                        str(rows[dtype]),
+                        *(
+                            f"{figure:.{digits}f}"
+                            for by_dtype in ns.values()
+                            for figure, digits in (
+                                (by_dtype[dtype], 3),
+                                (by_dtype[dtype] / by_dtype["float32"], 2),
+                            )
+                        ),
                     ]
                     for dtype in _PER_VALUE_DTYPES
                 ],
             )
         )
-        for dtype in ("bfloat16", "float16"):
-            section.targets.append(
-                Target(
-                    f"engine {dtype} value / float32 value, {name} (time, rounding included)",
-                    ns[dtype] / ns["float32"],
-                    "",
-                    0.0,
+        for measure, by_dtype in ns.items():
+            for dtype in ("bfloat16", "float16"):
+                section.targets.append(
+                    Target(
+                        f"engine {dtype} value / float32 value, {name}, {measure} "
+                        "(time, rounding included)",
+                        by_dtype[dtype] / by_dtype["float32"],
+                        "",
+                        0.0,
+                    )
                 )
-            )
+
+
+def _block(pool: Array, index: int, row: Array, rows: int) -> Array:
+    """Block ``index`` of ``pool`` (bytes), as ``rows`` rows like ``row``."""
+    first = index * _BLOCK_BYTES
+    return pool[first : first + rows * row.nbytes].view(row.dtype).reshape(rows, row.shape[1])
