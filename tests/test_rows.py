@@ -228,17 +228,23 @@ def test_background_read_ahead_starts_when_a_window_is_half_used() -> None:
     assert plan is not None and plan.fetch is None and rows is not None and (rows == 1066).all()
 
 
-def test_background_read_ahead_leaves_a_callers_fetch_its_rows() -> None:
-    """A loop that outran the read-ahead thread fetches its next window itself: a background
-    claim made meanwhile does not fetch those rows again, and takes them up if it failed."""
+def test_a_callers_own_fetch_ahead_is_in_flight_until_released() -> None:
+    """A loop that outran the read-ahead thread fetches its next window itself: its rows are
+    in flight as a background fetch's are. A background claim made meanwhile does not fetch
+    them again, another call waits for them, and both take them up if the fetch failed."""
     cache = RowCache(64 * MIB, MIB)
     cache.plan(query([1000]))
-    plan = cache.plan(query([1001]))  # fetching 1001 .. 1064 itself
+    token = object()
+    plan = cache.plan(query([1001]), new_token=lambda: token)  # fetching 1001 .. 1064 itself
     assert fetched_positions(plan) == list(range(1001, 1001 + MAX_READAHEAD_ROWS))
+    assert isinstance(plan, RowPlan) and plan.token is token
+    assert cache.in_flight == MAX_READAHEAD_ROWS
     assert cache.claim_ahead(query([1001]), object) == []
-    assert isinstance(plan, RowPlan)
+    waiting = cache.plan(query([1002]))
+    assert isinstance(waiting, Pending) and waiting.tokens == (token,)
     plan.release()  # the call failed
     plan.release()
+    assert cache.in_flight == 0
     (ahead,) = cache.claim_ahead(query([1001]), object)
     assert ahead.query.positions is not None
     assert ahead.query.positions.tolist() == list(range(1002, 1002 + MAX_READAHEAD_ROWS))

@@ -331,6 +331,12 @@ class CallBudget:
         return delay
 
 
+def _complete(token: Any) -> None:
+    """Wake whoever waits for a fetch's ``token`` (a client's future)."""
+    if not token.done():
+        token.set_result(None)
+
+
 def _over_a_limit(error: grpc.RpcError) -> bool:
     """RESOURCE_EXHAUSTED without a retry delay: the request is over a size limit (with one,
     the server is busy, and the retry budget handles it)."""
@@ -519,8 +525,14 @@ class Core:
         """A read-ahead ended (``rows`` None: it failed, or never ran): its rows join the
         cache, and whoever waits for its token is woken."""
         self.rows.finish_ahead(ahead, rows)
-        if not ahead.token.done():
-            ahead.token.set_result(None)
+        _complete(ahead.token)
+
+    @staticmethod
+    def _landed(plan: RowPlan) -> None:
+        """A call's own fetch ahead ended (stored, failed or abandoned): its rows are no
+        longer in flight, and calls waiting for them are woken."""
+        plan.release()
+        _complete(plan.token)
 
     # -- the steps
 
@@ -689,7 +701,7 @@ class Core:
 
     def _through_rows(self, query: Query, budget: CallBudget) -> Steps[Rows]:
         """A positions query, through the row cache (see :mod:`posenc._rows`)."""
-        plan = self.rows.plan(query)
+        plan = self.rows.plan(query, new_token=self._new_token)
         if isinstance(plan, Pending):  # rows on their way: wait, then take them
             yield Wait(plan.tokens, budget.attempt_timeout())
             # The fetch waited for may be the first to tell this table's width: the result
@@ -697,7 +709,7 @@ class Core:
             query = dataclasses.replace(query, columns=self.widths.get(query.spec_key))
             if query.columns is not None:
                 query.check_size(query.columns)
-            plan = self.rows.plan(query, wait=False)
+            plan = self.rows.plan(query, wait=False, new_token=self._new_token)
         rows = yield from self._rows_of(query, plan, budget)
         if self.rows.cacheable(query):
             # What to fetch next is worked out in the background: not on the step's path.
@@ -716,9 +728,9 @@ class Core:
             fetched = yield from self._fetch(plan.fetch, budget, self._readahead_unary_max)
             return plan.result(fetched)
         except (InvalidArgumentError, ResourceExhaustedError):
-            plan.release()
+            self._landed(plan)  # calls waiting for these rows need not wait for the next one
             # Read-ahead may pass the server's position limit: the server judges the
             # caller's own request, and its error names the caller's positions.
             return (yield from self._fetch(query, budget))
         finally:
-            plan.release()  # failed or abandoned: the background may fetch these rows now
+            self._landed(plan)

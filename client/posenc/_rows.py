@@ -118,15 +118,13 @@ class RowCache:
         self._recent: OrderedDict[bytes, OrderedDict[int, None]] = OrderedDict()
         self._batches: OrderedDict[_Batch, None] = OrderedDict()
         self._bytes = 0
-        # Per spec: positions being fetched in the background, and the token of each fetch.
+        # Per spec: positions being fetched (in the background, or ahead by a caller's own
+        # call), and the token of each fetch.
         self._in_flight: dict[bytes, dict[int, Any]] = {}
-        # Per spec: positions a caller's own call is fetching ahead now, and how many calls
-        # fetch each. Background claims leave them out; callers do not wait for them.
-        self._fetching: dict[bytes, dict[int, int]] = {}
 
     @property
     def in_flight(self) -> int:
-        """How many rows are being fetched in the background now."""
+        """How many rows are being fetched now (in the background, or ahead by a call)."""
         with self._lock:
             return sum(len(positions) for positions in self._in_flight.values())
 
@@ -156,11 +154,15 @@ class RowCache:
             and (query.nbytes or 0) <= self.budget_bytes // 4
         )
 
-    def plan(self, query: Query, *, wait: bool = True) -> RowPlan | Pending | None:
+    def plan(
+        self, query: Query, *, wait: bool = True, new_token: Callable[[], Any] = object
+    ) -> RowPlan | Pending | None:
         """How to answer a positions ``query``; None: send it to the server as it is.
 
-        ``Pending`` when some of its rows are being fetched in the background (unless
-        ``wait`` is false: the call then fetches them itself).
+        ``Pending`` when some of its rows are being fetched (unless ``wait`` is false: the
+        call then fetches them itself). A plan that fetches has its rows in flight under a
+        token from ``new_token`` until :meth:`RowPlan.release`, as a background fetch's are:
+        other calls wait for them, and background claims leave them out.
         """
         if not self._steps(query):
             return None
@@ -206,9 +208,13 @@ class RowCache:
         starts = np.array(missing, dtype=np.int64)
         lengths = np.ones(len(missing), dtype=np.int64)
         lengths[advancing] = ahead
-        plan = RowPlan(self, query, key, found, starts, lengths)
+        plan = RowPlan(self, query, key, found, starts, lengths, new_token())
         if plan.fetch is not None:
-            self._fetch_begins(plan)
+            assert plan.fetch.positions is not None
+            with self._lock:
+                in_flight = self._in_flight.setdefault(key, {})
+                for position in plan.fetch.positions.tolist():
+                    in_flight.setdefault(position, plan.token)
         return plan
 
     def _recent_of(self, key: bytes) -> OrderedDict[int, None]:
@@ -248,7 +254,6 @@ class RowCache:
             recent = self._recent.get(key, OrderedDict())
             index = self._index.get(key, {})
             in_flight = self._in_flight.get(key, {})
-            fetching = self._fetching.get(key, {})
             moving = [
                 p
                 for p in set(query.positions.tolist())
@@ -268,10 +273,10 @@ class RowCache:
             layer_of: dict[int, int] = {}
             for p in moving:
                 probe = p + lead
-                if probe in index or probe in in_flight or probe in fetching:
+                if probe in index or probe in in_flight:
                     continue
                 start = p + 1
-                while start < probe and (start in index or start in in_flight or start in fetching):
+                while start < probe and (start in index or start in in_flight):
                     start += 1
                 for offset in range(max(window, probe + 1 - start)):
                     position = start + offset
@@ -327,33 +332,17 @@ class RowCache:
         positions = ahead.query.positions.tolist()
         if rows is not None:
             self._store(_Batch(ahead.key, positions, rows, rows.nbytes + _ENTRY_BYTES * len(rows)))
+        self._landed(ahead.key, positions, ahead.token)
+
+    def _landed(self, key: bytes, positions: list[int], token: Any) -> None:
+        """The fetch of ``token`` ended: its ``positions`` are no longer in flight."""
         with self._lock:
-            in_flight = self._in_flight.get(ahead.key, {})
+            in_flight = self._in_flight.get(key, {})
             for position in positions:
-                if in_flight.get(position) is ahead.token:
+                if in_flight.get(position) is token:
                     del in_flight[position]
             if not in_flight:
-                self._in_flight.pop(ahead.key, None)
-
-    def _fetch_begins(self, plan: RowPlan) -> None:
-        """``plan``'s fetch is on its way, by the caller (until :meth:`RowPlan.release`)."""
-        assert plan.fetch is not None and plan.fetch.positions is not None
-        with self._lock:
-            fetching = self._fetching.setdefault(plan.key, {})
-            for position in plan.fetch.positions.tolist():
-                fetching[position] = fetching.get(position, 0) + 1
-
-    def _fetch_ends(self, plan: RowPlan) -> None:
-        assert plan.fetch is not None and plan.fetch.positions is not None
-        with self._lock:
-            fetching = self._fetching[plan.key]
-            for position in plan.fetch.positions.tolist():
-                if fetching[position] == 1:
-                    del fetching[position]
-                else:
-                    fetching[position] -= 1
-            if not fetching:
-                del self._fetching[plan.key]
+                self._in_flight.pop(key, None)
 
     def _store(self, batch: _Batch) -> None:
         if batch.cost > self.budget_bytes:
@@ -383,11 +372,11 @@ class RowPlan:
     """One ``get_positions`` call through the cache.
 
     The client fetches :attr:`fetch` (None when every row is cached), then calls
-    :meth:`result` with the rows it got, or :meth:`release` if the fetch failed: until then,
-    the background read-ahead leaves the rows of :attr:`fetch` to this call. Should
-    that fetch fail with INVALID_ARGUMENT or RESOURCE_EXHAUSTED, the client makes the
-    caller's own call instead: read-ahead may pass the server's position limit, and the
-    server's error must name the caller's positions.
+    :meth:`result` with the rows it got, or :meth:`release` if the fetch failed; then it
+    completes :attr:`token`, which calls waiting for these rows wait on. Should that fetch
+    fail with INVALID_ARGUMENT or RESOURCE_EXHAUSTED, the client makes the caller's own call
+    instead: read-ahead may pass the server's position limit, and the server's error must
+    name the caller's positions.
     """
 
     def __init__(
@@ -398,11 +387,12 @@ class RowPlan:
         found: list[_Entry | None],
         starts: npt.NDArray[np.int64],
         lengths: npt.NDArray[np.int64],
+        token: Any,
     ) -> None:
         self._cache = cache
         self._query = query
-        self.key = key
-        self._released = False
+        self._key = key
+        self.token = token
         self._found = found
         self.fetch: Query | None = None
         if starts.size:
@@ -419,10 +409,11 @@ class RowPlan:
             self._row_of_start = dict(zip(starts.tolist(), rows.tolist(), strict=True))
 
     def release(self) -> None:
-        """The fetch ended (its rows stored by :meth:`result`, or failed). Idempotent."""
-        if self.fetch is not None and not self._released:
-            self._released = True
-            self._cache._fetch_ends(self)
+        """The fetch ended (its rows stored by :meth:`result`, or it failed): its rows are no
+        longer in flight under :attr:`token`. Idempotent."""
+        if self.fetch is not None:
+            assert self.fetch.positions is not None
+            self._cache._landed(self._key, self.fetch.positions.tolist(), self.token)
 
     def result(self, fetched: _Rows | None = None) -> _Rows:
         """The caller's rows, from the cache and ``fetched`` (the rows of :attr:`fetch`).
@@ -434,7 +425,7 @@ class RowPlan:
             assert fetched is not None and self.fetch.positions is not None
             positions = self.fetch.positions.tolist()
             batch = _Batch(
-                self.key, positions, fetched, fetched.nbytes + _ENTRY_BYTES * len(positions)
+                self._key, positions, fetched, fetched.nbytes + _ENTRY_BYTES * len(positions)
             )
             self._cache._store(batch)  # a fetch always reads ahead (else plan() gave None)
             self.release()
