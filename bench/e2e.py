@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -120,73 +121,72 @@ def run(sizes: Sizes, posenc_flags: Sequence[str], processes: int) -> Section:
         def floor_pids() -> list[int]:
             return [pid for member in floor_server.members for pid in member.pids()]
 
-        with posenc.Client(server.target, timeout=TIMEOUT) as client:
-            floor = FloorClient(floor_server.target)
-            try:
-                floor.wait_ready()
-                client.get_range(0, 1, d_model)  # connect
-                floor.get(f32_bytes)  # allocates and touches the floor's target array
+        with (
+            posenc.Client(server.target, timeout=TIMEOUT) as client,
+            contextlib.closing(FloorClient(floor_server.target)) as floor,
+        ):
+            floor.wait_ready()
+            client.get_range(0, 1, d_model)  # connect
+            floor.get(f32_bytes)  # allocates and touches the floor's target array
 
-                def floor_unit(repeat: int) -> None:
-                    measured("floor", floor_pids, lambda: floor.get(f32_bytes, TIMEOUT))
+            def floor_unit(repeat: int) -> None:
+                measured("floor", floor_pids, lambda: floor.get(f32_bytes, TIMEOUT))
 
-                def posenc_unit(dtype: str, repeat: int) -> None:
-                    # A start no other call of the run uses: the server has to compute it.
-                    start = 5 * 10**9 + (repeat * 3 + _DTYPES.index(dtype) + 1) * 2**22
-                    for state in ("cold", "warm"):
-                        measured(
-                            f"{dtype} {state}",
-                            posenc_pids,
-                            lambda: client.get_range(start, start + rows, d_model, dtype=dtype),
-                        )
-                    if dtype == "float32":
-                        measured(
-                            "float32 warm, out=",
-                            posenc_pids,
-                            lambda: client.get_range(start, start + rows, d_model, out=touched),
-                        )
-                        # Cold again, into the touched array: what is left without the new
-                        # array's fresh pages (a range of this repetition no call asked for).
-                        cold = start + 2**21
-                        measured(
-                            "float32 cold, out=",
-                            posenc_pids,
-                            lambda: client.get_range(cold, cold + rows, d_model, out=touched),
-                        )
-
-                def new_spec_unit(repeat: int) -> None:
-                    start = 6 * 10**9 + repeat * 2**22
-                    base = 10000.0 + 0.25 * (repeat + 1)  # a spec no call asked for before
+            def posenc_unit(dtype: str, repeat: int) -> None:
+                # A start no other call of the run uses: the server has to compute it.
+                start = 5 * 10**9 + (repeat * 3 + _DTYPES.index(dtype) + 1) * 2**22
+                for state in ("cold", "warm"):
                     measured(
-                        "float32 cold, new spec",
+                        f"{dtype} {state}",
                         posenc_pids,
-                        lambda: client.get_range(start, start + rows, d_model, base=base),
+                        lambda: client.get_range(start, start + rows, d_model, dtype=dtype),
+                    )
+                if dtype == "float32":
+                    measured(
+                        "float32 warm, out=",
+                        posenc_pids,
+                        lambda: client.get_range(start, start + rows, d_model, out=touched),
+                    )
+                    # Cold again, into the touched array: what is left without the new
+                    # array's fresh pages (a range of this repetition no call asked for).
+                    cold = start + 2**21
+                    measured(
+                        "float32 cold, out=",
+                        posenc_pids,
+                        lambda: client.get_range(cold, cold + rows, d_model, out=touched),
                     )
 
-                def local_unit(repeat: int) -> None:
-                    start = 5 * 10**9 + repeat * 3 * 2**22
-                    measured("local numpy float32", list, lambda: local(start))
+            def new_spec_unit(repeat: int) -> None:
+                start = 6 * 10**9 + repeat * 2**22
+                base = 10000.0 + 0.25 * (repeat + 1)  # a spec no call asked for before
+                measured(
+                    "float32 cold, new spec",
+                    posenc_pids,
+                    lambda: client.get_range(start, start + rows, d_model, base=base),
+                )
 
-                units: list[Callable[[int], None]] = [
-                    floor_unit,
-                    lambda r: posenc_unit("float32", r),
-                    new_spec_unit,
-                    lambda r: posenc_unit("bfloat16", r),
-                    lambda r: posenc_unit("float16", r),
-                    local_unit,
-                ]
-                # One repetition of every unit first, not counted (its starts and base are
-                # none of the run's measured ones): the server processes' heaps grow while
-                # their caches first fill, a page fault per page.
-                counting = False
-                for unit in units:
-                    unit(runs * per_run + index)
-                counting = True
-                for repeat in range(index * per_run, (index + 1) * per_run):
-                    for unit in rotated(units, repeat):
-                        unit(repeat)
-            finally:
-                floor.close()
+            def local_unit(repeat: int) -> None:
+                start = 5 * 10**9 + repeat * 3 * 2**22
+                measured("local numpy float32", list, lambda: local(start))
+
+            units: list[Callable[[int], None]] = [
+                floor_unit,
+                lambda r: posenc_unit("float32", r),
+                new_spec_unit,
+                lambda r: posenc_unit("bfloat16", r),
+                lambda r: posenc_unit("float16", r),
+                local_unit,
+            ]
+            # One repetition of every unit first, not counted (its starts and base are
+            # none of the run's measured ones): the server processes' heaps grow while
+            # their caches first fill, a page fault per page.
+            counting = False
+            for unit in units:
+                unit(runs * per_run + index)
+            counting = True
+            for repeat in range(index * per_run, (index + 1) * per_run):
+                for unit in rotated(units, repeat):
+                    unit(repeat)
 
     for index in range(runs):
         server = procs.start_posenc(posenc_flags)

@@ -552,7 +552,7 @@ def _vector_kernel(name: str, rounding: Callable[..., Any], planes: bool) -> Cal
     return _intrinsic(typing)
 
 
-def _bfloat16_rounding(builder: ir.IRBuilder, sin: Any, cos: Any) -> tuple[list[Any], Any]:
+def _bfloat16_rounding(builder: ir.IRBuilder, sin: Any, cos: Any) -> tuple[list[Any], list[Any]]:
     """Eight sines and eight cosines (float64) rounded to bfloat16 through float32 (rounded
     to nearest), eight lanes an instruction: their bits (16-bit lanes); and low bits of each
     (32-bit lanes), zero where that may be wrong. Those are a float32 that is itself a
@@ -569,7 +569,7 @@ def _bfloat16_rounding(builder: ir.IRBuilder, sin: Any, cos: Any) -> tuple[list[
     return rounded, lows
 
 
-def _float16_rounding(builder: ir.IRBuilder, sin: Any, cos: Any) -> tuple[list[Any], Any]:
+def _float16_rounding(builder: ir.IRBuilder, sin: Any, cos: Any) -> tuple[list[Any], list[Any]]:
     """Eight sines and eight cosines (float64) rounded to float16 through float32 (rounded
     to nearest), then F16C's conversion (to nearest even), eight lanes an instruction: their
     bits, and low bits of each as ``_bfloat16_rounding`` gives them. Only a float32 on a
