@@ -4,6 +4,7 @@ before a server listens."""
 
 from __future__ import annotations
 
+import gc
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -38,6 +39,21 @@ def test_the_warm_up_compiles_every_kernel_specialization_it_serves() -> None:
         functions: list[Any] = [kernel.RANGE_INTO[stored], kernel.ROTATE_INTO[stored]]
         for function in functions:  # numba dispatchers: the out array is argument 6
             assert {str(signature[6]) for signature in function.signatures} == outs
+
+
+def test_what_start_up_leaves_alive_is_frozen_out_of_the_collectors_walks() -> None:
+    warmup.warm_up()
+    kernels = kernel.RANGE_INTO[numerics.STORE_BFLOAT16]
+    assert gc.is_tracked(kernels)
+    try:
+        warmup.freeze()
+        assert gc.get_freeze_count() > 10_000
+        # Frozen objects are in no generation a collection walks.
+        assert not any(found is kernels for found in gc.get_objects())
+        made_since = [[index] for index in range(100)]
+        assert sum(found is made_since for found in gc.get_objects()) == 1
+    finally:
+        gc.unfreeze()
 
 
 def test_an_empty_kernel_cache_is_seeded_once(

@@ -473,9 +473,11 @@ def run(argv: Sequence[str] | None = None) -> int:
             metrics_port = supervisor.serve_metrics(config, serving)
         # Every dtype, kind and layout runs once before the server listens (the kernels
         # compiled or loaded from numba's cache, ml_dtypes imported), and the cache's memory
-        # is faulted in: no request waits for either.
+        # is faulted in: no request waits for either; nor for the collector walking what
+        # start-up left alive.
         warmup.warm_up()
         prefaulted = heap.prefault(config.cache_bytes)
+        warmup.freeze()
         running = start_server(config, reuse_port=worker is not None)
     except (OSError, RuntimeError, ValueError) as error:
         print(f"posenc serve: {error}", file=sys.stderr)
