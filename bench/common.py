@@ -36,7 +36,7 @@ class Sizes:
     e2e_rows: int = 16384
     e2e_d_model: int = 4096
     e2e_runs: int = 3
-    e2e_repeats: int = 12  # in all, e2e_runs runs of equal size
+    e2e_repeats: int = 24  # in all, e2e_runs runs of equal size
     # c. latency
     latency_rounds: int = 1000
     latency_runs: int = 3  # the measured rounds: latency_runs consecutive runs of equal size
