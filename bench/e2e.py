@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import random
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -22,7 +23,6 @@ from bench.common import (
     median,
     mib_per_s,
     ratio,
-    rotated,
     runs_target,
 )
 from bench.engine_bench import plain_numpy
@@ -71,8 +71,10 @@ def run(sizes: Sizes, posenc_flags: Sequence[str], processes: int) -> Section:
             "server process streams differs from one process to the next more than between "
             "runs on one process). After one repetition of every unit that is not counted "
             "(the server processes' heaps grow while their caches first fill), units run "
-            f"interleaved (order rotated) in {runs} runs of {per_run} repetitions; the table "
-            "gives medians over all repetitions (best: the fastest), the targets the median "
+            "interleaved (a new order each repetition) in "
+            f"{runs} runs of {per_run} repetitions, the local computation after each run's "
+            "calls (it takes both cores for seconds); the table gives medians over all "
+            "repetitions (best: the fastest), the targets the median "
             "run (min - max of the runs), each run's ratio a ratio of its medians. CPU: user + "
             "system seconds of the server's processes (/proc/PID/stat) and of the harness "
             "process (all its threads) during each call, per GiB of output. Last, what a "
@@ -139,9 +141,9 @@ def run(sizes: Sizes, posenc_flags: Sequence[str], processes: int) -> Section:
             for name in ("floor", _HALF_FLOOR):  # allocates and touches the target arrays
                 floor.get(nbytes[name])
 
-            def floor_unit(repeat: int) -> None:
-                for name in ("floor", _HALF_FLOOR):
-                    measured(name, floor_pids, functools.partial(floor.get, nbytes[name], TIMEOUT))
+            def floor_unit(name: str) -> Callable[[int], None]:
+                call = functools.partial(floor.get, nbytes[name], TIMEOUT)
+                return lambda repeat: measured(name, floor_pids, call)
 
             def posenc_unit(dtype: str, repeat: int) -> None:
                 # A start no other call of the run uses: the server has to compute it.
@@ -181,12 +183,12 @@ def run(sizes: Sizes, posenc_flags: Sequence[str], processes: int) -> Section:
                 measured("local numpy float32", list, lambda: local(start))
 
             units: list[Callable[[int], None]] = [
-                floor_unit,
+                floor_unit("floor"),
                 lambda r: posenc_unit("float32", r),
                 new_spec_unit,
+                floor_unit(_HALF_FLOOR),
                 lambda r: posenc_unit("bfloat16", r),
                 lambda r: posenc_unit("float16", r),
-                local_unit,
             ]
             # One repetition of every unit first, not counted (its starts and base are
             # none of the run's measured ones): the server processes' heaps grow while
@@ -196,8 +198,16 @@ def run(sizes: Sizes, posenc_flags: Sequence[str], processes: int) -> Section:
                 unit(runs * per_run + index)
             counting = True
             for repeat in range(index * per_run, (index + 1) * per_run):
-                for unit in rotated(units, repeat):
+                # An order of its own (seeded), so that no unit always comes after the same
+                # one: what ran just before a call changes how fast it runs.
+                order = list(units)
+                random.Random(repeat).shuffle(order)
+                for unit in order:
                     unit(repeat)
+            # The local computation after the calls, not among them: it takes both cores
+            # for seconds and frees hundreds of MiB, which slows whatever call comes next.
+            for repeat in range(index * per_run, (index + 1) * per_run):
+                local_unit(repeat)
 
     for index in range(runs):
         server = procs.start_posenc(posenc_flags)
