@@ -724,13 +724,16 @@ class Core:
         assert isinstance(plan, RowPlan)
         if plan.fetch is None:
             return plan.result()
+        rows: Rows | None = None
         try:
             fetched = yield from self._fetch(plan.fetch, budget, self._readahead_unary_max)
-            return plan.result(fetched)
+            rows = plan.result(fetched)
         except (InvalidArgumentError, ResourceExhaustedError):
-            self._landed(plan)  # calls waiting for these rows need not wait for the next one
             # Read-ahead may pass the server's position limit: the server judges the
-            # caller's own request, and its error names the caller's positions.
-            return (yield from self._fetch(query, budget))
+            # caller's own request (below), and its error names the caller's positions.
+            rows = None
         finally:
-            self._landed(plan)
+            self._landed(plan)  # stored, failed or abandoned: nobody waits for it any more
+        if rows is None:
+            rows = yield from self._fetch(query, budget)
+        return rows
