@@ -567,8 +567,8 @@ def _bfloat16_rounding(builder: ir.IRBuilder, sin: Any, cos: Any) -> tuple[list[
         bits = builder.bitcast(builder.fptrunc(value, _SINGLES), _WORDS)
         nearest = builder.add(bits, _splat(_WORDS, 0x8000))
         # The high halves of the 32-bit lanes (little-endian: the odd 16-bit ones) by a
-        # shuffle, which LLVM merges with the pairs' interleaving into one permutation, where a
-        # shift and a truncation take four instructions more and a narrowing store.
+        # shuffle, which LLVM merges with the pairs' interleaving into one permutation (a
+        # shift and a truncation it does not merge).
         words = builder.bitcast(nearest, ir.VectorType(ir.IntType(16), 2 * _LANES))
         rounded.append(builder.shuffle_vector(words, words, _HIGH_HALVES))
         lows.append(builder.and_(nearest, _splat(_WORDS, 0xFFFF)))
@@ -583,16 +583,15 @@ def _float16_rounding(builder: ir.IRBuilder, sin: Any, cos: Any) -> tuple[list[A
     more low bits zero below float16's normals. So every float32 whose low 12 bits are zero
     is a doubt (one in 4096 of arbitrary values; exact values such as 0 and 1 too), whatever
     its exponent: those 12 bits are its low bits."""
+    # F16C's conversion by its intrinsic (4: as the rounding mode says, to nearest even), so
+    # that each plane is converted in registers: LLVM moves a plain fptrunc past the pairs'
+    # interleaving and converts sixteen lanes straight into memory, a slower instruction.
+    convert = cgutils.get_or_insert_function(  # type: ignore[no-untyped-call]
+        builder.module, _F16C_CONVERSION, "llvm.x86.vcvtps2ph.256"
+    )
     rounded, lows = [], []
     for value in (sin, cos):
         single = builder.fptrunc(value, _SINGLES)
-        # F16C's conversion by its intrinsic (4: as the rounding mode says, to nearest even):
-        # LLVM moves a plain fptrunc after the pairs' interleaving, converting sixteen
-        # lanes straight to memory, which runs slower than two conversions to registers
-        # and a permutation.
-        convert = cgutils.get_or_insert_function(  # type: ignore[no-untyped-call]
-            builder.module, _F16C_CONVERSION, "llvm.x86.vcvtps2ph.256"
-        )
         rounded.append(builder.call(convert, [single, ir.IntType(32)(4)]))
         lows.append(builder.and_(builder.bitcast(single, _WORDS), _splat(_WORDS, 0xFFF)))
     return rounded, lows
@@ -600,8 +599,8 @@ def _float16_rounding(builder: ir.IRBuilder, sin: Any, cos: Any) -> tuple[list[A
 
 _bfloat16_to_columns = _vector_kernel("_bfloat16_to_columns", _bfloat16_rounding, planes=False)
 _bfloat16_to_planes = _vector_kernel("_bfloat16_to_planes", _bfloat16_rounding, planes=True)
-# Only where the CPU has F16C: without it LLVM calls a runtime function numba's linker does
-# not have (the loops that call these compile them only then).
+# Only where the CPU has F16C, whose intrinsic they call (the loops that call these compile
+# them only then).
 _float16_to_columns = _vector_kernel("_float16_to_columns", _float16_rounding, planes=False)
 _float16_to_planes = _vector_kernel("_float16_to_planes", _float16_rounding, planes=True)
 
