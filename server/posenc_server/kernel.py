@@ -147,9 +147,13 @@ def _rotate_rows(
     row = np.zeros(2 * bases.shape[2] + 1)  # the last value stays 0: the zero columns'
     halves = np.zeros(row.size, dtype=np.uint16)
     runs = _runs(columns, bases.shape[2])
-    for r in range(out.shape[0]):
-        base, rotation = bases[base_index[r]], rotations[rotation_index[r]]
-        _write_row(base, rotation, runs, amplitude, out[r], row, halves, stored)
+    arguments = (bases, base_index, rotations, rotation_index, runs, amplitude, out, row, halves)
+    if stored == BFLOAT16:
+        _rotated_bfloat16(*arguments)
+    elif stored == FLOAT16:
+        _rotated_float16(*arguments)
+    else:
+        _rotated_values(*arguments)
 
 
 @_compiled
@@ -210,19 +214,80 @@ def _range_rows(
     stored: int,
 ) -> None:
     """``range_into`` in the format ``stored`` (a constant where it is inlined)."""
-    block = rotations.shape[0]
     row = np.zeros(2 * freq_hi.size + 1)
     halves = np.zeros(row.size, dtype=np.uint16)
     base = np.empty((1, 2, freq_hi.size))
     position = np.empty(1, dtype=np.int64)
     runs = _runs(columns, freq_hi.size)
-    for r in range(out.shape[0]):
-        offset = (first + r) % block
-        if r == 0 or offset == 0:
-            position[0] = first + r - offset
-            angles_into(position, freq_hi, freq_lo, base)
-        rotation = rotations[offset]
-        _write_row(base[0], rotation, runs, amplitude, out[r], row, halves, stored)
+    arguments = (
+        first,
+        freq_hi,
+        freq_lo,
+        rotations,
+        runs,
+        amplitude,
+        out,
+        row,
+        halves,
+        base,
+        position,
+    )
+    if stored == BFLOAT16:
+        _ranged_bfloat16(*arguments)
+    elif stored == FLOAT16:
+        _ranged_float16(*arguments)
+    else:
+        _ranged_values(*arguments)
+
+
+def _row_loops(stored: int) -> tuple[Callable[..., None], Callable[..., None]]:
+    """The loops over rows of ``rotate_into`` and ``range_into`` in the format ``stored``,
+    compiled without numba's reference counting, like the helpers: each row's views (its
+    factors and its columns) would otherwise count a reference each, atomically, in and
+    out, a fixed cost per row which short rows (a rotary head's) would pay in full."""
+
+    @_helper
+    def rotated(
+        bases: npt.NDArray[np.float64],
+        base_index: npt.NDArray[np.int64],
+        rotations: npt.NDArray[np.float64],
+        rotation_index: npt.NDArray[np.int64],
+        runs: npt.NDArray[np.int64],
+        amplitude: float,
+        out: npt.NDArray[np.generic],
+        row: npt.NDArray[np.float64],
+        halves: npt.NDArray[np.uint16],
+    ) -> None:
+        for r in range(out.shape[0]):
+            base, rotation = bases[base_index[r]], rotations[rotation_index[r]]
+            _write_row(base, rotation, runs, amplitude, out[r], row, halves, stored)
+
+    @_helper
+    def ranged(
+        first: int,
+        freq_hi: npt.NDArray[np.float64],
+        freq_lo: npt.NDArray[np.float64],
+        rotations: npt.NDArray[np.float64],
+        runs: npt.NDArray[np.int64],
+        amplitude: float,
+        out: npt.NDArray[np.generic],
+        row: npt.NDArray[np.float64],
+        halves: npt.NDArray[np.uint16],
+        base: npt.NDArray[np.float64],
+        position: npt.NDArray[np.int64],
+    ) -> None:
+        block = rotations.shape[0]
+        offset = first % block
+        for r in range(out.shape[0]):
+            if r == 0 or offset == 0:
+                position[0] = first + r - offset
+                angles_into(position, freq_hi, freq_lo, base)
+            _write_row(base[0], rotations[offset], runs, amplitude, out[r], row, halves, stored)
+            offset += 1
+            if offset == block:
+                offset = 0
+
+    return rotated, ranged
 
 
 @_allocating_helper
@@ -679,6 +744,10 @@ def _planar_row(factors: _Factors, amplitude: float, row: npt.NDArray[np.float64
     for i in range(count):
         sines[i], cosines[i] = _pair(factors, amplitude, i)
 
+
+_rotated_values, _ranged_values = _row_loops(VALUES)
+_rotated_bfloat16, _ranged_bfloat16 = _row_loops(BFLOAT16)
+_rotated_float16, _ranged_float16 = _row_loops(FLOAT16)
 
 # Each format's kernels, by ``numerics.STORE_*``.
 RANGE_INTO: Final = {VALUES: range_into, BFLOAT16: range_into_bfloat16, FLOAT16: range_into_float16}
