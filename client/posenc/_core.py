@@ -724,16 +724,13 @@ class Core:
         assert isinstance(plan, RowPlan)
         if plan.fetch is None:
             return plan.result()
-        rows: Rows | None = None
         try:
             fetched = yield from self._fetch(plan.fetch, budget, self._readahead_unary_max)
-            rows = plan.result(fetched)
+            return plan.result(fetched)
         except (InvalidArgumentError, ResourceExhaustedError):
             # Read-ahead may pass the server's position limit: the server judges the
             # caller's own request (below), and its error names the caller's positions.
-            rows = None
+            pass
         finally:
             self._landed(plan)  # stored, failed or abandoned: nobody waits for it any more
-        if rows is None:
-            rows = yield from self._fetch(query, budget)
-        return rows
+        return (yield from self._fetch(query, budget))

@@ -143,7 +143,8 @@ def _rotate_rows(
     out: npt.NDArray[np.generic],
     stored: int,
 ) -> None:
-    """``rotate_into`` in the format ``stored`` (a constant where it is inlined)."""
+    """``rotate_into`` in the format ``stored`` (a constant where it is inlined): the scratch
+    arrays made here, the rows written by that format's loop (``_row_loops``)."""
     row = np.zeros(2 * bases.shape[2] + 1)  # the last value stays 0: the zero columns'
     halves = np.zeros(row.size, dtype=np.uint16)
     runs = _runs(columns, bases.shape[2])
@@ -213,7 +214,8 @@ def _range_rows(
     out: npt.NDArray[np.generic],
     stored: int,
 ) -> None:
-    """``range_into`` in the format ``stored`` (a constant where it is inlined)."""
+    """``range_into`` in the format ``stored`` (a constant where it is inlined): the scratch
+    arrays made here, the rows written by that format's loop (``_row_loops``)."""
     row = np.zeros(2 * freq_hi.size + 1)
     halves = np.zeros(row.size, dtype=np.uint16)
     base = np.empty((1, 2, freq_hi.size))
@@ -241,10 +243,11 @@ def _range_rows(
 
 
 def _row_loops(stored: int) -> tuple[Callable[..., None], Callable[..., None]]:
-    """The loops over rows of ``rotate_into`` and ``range_into`` in the format ``stored``,
-    compiled without numba's reference counting, like the helpers: each row's views (its
-    factors and its columns) would otherwise count a reference each, atomically, in and
-    out, a fixed cost per row which short rows (a rotary head's) would pay in full."""
+    """The loops over rows of ``rotate_into`` and ``range_into`` in the format ``stored``
+    (a constant of each loop), helpers like the rows' own (see ``_helper``): in a compiled
+    entry point each view a row takes (its factors, its columns) would count a reference,
+    atomically, in and out, a fixed cost per row that short rows (a rotary head's) pay in
+    full."""
 
     @_helper
     def rotated(
