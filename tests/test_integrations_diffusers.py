@@ -486,6 +486,37 @@ def test_a_grid_read_wrongly_is_refused_and_nothing_is_patched(client: posenc.Cl
     assert dict(module._forward_pre_hooks) == hooks
 
 
+@pytest.mark.parametrize("version", ["0.41.0", "0.99.0"])
+def test_an_untested_release_is_served_when_its_grids_agree(
+    client: posenc.Client, monkeypatch: Any, version: str
+) -> None:
+    from posenc.integrations import diffusers as integration
+
+    monkeypatch.setattr(integration.metadata, "version", lambda name: version)
+    with (
+        pytest.warns(integration.UntestedReleaseWarning, match=f"not {version}: each grid"),
+        patch(_dit(), client, verify=False) as patched,
+    ):
+        assert list(patched.specs) == ["pos_embed"]
+
+
+def test_an_untested_release_is_verified_even_when_told_not_to(
+    client: posenc.Client, monkeypatch: Any
+) -> None:
+    from posenc.integrations import diffusers as integration
+
+    monkeypatch.setattr(integration.metadata, "version", lambda name: "0.99.0")
+    model = _dit()
+    model.pos_embed.interpolation_scale = 2.0  # a release that builds its grid otherwise
+    hooks = dict(model.pos_embed._forward_pre_hooks)
+    with (
+        pytest.warns(integration.UntestedReleaseWarning),
+        pytest.raises(ValueError, match="differs from the module's own table"),
+    ):
+        patch(model, client, verify=False)
+    assert dict(model.pos_embed._forward_pre_hooks) == hooks
+
+
 def test_a_model_without_a_grid_is_refused(client: posenc.Client) -> None:
     with pytest.raises(ValueError, match="holds no positional table"):
         patch(torch.nn.Linear(2, 2), client)

@@ -57,9 +57,15 @@ from torch import nn
 import posenc
 from posenc._output import as_tensor
 
-__all__ = ["Patch", "patch"]
+__all__ = ["SUPPORTED_DIFFUSERS", "Patch", "UntestedReleaseWarning", "patch"]
 
 log = logging.getLogger(__name__)
+
+
+class UntestedReleaseWarning(UserWarning):
+    """The installed diffusers is outside :data:`SUPPORTED_DIFFUSERS`: every grid is checked
+    against the module's own before it is installed."""
+
 
 #: The diffusers releases whose modules this integration is tested against.
 SUPPORTED_DIFFUSERS: Final = ((0, 42), (0, 42))
@@ -165,7 +171,8 @@ def patch(model: Any, client: posenc.Client, *, verify: bool = True) -> Patch:
             the model runs patched.
         verify: Compare each module's grid at its training size with the module's own
             before replacing it, refusing (``ValueError``) a difference beyond float32
-            rounding: the sign of a module read differently from diffusers.
+            rounding: the sign of a module read differently from diffusers. Always on
+            with a diffusers outside :data:`SUPPORTED_DIFFUSERS`.
 
     Returns:
         The :class:`Patch`: ``undo()`` (or use it as a context manager) restores the model.
@@ -174,7 +181,9 @@ def patch(model: Any, client: posenc.Client, *, verify: bool = True) -> Patch:
         ValueError: The model holds no table posenc serves, or (``verify``) a table differs
             from the module's own.
     """
-    _check_release()
+    # Outside the tested releases the check against the module's own grid is what makes a
+    # table safe to install, so it runs whatever ``verify`` says.
+    verify = _check_release() or verify
     module = getattr(model, "transformer", model)
     if not isinstance(module, nn.Module):
         raise TypeError(f"expected a diffusers model or pipeline, got {type(model).__name__}")
@@ -213,22 +222,30 @@ def patch(model: Any, client: posenc.Client, *, verify: bool = True) -> Patch:
     return handle
 
 
-def _check_release() -> None:
-    """Warns when the installed diffusers is outside the tested releases: the modules are
-    recognised by their attributes and each grid is verified (``verify``), but a release
-    may build its grids differently at sizes other than the training one."""
+def _check_release() -> bool:
+    """Warns, and returns True, when the installed diffusers is outside the tested releases.
+
+    The modules are recognised by their attributes, so a newer release is served, but it may
+    build its grids differently: each grid is then compared with the module's own at its
+    training size before it is installed, and refused if it differs.
+    """
     try:
         version = metadata.version("diffusers")
     except metadata.PackageNotFoundError:
-        return  # a model built without the package (a copy of its modules): nothing to say
+        return False  # a model built without the package (a copy of its modules)
     release = tuple(int(part) for part in version.split(".")[:2] if part.isdigit())
     oldest, newest = SUPPORTED_DIFFUSERS
-    if not oldest <= release <= newest:
-        warnings.warn(
-            f"posenc.integrations.diffusers is tested with diffusers "
-            f"{'.'.join(map(str, oldest))} to {'.'.join(map(str, newest))}.x, not {version}",
-            stacklevel=3,
-        )
+    if oldest <= release <= newest:
+        return False
+    tested = f"{'.'.join(map(str, oldest))} to {'.'.join(map(str, newest))}.x"
+    warnings.warn(
+        f"posenc.integrations.diffusers is tested with diffusers {tested}, not {version}: "
+        "each grid is compared with the module's own before it is installed, and refused "
+        "if it differs",
+        UntestedReleaseWarning,
+        stacklevel=3,
+    )
+    return True
 
 
 # -- recognising modules ------------------------------------------------------------------
