@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 SERVER_STAMP := $(VENV)/.installed-server
 STAMP := $(VENV)/.installed
 
-.PHONY: run test test-fast soak lint typecheck stubs clean plots
+.PHONY: run test test-fast test-newest soak lint typecheck stubs clean plots
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -30,6 +30,22 @@ test: $(STAMP)
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy
 	$(BIN)/python -m pytest -n 2
+
+# The integration suites against the newest transformers, diffusers, vLLM and SGLang, resolved
+# now into an environment of their own (.venv-newest, made anew each run): what a user who
+# installs the latest releases today gets. The tests download the newest vLLM and SGLang
+# wheels themselves; torch stays the CPU build the tests pin.
+NEWEST := .venv-newest
+NEWEST_TESTS := $(filter-out tests/test_integrations_transformers_oldest.py,$(wildcard tests/test_integrations_*.py)) tests/test_conformance.py tests/test_multiaxis_conformance.py
+
+test-newest: $(STAMP)
+	rm -rf $(NEWEST)
+	$(PYTHON) -m venv $(NEWEST)
+	$(NEWEST)/bin/python -m pip install --quiet --upgrade pip
+	$(NEWEST)/bin/python -m pip install --quiet -e '.[dev]' 'torch==2.13.0'
+	$(NEWEST)/bin/python -m pip install --quiet --upgrade --upgrade-strategy only-if-needed transformers diffusers 'torch==2.13.0'
+	$(NEWEST)/bin/python -c 'import importlib.metadata as m; print("newest:", ", ".join(f"{n} {m.version(n)}" for n in ("transformers", "diffusers", "torch")))'
+	POSENC_NEWEST=1 $(NEWEST)/bin/python -m pytest -n 2 -p no:cacheprovider $(NEWEST_TESTS)
 
 # The fast set, for the edit-test loop: under a minute, no slow or soak tests, no linters.
 test-fast: $(STAMP)
@@ -55,7 +71,7 @@ plots: $(STAMP)
 	$(BIN)/python scripts/make_plots.py pictures
 
 clean:
-	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) $(NEWEST) .pytest_cache .mypy_cache .ruff_cache
 
 # Benchmarks against the physical floors (bench/README.md): results in bench/results/.
 BENCH_STAMP := $(VENV)/.installed-bench

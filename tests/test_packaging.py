@@ -1,0 +1,62 @@
+"""What installing posenc asks of a user's environment.
+
+Installing posenc (or one of its user-facing extras) must never downgrade or replace the
+transformers, torch, vLLM, SGLang or diffusers a user already runs: those requirements carry
+lower bounds only, and an integration verifies each table against the module's own rows at
+load instead. Exact versions belong to the test-only extras (``dev``, ``conformance``).
+"""
+
+from __future__ import annotations
+
+import tomllib
+
+import pytest
+from conftest import ROOT
+from packaging.requirements import Requirement
+
+# Extras a user installs; `dev` and `conformance` are the project's own test environments.
+_TEST_ONLY = {"dev", "conformance"}
+
+
+def _project() -> dict[str, object]:
+    with open(ROOT / "pyproject.toml", "rb") as file:
+        project: dict[str, object] = tomllib.load(file)["project"]
+    return project
+
+
+def _user_requirements() -> list[tuple[str, Requirement]]:
+    project = _project()
+    extras = project["optional-dependencies"]
+    assert isinstance(extras, dict)
+    found = [("dependencies", Requirement(r)) for r in project["dependencies"]]  # type: ignore[attr-defined]
+    for extra, requirements in extras.items():
+        if extra not in _TEST_ONLY:
+            found += [(extra, Requirement(r)) for r in requirements]
+    return found
+
+
+@pytest.mark.parametrize(
+    ("where", "requirement"),
+    _user_requirements(),
+    ids=lambda value: str(value) if isinstance(value, str) else value.name,
+)
+def test_a_user_facing_requirement_has_a_lower_bound_only(
+    where: str, requirement: Requirement
+) -> None:
+    operators = {spec.operator for spec in requirement.specifier}
+    assert operators <= {">="}, (
+        f"{where}: {requirement} caps or pins a version; installing posenc would then replace "
+        "what a user runs"
+    )
+
+
+def test_every_integration_has_an_extra_and_a_tested_pin() -> None:
+    extras = _project()["optional-dependencies"]
+    assert isinstance(extras, dict)
+    named = {
+        Requirement(r).name for extra in ("transformers", "vllm", "sglang") for r in extras[extra]
+    }
+    assert {"transformers", "vllm", "sglang"} <= named
+    pinned = {Requirement(r).name: Requirement(r) for r in extras["conformance"]}
+    for name in ("torch", "transformers", "diffusers"):
+        assert [spec.operator for spec in pinned[name].specifier] == ["=="], name
