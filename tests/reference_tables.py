@@ -119,6 +119,7 @@ class Rope:
     short_factor: tuple[float, ...] = field(default=())
     long_factor: tuple[float, ...] = field(default=())
     seq_len: int | None = None
+    inv_freq: tuple[float, ...] = field(default=())
 
     @property
     def dim(self) -> int:
@@ -154,6 +155,9 @@ def rope_frequencies(rope: Rope) -> tuple[list[mpmath.mpf], mpmath.mpf]:
     exponents = [mpmath.mpf(2 * i) / dim for i in range(dim // 2)]
     attention = mpmath.mpf(1)
     kind = rope.rope_type
+    if kind == "frequencies":
+        given = mpmath.mpf(1) if rope.attention_factor is None else rope.attention_factor
+        return [mpmath.mpf(f) for f in rope.inv_freq], mpmath.mpf(given)
     if kind == "dynamic":
         assert rope.factor is not None and rope.max_position_embeddings is not None
         seq_len = max(rope.seq_len or 0, rope.max_position_embeddings)

@@ -139,6 +139,25 @@ ROTARY_CASES = [
         high_freq_factor=4.0,
         layout="gptj",
     ),
+    # A model's own float32 inv_freq (Llama's 64 frequencies), a zero and a negative one.
+    Rope(
+        128,
+        "frequencies",
+        inv_freq=(
+            *(float(np.float32(500000.0 ** (-2 * i / 128))) for i in range(61)),
+            0.0,
+            -0.25,
+            1024.0,
+        ),
+        attention_factor=1.25,
+    ),
+    Rope(
+        64,
+        "frequencies",
+        inv_freq=tuple(float(np.float32(1e4 ** (-2 * i / 32))) for i in range(16)),
+        partial_rotary_factor=0.5,
+        layout="vllm",
+    ),
 ]
 
 
@@ -458,6 +477,26 @@ BAD_PARAMETERS: list[tuple[str, dict[str, Any], str]] = [
         "spec.rotary.longrope.long_factor",
     ),
     ("rotary", {"head_dim": 64, **LONGROPE, "seq_len": 0}, "spec.rotary.longrope.seq_len"),
+    (
+        "rotary",
+        {"head_dim": 8, "scaling": "frequencies", "inv_freq": [1.0] * 3},
+        "spec.rotary.frequencies.inv_freq",
+    ),
+    (
+        "rotary",
+        {"head_dim": 4, "scaling": "frequencies", "inv_freq": [1.0, float("nan")]},
+        "spec.rotary.frequencies.inv_freq",
+    ),
+    (
+        "rotary",
+        {"head_dim": 4, "scaling": "frequencies", "inv_freq": [1.0, -1025.0]},
+        "spec.rotary.frequencies.inv_freq",
+    ),
+    (
+        "rotary",
+        {"head_dim": 4, "scaling": "frequencies", "inv_freq": [1.0, 0.5], "attention_factor": 3.0},
+        "spec.rotary.frequencies.attention_factor",
+    ),
 ]
 
 

@@ -144,7 +144,9 @@ def ropes(draw: st.DrawFn) -> Rope:
     )
     partial = draw(usually(st.sampled_from([1.0, 0.5, 0.25]), reals))
     rope_type = draw(
-        st.sampled_from(["default", "linear", "dynamic", "yarn", "longrope", "llama3"])
+        st.sampled_from(
+            ["default", "linear", "dynamic", "yarn", "longrope", "llama3", "frequencies"]
+        )
     )
     factor = usually(st.floats(1.0, 64.0), reals)
     length = usually(st.integers(1, 10**6), lengths)
@@ -181,6 +183,12 @@ def ropes(draw: st.DrawFn) -> Rope:
         for name in ("short_factor", "long_factor"):
             parameters[name] = tuple(draw(st.lists(factors, min_size=count, max_size=count)))
         parameters["seq_len"] = draw(optional_length)
+    if rope_type == "frequencies":
+        dim = int(head_dim * partial) if math.isfinite(head_dim * partial) else 0
+        count = max(0, min(dim // 2, 64) + draw(usually(st.just(0), st.sampled_from([1, -1]))))
+        frequencies = usually(st.floats(-1024.0, 1024.0) | st.just(0.0), reals)
+        parameters["inv_freq"] = tuple(draw(st.lists(frequencies, min_size=count, max_size=count)))
+        parameters["attention_factor"] = draw(usually(st.none() | st.floats(0.1, 2.0), maybe_reals))
     return Rope(head_dim, rope_type, **parameters)
 
 

@@ -422,6 +422,7 @@ class RotaryTable(_message.Message):
     YARN_FIELD_NUMBER: _builtins.int
     LONGROPE_FIELD_NUMBER: _builtins.int
     LLAMA3_FIELD_NUMBER: _builtins.int
+    FREQUENCIES_FIELD_NUMBER: _builtins.int
     head_dim: _builtins.int
     """The attention head width (config.head_dim, else hidden_size //
     num_attention_heads), >= 2.
@@ -443,6 +444,8 @@ class RotaryTable(_message.Message):
     def longrope(self) -> Global___LongRopeScaling: ...
     @_builtins.property
     def llama3(self) -> Global___Llama3Scaling: ...
+    @_builtins.property
+    def frequencies(self) -> Global___FrequenciesScaling: ...
     def __init__(
         self,
         *,
@@ -455,16 +458,17 @@ class RotaryTable(_message.Message):
         yarn: Global___YarnScaling | None = ...,
         longrope: Global___LongRopeScaling | None = ...,
         llama3: Global___Llama3Scaling | None = ...,
+        frequencies: Global___FrequenciesScaling | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_partial_rotary_factor", b"_partial_rotary_factor", "_rope_theta", b"_rope_theta", "dynamic", b"dynamic", "linear", b"linear", "llama3", b"llama3", "longrope", b"longrope", "partial_rotary_factor", b"partial_rotary_factor", "rope_theta", b"rope_theta", "scaling", b"scaling", "yarn", b"yarn"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_partial_rotary_factor", b"_partial_rotary_factor", "_rope_theta", b"_rope_theta", "dynamic", b"dynamic", "frequencies", b"frequencies", "linear", b"linear", "llama3", b"llama3", "longrope", b"longrope", "partial_rotary_factor", b"partial_rotary_factor", "rope_theta", b"rope_theta", "scaling", b"scaling", "yarn", b"yarn"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_partial_rotary_factor", b"_partial_rotary_factor", "_rope_theta", b"_rope_theta", "dynamic", b"dynamic", "head_dim", b"head_dim", "layout", b"layout", "linear", b"linear", "llama3", b"llama3", "longrope", b"longrope", "partial_rotary_factor", b"partial_rotary_factor", "rope_theta", b"rope_theta", "scaling", b"scaling", "yarn", b"yarn"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_partial_rotary_factor", b"_partial_rotary_factor", "_rope_theta", b"_rope_theta", "dynamic", b"dynamic", "frequencies", b"frequencies", "head_dim", b"head_dim", "layout", b"layout", "linear", b"linear", "llama3", b"llama3", "longrope", b"longrope", "partial_rotary_factor", b"partial_rotary_factor", "rope_theta", b"rope_theta", "scaling", b"scaling", "yarn", b"yarn"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__partial_rotary_factor: _TypeAlias = _typing.Literal["partial_rotary_factor"]  # noqa: Y015
     _WhichOneofArgType__partial_rotary_factor: _TypeAlias = _typing.Literal["_partial_rotary_factor", b"_partial_rotary_factor"]  # noqa: Y015
     _WhichOneofReturnType__rope_theta: _TypeAlias = _typing.Literal["rope_theta"]  # noqa: Y015
     _WhichOneofArgType__rope_theta: _TypeAlias = _typing.Literal["_rope_theta", b"_rope_theta"]  # noqa: Y015
-    _WhichOneofReturnType_scaling: _TypeAlias = _typing.Literal["linear", "dynamic", "yarn", "longrope", "llama3"]  # noqa: Y015
+    _WhichOneofReturnType_scaling: _TypeAlias = _typing.Literal["linear", "dynamic", "yarn", "longrope", "llama3", "frequencies"]  # noqa: Y015
     _WhichOneofArgType_scaling: _TypeAlias = _typing.Literal["scaling", b"scaling"]  # noqa: Y015
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__partial_rotary_factor) -> _WhichOneofReturnType__partial_rotary_factor | None: ...
@@ -714,6 +718,42 @@ class Llama3Scaling(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___Llama3Scaling: _TypeAlias = Llama3Scaling  # noqa: Y015
+
+@_typing.final
+class FrequenciesScaling(_message.Message):
+    """Explicit frequencies: inv_freq[i] is the value given (a model's own inv_freq buffer,
+    float32 values included, or a rope type computed by the caller), rope_theta unused.
+    The angles position * inv_freq[i] are exact for those values.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    INV_FREQ_FIELD_NUMBER: _builtins.int
+    ATTENTION_FACTOR_FIELD_NUMBER: _builtins.int
+    attention_factor: _builtins.float
+    """The cos/sin scale, in (0, 2]. Unset means 1."""
+    @_builtins.property
+    def inv_freq(self) -> _containers.RepeatedScalarFieldContainer[_builtins.float]:
+        """rotary_dim / 2 angular frequencies, each finite with |inv_freq[i]| at most the
+        server's largest frequency (1024 with the default position limit); 0 gives cos 1,
+        sin 0.
+        """
+
+    def __init__(
+        self,
+        *,
+        inv_freq: _abc.Iterable[_builtins.float] | None = ...,
+        attention_factor: _builtins.float | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_attention_factor", b"_attention_factor", "attention_factor", b"attention_factor"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_attention_factor", b"_attention_factor", "attention_factor", b"attention_factor", "inv_freq", b"inv_freq"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__attention_factor: _TypeAlias = _typing.Literal["attention_factor"]  # noqa: Y015
+    _WhichOneofArgType__attention_factor: _TypeAlias = _typing.Literal["_attention_factor", b"_attention_factor"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__attention_factor) -> _WhichOneofReturnType__attention_factor | None: ...
+
+Global___FrequenciesScaling: _TypeAlias = FrequenciesScaling  # noqa: Y015
 
 @_typing.final
 class MRopeTable(_message.Message):
