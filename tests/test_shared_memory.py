@@ -11,13 +11,17 @@ is read from its metrics.
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import gc
+import json
 import mmap
 import os
+import shutil
 import socket
 import struct
 import subprocess
 import sys
+import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -25,7 +29,7 @@ from typing import Any
 import grpc
 import numpy as np
 import pytest
-from conftest import ServerProcess, wait_until
+from conftest import ServerProcess, same_bits, wait_until
 from test_operations import metric, metrics_port, scrape
 
 import posenc
@@ -172,6 +176,141 @@ def test_a_session_that_never_releases_fills_only_the_pool(
         assert in_shared_memory(again) and np.array_equal(again, rows)
     os.close(fd)
     channel.close()
+
+
+_LIBC = ctypes.CDLL(None, use_errno=True)
+_LIBC.mmap.restype = ctypes.c_void_p
+_LIBC.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int]
+_LIBC.mmap.argtypes += [ctypes.c_int, ctypes.c_long]
+_LIBC.mprotect.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+_LIBC.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_long, ctypes.c_long]
+_PUNCH_HOLE = 0x02 | 0x01  # FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE: the pages read as 0
+
+
+def _native(failed: bool) -> None:
+    if failed:
+        raise OSError(ctypes.get_errno(), os.strerror(ctypes.get_errno()))
+
+
+def _attack(region_socket: str, size: int) -> dict[str, Any]:
+    """What an admitted peer tries on the pool's descriptor: each attack's outcome,
+    "refused: <error>" or "done" (it then wrote NaN, or zeros, over the whole pool)."""
+    connection = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    connection.connect(region_socket)
+    _, ancillary, _, _ = connection.recvmsg(64, socket.CMSG_SPACE(4))
+    fds = [int.from_bytes(data[:4], "little") for _, _, data in ancillary]
+    outcomes: dict[str, Any] = {"uid": os.getuid(), "fds": len(fds)}
+
+    def attempt(name: str, action: Callable[[], object]) -> None:
+        try:
+            action()
+            outcomes[name] = "done"
+        except OSError as error:
+            outcomes[name] = f"refused: {error.strerror}"
+
+    def mapped(fd: int) -> None:
+        with mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE) as pool:
+            pool[:] = b"\xff" * size
+
+    def protected(fd: int) -> None:
+        address = _LIBC.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+        _native(address in (None, ctypes.c_void_p(-1).value))
+        _native(_LIBC.mprotect(address, size, mmap.PROT_READ | mmap.PROT_WRITE) != 0)
+        ctypes.memset(address, 0xFF, size)
+
+    def attack(fd: int, suffix: str) -> None:
+        attempt("pwrite" + suffix, lambda: os.pwrite(fd, b"\xff" * mmap.PAGESIZE, 0))
+        attempt("writable map" + suffix, lambda: mapped(fd))
+        attempt("mprotect" + suffix, lambda: protected(fd))
+        attempt(
+            "punch hole" + suffix, lambda: _native(_LIBC.fallocate(fd, _PUNCH_HOLE, 0, size) != 0)
+        )
+        attempt("truncate" + suffix, lambda: os.ftruncate(fd, 0))
+
+    if fds:
+        attack(fds[0], "")
+        try:
+            reopened = os.open(f"/proc/self/fd/{fds[0]}", os.O_RDWR)
+        except OSError as error:
+            outcomes["reopen for writing"] = f"refused: {error.strerror}"
+        else:
+            outcomes["reopen for writing"] = "done"
+            attack(reopened, " (reopened)")
+    return outcomes
+
+
+def _as_user(uid: int, gid: int, action: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+    """``action()``'s answer, run in a child process of ``uid`` and ``gid`` alone (forked:
+    the interpreter's own files need not be readable by that uid)."""
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: nothing but the action, then out without cleanup
+        code = 1
+        try:
+            os.close(read)
+            os.setgroups([])
+            os.setgid(gid)
+            os.setuid(uid)
+            os.write(write, json.dumps(action()).encode())
+            code = 0
+        finally:
+            os._exit(code)
+    os.close(write)
+    with os.fdopen(read, "rb") as answer:
+        text = answer.read()
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0 and text, "the attacker failed"
+    outcome: dict[str, Any] = json.loads(text)
+    return outcome
+
+
+_NOBODY = 65534
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="taking another uid needs root")
+def test_no_peer_can_write_the_pool_another_process_reads(
+    spawn_server: Callable[..., ServerProcess],
+) -> None:
+    """An admitted peer of another uid (no token, no certificate: the region socket asks
+    for none) gets the pool's read-only descriptor and tries every way to write through it:
+    pwrite, a writable shared map, mprotect of a read-only one to writing, punching holes,
+    truncating, and reopening it read-write through /proc/self/fd to do all of that again.
+    Each is refused, and what this process had read (a copy=False view, held throughout)
+    and reads again is the server's rows, bit for bit. Root, who may open any inode,
+    reopens it read-write too: the seals refuse its writes the same way."""
+    pool = 4 * MIB
+    directory = Path(tempfile.mkdtemp(prefix="posenc-peers-"))
+    directory.chmod(0o755)  # the peer's way to the sockets (their group admits it)
+    try:
+        path = directory / "posenc.sock"
+        server = spawn_server(
+            0,
+            *("--unix-socket", str(path), "--shm-bytes", str(pool)),
+            *("--shm-peers", f"uid:{os.getuid()},uid:{_NOBODY}"),
+        )
+        os.chown(f"{path}.shm", -1, _NOBODY)
+        with posenc.Client(server.target) as tcp, posenc.Client(f"unix:{path}") as local:
+            expected = tcp.get_range(0, ROWS, D_MODEL)
+            view = local.get_range(0, ROWS, D_MODEL, copy=False)
+            assert in_shared_memory(view) and same_bits(view, expected)
+            peer = _as_user(_NOBODY, _NOBODY, lambda: _attack(f"{path}.shm", pool))
+            assert peer["uid"] == _NOBODY and peer["fds"] == 1, peer
+            attacks = {k: v for k, v in peer.items() if k not in ("uid", "fds")}
+            assert attacks["reopen for writing"] == "refused: Permission denied", peer
+            assert len(attacks) == 6 and all(v.startswith("refused") for v in attacks.values())
+            # Root may reopen any inode read-write: what it can do with that is what the
+            # server's own uid could, and the seals refuse every write of it.
+            root = _attack(f"{path}.shm", pool)
+            assert root["reopen for writing"] == "done", root
+            root_attacks = {k: v for k, v in root.items() if k.endswith("(reopened)")}
+            assert len(root_attacks) == 5
+            assert all(v.startswith("refused") for v in root_attacks.values()), root
+            assert same_bits(view, expected)  # the view held throughout
+            again = local.get_range(0, ROWS, D_MODEL, copy=False)  # the region cached
+            assert in_shared_memory(again) and same_bits(again, expected)
+            assert same_bits(local.get_range(0, ROWS, D_MODEL), expected)
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
 
 
 def test_a_view_outlives_its_client_and_its_server(

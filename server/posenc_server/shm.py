@@ -13,11 +13,14 @@ closes. The peer maps those pages read-only; peers asking for the same range sha
 copy.
 
 Nothing else reaches the pool: it has no name, its descriptor goes only to admitted peers,
-read-only (they can neither write nor resize it), and regions are placed by the server,
-never where a client says. The pool is the whole budget: a table that does not fit in what
-leases leave free is answered in the response as without shared memory, after regions that
-no lease holds were evicted to make room. A session holds at most ``MAX_LEASES`` leases,
-the server at most ``MAX_SESSIONS`` sessions; refused peers and sessions are logged.
+read-only, and no peer can write, resize or punch holes in it, through that descriptor or
+any other: the memfd is sealed against every write but the server's own map
+(``F_SEAL_FUTURE_WRITE``), and its mode lets no other uid reopen it. Regions are placed by
+the server, never where a client says. The pool is the whole budget: a table that does not
+fit in what leases leave free is answered in the response as without shared memory, after
+regions that no lease holds were evicted to make room. A session holds at most
+``MAX_LEASES`` leases, the server at most ``MAX_SESSIONS`` sessions; refused peers and
+sessions are logged.
 """
 
 from __future__ import annotations
@@ -51,6 +54,9 @@ MAX_SESSIONS: Final = 256
 MAX_LEASES: Final = 4096
 _PAGE: Final = mmap.PAGESIZE
 _PEERCRED: Final = struct.Struct("3i")  # pid, uid, gid
+# F_SEAL_FUTURE_WRITE (Linux 5.1) is not in every Python's fcntl.
+_SEAL_FUTURE_WRITE: Final = getattr(fcntl, "F_SEAL_FUTURE_WRITE", 0x0010)
+_SEALS: Final = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | _SEAL_FUTURE_WRITE | fcntl.F_SEAL_SEAL
 
 
 @dataclass(eq=False)
@@ -84,14 +90,26 @@ class SharedPool:
         self.nbytes = nbytes // _PAGE * _PAGE
         self._fd = os.memfd_create("posenc-shm", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         os.ftruncate(self._fd, self.nbytes)
-        fcntl.fcntl(
-            self._fd,
-            fcntl.F_ADD_SEALS,
-            fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL,
-        )
-        # Peers get a descriptor opened for reading only: no writable mapping of it exists.
-        self.read_only_fd = os.open(f"/proc/self/fd/{self._fd}", os.O_RDONLY | os.O_CLOEXEC)
+        # A peer holds a descriptor of this inode, and /proc/<pid>/fd/N reopens it with
+        # whatever access the inode's mode grants (a memfd's is 0777): readable by its owner
+        # alone, it cannot be reopened for writing by any other uid.
+        os.fchmod(self._fd, 0o400)
         self._map = mmap.mmap(self._fd, self.nbytes, mmap.MAP_SHARED)
+        # The server's own map, made above, is the last writable one: F_SEAL_FUTURE_WRITE
+        # refuses every later write(), writable shared map, mprotect to writing and hole
+        # punch, whoever asks and through whichever descriptor, the server's uid and root
+        # included. (F_SEAL_WRITE would refuse the server's own map.)
+        try:
+            fcntl.fcntl(self._fd, fcntl.F_ADD_SEALS, _SEALS)
+        except OSError as error:
+            self._map.close()
+            os.close(self._fd)
+            raise OSError(
+                f"--shm-bytes: cannot seal shared memory against peers' writes ({error}): "
+                "it needs Linux 5.1 or later; or serve without it (--shm-bytes 0)"
+            ) from None
+        # Peers get a descriptor opened for reading only: it maps nothing writable either.
+        self.read_only_fd = os.open(f"/proc/self/fd/{self._fd}", os.O_RDONLY | os.O_CLOEXEC)
         self._lock = threading.Lock()
         self._free: list[tuple[int, int]] = [(0, self.nbytes)]  # (offset, size), by offset
         # Regions of tables, least recently used first; those no lease holds are evictable.
