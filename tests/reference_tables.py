@@ -123,6 +123,8 @@ class Rope:
 
     @property
     def dim(self) -> int:
+        if self.rope_type == "proportional":
+            return self.head_dim
         return int(self.head_dim * self.partial_rotary_factor)
 
     @property
@@ -158,6 +160,13 @@ def rope_frequencies(rope: Rope) -> tuple[list[mpmath.mpf], mpmath.mpf]:
     if kind == "frequencies":
         given = mpmath.mpf(1) if rope.attention_factor is None else rope.attention_factor
         return [mpmath.mpf(f) for f in rope.inv_freq], mpmath.mpf(given)
+    if kind == "proportional":
+        # _compute_proportional_rope_parameters: base ** (-2i / head_dim) for the first
+        # int(partial * head_dim // 2) (Python float arithmetic), zeros after, all / factor.
+        rotated = int(rope.partial_rotary_factor * rope.head_dim // 2)
+        factor = mpmath.mpf(1 if rope.factor is None else rope.factor)
+        scaled = [theta ** -(mpmath.mpf(2 * i) / rope.head_dim) / factor for i in range(rotated)]
+        return scaled + [mpmath.mpf(0)] * (rope.head_dim // 2 - rotated), attention
     if kind == "dynamic":
         assert rope.factor is not None and rope.max_position_embeddings is not None
         seq_len = max(rope.seq_len or 0, rope.max_position_embeddings)

@@ -139,6 +139,10 @@ ROTARY_CASES = [
         high_freq_factor=4.0,
         layout="gptj",
     ),
+    # Gemma 4's full-attention layers, and a proportional table with a factor.
+    Rope(512, "proportional", 1e6, partial_rotary_factor=0.25),
+    Rope(80, "proportional", 1e4, partial_rotary_factor=0.4, factor=8.0, layout="gptj"),
+    Rope(64, "proportional", 5e5, factor=0.5, layout="vllm"),
     # A model's own float32 inv_freq (Llama's 64 frequencies), a zero and a negative one.
     Rope(
         128,
@@ -477,6 +481,12 @@ BAD_PARAMETERS: list[tuple[str, dict[str, Any], str]] = [
         "spec.rotary.longrope.long_factor",
     ),
     ("rotary", {"head_dim": 64, **LONGROPE, "seq_len": 0}, "spec.rotary.longrope.seq_len"),
+    (
+        "rotary",
+        {"head_dim": 8, "scaling": "proportional", "factor": 0.0},
+        "spec.rotary.proportional.factor",
+    ),
+    ("rotary", {"head_dim": 7, "scaling": "proportional"}, "spec.rotary.head_dim"),
     (
         "rotary",
         {"head_dim": 8, "scaling": "frequencies", "inv_freq": [1.0] * 3},

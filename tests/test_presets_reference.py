@@ -33,3 +33,13 @@ def test_llama3_reference_bands() -> None:
     assert attention == 1
     assert inv[0] == 1  # the highest frequency is kept
     assert abs(inv[-1] - mpmath.mpf(500000) ** (-mpmath.mpf(126) / 128) / 8) < mpmath.mpf(10) ** -45
+
+
+def test_proportional_reference_rotates_a_share_of_the_head() -> None:
+    # Gemma 4's full attention: 512 columns, a quarter rotated (64 frequencies), 192 zeros.
+    rope = Rope(512, "proportional", 1e6, partial_rotary_factor=0.25, factor=2.0)
+    inv, attention = rope_frequencies(rope)
+    assert len(inv) == 256 and attention == 1
+    assert inv[0] == mpmath.mpf("0.5")
+    assert abs(inv[63] - mpmath.mpf(10) ** (-6 * mpmath.mpf(126) / 512) / 2) < mpmath.mpf(10) ** -45
+    assert inv[64:] == [0] * 192

@@ -145,7 +145,16 @@ def ropes(draw: st.DrawFn) -> Rope:
     partial = draw(usually(st.sampled_from([1.0, 0.5, 0.25]), reals))
     rope_type = draw(
         st.sampled_from(
-            ["default", "linear", "dynamic", "yarn", "longrope", "llama3", "frequencies"]
+            [
+                "default",
+                "linear",
+                "dynamic",
+                "yarn",
+                "longrope",
+                "llama3",
+                "frequencies",
+                "proportional",
+            ]
         )
     )
     factor = usually(st.floats(1.0, 64.0), reals)
@@ -158,6 +167,8 @@ def ropes(draw: st.DrawFn) -> Rope:
     }
     if rope_type in ("linear", "dynamic", "llama3"):
         parameters["factor"] = draw(factor)
+    if rope_type == "proportional":
+        parameters["factor"] = draw(usually(st.none() | st.floats(0.5, 64.0), maybe_reals))
     if rope_type == "dynamic":
         parameters["max_position_embeddings"] = draw(length)
         parameters["seq_len"] = draw(optional_length)

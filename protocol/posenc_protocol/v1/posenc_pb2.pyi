@@ -423,6 +423,7 @@ class RotaryTable(_message.Message):
     LONGROPE_FIELD_NUMBER: _builtins.int
     LLAMA3_FIELD_NUMBER: _builtins.int
     FREQUENCIES_FIELD_NUMBER: _builtins.int
+    PROPORTIONAL_FIELD_NUMBER: _builtins.int
     head_dim: _builtins.int
     """The attention head width (config.head_dim, else hidden_size //
     num_attention_heads), >= 2.
@@ -431,7 +432,7 @@ class RotaryTable(_message.Message):
     """Finite and > 1. Unset means 10000."""
     partial_rotary_factor: _builtins.float
     """rotary_dim = int(head_dim * partial_rotary_factor), even; in (0, 1].
-    Unset means 1.
+    Unset means 1. Proportional: the rotated share of a head_dim-wide table.
     """
     layout: Global___RopeLayout.ValueType
     @_builtins.property
@@ -446,6 +447,8 @@ class RotaryTable(_message.Message):
     def llama3(self) -> Global___Llama3Scaling: ...
     @_builtins.property
     def frequencies(self) -> Global___FrequenciesScaling: ...
+    @_builtins.property
+    def proportional(self) -> Global___ProportionalScaling: ...
     def __init__(
         self,
         *,
@@ -459,16 +462,17 @@ class RotaryTable(_message.Message):
         longrope: Global___LongRopeScaling | None = ...,
         llama3: Global___Llama3Scaling | None = ...,
         frequencies: Global___FrequenciesScaling | None = ...,
+        proportional: Global___ProportionalScaling | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_partial_rotary_factor", b"_partial_rotary_factor", "_rope_theta", b"_rope_theta", "dynamic", b"dynamic", "frequencies", b"frequencies", "linear", b"linear", "llama3", b"llama3", "longrope", b"longrope", "partial_rotary_factor", b"partial_rotary_factor", "rope_theta", b"rope_theta", "scaling", b"scaling", "yarn", b"yarn"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_partial_rotary_factor", b"_partial_rotary_factor", "_rope_theta", b"_rope_theta", "dynamic", b"dynamic", "frequencies", b"frequencies", "linear", b"linear", "llama3", b"llama3", "longrope", b"longrope", "partial_rotary_factor", b"partial_rotary_factor", "proportional", b"proportional", "rope_theta", b"rope_theta", "scaling", b"scaling", "yarn", b"yarn"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_partial_rotary_factor", b"_partial_rotary_factor", "_rope_theta", b"_rope_theta", "dynamic", b"dynamic", "frequencies", b"frequencies", "head_dim", b"head_dim", "layout", b"layout", "linear", b"linear", "llama3", b"llama3", "longrope", b"longrope", "partial_rotary_factor", b"partial_rotary_factor", "rope_theta", b"rope_theta", "scaling", b"scaling", "yarn", b"yarn"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_partial_rotary_factor", b"_partial_rotary_factor", "_rope_theta", b"_rope_theta", "dynamic", b"dynamic", "frequencies", b"frequencies", "head_dim", b"head_dim", "layout", b"layout", "linear", b"linear", "llama3", b"llama3", "longrope", b"longrope", "partial_rotary_factor", b"partial_rotary_factor", "proportional", b"proportional", "rope_theta", b"rope_theta", "scaling", b"scaling", "yarn", b"yarn"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__partial_rotary_factor: _TypeAlias = _typing.Literal["partial_rotary_factor"]  # noqa: Y015
     _WhichOneofArgType__partial_rotary_factor: _TypeAlias = _typing.Literal["_partial_rotary_factor", b"_partial_rotary_factor"]  # noqa: Y015
     _WhichOneofReturnType__rope_theta: _TypeAlias = _typing.Literal["rope_theta"]  # noqa: Y015
     _WhichOneofArgType__rope_theta: _TypeAlias = _typing.Literal["_rope_theta", b"_rope_theta"]  # noqa: Y015
-    _WhichOneofReturnType_scaling: _TypeAlias = _typing.Literal["linear", "dynamic", "yarn", "longrope", "llama3", "frequencies"]  # noqa: Y015
+    _WhichOneofReturnType_scaling: _TypeAlias = _typing.Literal["linear", "dynamic", "yarn", "longrope", "llama3", "frequencies", "proportional"]  # noqa: Y015
     _WhichOneofArgType_scaling: _TypeAlias = _typing.Literal["scaling", b"scaling"]  # noqa: Y015
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__partial_rotary_factor) -> _WhichOneofReturnType__partial_rotary_factor | None: ...
@@ -754,6 +758,36 @@ class FrequenciesScaling(_message.Message):
     def WhichOneof(self, oneof_group: _WhichOneofArgType__attention_factor) -> _WhichOneofReturnType__attention_factor | None: ...
 
 Global___FrequenciesScaling: _TypeAlias = FrequenciesScaling  # noqa: Y015
+
+@_typing.final
+class ProportionalScaling(_message.Message):
+    """Proportional RoPE (Gemma 4): a table of rotary_dim = head_dim (whatever
+    partial_rotary_factor) whose first int(head_dim * partial_rotary_factor // 2)
+    frequencies are rope_theta ** (-2i / head_dim) and the others 0 (cos 1, sin 0), every
+    one divided by factor.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    FACTOR_FIELD_NUMBER: _builtins.int
+    factor: _builtins.float
+    """Within the factor range (2**-10 .. 2**64 with the default position limit). Unset
+    means 1.
+    """
+    def __init__(
+        self,
+        *,
+        factor: _builtins.float | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_factor", b"_factor", "factor", b"factor"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_factor", b"_factor", "factor", b"factor"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__factor: _TypeAlias = _typing.Literal["factor"]  # noqa: Y015
+    _WhichOneofArgType__factor: _TypeAlias = _typing.Literal["_factor", b"_factor"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__factor) -> _WhichOneofReturnType__factor | None: ...
+
+Global___ProportionalScaling: _TypeAlias = ProportionalScaling  # noqa: Y015
 
 @_typing.final
 class MRopeTable(_message.Message):

@@ -81,6 +81,17 @@ class Scaling(Documented):
     def check_rotary_dim(self, check: Checker, rotary_dim: int, limits: Limits) -> None:
         """Check the fields that depend on ``rotary_dim`` (once the others are valid)."""
 
+    def rotary_dim(self, head_dim: int, partial_rotary_factor: float) -> int:
+        """The table's rotary_dim: ``int(head_dim * partial_rotary_factor)``, as transformers
+        computes it, unless the rope type says otherwise."""
+        return int(head_dim * partial_rotary_factor)
+
+    def scale_table(
+        self, inv_freq: list[Decimal], log_theta: Decimal, head_dim: int, partial: float
+    ) -> Frequencies:
+        """The scaled frequencies of a table of this ``head_dim`` and partial factor."""
+        return self.scale(inv_freq, log_theta, self.rotary_dim(head_dim, partial))
+
 
 def _factor(factor: float | None, max_length: int | None, original: int) -> Decimal:
     """``factor``, else ``max_position_embeddings / original_max_position_embeddings``."""
@@ -499,8 +510,45 @@ class GivenFrequencies(Scaling):
             )
 
 
+@dataclass(frozen=True)
+class Proportional(Scaling):
+    """Proportional RoPE (Gemma 4)."""
+
+    NAME: ClassVar[str] = "proportional"
+    DESCRIPTION: ClassVar[str] = (
+        "proportional (Gemma 4): rotary_dim = head_dim, rope_theta ** (-2i / head_dim) over "
+        "the partial_rotary_factor share, zero frequencies for the rest, all / factor"
+    )
+    PARAMETERS: ClassVar = {"factor": Doc(_FACTOR.description, "1")}
+
+    factor: float | None = None
+
+    def rotary_dim(self, head_dim: int, partial_rotary_factor: float) -> int:
+        """Every column of the head: the unrotated ones get zero frequencies."""
+        return head_dim
+
+    def scale(self, inv_freq: list[Decimal], log_theta: Decimal, rotary_dim: int) -> Frequencies:
+        """Every frequency / factor (the table as if wholly rotated)."""
+        factor = Decimal(1 if self.factor is None else self.factor)
+        return Frequencies([f / factor for f in inv_freq])
+
+    def scale_table(
+        self, inv_freq: list[Decimal], log_theta: Decimal, head_dim: int, partial: float
+    ) -> Frequencies:
+        """The first ``int(partial * head_dim // 2)`` frequencies (transformers' float
+        arithmetic, which the count is defined by) / factor, zeros after them."""
+        rotated = int(partial * head_dim // 2)
+        scaled = self.scale(inv_freq[:rotated], log_theta, head_dim)
+        return Frequencies(scaled.inv_freq + [Decimal(0)] * (len(inv_freq) - rotated))
+
+    def check(self, check: Checker, limits: Limits) -> None:
+        """factor in [min_factor, MAX_FACTOR]."""
+        _check_factor(check, limits, self.factor)
+
+
 SCALINGS: dict[str, type[Scaling]] = {
-    scaling.NAME: scaling for scaling in (Linear, Dynamic, Yarn, LongRope, Llama3, GivenFrequencies)
+    scaling.NAME: scaling
+    for scaling in (Linear, Dynamic, Yarn, LongRope, Llama3, GivenFrequencies, Proportional)
 }
 """The cases of ``RotaryTable.scaling`` by field name."""
 
@@ -561,7 +609,10 @@ class Rotary(TableKind):
 
     @property
     def rotary_dim(self) -> int:
-        """``int(head_dim * partial_rotary_factor)``, as transformers computes it."""
+        """``int(head_dim * partial_rotary_factor)``, as transformers computes it (the
+        scaling may say otherwise: proportional's is ``head_dim``)."""
+        if self.scaling is not None:
+            return self.scaling.rotary_dim(self.head_dim, self.partial_rotary_factor)
         return int(self.head_dim * self.partial_rotary_factor)
 
     @property
@@ -593,7 +644,9 @@ class Rotary(TableKind):
                 inv_freq.append(inv_freq[-1] * ratio)
             scaled = Frequencies(inv_freq)
             if self.scaling is not None:
-                scaled = self.scaling.scale(inv_freq, log_theta, dim)
+                scaled = self.scaling.scale_table(
+                    inv_freq, log_theta, self.head_dim, self.partial_rotary_factor
+                )
             return scaled
 
     def write_columns(self, target: engine.Rows, rows: engine.ComplexRows) -> None:
