@@ -11,9 +11,12 @@ from __future__ import annotations
 import asyncio
 import functools
 import os
+import resource
 import select
 import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
 import urllib.error
@@ -226,6 +229,61 @@ def test_a_connection_that_never_speaks_is_closed_by_the_handshake_timeout(
         spoke.close()
     with posenc.Client(server.target, timeout=30) as client:
         assert client.server_info().version
+
+
+def _open_files_limit(pid: int) -> int:
+    """The soft RLIMIT_NOFILE of process ``pid``."""
+    with open(f"/proc/{pid}/limits") as limits:
+        line = next(line for line in limits if line.startswith("Max open files"))
+    return int(line.split()[3])
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_a_connection_flood_under_a_low_soft_limit_takes_no_descriptor_calls_need(
+    spawn_server: Callable[..., ServerProcess],
+) -> None:
+    """Started with a soft RLIMIT_NOFILE of 1,024 (a common default) under the default
+    --max-connections of 4,096, the server raises the soft limit to what that needs, so
+    2,048 raw connections that never speak leave health, calls and /healthz answering."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and hard < 8192:
+        pytest.skip(f"the flood needs 8192 open files here, the hard limit is {hard}")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (1024, hard))  # what the server inherits
+    try:
+        server = spawn_server(0)
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, 8192), hard))
+    assert _open_files_limit(server.process.pid) >= 4096 + 256
+    flood = [socket.create_connection(("127.0.0.1", server.port)) for _ in range(2048)]
+    try:
+        assert_health_serving(server.target)
+        with posenc.Client(server.target, timeout=30) as client:
+            assert client.get_range(0, 4, 16).shape == (4, 16)
+        url = f"http://127.0.0.1:{metrics_port(server)}/healthz"
+        with urllib.request.urlopen(url, timeout=30) as answer:
+            assert answer.status == 200
+    finally:
+        for connection in flood:
+            connection.close()
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+@pytest.mark.timeout(120)
+def test_a_hard_limit_below_the_connection_limit_refuses_to_start() -> None:
+    """A hard limit of 1,024 cannot hold 4,096 connections: the server says so, naming
+    both numbers and what to change, instead of serving until a flood takes its files."""
+    serve = ("-m", "posenc_server", "--port", "0", "--metrics-port", "-1")
+    refused = subprocess.run(
+        ["prlimit", "--nofile=1024:1024", sys.executable, *serve, "--processes", "1"],
+        capture_output=True,
+        text=True,
+        timeout=100,
+    )
+    assert refused.returncode == 1, refused.stderr
+    lines = refused.stderr.strip().splitlines()
+    assert len(lines) == 1 and "--max-connections 4096 needs 4352" in lines[0], lines
+    assert "at most 1024" in lines[0] and "RLIMIT_NOFILE" in lines[0], lines
 
 
 # -- 1: stalled calls ------------------------------------------------------------------------

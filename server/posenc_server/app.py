@@ -7,6 +7,7 @@ import contextlib
 import json
 import logging
 import os
+import resource
 import signal
 import sys
 import threading
@@ -423,6 +424,46 @@ def _add_port(server: grpc.aio.Server, address: str, credentials: Any) -> int:
     return int(port)
 
 
+# Descriptors a process holds beside its client connections: listening sockets, the metrics
+# port's connections, pipes, the libraries' own; the region socket's sessions come on top.
+_FD_RESERVE = 256
+
+
+def descriptors_needed(config: ServerConfig) -> int | None:
+    """The file descriptors one server process of ``config`` may hold at once: its client
+    connections (``max_connections``) and what it holds beside them; None without a
+    connection limit (as many as the process may have)."""
+    if not config.max_connections:
+        return None
+    sessions = shm.MAX_SESSIONS if config.unix_socket and config.shm_bytes else 0
+    return config.max_connections + sessions + _FD_RESERVE
+
+
+def raise_descriptor_limit(config: ServerConfig) -> None:
+    """Raise this process's soft RLIMIT_NOFILE to what ``config`` needs (workers inherit
+    it), up to the hard limit; OSError naming both numbers and the fix when the hard limit
+    is lower.
+
+    A soft limit below the connection limit (1,024 is common) lets a flood of connections
+    that never authenticate take every descriptor: then no call, health check or region
+    hello is served, and nothing says why.
+    """
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    unlimited = resource.RLIM_INFINITY
+    needed = descriptors_needed(config)
+    if needed is None:  # no connection limit: as many as the hard limit allows
+        needed = soft if hard == unlimited else hard
+    elif hard != unlimited and hard < needed:
+        raise OSError(
+            f"--max-connections {config.max_connections} needs {needed} open files, and "
+            f"this process may open at most {hard} (RLIMIT_NOFILE's hard limit): raise it "
+            "(ulimit -Hn, systemd's LimitNOFILE, docker run --ulimit nofile=N) or lower "
+            "--max-connections (POSENC_MAX_CONNECTIONS)"
+        )
+    if soft != unlimited and soft < needed:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (needed, hard))
+
+
 def run(argv: Sequence[str] | None = None) -> int:
     """Serve until SIGTERM or SIGINT, then drain; the exit code of ``posenc serve``."""
     argv = list(argv or [])
@@ -431,6 +472,11 @@ def run(argv: Sequence[str] | None = None) -> int:
     except ValueError as error:
         print(f"posenc serve: {error}", file=sys.stderr)
         return 2
+    try:
+        raise_descriptor_limit(config)
+    except OSError as error:
+        print(f"posenc serve: {error}", file=sys.stderr)
+        return 1
     heap.one_heap()
     worker = supervisor.worker_index()
     if worker is None:  # once, before any process compiles
