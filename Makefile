@@ -45,7 +45,7 @@ test-newest: $(STAMP)
 	$(NEWEST)/bin/python -m pip install --quiet -e '.[dev]' 'torch==2.13.0'
 	$(NEWEST)/bin/python -m pip install --quiet --upgrade --upgrade-strategy only-if-needed transformers diffusers 'torch==2.13.0'
 	$(NEWEST)/bin/python -c 'import importlib.metadata as m; print("newest:", ", ".join(f"{n} {m.version(n)}" for n in ("transformers", "diffusers", "torch")))'
-	POSENC_NEWEST=1 $(NEWEST)/bin/python -m pytest -n 2 -p no:cacheprovider $(NEWEST_TESTS)
+	POSENC_NEWEST=1 $(NEWEST)/bin/python -m pytest -n 2 $(NEWEST_TESTS)
 
 # The fast set, for the edit-test loop: under a minute, no slow or soak tests, no linters.
 test-fast: $(STAMP)
