@@ -26,6 +26,7 @@ from posenc._channel import (
     channel_credentials,
 )
 from posenc._core import Core, Steps
+from posenc._query import load_dtypes
 from posenc._retry import DEFAULT_MAX_RETRIES, DEFAULT_RETRY_BACKOFF, DEFAULT_TIMEOUT
 from posenc._rows import (
     DEFAULT_READAHEAD_BYTES,
@@ -140,6 +141,7 @@ class BaseClient(Generic[ArrayT, InfoT, StatusT, SlicesT]):
             shared_memory=shared_memory,
         )
         rows = RowCache(operator.index(row_cache_bytes), operator.index(readahead_bytes))
+        load_dtypes()  # what calls need, loaded once per process here rather than in a call
         self._core = Core(settings, rows, self._new_token)
         self._shared: Session | None = None  # the region socket's session, once open
         self._shared_lock = threading.Lock()

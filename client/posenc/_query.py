@@ -29,6 +29,8 @@ from posenc_protocol.v1 import posenc_pb2 as pb
 DTYPE_NAMES: Final = tuple(enum_names(pb.Dtype.DESCRIPTOR))
 _DTYPE_ENUMS: Final[Mapping[str, int]] = enum_names(pb.Dtype.DESCRIPTOR)
 _DTYPE_NAMES_BY_ENUM: Final = {number: name for name, number in _DTYPE_ENUMS.items()}
+# The numpy dtype of each name, bfloat16 once ml_dtypes is loaded (see load_dtypes).
+_NUMPY_DTYPES: Final = {name: np.dtype(name) for name in DTYPE_NAMES if name != "bfloat16"}
 # The classic table: what an int ``table`` is.
 _CLASSIC: Final = "sinusoidal"
 # Widths learned from responses, per spec: more than any process uses at once.
@@ -55,13 +57,29 @@ def numpy_dtype(dtype: DTypeArg) -> np.dtype[Any]:
 
 
 def named_dtype(name: str) -> np.dtype[Any]:
-    """The numpy dtype of a ``Dtype`` name. bfloat16 is ml_dtypes', imported here when first
-    needed: importing ml_dtypes (0.7) takes most of a second, more than the rest of the SDK,
-    and a process that never asks for bfloat16 (``posenc health``, a float32 client) need
-    not pay it."""
-    if name == "bfloat16":
+    """The numpy dtype of a ``Dtype`` name (bfloat16: ml_dtypes', see :func:`load_dtypes`)."""
+    dtype = _NUMPY_DTYPES.get(name)
+    if dtype is None:
+        load_dtypes()
+        dtype = _NUMPY_DTYPES[name]
+    return dtype
+
+
+def load_dtypes() -> None:
+    """Registers numpy's ``"bfloat16"`` (ml_dtypes'), once per process: a client does it when
+    it is made, so that no call pays it.
+
+    Importing ml_dtypes takes most of a second of CPU (numpy adds each of its dtypes' loops
+    one at a time, each against all those before it), more than ``import grpc, numpy``:
+    paid by ``import posenc`` it would triple every import (``posenc --help``, a float32
+    server's tests), and paid in the first bfloat16 call it would cost that call several
+    times the time its bytes take on the wire. A thread cannot hide it: the extension holds
+    the GIL throughout. So it is paid where a process sets up for calls, with its client.
+    """
+    if "bfloat16" not in _NUMPY_DTYPES:
         import ml_dtypes  # noqa: F401  (registers numpy's "bfloat16")
-    return np.dtype(name)
+
+        _NUMPY_DTYPES["bfloat16"] = np.dtype("bfloat16")
 
 
 def as_spec(table: object, classic: Mapping[str, object]) -> Spec:
