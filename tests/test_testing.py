@@ -48,6 +48,29 @@ def test_rows_take_the_dtype_asked_for() -> None:
     np.testing.assert_array_equal(rows.astype(np.float32), expected(range(4)))
 
 
+def test_a_unary_over_the_servers_limit_is_refused_then_streamed() -> None:
+    # A client whose unary limit is above the server's: the transport refuses the unary
+    # call (RESOURCE_EXHAUSTED, no retry delay) as the server would, and the client streams.
+    transport = MockTransport(rows_of)
+    with posenc.Client(transport=transport, unary_max_bytes=16 << 20) as client:
+        limits = client.server_info().limits
+        rows = client.get_range(0, 200_000, WIDTH)  # 4.6 MiB: over the default 4 MiB - 16 KiB
+        small = client.get_range(0, 100_000, WIDTH)  # 2.3 MiB: one unary call
+    assert limits.max_unary_bytes == transport.max_unary_bytes == (4 << 20) - (16 << 10)
+    np.testing.assert_array_equal(rows, expected(range(200_000)))
+    np.testing.assert_array_equal(small, expected(range(100_000)))
+    kinds = [type(request).__name__ for request in transport.calls]
+    assert kinds == ["GetEncodingRequest", "StreamEncodingRequest", "GetEncodingRequest"]
+
+
+def test_a_lower_unary_limit_is_the_transports_to_set() -> None:
+    transport = MockTransport(rows_of, max_unary_bytes=1024)
+    with posenc.Client(transport=transport) as client:
+        np.testing.assert_array_equal(client.get_range(0, 100, WIDTH), expected(range(100)))
+    kinds = [type(request).__name__ for request in transport.calls]
+    assert kinds == ["GetEncodingRequest", "StreamEncodingRequest"]
+
+
 def test_a_status_fails_the_call_as_a_server_would() -> None:
     def refuse(request: Request) -> npt.ArrayLike:
         raise Status(grpc.StatusCode.INVALID_ARGUMENT, "spec.d_model: too wide")

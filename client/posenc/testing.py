@@ -18,8 +18,11 @@ would have sent (a ``GetEncodingRequest`` or ``StreamEncodingRequest`` of
 The rows travel as they would from a server: encoded in the response format, streamed in
 chunks when large, and decoded, checked, retried and resumed by the client's own code. To
 fail a call, raise :class:`Status` from the handler (``Status(grpc.StatusCode.UNAVAILABLE)``
-is retried as a server restart would be). ``GetServerInfo`` answers the server's default
-limits and health answers SERVING.
+is retried as a server restart would be). The transport keeps a server's default limits: a
+unary result over ``max_unary_bytes`` is refused with RESOURCE_EXHAUSTED, as the server
+refuses it, so a client made with a larger ``unary_max_bytes`` takes the same refusal, then
+a stream, as against a server. ``GetServerInfo`` answers those limits and health answers
+SERVING.
 """
 
 from __future__ import annotations
@@ -48,6 +51,9 @@ Handler: TypeAlias = Callable[[Request], npt.ArrayLike]
 
 #: A server's default chunk size: a stream's chunks hold at most this many bytes.
 DEFAULT_CHUNK_BYTES: Final = 1 << 20
+#: A server's default unary limit: 4 MiB (a default gRPC client's receive limit) less
+#: 16 KiB for the message around the rows.
+DEFAULT_MAX_UNARY_BYTES: Final = (4 << 20) - (16 << 10)
 
 
 class Status(grpc.RpcError, grpc.Call):
@@ -100,11 +106,14 @@ def positions(request: Request) -> npt.NDArray[np.int64]:
 class MockTransport:
     """Answers a client's calls with ``handler`` instead of a server (see the module doc).
 
-    ``calls`` lists every request the handler was given, in order.
+    ``calls`` lists every request the handler was given, in order. ``max_unary_bytes`` is
+    the server's unary limit (its default unless given): a GetEncoding result larger than
+    that is refused with RESOURCE_EXHAUSTED, and the client streams it instead.
     """
 
-    def __init__(self, handler: Handler) -> None:
+    def __init__(self, handler: Handler, *, max_unary_bytes: int = DEFAULT_MAX_UNARY_BYTES) -> None:
         self.handler = handler
+        self.max_unary_bytes = max_unary_bytes
         self.calls: list[Request] = []
 
     def _rows(self, request: Request) -> tuple[int, npt.NDArray[Any]]:
@@ -117,11 +126,19 @@ class MockTransport:
 
     def _unary(self, request: pb.GetEncodingRequest) -> wire.TensorView:
         number, rows = self._rows(request)
+        if rows.nbytes > self.max_unary_bytes:
+            # The server's words (it refuses before computing; the handler's rows tell the
+            # size here). No RetryInfo: over a size limit, not busy.
+            raise Status(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"the result is {rows.nbytes} bytes, over the unary limit of "
+                f"{self.max_unary_bytes} bytes: use StreamEncoding for large results",
+            )
         return _response(number, 0, rows)
 
     def _stream(self, request: pb.StreamEncodingRequest) -> Iterator[wire.TensorView]:
         number, rows = self._rows(request)
-        chunk_bytes = request.max_chunk_bytes or DEFAULT_CHUNK_BYTES
+        chunk_bytes = min(request.max_chunk_bytes or DEFAULT_CHUNK_BYTES, DEFAULT_CHUNK_BYTES)
         step = max(chunk_bytes // max(rows[:1].nbytes, 1), 1)
         for first in range(0, len(rows), step):
             yield _response(number, first, rows[first : first + step])
@@ -138,16 +155,16 @@ def _response(dtype: int, row_offset: int, rows: npt.NDArray[Any]) -> wire.Tenso
     return wire.decode_tensor_response(message)
 
 
-def _server_info() -> pb.GetServerInfoResponse:
+def _server_info(max_unary_bytes: int) -> pb.GetServerInfoResponse:
     return pb.GetServerInfoResponse(
         version="mock",
         limits=pb.Limits(
             max_d_model=65536,
             max_abs_position=1 << 42,
             max_positions=1 << 20,
-            max_unary_bytes=4 << 20,
+            max_unary_bytes=max_unary_bytes,
             max_stream_bytes=16 << 30,
-            max_chunk_bytes=4 << 20,
+            max_chunk_bytes=DEFAULT_CHUNK_BYTES,
         ),
         server_id="mock",
     )
@@ -194,7 +211,7 @@ class _SyncCalls(_Calls):
         return self._transport._unary(request)
 
     def get_server_info(self, request: Any, timeout: Any = None) -> Any:
-        return _server_info()
+        return _server_info(self._transport.max_unary_bytes)
 
     def health_check(self, request: Any, timeout: Any = None) -> Any:
         return _SERVING
@@ -205,7 +222,7 @@ class _AsyncCalls(_Calls):
         return self._transport._unary(request)
 
     async def get_server_info(self, request: Any, timeout: Any = None) -> pb.GetServerInfoResponse:
-        return _server_info()
+        return _server_info(self._transport.max_unary_bytes)
 
     async def health_check(self, request: Any, timeout: Any = None) -> Any:
         return _SERVING
