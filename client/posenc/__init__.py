@@ -19,6 +19,7 @@ An int ``table`` is the classic sinusoidal table's ``d_model``; any other table 
 :class:`PosencError` subclasses (see :mod:`posenc.errors`).
 """
 
+from posenc import _quiet  # noqa: F401  (first: before anything imports grpc)
 from posenc._async_client import AsyncClient
 from posenc._channel import DEFAULT_TARGET
 from posenc._client import Client

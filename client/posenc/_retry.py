@@ -31,14 +31,62 @@ _DETAILS_KEY: Final = "grpc-status-details-bin"
 # What gRPC says of a call cancelled by its own client (cancel(), or the channel's close()).
 _LOCAL_CANCELLATIONS: Final = frozenset({"Locally cancelled by application!", "Channel closed!"})
 _TRANSPORT_CODES: Final = frozenset({grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN})
-# Why no server can be at a target, by what gRPC says of a call that never reached one (its
-# resolvers, native and c-ares, say a name does not resolve in two ways), and whether that is
-# said at once. A refused connection is retried within the call's budget even by a client
-# no server answered yet: a new client (every ``posenc fetch``) may start while its server
-# restarts. A name that does not resolve is said at once.
+# Why no posenc server answers at a target, by what gRPC says of a call that never reached
+# one, and whether that is said at once: each message names the target and the fix. A refused
+# connection, or a unix socket with no file, is retried within the call's budget even by a
+# client no server answered yet: a new client (every ``posenc fetch``) may start while its
+# server restarts. A name that does not resolve, a TLS mismatch or a port that speaks HTTP/1
+# is said at once: trying again fails the same way. A closed connection is retried: a server
+# at its connection limit closes new ones too.
 _NOBODY_THERE: Final = (
-    (("connection refused",), " (connection refused): is it running?", False),
-    (("errors resolving", "dns resolution failed"), ": its name does not resolve", True),
+    (
+        ("connection refused",),
+        "no posenc server at {target} (connection refused): is it running?",
+        False,
+    ),
+    (
+        ("no such file or directory",),
+        "no posenc server at {target} (no socket there): is it running?",
+        False,
+    ),
+    (
+        ("errors resolving", "dns resolution failed"),
+        "no posenc server at {target}: its name does not resolve",
+        True,
+    ),
+    (
+        ("wrong_version_number",),
+        "the server at {target} does not speak TLS: connect without TLS credentials "
+        "(posenc commands: without --tls-ca)",
+        True,
+    ),
+    (
+        ("hostname verification",),
+        "the certificate of the server at {target} does not carry the name connected to: "
+        "give a name it carries (the channel option grpc.ssl_target_name_override; posenc "
+        "commands: --tls-server-name)",
+        True,
+    ),
+    (
+        ("certificate_verify_failed",),
+        "the certificate of the server at {target} is not signed by a CA this client "
+        "trusts: trust its CA (grpc.ssl_channel_credentials(root_certificates=...); posenc "
+        "commands: --tls-ca)",
+        True,
+    ),
+    (
+        ("failed parsing http/2",),
+        "{target} answers, but not with gRPC (an HTTP/1 port, such as the metrics port?): "
+        "posenc serves gRPC on --port, 50051 by default",
+        True,
+    ),
+    (
+        ("socket closed",),
+        "the server at {target} closed every connection: a TLS server, called without TLS "
+        "(grpc.ssl_channel_credentials(...); posenc commands: --tls-ca)? Or one at its "
+        "--max-connections",
+        False,
+    ),
 )
 
 
@@ -133,7 +181,7 @@ def nobody_there(
     for signs, why, at_once in _NOBODY_THERE:
         if any(sign in details for sign in signs):
             attempts = f" (after {failures + 1} attempts)" if failures else ""
-            message = f"no posenc server at {target}{why} ({mapped.details})"
+            message = f"{why.format(target=target)} ({mapped.details})"
             return UnavailableError(message + attempts, code=mapped.code), at_once
     return None, False
 
