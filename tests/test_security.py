@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
+import threading
 from collections.abc import Callable
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import grpc
@@ -174,3 +177,78 @@ def test_health_probe_speaks_tls_from_the_servers_environment(
         # Without the client CA setting the probe presents no certificate: refused.
         monkeypatch.delenv("POSENC_TLS_CLIENT_CA_FILE")
         assert main(probe) == 1
+
+
+# A fresh program that imports posenc first, as a user's does, makes one call and prints
+# the error it gets: what a user sees of a mistake, stderr included.
+_ONE_CALL = """
+import sys
+import posenc, grpc
+target, ca, name = sys.argv[1], sys.argv[2], sys.argv[3]
+options = [("grpc.ssl_target_name_override", name)] if name else None
+credentials = grpc.ssl_channel_credentials(open(ca, "rb").read()) if ca else None
+try:
+    with posenc.Client(target, credentials=credentials, options=options, timeout=30) as client:
+        client.get_range(0, 1, 2)
+except posenc.PosencError as error:
+    print(error)
+"""
+
+
+def _one_call(target: str, ca: Path | None = None, name: str = "") -> tuple[str, str]:
+    """The error a program's one call to ``target`` gets (with TLS trusting ``ca``, under
+    ``name``), and what the program wrote to stderr."""
+    done = subprocess.run(
+        [sys.executable, "-c", _ONE_CALL, target, str(ca or ""), name],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={key: value for key, value in os.environ.items() if key != "GRPC_VERBOSITY"},
+    )
+    return done.stdout.strip(), done.stderr
+
+
+def test_tls_and_address_mistakes_say_the_fix_in_one_line(
+    server_factory: Callable[..., RunningServer], authority: trustme.CA, tmp_path: Path
+) -> None:
+    """A client that speaks TLS to a plaintext server, trusts the wrong CA, expects another
+    name, calls a TLS server in plaintext, calls an HTTP/1 port (the metrics port) or a unix
+    socket that is not there gets one error naming the target and the fix; the mistakes
+    that trying again cannot mend fail at the first attempt; gRPC's core writes nothing."""
+    files = pem_files(authority, tmp_path)
+    tls = server_factory(
+        tls_cert_file=str(files["server_cert"]), tls_key_file=str(files["server_key"])
+    )
+    plaintext = server_factory()
+    stranger = tmp_path / "stranger.pem"
+    trustme.CA().cert_pem.write_to_path(str(stranger))
+    http = ThreadingHTTPServer(("127.0.0.1", 0), BaseHTTPRequestHandler)
+    threading.Thread(target=http.serve_forever, daemon=True).start()
+    at_once = {
+        "does not speak TLS": _one_call(plaintext.target, files["ca"]),
+        "--tls-server-name": _one_call(tls.target, files["ca"], "wrong.example"),
+        "--tls-ca)": _one_call(tls.target, stranger),
+        "not with gRPC": _one_call(f"127.0.0.1:{http.server_port}"),
+    }
+    http.shutdown()
+    for fix, (error, stderr) in at_once.items():
+        assert fix in error and "attempts)" not in error, error
+        assert stderr == "", stderr
+    missing = f"unix:{tmp_path / 'nothing.sock'}"
+    retried = {
+        "a TLS server, called without TLS": _one_call(tls.target),
+        f"no posenc server at {missing} (no socket there): is it running?": _one_call(missing),
+    }
+    for fix, (error, stderr) in retried.items():
+        assert fix in error and "(after 7 attempts)" in error, error
+        assert stderr == "", stderr
+    for error, _ in (*at_once.values(), *retried.values()):
+        assert len(error.splitlines()) == 1 and error.startswith("UNAVAILABLE: "), error
+    assert tls.target in at_once["--tls-ca)"][0]
+
+
+def test_a_number_for_a_target_says_what_a_target_is() -> None:
+    with pytest.raises(TypeError, match=r"got the number 12345: .*Client\('127.0.0.1:12345'\)"):
+        posenc.Client(12345)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="target must be 'host:port'"):
+        posenc.Client(None)  # type: ignore[arg-type]

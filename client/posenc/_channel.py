@@ -139,6 +139,13 @@ def channel_target(target: str | Sequence[str]) -> str:
     round_robin policy spreads calls over; hostnames are resolved here, once, because those
     URIs take IP literals only.
     """
+    if isinstance(target, int) and not isinstance(target, bool):  # Client(50051): a port
+        raise TypeError(
+            f"target must be 'host:port' (or a list of them), got the number {target!r}: "
+            f"for a port on this machine, Client('127.0.0.1:{target}')"
+        )
+    if not isinstance(target, str | Sequence):
+        raise TypeError(f"target must be 'host:port' (or a list of them), got {target!r}")
     targets = [target] if isinstance(target, str) else list(target)
     if not targets or not all(isinstance(t, str) and t for t in targets):
         raise ValueError(f"target must be a non-empty string or sequence of them, got {target!r}")
