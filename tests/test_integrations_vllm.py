@@ -1,7 +1,8 @@
-"""posenc.integrations.vllm against vLLM 0.33's own rotary classes.
+"""posenc.integrations.vllm against vLLM's own rotary classes, at two releases.
 
-The classes are vLLM's code: its published wheel, downloaded once into pytest's cache and
-imported on CPU with small stand-ins for its platform glue (tests/vllm_wheel.py,
+The classes are vLLM's code: its published wheels (the oldest supported release, pinned, and
+the newest, resolved when the tests run), downloaded once into pytest's cache and imported
+on CPU with small stand-ins for its platform glue (tests/vllm_wheel.py,
 tests/vllm_stubs.py). Without the network these tests fail with pip's reason;
 ``POSENC_SKIP_VLLM=1`` skips them.
 
@@ -15,6 +16,7 @@ it against vLLM's own values first) and is within float32 rounding of the refere
 
 from __future__ import annotations
 
+import importlib
 import os
 import sys
 import tomllib
@@ -24,6 +26,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch", reason="the conformance extra (make test installs it)")
@@ -38,13 +41,15 @@ ROPE = "vllm.model_executor.layers.rotary_embedding"
 EPS32 = 2.0**-24
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="module", params=["oldest", "newest"])
 def rope(request: pytest.FixtureRequest) -> Iterator[types.ModuleType]:
-    """vLLM 0.33's ``rotary_embedding`` package (``get_rope`` and the classes), in
-    ``sys.modules`` for this file's tests only."""
+    """vLLM's ``rotary_embedding`` package (``get_rope`` and the classes) of the oldest
+    supported release (pinned) and of the newest (resolved now), in ``sys.modules`` for
+    this file's tests only."""
     if os.environ.get(vllm_wheel.SKIP_ENV) == "1":
         pytest.skip(f"{vllm_wheel.SKIP_ENV}=1: vLLM's own classes not tested")
-    root = vllm_wheel.unpacked(Path(request.config.cache.mkdir(f"vllm-{vllm_wheel.VERSION}")))
+    release = vllm_wheel.OLDEST if request.param == "oldest" else vllm_wheel.newest()
+    root = release.unpacked(Path(request.config.cache.mkdir(release.name)))
     try:
         yield vllm_stubs.load(root)
     finally:
@@ -246,6 +251,85 @@ CASES: dict[str, tuple[int, int, dict[str, Any], str]] = {
         },
         "MRotaryEmbedding",
     ),
+    # DeepSeek-V3's: 163840 rows, mscale = mscale_all_dim (the scale is 1).
+    "deepseek_yarn": (
+        64,
+        163840,
+        {
+            "rope_type": "deepseek_yarn",
+            "rope_theta": 10000.0,
+            "factor": 40.0,
+            "original_max_position_embeddings": 4096,
+            "beta_fast": 32,
+            "beta_slow": 1,
+            "mscale": 1.0,
+            "mscale_all_dim": 1.0,
+        },
+        "DeepseekScalingRotaryEmbedding",
+    ),
+    # mscale alone: the scale is 0.1 * mscale * ln(factor) + 1 (no ratio).
+    "deepseek_llama_scaling": (
+        128,
+        16384,
+        {
+            "rope_type": "deepseek_llama_scaling",
+            "rope_theta": 500000.0,
+            "factor": 8.0,
+            "original_max_position_embeddings": 2048,
+            "mscale": 0.707,
+        },
+        "DeepseekScalingRotaryEmbedding",
+    ),
+    "deepseek-v4": (
+        64,
+        65536,
+        {
+            "rope_type": "deepseek_yarn",
+            "rope_theta": 10000.0,
+            "factor": 16.0,
+            "original_max_position_embeddings": 4096,
+            "mscale": 0.707,
+            "mscale_all_dim": 0.707,
+            "is_deepseek_v4": True,
+        },
+        "DeepseekV4ScalingRotaryEmbedding",
+    ),
+    # Gemma 4's global layers: head 512, a quarter rotated, the rest zero frequencies.
+    "proportional": (
+        512,
+        8192,
+        {"rope_type": "proportional", "rope_theta": 1000000.0, "partial_rotary_factor": 0.25},
+        "Gemma4RotaryEmbedding",
+    ),
+    "proportional-full": (
+        256,
+        4096,
+        {"rope_type": "proportional", "rope_theta": 10000.0},
+        "Gemma4RotaryEmbedding",
+    ),
+    "ntk": (
+        128,
+        8192,
+        {"rope_type": "ntk", "rope_theta": 10000.0, "factor": 4.0},
+        "NTKScalingRotaryEmbedding",
+    ),
+    "bailing_mrope": (
+        128,
+        4096,
+        {"rope_type": "bailing_mrope", "rope_theta": 600000.0, "mrope_section": [16, 24, 24]},
+        "BailingMRotaryEmbedding",
+    ),
+    "openpangu": (
+        128,
+        4096,
+        {
+            "rope_type": "openpangu",
+            "rope_theta": 1000000.0,
+            "mrope_section": [24, 20, 20],
+            "mrope_interleaved": True,
+        },
+        "MRotaryEmbeddingInterleaved",
+    ),
 }
 
 
@@ -332,10 +416,20 @@ def test_installed_module_rotates_as_float64(
     assert ours <= 1e-5 < native, (ours, native)
 
 
-def test_install_model(rope: types.ModuleType, client: posenc.Client) -> None:
+class MysteryRotaryEmbedding(torch.nn.Module):
+    """A rotary class posenc does not know: left alone by install_model, and named."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("cos_sin_cache", torch.ones(16, 8), persistent=False)
+
+
+def test_install_model(
+    rope: types.ModuleType, client: posenc.Client, caplog: pytest.LogCaptureFixture
+) -> None:
     """install_model on a model as vLLM builds it: layers sharing get_rope's modules, two
-    rope settings (sliding and global layers), and a rotary class posenc does not serve
-    (left alone)."""
+    rope settings (sliding and global layers), DeepSeek's class, and modules posenc does not
+    serve (an unknown class, mixed NTK): left alone and named with the reason."""
     local = {"rope_theta": 10000.0}
     scaled = {"rope_type": "linear", "rope_theta": 1000000.0, "factor": 8.0}
     deepseek = {
@@ -344,6 +438,7 @@ def test_install_model(rope: types.ModuleType, client: posenc.Client) -> None:
         "factor": 4.0,
         "original_max_position_embeddings": 512,
     }
+    mixed = {"rope_type": "ntk", "rope_theta": 10000.0, "factor": 4.0, "mixed_b": 0.5}
     layers = torch.nn.ModuleList()
     for parameters in (local, local, scaled, local, scaled):
         attention = torch.nn.Module()
@@ -353,20 +448,160 @@ def test_install_model(rope: types.ModuleType, client: posenc.Client) -> None:
         layers.append(layer)
     model = torch.nn.Module()
     model.layers = layers
-    model.other = rope.get_rope(64, 2048, rope_parameters=deepseek)
-    assert type(model.other).__name__ == "DeepseekScalingRotaryEmbedding"
-    other = model.other.cos_sin_cache.clone()
-    installed = pv.install_model(client, model)
-    assert torch.equal(model.other.cos_sin_cache, other)
-    assert installed == ["layers.0.self_attn.rotary_emb", "layers.2.self_attn.rotary_emb"]
+    model.deepseek = rope.get_rope(64, 2048, rope_parameters=deepseek)
+    model.mixed = rope.get_rope(64, 2048, rope_parameters=mixed)
+    model.mystery = MysteryRotaryEmbedding()
+    kept = model.mixed.cos_sin_cache.clone()
+    with caplog.at_level("WARNING", logger="posenc.integrations.vllm"):
+        installed = pv.install_model(client, model)
+    assert installed == [
+        "layers.0.self_attn.rotary_emb",
+        "layers.2.self_attn.rotary_emb",
+        "deepseek",
+    ]
+    (line,) = [r.getMessage() for r in caplog.records if "left with" in r.getMessage()]
+    assert "mixed (NTKScalingRotaryEmbedding: " in line and "mixed_b" in line
+    assert "mystery (MysteryRotaryEmbedding: " in line
+    assert torch.equal(model.mixed.cos_sin_cache, kept)
+    assert torch.equal(model.mystery.cos_sin_cache, torch.ones(16, 8))
     for name, parameters in (("layers.0", local), ("layers.2", scaled)):
         rotary = model.get_submodule(f"{name}.self_attn.rotary_emb")
         expected = pv.cos_sin_cache(client, 128, 2048, parameters)
         assert torch.equal(rotary.cos_sin_cache, expected)
-    with pytest.raises(posenc.InvalidArgumentError, match="holds no rotary module"):
-        pv.install_model(client, torch.nn.Sequential(model.other))
-    with pytest.raises(posenc.InvalidArgumentError, match="DeepseekScalingRotaryEmbedding"):
-        pv.cos_sin_cache_of(client, model.other)
+    assert torch.equal(model.deepseek.cos_sin_cache, pv.cos_sin_cache(client, 64, 2048, deepseek))
+    with pytest.raises(posenc.InvalidArgumentError, match=r"holds no rotary module.*mixed_b"):
+        pv.install_model(client, torch.nn.Sequential(model.mixed))
+    with pytest.raises(posenc.InvalidArgumentError, match="MysteryRotaryEmbedding"):
+        pv.cos_sin_cache_of(client, model.mystery)
+
+
+def test_install_model_refuses_before_writing(
+    rope: types.ModuleType, client: posenc.Client
+) -> None:
+    """A cache that differs from its module's own is refused before any module is written:
+    the model is left as it was, the error names the module and the row."""
+    model = torch.nn.Module()
+    model.first = build(rope, *CASES["default"][:3])
+    model.second = build(rope, *CASES["llama3"][:3])
+    first = model.first.cos_sin_cache.clone()
+    model.second.cos_sin_cache[100:] *= 1.001  # as if this release computed it otherwise
+    with pytest.raises(posenc.InvalidArgumentError, match=r"second\.cos_sin_cache row 100 "):
+        pv.install_model(client, model)
+    assert torch.equal(model.first.cos_sin_cache, first)
+
+
+def test_llama4_vision(rope: types.ModuleType, client: posenc.Client) -> None:
+    """mllama4: the complex cache of 24 x 24 patches and the class token, each patch's
+    angles (x + 1) f and (y + 1) f, against float64 angles."""
+    parameters = {"rope_type": "mllama4", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}
+    rope._ROPE_DICT.clear()
+    module = rope.get_rope(
+        88, 576, is_neox_style=False, rope_parameters=parameters, dtype=torch.complex64
+    )
+    assert type(module).__name__ == "Llama4VisionRotaryEmbedding"
+    ours = pv.cos_sin_cache(client, 88, 576, parameters, dtype=torch.complex64)
+    assert ours.shape == module.cos_sin_cache.shape and ours.dtype == torch.complex64
+    assert torch.equal(pv.cos_sin_cache_of(client, module), ours)
+    pv.install(module, ours)
+    assert torch.equal(module.cos_sin_cache, ours)
+    f = 10000.0 ** (-np.arange(0, 44, 2) / 44)
+    k = np.arange(576)
+    angles = np.concatenate([np.outer(k % 24 + 1, f), np.outer(k // 24 + 1, f)], axis=1)
+    angles = np.concatenate([angles, np.zeros((1, 44))])
+    reference = torch.from_numpy(np.exp(1j * angles))[:, None, :]
+    assert float((ours.to(torch.complex128) - reference).abs().max()) <= 2 * EPS32
+
+
+@contextmanager
+def cpu_for_cuda(module: types.ModuleType) -> Iterator[None]:
+    """The dual-chunk class puts its caches on the current CUDA device: here, the CPU."""
+    original = module.torch  # type: ignore[attr-defined]
+    proxy = types.ModuleType("torch")
+    proxy.__getattr__ = lambda name: getattr(original, name)  # type: ignore[method-assign]
+    proxy.device = lambda *args: torch.device("cpu")  # type: ignore[attr-defined]
+    proxy.accelerator = types.SimpleNamespace(current_device_index=lambda: 0)  # type: ignore[attr-defined]
+    proxy.cuda = types.SimpleNamespace(current_device=lambda: 0)  # type: ignore[attr-defined]
+    module.torch = proxy  # type: ignore[attr-defined]
+    try:
+        yield
+    finally:
+        module.torch = original  # type: ignore[attr-defined]
+
+
+def test_dual_chunk(rope: types.ModuleType, client: posenc.Client) -> None:
+    """Dual-chunk attention (Qwen 2.5-1M): its five caches, each within float32 rounding
+    of the class's float64 run, installed together."""
+    chunk = {"chunk_size": 8192, "local_size": 1024}
+    parameters = {"rope_theta": 10000000.0}
+    dual = sys.modules[f"{ROPE}.dual_chunk_rope"]
+
+    def make(dtype: Any) -> Any:
+        rope._ROPE_DICT.clear()
+        return rope.get_rope(
+            128, 32768, rope_parameters=parameters, dtype=dtype, dual_chunk_attention_config=chunk
+        )
+
+    with cpu_for_cuda(dual):
+        module = make(torch.float32)
+    with float64_arithmetic(), cpu_for_cuda(dual):
+        exact = make(torch.float64)
+    caches = pv.caches_of(client, module)
+    assert sorted(caches) == sorted(n for n, _ in module.named_buffers())
+    with pytest.raises(posenc.InvalidArgumentError, match="caches_of"):
+        pv.cos_sin_cache_of(client, module)
+    pv.install(module, caches)
+    for name, cache in caches.items():
+        assert torch.equal(getattr(module, name), cache)
+        reference = getattr(exact, name)
+        assert float((cache.double() - reference).abs().max()) <= EPS32, name
+
+
+def test_fope(rope: types.ModuleType, client: posenc.Client) -> None:
+    """FoPE (InternS1-Pro): exact angles mixed by the loaded coefficients in float64, one
+    rounding; its first forward keeps posenc's rows instead of recomputing them."""
+    parameters = {
+        "rope_theta": 1000000.0,
+        "use_fope": True,
+        "num_key_value_heads": 2,
+        "num_inv_freq": None,
+        "fope_sep_head": True,
+        "fope_init_factor": 0.1,
+    }
+    module = build(rope, 128, 8192, parameters)
+    generator = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for coef in (module.cos_coef, module.sin_coef):
+            noise = 0.1 * torch.randn(coef.shape, generator=generator)
+            coef.copy_(torch.eye(coef.shape[-1]) + noise)
+    # The class's formula in float64 (its float32 coefficients, exact in float64).
+    n = module.inv_freq.shape[-1]
+    frequencies = 1000000.0 ** (-torch.arange(0, 128, 2, dtype=torch.float64)[:n] / 128)
+    angles = torch.outer(torch.arange(8192, dtype=torch.float64), frequencies)
+    cos = torch.einsum("tD,hDd->thd", angles.cos(), module.cos_coef.double())
+    sin = torch.einsum("tD,hDd->thd", angles.sin(), module.sin_coef.double())
+    cos = torch.nn.functional.pad(cos, (0, 64 - n), value=1.0)
+    sin = torch.nn.functional.pad(sin, (0, 64 - n), value=1.0)
+    reference = torch.cat((cos, cos, sin, sin), dim=-1)
+    with pytest.raises(posenc.InvalidArgumentError, match="learned coefficients"):
+        pv.cos_sin_cache(client, 128, 8192, parameters)
+    ours = pv.cos_sin_cache_of(client, module)
+    pv.install(module, ours)
+    assert module.update_cache is False and torch.equal(module.cos_sin_cache, ours)
+    scale = float(reference.abs().max())
+    assert float((ours.double() - reference).abs().max()) <= EPS32 * scale
+
+
+def test_ernie45_vl(rope: types.ModuleType, client: posenc.Client) -> None:
+    """Ernie 4.5-VL builds its MRotaryEmbedding subclass itself: its plain cache, 4x rows."""
+    ernie = importlib.import_module(f"{ROPE}.ernie45_vl_rope").Ernie4_5_VLRotaryEmbedding
+    module = ernie(128, 128, 4096, 500000.0, False, torch.float32, mrope_section=[22, 22, 20])
+    ours = pv.cos_sin_cache_of(client, module)
+    assert ours.shape == (4096 * 4, 128)
+    pv.install(module, ours)
+    expected = pv.cos_sin_cache(
+        client, 128, 4096, {"rope_theta": 500000.0, "mrope_section": [22, 22, 20]}
+    )
+    assert torch.equal(module.cos_sin_cache, expected)
 
 
 def test_wrong_table_is_refused(rope: types.ModuleType, client: posenc.Client) -> None:
@@ -401,35 +636,50 @@ def test_missing_rope_theta_is_refused(rope: types.ModuleType) -> None:
 
 def test_unserved_rope_types_are_refused() -> None:
     cases = {
-        "deepseek_yarn": {"rope_type": "deepseek_yarn", "factor": 40.0},
-        "ntk": {"rope_type": "ntk", "factor": 2.0},
+        "mixed_b": {"rope_type": "ntk", "factor": 2.0, "mixed_b": 0.5},
         "use_fope": {"rope_type": "default", "use_fope": True},
         "rope_type": {"type": "linear", "factor": 2.0},
+        "'su' is not served": {"rope_type": "su"},
+        "use cos_sin_cache": {"rope_type": "proportional"},
     }
     for match, parameters in cases.items():
         with pytest.raises(posenc.InvalidArgumentError, match=match):
             pv.specs(128, 4096, {"rope_theta": 10000.0, **parameters})
 
 
-@pytest.mark.parametrize("version", ["0.32.1", "0.34.0", "1.0.0", "unknown"])
-def test_other_vllm_releases_are_refused(
-    version: str, rope: types.ModuleType, monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize("version", ["0.32.1", "0.35.0", "1.0.0", "unknown"])
+def test_other_releases_are_served_after_checking(
+    version: str, rope: types.ModuleType, client: posenc.Client, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """A release outside the tested window is served with a warning naming the window, each
+    cache compared with the module's own; one that differs is refused in one line naming
+    the module, the row and the release."""
     head_size, max_position, parameters, _ = CASES["default"]
     module = build(rope, head_size, max_position, parameters)
     monkeypatch.setattr(sys.modules["vllm"], "__version__", version)
-    with pytest.raises(pv.UnsupportedVLLMError, match=f"runs vLLM {version}"):
-        pv.install(module, module.cos_sin_cache.clone())
-    with pytest.raises(pv.UnsupportedVLLMError, match=r">=0\.33,<0\.34"):
-        pv.cos_sin_cache(None, head_size, max_position, parameters)  # type: ignore[arg-type]
+    window = r"vLLM 0\.33 to 0\.34"
+    with pytest.warns(pv.UntestedReleaseWarning, match=window):
+        cache = pv.cos_sin_cache(client, head_size, max_position, parameters)
+    with pytest.warns(pv.UntestedReleaseWarning, match=window):
+        installed = pv.install_model(client, torch.nn.Sequential(module))
+    assert installed == ["0"] and torch.equal(module.cos_sin_cache, cache)
+    module.cos_sin_cache[7, 3] += 0.01  # as if this release built another table
+    with (
+        pytest.warns(pv.UntestedReleaseWarning),
+        pytest.raises(
+            posenc.InvalidArgumentError,
+            match=rf"0\.cos_sin_cache row 7 \(position 7\), column 3 .*vLLM {version}, outside",
+        ),
+    ):
+        pv.install_model(client, torch.nn.Sequential(module))
 
 
-def test_supported_range_is_the_extras() -> None:
-    """pyproject.toml's vllm extra declares the range the SDK checks, which includes the
-    release these tests run."""
+def test_tested_window_is_the_extras_and_the_releases_run() -> None:
+    """pyproject.toml's vllm extra is a lower bound, the oldest tested release, which this
+    file's pinned wheel is."""
     with open(Path(__file__).resolve().parent.parent / "pyproject.toml", "rb") as file:
         extras = tomllib.load(file)["project"]["optional-dependencies"]
-    (low_major, low_minor), (high_major, high_minor) = pv.SUPPORTED_VLLM
-    assert f"vllm>={low_major}.{low_minor},<{high_major}.{high_minor}" in extras["vllm"]
+    (low_major, low_minor), _ = pv.TESTED_VLLM
+    assert f"vllm>={low_major}.{low_minor}" in extras["vllm"]
     tested = tuple(int(part) for part in vllm_wheel.VERSION.split(".")[:2])
-    assert pv.SUPPORTED_VLLM[0] <= tested < pv.SUPPORTED_VLLM[1]
+    assert tested == pv.TESTED_VLLM[0]

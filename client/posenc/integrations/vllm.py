@@ -15,40 +15,41 @@ vLLM worker, :func:`install_model` does all of it for every rotary module of the
         with posenc.Client("posenc.internal:50051") as client:
             return pv.install_model(client, model)
 
-Supported: vLLM 0.33 (:data:`SUPPORTED_VLLM`, the ``vllm`` extra); every function refuses
-a process running another vLLM: row counts and formulas change between releases. Covered,
-as 0.33's ``get_rope`` builds them: ``default`` (``RotaryEmbedding``; with
-``mrope_section``, ``MRotaryEmbedding``'s plain cache of ``max_position *
-mrope_positions_factor`` rows), ``partial_rotary_factor`` and ``rope_dim``, ``linear``
-(``LinearScalingRotaryEmbedding``, one cache per factor, concatenated), ``dynamic``
-(``DynamicNTKScalingRotaryEmbedding``: ``max_position`` rows at the base rescaled by
-``max_trained_positions``; ``DynamicNTKAlphaRotaryEmbedding`` with ``alpha``), ``yarn``
-(``YaRNScalingRotaryEmbedding``, and ``MRotaryEmbedding`` with ``mrope_section``),
-``llama3`` (``Llama3RotaryEmbedding``) and ``longrope`` (``Phi3LongRoPEScaledRotaryEmbedding``:
-its ``long_short_cos_sin_cache``, the short table's ``original_max_position_embeddings`` rows
-then the long table's ``max_position`` rows).
+Tested against vLLM 0.33 and 0.34 (:data:`TESTED_VLLM`). Another release is served: every
+cache installed is first compared with the module's own rows, and refused, in one line
+naming the module and the row, if it differs; building a cache there warns
+(:class:`UntestedReleaseWarning`). Covered, as ``get_rope`` builds them: ``default``
+(``RotaryEmbedding``; with ``mrope_section``, ``MRotaryEmbedding``'s plain cache of
+``max_position * mrope_positions_factor`` rows, and its subclasses' for Ernie 4.5-VL,
+Bailing and openPangu), ``partial_rotary_factor`` and ``rope_dim``, ``linear``,
+``dynamic`` (``max_trained_positions`` or ``alpha``), ``yarn`` (with ``mrope_section``
+too), ``deepseek_yarn`` / ``deepseek_llama_scaling`` (DeepSeek's mscale ratio; the V4
+class's float32 cache), ``ntk``, ``proportional`` (Gemma 4: the head's frequencies, zero
+past ``rotary_dim``), ``llama3``, ``longrope`` (the short table's
+``original_max_position_embeddings`` rows then the long table's ``max_position`` rows),
+``mllama4`` (Llama 4's vision patches, complex), dual-chunk attention's five caches and
+FoPE's (its learned mixing applied in float64 to exact angles).
 """
 
 from __future__ import annotations
 
 import logging
 import math
-import re
-import sys
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, Final
 
 import grpc
-import numpy as np
 import torch
 
 import posenc
-from posenc._output import as_tensor
-from posenc._query import numpy_dtype
+from posenc.integrations import _caches
+from posenc.integrations._caches import Plan, Run, UntestedReleaseWarning, violation
 
 __all__ = [
-    "SUPPORTED_VLLM",
+    "TESTED_VLLM",
     "UnsupportedVLLMError",
+    "UntestedReleaseWarning",
+    "caches_of",
     "cos_sin_cache",
     "cos_sin_cache_of",
     "get_rope_arguments",
@@ -60,50 +61,20 @@ __all__ = [
 
 _log = logging.getLogger(__name__)
 
-#: The vLLM releases whose rotary caches this module reproduces: ``>= 0.33, < 0.34`` as
-#: (major, minor) bounds, the range of pyproject.toml's ``vllm`` extra.
-SUPPORTED_VLLM: tuple[tuple[int, int], tuple[int, int]] = ((0, 33), (0, 34))
+#: The vLLM releases the tests run this module against, both included, as (major, minor):
+#: every 0.33.x and 0.34.x. Others are served after each cache is checked at install.
+TESTED_VLLM: Final[tuple[tuple[int, int], tuple[int, int]]] = ((0, 33), (0, 34))
 
-# install() compares this many leading rows with the module's own cache (vLLM's float32
-# values: their angle error grows with the position, about |p| * 2^-22 at most).
-_VERIFY_ROWS = 16384
+_RELEASES: Final = _caches.Releases("vLLM", "vllm", *TESTED_VLLM)
+
+rows_of = _caches.rows_of
 
 
 class UnsupportedVLLMError(posenc.PosencError, RuntimeError):
-    """The process runs a vLLM release outside :data:`SUPPORTED_VLLM` (FAILED_PRECONDITION)."""
+    """A vLLM rotary module posenc has no table for (FAILED_PRECONDITION). Kept for
+    callers that catch it: no release is refused by its version any more."""
 
     default_code = grpc.StatusCode.FAILED_PRECONDITION
-
-
-def _violation(field: str, description: str) -> posenc.InvalidArgumentError:
-    return posenc.InvalidArgumentError(
-        f"invalid {field}: {description}", field_violations=[(field, description)]
-    )
-
-
-def _check_vllm_version() -> None:
-    """Refuses a loaded vLLM outside the supported range (nothing to check if none is)."""
-    vllm = sys.modules.get("vllm")
-    if vllm is None:
-        return
-    version = str(getattr(vllm, "__version__", ""))
-    match = re.match(r"(\d+)\.(\d+)", version)
-    (low_major, low_minor), (high_major, high_minor) = SUPPORTED_VLLM
-    if match is None or not (
-        (low_major, low_minor) <= (int(match[1]), int(match[2])) < (high_major, high_minor)
-    ):
-        raise UnsupportedVLLMError(
-            f"posenc.integrations.vllm reproduces the rotary caches of vLLM "
-            f">={low_major}.{low_minor},<{high_major}.{high_minor} and this process runs vLLM "
-            f"{version or '(version unknown)'}, whose caches may have other rows or values; "
-            f"install a supported vLLM (pip install 'posenc[vllm]')"
-        )
-
-
-def rows_of(length: float) -> int:
-    """Rows of ``torch.arange(length)``, as vLLM sizes its caches (``max_position * factor``
-    may be a float: arange counts up to its ceiling)."""
-    return math.ceil(length)
 
 
 def _rotary_dim(head_size: int, rope: Mapping[str, Any]) -> int:
@@ -112,29 +83,64 @@ def _rotary_dim(head_size: int, rope: Mapping[str, Any]) -> int:
         return int(rope["rope_dim"])
     factor = float(rope.get("partial_rotary_factor", 1.0))
     if not 0.0 < factor <= 1.0:
-        raise _violation("partial_rotary_factor", f"must be in (0, 1], got {factor}")
+        raise violation("partial_rotary_factor", f"must be in (0, 1], got {factor}")
     return int(head_size * factor)
 
 
-def specs(
+def _rotary(dim: int, theta: float, **scaling: Any) -> posenc.Spec:
+    return posenc.Spec("rotary", head_dim=dim, rope_theta=theta, layout="vllm", **scaling)
+
+
+def _yarn_fields(rope: Mapping[str, Any], factor: float, original: int) -> dict[str, Any]:
+    fields: dict[str, Any] = {"factor": factor, "original_max_position_embeddings": original}
+    for name in ("beta_fast", "beta_slow", "truncate", "attention_factor"):
+        if rope.get(name) is not None:
+            fields[name] = rope[name]
+    return fields
+
+
+def _deepseek_attention(factor: float, mscale: float, mscale_all_dim: float) -> dict[str, Any]:
+    """DeepseekScalingRotaryEmbedding's cos/sin scale, ``yarn_get_mscale(factor, mscale) /
+    yarn_get_mscale(factor, mscale_all_dim)`` (defaults 1 and 0): the server's mscale ratio
+    when both are non-zero (the same real number), else vLLM's value in double."""
+    if mscale and mscale_all_dim:
+        return {"mscale": mscale, "mscale_all_dim": mscale_all_dim}
+
+    def weighted(weight: float) -> float:
+        return 1.0 if factor <= 1 else 0.1 * weight * math.log(factor) + 1.0
+
+    return {"attention_factor": weighted(mscale) / weighted(mscale_all_dim)}
+
+
+def _ntk_spec(dim: int, theta: float, factor: float, mixed_b: Any) -> posenc.Spec:
+    """NTKScalingRotaryEmbedding: fixed NTK is the default table of ``theta * factor``
+    divided by ``factor ** (2 / dim)`` (both in double, as the class computes them)."""
+    if mixed_b is not None:
+        raise violation(
+            "rope_parameters.mixed_b",
+            "NTKScalingRotaryEmbedding with mixed_b scales each frequency by a float32 "
+            "exp(a * i ** mixed_b) no published model uses; only fixed NTK is served",
+        )
+    return _rotary(dim, theta * factor, scaling="linear", factor=factor ** (2 / dim))
+
+
+def _plan(
     head_size: int,
     max_position: int,
-    rope_parameters: Mapping[str, Any] | None = None,
-    *,
-    mrope_positions_factor: int = 4,
-) -> list[tuple[posenc.Spec, int]]:
-    """The posenc tables (vLLM layout) that make up vLLM's cache, each with its row count,
-    in the order vLLM concatenates them. Arguments as :func:`cos_sin_cache`'s."""
+    rope_parameters: Mapping[str, Any] | None,
+    mrope_positions_factor: int,
+) -> Plan:
+    """The posenc tables of the cache ``get_rope`` builds for these arguments."""
     rope = dict(rope_parameters or {})
     if "rope_theta" not in rope:
-        raise _violation(
+        raise violation(
             "rope_parameters.rope_theta",
             "is not set: vLLM's get_rope then takes 10000, which is not most models' base; "
             "pass the model's (vLLM puts the config's rope_theta into "
             "hf_config.rope_parameters), 10000.0 if that is really its base",
         )
     if "type" in rope and "rope_type" not in rope:
-        raise _violation(
+        raise violation(
             "rope_parameters.type",
             "get_rope reads rope_type only (vLLM's config loading renames 'type'): pass "
             "hf_config.rope_parameters as vLLM loaded it",
@@ -143,54 +149,72 @@ def specs(
     theta = float(rope["rope_theta"])
     dim = _rotary_dim(head_size, rope)
 
-    def rotary(rows: int, base: float = theta, **scaling: Any) -> tuple[posenc.Spec, int]:
-        spec = posenc.Spec("rotary", head_dim=dim, rope_theta=base, layout="vllm", **scaling)
-        return spec, rows
+    def one(rows: int, spec: posenc.Spec | None = None, kept: int | None = None) -> Plan:
+        return Plan((Run(spec or _rotary(dim, theta), rows),), kept)
 
     mrope = "mrope_section" in rope
     if kind == "default" and rope.get("use_fope") and not mrope:
-        raise _violation("rope_parameters.use_fope", "FourierRotaryEmbedding is not served")
+        raise violation(
+            "rope_parameters.use_fope",
+            "FourierRotaryEmbedding's cache mixes the model's learned coefficients: build "
+            "it from the loaded module, cos_sin_cache_of(client, module)",
+        )
     if kind == "default":
         # MRotaryEmbedding's cache is the plain one, over max_position * positions_factor.
-        return [rotary(max_position * (mrope_positions_factor if mrope else 1))]
+        return one(max_position * (mrope_positions_factor if mrope else 1))
+    if kind in ("bailing_mrope", "openpangu"):
+        # Their MRotaryEmbedding subclasses keep its default positions factor, 4.
+        if kind == "openpangu" and not (mrope and rope.get("mrope_interleaved")):
+            raise violation("rope_parameters", "openpangu needs mrope_section, interleaved")
+        return one(max_position * 4)
+    if kind == "proportional":
+        # Gemma 4: the frequencies of the whole head, zero past rotary_dim / 2.
+        return one(max_position, _rotary(head_size, theta), dim // 2)
     if kind == "linear":
         factors = rope["factor"]
         listed: Sequence[float] = factors if isinstance(factors, Sequence) else [factors]
-        return [
-            rotary(rows_of(max_position * f), scaling="linear", factor=float(f)) for f in listed
-        ]
+        return Plan(
+            tuple(
+                Run(
+                    _rotary(dim, theta, scaling="linear", factor=float(f)),
+                    rows_of(max_position * f),
+                )
+                for f in listed
+            )
+        )
+    if kind == "ntk":
+        return one(max_position, _ntk_spec(dim, theta, float(rope["factor"]), rope.get("mixed_b")))
     if kind == "dynamic":
         # The base once at start-up, as the class computes it (in double), then a plain table
         # of max_position rows.
         exponent = dim / (dim - 2)
         if "alpha" in rope:
-            return [rotary(max_position, theta * float(rope["alpha"]) ** exponent)]
+            return one(max_position, _rotary(dim, theta * float(rope["alpha"]) ** exponent))
         if "factor" in rope:
             f = float(rope["factor"])
             trained = int(rope.get("max_trained_positions", max_position))
             base = theta * ((f * max_position / trained) - (f - 1)) ** exponent
-            return [rotary(max_position, base)]
-        raise _violation("rope_parameters", "dynamic scaling needs 'alpha' or 'factor'")
+            return one(max_position, _rotary(dim, base))
+        raise violation("rope_parameters", "dynamic scaling needs 'alpha' or 'factor'")
     if kind == "llama3":
-        return [
-            rotary(
-                max_position,
+        return one(
+            max_position,
+            _rotary(
+                dim,
+                theta,
                 scaling="llama3",
                 factor=float(rope["factor"]),
                 original_max_position_embeddings=int(rope["original_max_position_embeddings"]),
                 low_freq_factor=float(rope["low_freq_factor"]),
                 high_freq_factor=float(rope["high_freq_factor"]),
-            )
-        ]
+            ),
+        )
     if kind == "yarn":
         # With mrope_section, MRotaryEmbedding: YaRN over original * positions_factor.
         original = int(rope["original_max_position_embeddings"])
         original *= mrope_positions_factor if mrope else 1
         f = float(rope["factor"])
-        fields: dict[str, Any] = {"factor": f, "original_max_position_embeddings": original}
-        for name in ("beta_fast", "beta_slow", "truncate", "attention_factor"):
-            if rope.get(name) is not None:
-                fields[name] = rope[name]
+        fields = _yarn_fields(rope, f, original)
         if (
             rope.get("attention_factor") is None
             and rope.get("mscale")
@@ -199,7 +223,20 @@ def specs(
             # vLLM takes the mscale ratio only when both are set and non-zero.
             fields["mscale"] = float(rope["mscale"])
             fields["mscale_all_dim"] = float(rope["mscale_all_dim"])
-        return [rotary(rows_of(original * f), scaling="yarn", **fields)]
+        return one(rows_of(original * f), _rotary(dim, theta, scaling="yarn", **fields))
+    if kind in ("deepseek_yarn", "deepseek_llama_scaling"):
+        # DeepseekScalingRotaryEmbedding (and the V4 class): YaRN's frequencies over the
+        # original length, truncated range, the mscale ratio as the scale.
+        original = int(rope["original_max_position_embeddings"])
+        f = float(rope["factor"])
+        fields = {k: v for k, v in _yarn_fields(rope, f, original).items() if k != "truncate"}
+        if "attention_factor" not in fields:
+            fields.update(
+                _deepseek_attention(
+                    f, float(rope.get("mscale", 1)), float(rope.get("mscale_all_dim", 0))
+                )
+            )
+        return one(rows_of(original * f), _rotary(dim, theta, scaling="yarn", **fields))
     if kind == "longrope":
         original = int(rope["original_max_position_embeddings"])
         common: dict[str, Any] = {
@@ -215,22 +252,163 @@ def specs(
             short["attention_factor"] = float(rope["short_mscale"])
         if rope.get("long_mscale") is not None:
             long["attention_factor"] = float(rope["long_mscale"])
-        return [rotary(original, **short), rotary(max_position, **long)]
-    served = "default, linear, dynamic, yarn, llama3, longrope"
-    raise _violation("rope_parameters.rope_type", f"{kind!r} is not served (served: {served})")
+        return Plan(
+            (
+                Run(_rotary(dim, theta, **short), original),
+                Run(_rotary(dim, theta, **long), max_position),
+            )
+        )
+    served = (
+        "default, linear, dynamic, yarn, deepseek_yarn, deepseek_llama_scaling, ntk, "
+        "proportional, llama3, longrope, bailing_mrope, openpangu, mllama4"
+    )
+    raise violation("rope_parameters.rope_type", f"{kind!r} is not served (served: {served})")
 
 
-# 0.33's classes served, by name: what get_rope arguments rebuild each one's cache.
-_SERVED_CLASSES = (
-    "RotaryEmbedding",
-    "MRotaryEmbedding",
-    "LinearScalingRotaryEmbedding",
-    "DynamicNTKScalingRotaryEmbedding",
-    "DynamicNTKAlphaRotaryEmbedding",
-    "YaRNScalingRotaryEmbedding",
-    "Llama3RotaryEmbedding",
-    "Phi3LongRoPEScaledRotaryEmbedding",
+def specs(
+    head_size: int,
+    max_position: int,
+    rope_parameters: Mapping[str, Any] | None = None,
+    *,
+    mrope_positions_factor: int = 4,
+) -> list[tuple[posenc.Spec, int]]:
+    """The posenc tables (vLLM layout) that make up vLLM's cache, each with its row count,
+    in the order vLLM concatenates them. Arguments as :func:`cos_sin_cache`'s.
+
+    Raises:
+        posenc.InvalidArgumentError: Parameters ``get_rope`` builds no served cache from, or
+            a cache that is no concatenation of tables (``proportional``'s zero frequencies,
+            ``mllama4``'s patches: :func:`cos_sin_cache` builds those).
+    """
+    _RELEASES.warn("vLLM integration")
+    if dict(rope_parameters or {}).get("rope_type") == "mllama4":
+        raise violation(
+            "rope_parameters.rope_type", "mllama4's cache is complex: use cos_sin_cache"
+        )
+    plan = _plan(head_size, max_position, rope_parameters, mrope_positions_factor)
+    if plan.kept is not None:
+        raise violation(
+            "rope_parameters.rope_type",
+            "proportional's cache sets the frequencies past rotary_dim / 2 to zero: use "
+            "cos_sin_cache",
+        )
+    return [(run.spec, run.rows) for run in plan.runs]
+
+
+def _llama4_vision(
+    client: posenc.Client,
+    dim: int,
+    patches: int,
+    theta: float,
+    double: bool,
+    device: Any,
+) -> torch.Tensor:
+    """Llama4VisionRotaryEmbedding's complex cache ``[patches + 1, 1, dim]``: patch ``k`` at
+    ``(x, y) = (k % side, k // side)`` rotates by ``(x + 1) * f`` then ``(y + 1) * f`` for
+    the ``dim / 2`` default frequencies ``f``; the last row (the class token) by 0."""
+    side = int(math.sqrt(patches))
+    real = torch.float64 if double else torch.float32
+    table = client.get_range(0, side + 1, _rotary(dim, theta), dtype=real)
+    cos, sin = table.chunk(2, dim=-1)
+    index = torch.arange(patches)
+    x, y = index % side + 1, index // side + 1
+    angles = torch.complex(torch.cat([cos[x], cos[y]], -1), torch.cat([sin[x], sin[y]], -1))
+    cls = torch.ones(1, dim, dtype=angles.dtype)
+    return torch.cat([angles, cls])[:, None, :].to(device or "cpu")
+
+
+def _dual_chunk(client: posenc.Client, m: Any) -> dict[str, torch.Tensor]:
+    """DualChunkRotaryEmbedding's five caches, rows of one default table: ``q`` positions
+    ``0 .. c - 1`` (``c = chunk_size - local_size``), ``qc`` ``min(p + c, chunk_size)``, ``k``
+    ``p % c`` for every ``p < max_position``, ``qc_no_clamp`` ``p + c``, ``q_inter``
+    ``p + chunk_size``."""
+    buffer = m.cos_sin_q_cache
+    positions = dual_chunk_positions(m)
+    table = client.get_range(
+        0,
+        int(m.chunk_size) * 2,
+        _rotary(int(m.rotary_dim), float(m.base)),
+        dtype=buffer.dtype,
+    )
+    return {name: table[rows] for name, rows in positions.items()}
+
+
+def dual_chunk_positions(m: Any) -> dict[str, torch.Tensor]:
+    """The positions of each row of a dual-chunk module's five caches (below
+    ``2 * chunk_size``)."""
+    chunk = int(m.chunk_size)
+    c = chunk - int(m.local_size)
+    p = torch.arange(c)
+    return {
+        "cos_sin_q_cache": p,
+        "cos_sin_qc_cache": (p + c).clamp(max=chunk),
+        "cos_sin_k_cache": torch.arange(int(m.max_position_embeddings)) % c,
+        "cos_sin_qc_no_clamp_cache": p + c,
+        "cos_sin_q_inter_cache": p + chunk,
+    }
+
+
+def fope_cache(client: posenc.Client, m: Any) -> torch.Tensor:
+    """FourierRotaryEmbedding's cache: the module's selected frequencies (the first
+    ``inv_freq.shape[-1]`` default ones) at exact angles, mixed by its learned ``cos_coef``
+    / ``sin_coef`` in float64, padded with 1 to ``head_size / 2``, halves repeated, one
+    rounding to the buffer's dtype."""
+    n = int(m.inv_freq.shape[-1])
+    dim, rows = int(m.rotary_dim), int(m.max_position_embeddings)
+    table = client.get_range(0, rows, _rotary(dim, float(m.base)), dtype=torch.float64)
+    cos, sin = table[:, :n], table[:, dim // 2 : dim // 2 + n]
+    cos_coef, sin_coef = m.cos_coef.detach().cpu().double(), m.sin_coef.detach().cpu().double()
+    if bool(m.fope_sep_head):
+        cos = torch.einsum("tD,hDd->thd", cos, cos_coef)
+        sin = torch.einsum("tD,hDd->thd", sin, sin_coef)
+    else:
+        cos, sin = cos @ cos_coef, sin @ sin_coef
+    half = int(m.head_size) // 2
+    cos = torch.nn.functional.pad(cos, (0, half - cos.shape[-1]), value=1.0)
+    sin = torch.nn.functional.pad(sin, (0, half - sin.shape[-1]), value=1.0)
+    buffer = m.cos_sin_cache
+    return torch.cat((cos, cos, sin, sin), dim=-1).to(buffer.dtype)
+
+
+# The classes whose cache is the plain default table over their max_position_embeddings.
+_PLAIN: Final = frozenset(
+    {
+        "RotaryEmbedding",
+        "MRotaryEmbedding",
+        "MRotaryEmbeddingInterleaved",
+        "BailingMRotaryEmbedding",
+        "Ernie4_5_VLRotaryEmbedding",
+    }
 )
+# The classes whose cache is not a concatenation of tables, built by their own functions.
+_BUILT: Final = frozenset(
+    {"Llama4VisionRotaryEmbedding", "DualChunkRotaryEmbedding", "FourierRotaryEmbedding"}
+)
+_SERVED_CLASSES: Final = (
+    _PLAIN
+    | _BUILT
+    | {
+        "LinearScalingRotaryEmbedding",
+        "DynamicNTKScalingRotaryEmbedding",
+        "DynamicNTKAlphaRotaryEmbedding",
+        "YaRNScalingRotaryEmbedding",
+        "DeepseekScalingRotaryEmbedding",
+        "DeepseekV4ScalingRotaryEmbedding",
+        "NTKScalingRotaryEmbedding",
+        "Gemma4RotaryEmbedding",
+        "Llama3RotaryEmbedding",
+        "Phi3LongRoPEScaledRotaryEmbedding",
+    }
+)
+
+
+def _served(rotary_emb: torch.nn.Module) -> str | None:
+    kind = type(rotary_emb).__name__
+    if kind in _SERVED_CLASSES:
+        return None
+    return (
+        f"{kind} is not a rotary class posenc serves (served: {', '.join(sorted(_SERVED_CLASSES))})"
+    )
 
 
 def get_rope_arguments(rotary_emb: torch.nn.Module) -> tuple[int, int, dict[str, Any]]:
@@ -240,13 +418,15 @@ def get_rope_arguments(rotary_emb: torch.nn.Module) -> tuple[int, int, dict[str,
     an M-RoPE module's row count is already multiplied).
 
     Raises:
-        posenc.InvalidArgumentError: A class posenc does not serve.
+        posenc.InvalidArgumentError: A class posenc does not serve, or one whose cache no
+            ``get_rope`` arguments describe (dual-chunk, FoPE: :func:`caches_of`).
     """
     m: Any = rotary_emb
     kind = type(m).__name__
-    if kind not in _SERVED_CLASSES:
-        raise _violation(
-            "rotary_emb", f"{kind} is not served (served: {', '.join(_SERVED_CLASSES)})"
+    reason = _served(m)
+    if reason is not None or kind in ("DualChunkRotaryEmbedding", "FourierRotaryEmbedding"):
+        raise violation(
+            "rotary_emb", reason or f"{kind}'s caches are built by caches_of(client, module)"
         )
     rows = int(m.max_position_embeddings)
     rope: dict[str, Any] = {"rope_theta": float(m.base)}
@@ -263,8 +443,25 @@ def get_rope_arguments(rotary_emb: torch.nn.Module) -> tuple[int, int, dict[str,
             truncate=bool(m.truncate),
             attention_factor=float(m.mscale),
         )
+    elif kind in ("DeepseekScalingRotaryEmbedding", "DeepseekV4ScalingRotaryEmbedding"):
+        rope.update(
+            rope_type="deepseek_yarn",
+            factor=float(m.scaling_factor),
+            original_max_position_embeddings=rows,
+            beta_fast=m.beta_fast,
+            beta_slow=m.beta_slow,
+            attention_factor=float(m.mscale),
+        )
     elif kind == "LinearScalingRotaryEmbedding":
         rope.update(rope_type="linear", factor=[float(f) for f in m.scaling_factors])
+    elif kind == "NTKScalingRotaryEmbedding":
+        rope.update(rope_type="ntk", factor=float(m.scaling_factor), mixed_b=m.mixed_b)
+    elif kind == "Gemma4RotaryEmbedding":
+        # Its rotary_dim is the head's; get_rope's was twice its rope_angles.
+        rope.update(rope_type="proportional", rope_dim=2 * int(m.rope_angles))
+        return int(m.head_size), rows, rope
+    elif kind == "Llama4VisionRotaryEmbedding":
+        rope.update(rope_type="mllama4")
     elif kind == "DynamicNTKScalingRotaryEmbedding":
         rope.update(
             rope_type="dynamic",
@@ -299,7 +496,7 @@ def _buffer(rotary_emb: torch.nn.Module) -> tuple[str, torch.Tensor]:
         buffer = getattr(rotary_emb, name, None)
         if isinstance(buffer, torch.Tensor):
             return name, buffer
-    raise _violation(
+    raise violation(
         "rotary_emb",
         f"{type(rotary_emb).__name__} holds no cos_sin_cache or long_short_cos_sin_cache",
     )
@@ -327,57 +524,48 @@ def cos_sin_cache(
             ``partial_rotary_factor``, ``factor``, ...). ``rope_theta`` is required: vLLM's
             silent default (10000) is refused rather than served.
         mrope_positions_factor: ``get_rope``'s, for ``mrope_section`` (M-RoPE) caches.
-        dtype: The cache's dtype (vLLM: the model's), computed by the server in it.
+        dtype: The cache's dtype (vLLM: the model's; ``torch.complex64`` for ``mllama4``;
+            DeepSeek-V4's class keeps float32), computed by the server in it.
         device: Where the tensor goes (default CPU).
 
     Returns:
-        ``[rows, rotary_dim]``: ``[cos | sin]`` halves, the rows of the class's cache.
+        ``[rows, rotary_dim]``: ``[cos | sin]`` halves, the rows of the class's cache
+        (``mllama4``: ``[patches + 1, 1, rotary_dim]`` complex).
 
     Raises:
-        posenc.InvalidArgumentError: Parameters vLLM 0.33 builds no served cache from.
-        UnsupportedVLLMError: The process has imported a vLLM outside the supported range.
+        posenc.InvalidArgumentError: Parameters ``get_rope`` builds no served cache from.
     """
-    _check_vllm_version()
-    parts = specs(
-        head_size, max_position, rope_parameters, mrope_positions_factor=mrope_positions_factor
-    )
-    if len(parts) == 1:
-        ((spec, rows),) = parts
-        return client.get_range(0, rows, spec, dtype=dtype, device=device or "cpu")
-    # Several tables, one after the other: each fetched straight into its rows of the cache.
-    element = numpy_dtype(dtype)
-    first = client.get_range(0, parts[0][1], parts[0][0], dtype=element)
-    cache = np.empty((sum(rows for _, rows in parts), first.shape[1]), dtype=element)
-    cache[: len(first)] = first
-    row = len(first)
-    for spec, rows in parts[1:]:
-        client.get_range(0, rows, spec, dtype=element, out=cache[row : row + rows])
-        row += rows
-    return as_tensor(cache, device)
+    _RELEASES.warn("vLLM integration")
+    rope = dict(rope_parameters or {})
+    if rope.get("rope_type") == "mllama4" and "rope_theta" in rope:
+        dim = _rotary_dim(head_size, rope)
+        double = dtype in (torch.complex128, torch.float64, "float64", "complex128")
+        return _llama4_vision(client, dim, max_position, float(rope["rope_theta"]), double, device)
+    plan = _plan(head_size, max_position, rope, mrope_positions_factor)
+    return _caches.fetch(client, plan, dtype, device)
 
 
-def _verify(name: str, buffer: torch.Tensor, cache: torch.Tensor) -> None:
-    """Refuses a cache that is not the module's table: its leading rows must equal the
-    module's own within both dtypes' rounding and vLLM's float32 angle error."""
-    rows = min(len(buffer), _VERIFY_ROWS)
-    if rows == 0:
-        return
-    theirs = buffer[:rows].detach().to("cpu", torch.float64)
-    ours = cache[:rows].detach().to("cpu", torch.float64)
-    scale = float(theirs.abs().max())
-    slack = torch.finfo(buffer.dtype).eps + torch.finfo(cache.dtype).eps
-    positions = torch.arange(1, rows + 1, dtype=torch.float64)[:, None]
-    allowed = scale * (slack + 2.0**-20 * positions)
-    bad = ~((ours - theirs).abs() <= allowed)
-    if bool(bad.any()):
-        row, column = divmod(int(bad.flatten().nonzero()[0]), ours.shape[1])
-        raise _violation(
-            name,
-            f"row {row}, column {column} is {float(ours[row, column]):.6g} in the cache and "
-            f"{float(theirs[row, column]):.6g} in the module: the cache is not the table this "
-            "module was built with (check rope_theta, the scaling and max_position against "
-            "its get_rope call); verify=False installs it anyway",
-        )
+def caches_of(client: posenc.Client, rotary_emb: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Every cache buffer of a vLLM rotary module, by name, built from its own attributes
+    in its buffers' dtype (on CPU): one for most classes, dual-chunk attention's five.
+
+    Raises:
+        posenc.InvalidArgumentError: A class posenc does not serve.
+    """
+    m: Any = rotary_emb
+    kind = type(m).__name__
+    if kind == "DualChunkRotaryEmbedding":
+        return _dual_chunk(client, m)
+    if kind == "FourierRotaryEmbedding":
+        return {"cos_sin_cache": fope_cache(client, m)}
+    name, buffer = _buffer(m)
+    if kind == "Llama4VisionRotaryEmbedding":
+        dim, patches = int(m.rotary_dim), int(m.max_position_embeddings)
+        double = buffer.dtype == torch.complex128
+        return {name: _llama4_vision(client, dim, patches, float(m.base), double, None)}
+    head_size, max_position, rope = get_rope_arguments(m)
+    plan = _plan(head_size, max_position, rope, 1)
+    return {name: _caches.fetch(client, plan, buffer.dtype)}
 
 
 def cos_sin_cache_of(
@@ -388,10 +576,21 @@ def cos_sin_cache_of(
     device: torch.device | str | None = None,
 ) -> Any:
     """:func:`cos_sin_cache` for a vLLM rotary module, from its own attributes
-    (:func:`get_rope_arguments`): its buffer's shape, dtype and device unless told."""
-    _check_vllm_version()
-    head_size, max_position, rope = get_rope_arguments(rotary_emb)
+    (:func:`get_rope_arguments`): its buffer's shape, dtype and device unless told.
+
+    Raises:
+        posenc.InvalidArgumentError: A class posenc does not serve, or one with several
+            caches (dual-chunk attention: :func:`caches_of`).
+    """
+    _RELEASES.warn("vLLM integration")
+    kind = type(rotary_emb).__name__
+    if kind == "DualChunkRotaryEmbedding":
+        raise violation("rotary_emb", f"{kind} holds five caches: build them with caches_of")
     _, buffer = _buffer(rotary_emb)
+    if kind in ("Llama4VisionRotaryEmbedding", "FourierRotaryEmbedding") and dtype is None:
+        (cache,) = caches_of(client, rotary_emb).values()
+        return cache.to(device or buffer.device)
+    head_size, max_position, rope = get_rope_arguments(rotary_emb)
     return cos_sin_cache(
         client,
         head_size,
@@ -403,15 +602,91 @@ def cos_sin_cache_of(
     )
 
 
+def _own_rows(rotary_emb: torch.nn.Module, name: str) -> torch.Tensor:
+    """The module's own values of a buffer. FoPE's buffer holds the rows its coefficients
+    gave at construction (before the weights were loaded): it recomputes them, as its
+    first forward would."""
+    m: Any = rotary_emb
+    if type(m).__name__ == "FourierRotaryEmbedding" and name == "cos_sin_cache":
+        with torch.no_grad():
+            own: torch.Tensor = m._compute_cos_sin_cache().to(m.cos_sin_cache.dtype)
+            return own
+    buffer: torch.Tensor = getattr(m, name)
+    return buffer
+
+
+def _check(
+    module_name: str, rotary_emb: torch.nn.Module, caches: Mapping[str, torch.Tensor]
+) -> None:
+    _caches.check_shapes(rotary_emb, caches)
+    dual = type(rotary_emb).__name__ == "DualChunkRotaryEmbedding"
+    positions = dual_chunk_positions(rotary_emb) if dual else {}
+    for name, cache in caches.items():
+        own = _own_rows(rotary_emb, name)
+        label = module_name or type(rotary_emb).__name__
+        _caches.check_rows(_RELEASES, label, name, own, cache, positions=positions.get(name))
+
+
+def _write(rotary_emb: torch.nn.Module, caches: Mapping[str, torch.Tensor]) -> None:
+    m: Any = rotary_emb
+    _caches.copy_caches(m, caches)
+    cache = caches.get("cos_sin_cache")
+    second = getattr(m, "cos_sin_cache_bf16", None)
+    if cache is not None and isinstance(second, torch.Tensor) and second.shape == cache.shape:
+        with torch.no_grad():
+            second.copy_(cache)
+    if type(m).__name__ == "FourierRotaryEmbedding":
+        m.update_cache = False  # its first forward would recompute the float32 rows
+
+
+def install(
+    rotary_emb: torch.nn.Module,
+    cache: torch.Tensor | Mapping[str, torch.Tensor],
+    *,
+    verify: bool = True,
+) -> None:
+    """Copies ``cache`` into a vLLM rotary module in place, its buffers' dtype and device kept.
+
+    The buffer is ``cos_sin_cache`` (``long_short_cos_sin_cache`` on Phi-3's class), which
+    must have the cache's shape; a mapping of buffer names to caches (:func:`caches_of`)
+    installs several (dual-chunk attention's five). A platform's second copy is refreshed
+    too: ROCm's AITER path keeps ``cos_sin_cache_bf16`` beside a float32 or float16 cache
+    (bfloat16, rounded from ``cache``). FoPE's module is told its cache is current (its
+    first forward would recompute it). Layers that share one module (``get_rope`` caches
+    them) need one call.
+
+    Args:
+        rotary_emb: The module, e.g. ``model.model.layers[0].self_attn.rotary_emb``.
+        cache: :func:`cos_sin_cache`'s tensor for the ``get_rope`` arguments of the module.
+        verify: Compare the leading rows with the module's own cache first and refuse a
+            different table (wrong ``rope_theta``, scaling or row convention; on a vLLM
+            outside :data:`TESTED_VLLM`, a class that changed). False skips it, for a module
+            whose buffer no longer holds vLLM's own values.
+
+    Raises:
+        posenc.InvalidArgumentError: No such buffer, another shape, or (``verify``) another
+            table: one line naming the module, the buffer and the row that differs.
+    """
+    caches = {_buffer(rotary_emb)[0]: cache} if isinstance(cache, torch.Tensor) else dict(cache)
+    if verify:
+        _check("", rotary_emb, caches)
+    else:
+        _caches.check_shapes(rotary_emb, caches)
+        _RELEASES.warn("vLLM integration")
+    _write(rotary_emb, caches)
+
+
 def install_model(
     client: posenc.Client, model: torch.nn.Module, *, verify: bool = True
 ) -> list[str]:
-    """Installs posenc's cache into every rotary module of a vLLM model it serves.
+    """Installs posenc's caches into every rotary module of a vLLM model it serves.
 
     In a vLLM worker, e.g. through ``LLM.apply_model``. Each distinct module (``get_rope``
-    shares one between layers with the same arguments) gets :func:`cos_sin_cache_of` its
-    own attributes, through :func:`install`. Modules of classes posenc does not serve are
-    left alone and logged.
+    shares one between layers with the same arguments) gets :func:`caches_of` its own
+    attributes, compared with its own rows (``verify``); every cache is built and checked
+    before any is written, so a refusal leaves the model as it was. Modules posenc does not
+    serve keep their caches and are named, with the reason, in one WARNING line of this
+    module's logger.
 
     Returns:
         The name of each module installed (the first, for a module shared by several).
@@ -419,62 +694,15 @@ def install_model(
     Raises:
         posenc.InvalidArgumentError: The model holds no served rotary module, or
             (``verify``) a cache differs from a module's own.
-        UnsupportedVLLMError: The process runs a vLLM outside the supported range.
     """
-    _check_vllm_version()
-    installed: list[str] = []
-    skipped: list[str] = []
-    written: set[int] = set()  # the installed buffers' memory
-    for name, module in model.named_modules():
-        try:
-            _, buffer = _buffer(module)
-        except posenc.InvalidArgumentError:
-            continue
-        if type(module).__name__ in _SERVED_CLASSES:
-            install(module, cos_sin_cache_of(client, module), verify=verify)
-            installed.append(name)
-            written.add(buffer.data_ptr())
-        elif buffer.data_ptr() not in written:
-            # Not a view of an installed cache (a fused kernel's module may hold one).
-            skipped.append(f"{name} ({type(module).__name__})")
-    if not installed:
-        raise _violation("model", f"{type(model).__name__} holds no rotary module posenc serves")
-    _log.info(
-        "posenc installed %s; left alone: %s",
-        ", ".join(installed),
-        ", ".join(skipped) or "nothing",
+    _RELEASES.warn("vLLM integration")
+    return _caches.install_modules(
+        client,
+        model,
+        build=caches_of,
+        served=_served,
+        check=_check if verify else None,
+        install=_write,
+        caches=("cos_sin_cache", "long_short_cos_sin_cache", "cos_sin_q_cache"),
+        log=_log,
     )
-    return installed
-
-
-def install(rotary_emb: torch.nn.Module, cache: torch.Tensor, *, verify: bool = True) -> None:
-    """Copies ``cache`` into a vLLM rotary module in place, its buffers' dtype and device kept.
-
-    The buffer is ``cos_sin_cache`` (``long_short_cos_sin_cache`` on Phi-3's class), which
-    must have the cache's shape. A platform's second copy is refreshed too: ROCm's AITER path
-    keeps ``cos_sin_cache_bf16`` beside a float32 or float16 cache (bfloat16, rounded from
-    ``cache``). Layers that share one module (``get_rope`` caches them) need one call.
-
-    Args:
-        rotary_emb: The module, e.g. ``model.model.layers[0].self_attn.rotary_emb``.
-        cache: :func:`cos_sin_cache`'s tensor for the ``get_rope`` arguments of the module.
-        verify: Compare the leading rows with the module's own cache first and refuse a
-            different table (wrong ``rope_theta``, scaling or row convention). False skips it,
-            for a module whose buffer no longer holds vLLM's own values.
-
-    Raises:
-        posenc.InvalidArgumentError: No such buffer, another shape, or (``verify``) another
-            table.
-        UnsupportedVLLMError: The process runs a vLLM outside the supported range.
-    """
-    _check_vllm_version()
-    name, buffer = _buffer(rotary_emb)
-    if tuple(buffer.shape) != tuple(cache.shape):
-        raise _violation(name, f"has shape {tuple(buffer.shape)}, the cache {tuple(cache.shape)}")
-    if verify:
-        _verify(name, buffer, cache)
-    with torch.no_grad():
-        buffer.copy_(cache)
-        second = getattr(rotary_emb, "cos_sin_cache_bf16", None)
-        if isinstance(second, torch.Tensor) and tuple(second.shape) == tuple(cache.shape):
-            second.copy_(cache)

@@ -1,0 +1,321 @@
+"""What the vLLM and SGLang integrations share: rotary caches as runs of posenc tables.
+
+Both engines hold a rotary module's table as one ``[cos | sin]`` tensor (``rotary_dim``
+columns, one row per position), built in float32 at start-up from the module's own
+attributes. A :class:`Plan` says which posenc tables make up such a cache (one after the
+other, each from its first position), :func:`fetch` builds it, :func:`check_rows` compares it
+with the module's own, and :func:`install_modules` walks a model, building and checking every
+cache before it writes any (nothing is half-installed).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import re
+import sys
+import warnings
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, replace
+from typing import Any, Final
+
+import numpy as np
+import torch
+
+import posenc
+from posenc._output import as_tensor
+from posenc._query import numpy_dtype
+
+# A cache is compared with the module's own over this many leading rows (the engines'
+# float32 values: their angle error grows with the position, about |p| * 2^-22 at most).
+VERIFY_ROWS: Final = 16384
+
+
+class UntestedReleaseWarning(UserWarning):
+    """The engine's release is outside the releases posenc's integration is tested against:
+    every cache is still compared with the module's own before it is installed."""
+
+
+def violation(field: str, description: str) -> posenc.InvalidArgumentError:
+    """INVALID_ARGUMENT naming ``field``."""
+    return posenc.InvalidArgumentError(
+        f"invalid {field}: {description}", field_violations=[(field, description)]
+    )
+
+
+@dataclass(frozen=True)
+class Run:
+    """Rows of one posenc table: positions ``start`` to ``start + rows - 1``."""
+
+    spec: posenc.Spec
+    rows: int
+    start: int = 0
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A cache made of posenc tables: its runs, concatenated along the rows.
+
+    ``kept``: the frequencies after the first ``kept`` are zero in the module (Gemma 4's
+    proportional rope pads them): their columns are cos 1, sin 0, whatever the table holds.
+    """
+
+    runs: tuple[Run, ...]
+    kept: int | None = None
+
+    @property
+    def rows(self) -> int:
+        """The cache's row count."""
+        return sum(run.rows for run in self.runs)
+
+    def grown(self, rows: int) -> Plan:
+        """This plan with ``rows`` more rows of its last table (a cache an engine extends
+        continues its last table at the next positions)."""
+        last = self.runs[-1]
+        return replace(self, runs=(*self.runs[:-1], replace(last, rows=last.rows + rows)))
+
+
+def rows_of(length: float) -> int:
+    """Rows of ``torch.arange(length)``, as the engines size their caches (``max_position *
+    factor`` may be a float: arange counts up to its ceiling)."""
+    return math.ceil(length)
+
+
+def _zero_frequencies(cache: Any, kept: int) -> None:
+    """Columns of frequencies past ``kept``: cos 1, sin 0 (their angle is 0 everywhere)."""
+    half = cache.shape[-1] // 2
+    cache[..., kept:half] = 1
+    cache[..., half + kept :] = 0
+
+
+def fetch_rows(
+    client: posenc.Client, plan: Plan, first: int, rows: int, dtype: Any
+) -> np.ndarray[Any, Any]:
+    """Rows ``first`` to ``first + rows - 1`` of the plan's cache, as a numpy array in
+    ``dtype`` (computed by the server in it)."""
+    element = numpy_dtype(dtype)
+    pieces = []
+    row = 0
+    for run in plan.runs:
+        low, high = max(first, row), min(first + rows, row + run.rows)
+        if low < high:
+            start = run.start + low - row
+            pieces.append(client.get_range(start, start + high - low, run.spec, dtype=element))
+        row += run.rows
+    cache = pieces[0] if len(pieces) == 1 else np.concatenate(pieces)
+    if plan.kept is not None:
+        _zero_frequencies(cache, plan.kept)
+    return cache
+
+
+def fetch(client: posenc.Client, plan: Plan, dtype: Any, device: Any = None) -> Any:
+    """The plan's whole cache as a tensor in ``dtype`` on ``device`` (default CPU)."""
+    if len(plan.runs) == 1 and plan.kept is None:
+        run = plan.runs[0]
+        return client.get_range(
+            run.start, run.start + run.rows, run.spec, dtype=dtype, device=device or "cpu"
+        )
+    # Several tables, one after the other: each fetched straight into its rows.
+    element = numpy_dtype(dtype)
+    first = plan.runs[0]
+    head = client.get_range(first.start, first.start + first.rows, first.spec, dtype=element)
+    cache = np.empty((plan.rows, head.shape[1]), dtype=element)
+    cache[: len(head)] = head
+    row = len(head)
+    for run in plan.runs[1:]:
+        client.get_range(run.start, run.start + run.rows, run.spec, out=cache[row : row + run.rows])
+        row += run.rows
+    if plan.kept is not None:
+        _zero_frequencies(cache, plan.kept)
+    return as_tensor(cache, device)
+
+
+def release_of(package: str) -> tuple[str, tuple[int, ...] | None]:
+    """The version of an imported ``package`` and its leading numbers ("" if not imported)."""
+    module = sys.modules.get(package)
+    version = str(getattr(module, "__version__", "") or "")
+    match = re.match(r"(\d+(?:\.\d+)*)", version)
+    return version, tuple(int(part) for part in match[1].split(".")) if match else None
+
+
+@dataclass(frozen=True)
+class Releases:
+    """The releases of an engine an integration is tested against, both ends included, as
+    leading version numbers: ``(0, 33)`` to ``(0, 34)`` takes in every 0.33.x and 0.34.x."""
+
+    engine: str
+    package: str
+    oldest: tuple[int, ...]
+    newest: tuple[int, ...]
+
+    def __str__(self) -> str:
+        def name(release: tuple[int, ...]) -> str:
+            return ".".join(map(str, release))
+
+        return f"{self.engine} {name(self.oldest)} to {name(self.newest)}"
+
+    def untested(self) -> str | None:
+        """The running release when it is outside the window (None inside it, or when the
+        engine is not imported: modules of the caller's own)."""
+        version, release = release_of(self.package)
+        if not version:
+            return None
+        if release is not None and self.oldest <= release[: len(self.oldest)] <= self.newest:
+            return None
+        return version
+
+    def warn(self, what: str) -> str | None:
+        """Warns (once per call site) when the running release is outside the window;
+        returns it, else None."""
+        version = self.untested()
+        if version is not None:
+            warnings.warn(
+                f"{self.engine} {version} is outside the releases posenc's {what} is tested "
+                f"against ({self}); each cache is still compared with the module's own rows "
+                "when installed, and refused if one differs",
+                UntestedReleaseWarning,
+                stacklevel=3,
+            )
+        return version
+
+
+def check_rows(
+    releases: Releases,
+    module: str,
+    name: str,
+    buffer: torch.Tensor,
+    cache: torch.Tensor,
+    start: int = 0,
+    positions: torch.Tensor | None = None,
+) -> None:
+    """Refuses a cache that is not the module's table: its leading rows must equal the
+    module's own within both dtypes' rounding and the engine's float32 angle error (row
+    ``r`` is position ``start + r``, or ``positions[r]``).
+
+    Raises:
+        posenc.InvalidArgumentError: A row differs (``module`` and the row named).
+    """
+    rows = min(len(buffer), VERIFY_ROWS)
+    if rows == 0:
+        return
+    theirs, ours = buffer[:rows].detach().cpu(), cache[:rows].detach().cpu()
+    if theirs.is_complex():
+        theirs, ours = torch.view_as_real(theirs), torch.view_as_real(ours)
+    theirs, ours = theirs.to(torch.float64).flatten(1), ours.to(torch.float64).flatten(1)
+    scale = float(theirs.abs().max())
+    real = buffer.real if buffer.is_complex() else buffer
+    mine = cache.real if cache.is_complex() else cache
+    slack = torch.finfo(real.dtype).eps + torch.finfo(mine.dtype).eps
+    if positions is None:
+        positions = torch.arange(start, start + rows)
+    where = positions[:rows].to(torch.float64).abs()[:, None] + 1
+    allowed = scale * (slack + 2.0**-20 * where)
+    bad = ~((ours - theirs).abs() <= allowed)
+    if not bool(bad.any()):
+        return
+    row, column = divmod(int(bad.flatten().nonzero()[0]), ours.shape[1])
+    found = (
+        f"{module}.{name} row {row} (position {int(positions[row])}), column {column} is "
+        f"{float(ours[row, column]):.6g} in posenc's table and "
+        f"{float(theirs[row, column]):.6g} in the module"
+    )
+    version = releases.untested()
+    if version is not None:
+        raise violation(
+            name,
+            f"{found}: {releases.engine} {version}, outside the releases tested ({releases}), "
+            "builds this module's cache another way; the module keeps its own",
+        )
+    raise violation(
+        name,
+        f"{found}: the cache is not the table this module was built with (check rope_theta, "
+        "the scaling and max_position against its get_rope call); verify=False installs it "
+        "anyway",
+    )
+
+
+def copy_caches(module: torch.nn.Module, caches: Mapping[str, torch.Tensor]) -> None:
+    """Copies each cache into the module's buffer of that name, in place (its dtype and
+    device kept: views of the buffer, such as a fused kernel's, see the new rows)."""
+    with torch.no_grad():
+        for name, cache in caches.items():
+            buffer = getattr(module, name)
+            buffer.copy_(cache.to(buffer.device))
+
+
+def check_shapes(module: torch.nn.Module, caches: Mapping[str, torch.Tensor]) -> None:
+    """Refuses caches whose shape is not their buffer's (or a buffer that is missing)."""
+    for name, cache in caches.items():
+        buffer = getattr(module, name, None)
+        if not isinstance(buffer, torch.Tensor):
+            raise violation(name, f"{type(module).__name__} holds no {name} buffer")
+        if tuple(buffer.shape) != tuple(cache.shape):
+            raise violation(
+                name, f"has shape {tuple(buffer.shape)}, the cache {tuple(cache.shape)}"
+            )
+
+
+def install_modules(
+    client: posenc.Client,
+    model: torch.nn.Module,
+    *,
+    build: Callable[[posenc.Client, torch.nn.Module], dict[str, torch.Tensor]],
+    served: Callable[[torch.nn.Module], str | None],
+    check: Callable[[str, torch.nn.Module, Mapping[str, torch.Tensor]], None] | None,
+    install: Callable[[torch.nn.Module, Mapping[str, torch.Tensor]], None],
+    caches: Iterable[str],
+    log: logging.Logger,
+) -> list[str]:
+    """Installs posenc's caches into every rotary module of ``model`` it serves.
+
+    ``served(module)`` is None for a module posenc serves, else why not; ``build`` makes its
+    caches (buffer name -> tensor), ``check`` (unless None) refuses ones that differ from the
+    module's own, ``install`` writes them. Every cache is built and checked before any is
+    written: a refusal leaves the model as it was. Modules holding a buffer named in
+    ``caches`` that are not served are left alone and logged with the reason.
+
+    Returns:
+        The name of each module installed (the first, for a module shared by several).
+
+    Raises:
+        posenc.InvalidArgumentError: No served rotary module, or a cache that differs.
+    """
+    pending: list[tuple[str, torch.nn.Module, dict[str, torch.Tensor]]] = []
+    left: list[str] = []
+    seen: set[int] = set()
+    names = tuple(caches)
+    for name, module in model.named_modules():
+        buffers = [getattr(module, b, None) for b in names]
+        held = [b for b in buffers if isinstance(b, torch.Tensor)]
+        if not held or id(module) in seen:
+            continue
+        seen.add(id(module))
+        reason = served(module)
+        if reason is None:
+            try:
+                built = build(client, module)
+            except posenc.InvalidArgumentError as error:
+                # A class or a setting posenc has no table for: the module keeps its own.
+                reason = error.field_violations[0][1] if error.field_violations else str(error)
+            else:
+                if check is not None:
+                    check(name, module, built)
+                pending.append((name, module, built))
+                continue
+        left.append(f"{name} ({type(module).__name__}: {reason})")
+    if not pending:
+        detail = f"; left: {'; '.join(left)}" if left else ""
+        raise violation(
+            "model", f"{type(model).__name__} holds no rotary module posenc serves{detail}"
+        )
+    for _, module, built in pending:
+        install(module, built)
+    if left:
+        log.warning(
+            "posenc installed %s; left with their own caches: %s",
+            ", ".join(name for name, _, _ in pending),
+            "; ".join(left),
+        )
+    else:
+        log.info("posenc installed %s", ", ".join(name for name, _, _ in pending))
+    return [name for name, _, _ in pending]

@@ -1,0 +1,133 @@
+"""An inference engine's published wheel, cut down to the files its tests import.
+
+vLLM and SGLang are CUDA installs that cannot run here, but their rotary-embedding modules
+are plain torch. :func:`unpacked` downloads a release's wheel once with pip (``pip download
+--no-deps``, the manylinux x86_64 build whatever the machine), checks its SHA-256 when one
+is pinned, keeps only the files the tests import and deletes the rest: later runs reuse
+them. Each engine is tested at two releases: the oldest it supports, pinned with its hash,
+and the newest, resolved at test time (``pip index versions``) unless an environment
+variable names one (a CI step choosing the release).
+
+Without the network the download fails, and so do the tests that need it, with pip's
+reason; each engine's skip variable (``POSENC_SKIP_VLLM=1``, ``POSENC_SKIP_SGLANG=1``) skips
+them instead (an explicit opt-out, never a silent one).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import zipfile
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class Engine:
+    """Where an engine's wheels come from and what of them the tests keep."""
+
+    package: str
+    platform: str  # the wheel's manylinux tag
+    keep: tuple[str, ...]  # path prefixes inside the wheel
+    skip_env: str
+    version_env: str  # names the "newest" release instead of resolving it
+
+    def _target(self) -> list[str]:
+        return [
+            "--only-binary=:all:", "--platform", self.platform, "--python-version", "3.11",
+            "--implementation", "cp", "--disable-pip-version-check",
+        ]  # fmt: skip
+
+    def newest(self) -> str:
+        """The release named by :attr:`version_env`, else the newest pip finds."""
+        chosen = os.environ.get(self.version_env, "").strip()
+        if chosen:
+            return chosen
+        command = [sys.executable, "-m", "pip", "index", "versions", self.package]
+        done = subprocess.run(command + self._target(), capture_output=True, text=True, timeout=300)
+        match = re.search(rf"^{re.escape(self.package)} \(([^)]+)\)", done.stdout, re.M)
+        if done.returncode != 0 or match is None:
+            raise RuntimeError(
+                f"could not resolve {self.package}'s newest release with pip (set "
+                f"{self.version_env} to choose one, or {self.skip_env}=1 to skip): "
+                f"{done.stderr.strip()[-2000:]}"
+            )
+        return match[1]
+
+
+@dataclass(frozen=True)
+class Release:
+    """One release of an engine; ``sha256`` pins the oldest's wheel (None: not pinned)."""
+
+    engine: Engine
+    version: str
+    sha256: str | None = None
+
+    @property
+    def name(self) -> str:
+        return f"{self.engine.package}-{self.version}"
+
+    def _download(self, into: Path) -> Path:
+        command = [
+            sys.executable, "-m", "pip", "download", f"{self.engine.package}=={self.version}",
+            "--no-deps", "-q", "-d", str(into),
+        ]  # fmt: skip
+        done = subprocess.run(
+            command + self.engine._target(), capture_output=True, text=True, timeout=1800
+        )
+        wheels = sorted(into.glob(f"{self.engine.package}-{self.version}-*.whl"))
+        if done.returncode != 0 or len(wheels) != 1:
+            raise RuntimeError(
+                f"could not download {self.name}'s wheel with pip (the tests need it; "
+                f"{self.engine.skip_env}=1 skips them): {done.stderr.strip()[-2000:]}"
+            )
+        if self.sha256 is not None:
+            digest = hashlib.sha256()
+            with open(wheels[0], "rb") as file:
+                for block in iter(lambda: file.read(1 << 20), b""):
+                    digest.update(block)
+            if digest.hexdigest() != self.sha256:
+                raise RuntimeError(
+                    f"{wheels[0].name} has SHA-256 {digest.hexdigest()}, expected {self.sha256}"
+                )
+        return wheels[0]
+
+    def unpacked(self, cache_dir: Path) -> Path:
+        """The directory holding the package (only the kept files), downloaded the first
+        time into ``cache_dir``."""
+        root = cache_dir / "root"
+        if (root / "COMPLETE").exists():
+            return root
+        cache_dir.mkdir(parents=True, exist_ok=True)
+        with _locked(cache_dir / "lock"):
+            if (root / "COMPLETE").exists():
+                return root
+            with tempfile.TemporaryDirectory(dir=cache_dir) as tmp:
+                wheel = self._download(Path(tmp))
+                staged = Path(tmp) / "root"
+                with zipfile.ZipFile(wheel) as archive:
+                    kept = [n for n in archive.namelist() if n.startswith(self.engine.keep)]
+                    archive.extractall(staged, members=kept)
+                (staged / "COMPLETE").write_text(f"{wheel.name} {self.sha256 or 'unpinned'}\n")
+                shutil.rmtree(root, ignore_errors=True)
+                os.replace(staged, root)
+        return root
+
+
+@contextmanager
+def _locked(path: Path) -> Iterator[None]:
+    """One download at a time across processes sharing the cache directory."""
+    with open(path, "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
