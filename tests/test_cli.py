@@ -9,6 +9,7 @@ import os
 import pty
 import shutil
 import signal
+import socket
 import struct
 import subprocess
 import sys
@@ -826,3 +827,61 @@ def test_a_disk_filled_by_another_writer_mid_fetch_takes_nothing_from_it(
     assert fetch.returncode == 0, err
     with posenc.Client(server.target) as client:
         assert np.array_equal(np.load(output), client.get_range(0, rows, width))
+
+
+@pytest.mark.slow  # the default waits: 20 s for fetch, 10 s for info
+def test_a_port_that_never_answers_fails_fetch_and_info_naming_it(tmp_path: Path) -> None:
+    """A port that accepts connections and never answers (a hung process, another program):
+    fetch, whose --timeout defaults to none (a table may take hours), and info give up after
+    their default waits, each in one line that names the address and the flag to wait
+    longer, and fetch leaves no file."""
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(64)  # the kernel accepts; nobody ever reads
+        target = f"127.0.0.1:{silent.getsockname()[1]}"
+        output = tmp_path / "never.npy"
+        started = time.monotonic()
+        commands = {
+            "fetch": ["fetch", "0", "10", "--d-model", "8", "-o", str(output)],
+            "info": ["info"],
+        }
+        running = {
+            name: subprocess.Popen(
+                [str(BIN / "posenc"), *argv, "--target", target],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+            for name, argv in commands.items()
+        }
+        answers = {name: process.communicate(timeout=100) for name, process in running.items()}
+        elapsed = time.monotonic() - started
+    for name, process in running.items():
+        _, stderr = answers[name]
+        assert process.returncode == 1, stderr
+        flag = "--connect-timeout" if name == "fetch" else "--timeout"
+        assert stderr.count("\n") == 1 and stderr.startswith(f"posenc {name}: "), stderr
+        assert f"no answer from {target} within" in stderr and flag in stderr, stderr
+    assert elapsed < 90 and list(tmp_path.iterdir()) == []
+
+
+def test_a_parameter_given_as_0_is_refused_as_given(server: RunningServer, tmp_path: Path) -> None:
+    result = posenc_cli(
+        *("fetch", "0", "10", "--d-model", "8", "--base", "0"),
+        *("-o", str(tmp_path / "t.npy"), "--target", server.target),
+    )
+    assert result.returncode == 1
+    assert "spec.sinusoidal.base: must be" in result.stderr, result.stderr
+    assert "not set" not in result.stderr and "got 0" in result.stderr
+
+
+def test_a_table_larger_than_any_disk_is_said_in_its_unit(
+    server: RunningServer, tmp_path: Path
+) -> None:
+    result = posenc_cli(  # 2**42 rows of 4 KiB: 16 PiB
+        *("fetch", "0", "2**42", "--d-model", "1024", "-o", str(tmp_path / "t.npy")),
+        *("--target", server.target),
+    )
+    assert result.returncode == 1
+    assert "the table takes 16.0 PiB" in result.stderr, result.stderr
+    assert list(tmp_path.iterdir()) == []

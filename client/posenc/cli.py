@@ -34,11 +34,12 @@ import numpy.typing as npt
 from google.protobuf.descriptor import FieldDescriptor
 from tqdm import tqdm
 
+from posenc import _quiet
 from posenc._channel import DEFAULT_TARGET, is_uri
 from posenc._client import Client
 from posenc._query import DTYPE_NAMES, as_positions, named_dtype
 from posenc._version import __version__
-from posenc.errors import InvalidArgumentError, PosencError
+from posenc.errors import DeadlineExceededError, InvalidArgumentError, PosencError
 from posenc.plot import BASES, FIGURES, default_spec, figure, render
 from posenc.spec import (
     Spec,
@@ -136,6 +137,25 @@ def _bases(text: str) -> list[float]:
     if not values:
         raise argparse.ArgumentTypeError("expected comma-separated bases, e.g. 100,1e4")
     return values
+
+
+# How long `fetch` waits for a server's first answer (its --connect-timeout): a table may
+# take hours, but a server that answers nothing in this long is not going to.
+_CONNECT_TIMEOUT = 20.0
+
+
+def _first_answer(client: Client, args: argparse.Namespace, seconds: float | None) -> Any:
+    """The server's info, asked within ``seconds``: a target that does not answer in time
+    is reported with its address and the flag that waits longer."""
+    try:
+        return client.server_info(timeout=seconds)
+    except DeadlineExceededError as error:
+        flag = "--connect-timeout" if args.command == "fetch" else "--timeout"
+        raise DeadlineExceededError(
+            f"no answer from {', '.join(_targets(args))} within {seconds:g} s: is a posenc "
+            f"server listening there? (wait longer with {flag} SECONDS)",
+            code=error.code,
+        ) from None
 
 
 def _add_client_arguments(parser: argparse.ArgumentParser, timeout: float | None) -> None:
@@ -435,6 +455,15 @@ def _build_parser() -> argparse.ArgumentParser:
         "--no-progress", action="store_true", help="no progress bar (shown on a terminal)"
     )
     _add_client_arguments(fetch, timeout=None)
+    fetch.add_argument(
+        "--connect-timeout",
+        type=_positive_float,
+        default=_CONNECT_TIMEOUT,
+        metavar="SECONDS",
+        help="how long the server may take to answer at all, before any row (default: "
+        f"{_CONNECT_TIMEOUT:g}): a port that accepts connections and never answers fails "
+        "after this, while --timeout bounds the whole table",
+    )
 
     plot = commands.add_parser(
         "plot",
@@ -531,7 +560,7 @@ def _quiet_grpc_core() -> None:
     /dev/null, while Python's ``sys.stderr`` keeps the terminal. The core reads
     ``GRPC_VERBOSITY`` when ``grpc`` is imported, before any command runs; whoever sets
     that variable gets the core's lines as before."""
-    if os.environ.get("GRPC_VERBOSITY"):
+    if _quiet.CHOSEN:
         return
     try:
         sys.stderr.flush()
@@ -578,7 +607,9 @@ def _flag_of(name: str) -> str:
 def _given_parameters(args: argparse.Namespace) -> set[str]:
     """The table parameters the command line set (flags, --param, --rope-config's)."""
     given = {item.partition("=")[0] for item in getattr(args, "param", None) or ()}
-    given |= {name for name in _classic_names() if getattr(args, f"classic_{name}", None)}
+    given |= {
+        name for name in _classic_names() if getattr(args, f"classic_{name}", None) is not None
+    }
     if getattr(args, "rope_config", None) is not None:
         with contextlib.suppress(Exception, SystemExit):  # read before, so it reads
             given |= set(_table(args).parameters)
@@ -639,8 +670,8 @@ def _load_positions(path: Path, axes: int) -> npt.NDArray[np.int64]:
 
 
 def _human_bytes(size: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if size < 1024 or unit == "GiB":
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB", "PiB", "EiB"):
+        if size < 1024 or unit == "EiB":
             return f"{size:.1f} {unit}" if unit != "B" else f"{int(size)} B"
         size /= 1024
     raise AssertionError("unreachable")
@@ -690,6 +721,10 @@ def _fetch(args: argparse.Namespace) -> int:
                 raise _usage_error("START and STOP are required (or --positions-file)")
             rows, origin = args.stop - args.start, args.start
             slices = client.iter_range(args.start, args.stop, table, **options)
+        # A server that does not answer at all is given --connect-timeout, not --timeout
+        # (none by default: a table may take hours).
+        connect = args.connect_timeout
+        _first_answer(client, args, connect if args.timeout is None else min(connect, args.timeout))
         # The first slice carries the server's verdict on the request (limits, bad
         # arguments) and the table's width: have it before creating a file of that size.
         first = next(slices, None)
@@ -974,7 +1009,7 @@ def _plot(args: argparse.Namespace) -> int:
 
 def _info(args: argparse.Namespace) -> int:
     with _client(args, _targets(args)) as client:
-        info = client.server_info()
+        info = _first_answer(client, args, args.timeout)
     if args.json:
         print(json.dumps(info.to_dict(), indent=2))
         return EXIT_OK
