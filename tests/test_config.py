@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
+import json
+import os
 import re
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import pytest
 
@@ -124,3 +130,30 @@ def test_serve_refuses_what_grpc_cannot_take_in_one_line(
     error = capsys.readouterr().err
     assert error.startswith("posenc serve: invalid configuration: " + argv[0])
     assert "Traceback" not in error and error.count("\n") == 1
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_a_first_start_says_it_compiles_the_kernels_before_it_listens(tmp_path: Path) -> None:
+    """A fresh clone's first `make run` compiles the kernels for a minute or more before it
+    listens: it says so within seconds instead of printing nothing (an empty numba cache is
+    a first start)."""
+    serve = [sys.executable, "-m", "posenc_server", "--port", "0", "--metrics-port", "-1"]
+    process = subprocess.Popen(
+        [*serve, "--processes", "1"],
+        stderr=subprocess.PIPE,
+        stdout=subprocess.DEVNULL,
+        text=True,
+        env={**os.environ, "NUMBA_CACHE_DIR": str(tmp_path / "numba")},
+    )
+    assert process.stderr is not None
+    try:
+        started = time.monotonic()
+        first = json.loads(process.stderr.readline())
+        waited = time.monotonic() - started
+    finally:
+        process.kill()
+        process.wait(30)
+    assert first["message"].startswith("preparing the kernels: compiling them takes"), first
+    # Its imports take seconds on a loaded machine; the compilation takes a minute or more.
+    assert waited < 40, waited

@@ -12,7 +12,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Coroutine, Sequence
+from collections.abc import Coroutine, Iterator, Sequence
 from concurrent import futures
 from dataclasses import dataclass, field
 from types import FrameType
@@ -424,6 +424,39 @@ def _add_port(server: grpc.aio.Server, address: str, credentials: Any) -> int:
     return int(port)
 
 
+# A warm-up still running after this long is said to be running: a first start compiles the
+# kernels for a minute or more, and a server that prints nothing meanwhile looks hung.
+_SLOW_WARM_UP_SECONDS = 2.0
+
+
+@contextlib.contextmanager
+def _said_when_slow(say: bool) -> Iterator[None]:
+    """Logs what the server is doing when the warm-up inside takes longer than
+    ``_SLOW_WARM_UP_SECONDS`` (if ``say``: one process of a supervisor's says it), and how
+    long it took once done."""
+    started = time.monotonic()
+    said = threading.Event()
+
+    def slow() -> None:
+        said.set()
+        log.info(
+            "preparing the kernels: compiling them takes a minute or more on a first start "
+            "(later starts load them from numba's cache) ..."
+        )
+
+    timer = threading.Timer(_SLOW_WARM_UP_SECONDS, slow)
+    timer.daemon = True
+    if say:
+        timer.start()
+    try:
+        yield
+    finally:
+        timer.cancel()
+        if said.is_set():
+            seconds = round(time.monotonic() - started, 1)
+            log.info("kernels ready", extra={"fields": {"seconds": seconds}})
+
+
 # Descriptors a process holds beside its client connections: listening sockets, the metrics
 # port's connections, pipes, the libraries' own; the region socket's sessions come on top.
 _FD_RESERVE = 256
@@ -521,7 +554,8 @@ def run(argv: Sequence[str] | None = None) -> int:
         # compiled or loaded from numba's cache, ml_dtypes imported), and the cache's memory
         # is faulted in: no request waits for either; nor for the collector walking what
         # start-up left alive.
-        warmup.warm_up()
+        with _said_when_slow(worker in (None, 0)):
+            warmup.warm_up()
         prefaulted = heap.prefault(config.cache_bytes)
         warmup.freeze()
         running = start_server(config, reuse_port=worker is not None)
