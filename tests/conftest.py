@@ -191,6 +191,50 @@ def _collect(stream: IO[str], lines: list[str]) -> None:
         lines.append(line)
 
 
+# How long a starting server may go without using any CPU or writing a line before it is
+# judged hung. No bound on the start as a whole: a first start compiles the kernels for a
+# minute or more, several times that on a loaded machine, and is still starting.
+_START_IDLE_SECONDS = 30.0
+
+
+def _cpu_ticks(pid: int) -> int:
+    """The CPU time (clock ticks) used so far by process ``pid`` and its workers."""
+    total = 0
+    for each in (pid, *worker_pids(pid)):
+        try:
+            with open(f"/proc/{each}/stat") as stat:
+                fields = stat.read().rpartition(")")[2].split()
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+        total += int(fields[11]) + int(fields[12])  # utime, stime
+    return total
+
+
+def wait_for_start(
+    process: subprocess.Popen[str], lines: list[str], idle: float = _START_IDLE_SECONDS
+) -> None:
+    """Until the server ``process`` logs "listening" (its readiness signal) in ``lines``. It
+    fails when the process exits, or when it neither uses CPU nor logs for ``idle`` seconds
+    (hung): how long a start takes depends on the machine's load, progress does not."""
+    progress = (-1, -1)
+    idle_since = time.monotonic()
+    while not any('"listening"' in line for line in lines):
+        if process.poll() is not None:
+            raise RuntimeError(f"server exited with {process.returncode}: {''.join(lines)}")
+        try:
+            now = (_cpu_ticks(process.pid), len(lines))
+        except OSError:  # the process ended meanwhile: poll() says so next
+            now = progress
+        if now != progress:
+            progress, idle_since = now, time.monotonic()
+        elif time.monotonic() - idle_since > idle:
+            raise TimeoutError(
+                f"server made no progress (no CPU, no log line) for {idle:g} s while "
+                f"starting: {''.join(lines)}"
+            )
+        time.sleep(0.05)
+
+
 @pytest.fixture
 def spawn_server() -> Iterator[Callable[..., ServerProcess]]:
     """Start ``python -m posenc_server`` subprocesses; returns once each one serves.
@@ -218,13 +262,7 @@ def spawn_server() -> Iterator[Callable[..., ServerProcess]]:
         threading.Thread(target=_collect, args=(process.stderr, lines), daemon=True).start()
         handle = ServerProcess(process, port, lines)
         processes.append(handle)
-        deadline = time.monotonic() + 30
-        while not any('"listening"' in line for line in lines):
-            if process.poll() is not None:
-                raise RuntimeError(f"server exited with {process.returncode}: {''.join(lines)}")
-            if time.monotonic() > deadline:
-                raise TimeoutError("server did not start within 30 s")
-            time.sleep(0.05)
+        wait_for_start(process, lines)
         startup = next(entry for entry in handle.logs() if entry["message"] == "listening")
         handle.port = int(startup["port"])  # type: ignore[call-overload]
         return handle
