@@ -27,7 +27,10 @@ import zipfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from importlib.machinery import ModuleSpec
 from pathlib import Path
+from types import ModuleType
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -131,3 +134,59 @@ def _locked(path: Path) -> Iterator[None]:
             yield
         finally:
             fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def stub_module(name: str, path: Path | None = None, **attributes: Any) -> ModuleType:
+    """A module in ``sys.modules`` under ``name``: a package over ``path`` when given (its
+    files import as usual), else ``attributes`` only (a stand-in)."""
+    module = ModuleType(name)
+    # A spec, as an imported module has: importlib.util.find_spec answers with it.
+    module.__spec__ = ModuleSpec(name, None, is_package=path is not None)
+    if path is not None:
+        module.__path__ = [str(path)]
+    module.__dict__.update(attributes)
+    sys.modules[name] = module
+    return module
+
+
+@contextmanager
+def float64_arithmetic(prefix: str) -> Iterator[None]:
+    """The engine's modules under ``prefix`` compute in float64: ``torch.float`` and
+    ``torch.float32`` read as float64 inside them (the dtype argument alone would not do:
+    the classes compute in ``torch.float`` whatever it is, then cast)."""
+    import torch
+
+    class Float64Torch(ModuleType):
+        float = torch.float64
+        float32 = torch.float64
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(torch, name)
+
+    modules = [m for n, m in sys.modules.items() if n.startswith(prefix) and m is not None]
+    patched = [m for m in modules if getattr(m, "torch", None) is torch]
+    proxy = Float64Torch("torch")
+    for module in patched:
+        module.torch = proxy  # type: ignore[attr-defined]
+    try:
+        yield
+    finally:
+        for module in patched:
+            module.torch = torch  # type: ignore[attr-defined]
+
+
+@contextmanager
+def loaded(request: Any, wheel: Any, stubs: Any) -> Iterator[ModuleType]:
+    """The rotary package of the release ``request.param`` names (``"oldest"``, pinned, or
+    ``"newest"``, resolved now) of an engine (its ``*_wheel`` and ``*_stubs`` test modules),
+    in ``sys.modules`` until the block ends; skipped by the engine's skip variable."""
+    import pytest
+
+    if os.environ.get(wheel.SKIP_ENV) == "1":
+        pytest.skip(f"{wheel.SKIP_ENV}=1: the engine's own classes not tested")
+    release = wheel.OLDEST if request.param == "oldest" else wheel.newest()
+    root = release.unpacked(Path(request.config.cache.mkdir(release.name)))
+    try:
+        yield stubs.load(root)
+    finally:
+        stubs.unload()

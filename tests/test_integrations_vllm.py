@@ -17,7 +17,6 @@ it against vLLM's own values first) and is within float32 rounding of the refere
 from __future__ import annotations
 
 import importlib
-import os
 import sys
 import tomllib
 import types
@@ -31,6 +30,7 @@ import pytest
 
 torch = pytest.importorskip("torch", reason="the conformance extra (make test installs it)")
 
+import engine_wheel  # noqa: E402
 import vllm_stubs  # noqa: E402
 import vllm_wheel  # noqa: E402
 
@@ -46,14 +46,8 @@ def rope(request: pytest.FixtureRequest) -> Iterator[types.ModuleType]:
     """vLLM's ``rotary_embedding`` package (``get_rope`` and the classes) of the oldest
     supported release (pinned) and of the newest (resolved now), in ``sys.modules`` for
     this file's tests only."""
-    if os.environ.get(vllm_wheel.SKIP_ENV) == "1":
-        pytest.skip(f"{vllm_wheel.SKIP_ENV}=1: vLLM's own classes not tested")
-    release = vllm_wheel.OLDEST if request.param == "oldest" else vllm_wheel.newest()
-    root = release.unpacked(Path(request.config.cache.mkdir(release.name)))
-    try:
-        yield vllm_stubs.load(root)
-    finally:
-        vllm_stubs.unload()
+    with engine_wheel.loaded(request, vllm_wheel, vllm_stubs) as package:
+        yield package
 
 
 @pytest.fixture
@@ -62,28 +56,11 @@ def client(server: Any) -> Iterator[posenc.Client]:
         yield client
 
 
-class _Float64Torch(types.ModuleType):
-    """torch, with the float32 dtypes vLLM's rotary code names meaning float64."""
-
-    float = torch.float64
-    float32 = torch.float64
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(torch, name)
-
-
 @contextmanager
 def float64_arithmetic() -> Iterator[None]:
-    modules = [m for n, m in sys.modules.items() if n.startswith(ROPE) and m is not None]
-    patched = [m for m in modules if getattr(m, "torch", None) is torch]
-    proxy = _Float64Torch("torch")
-    for module in patched:
-        module.torch = proxy  # type: ignore[attr-defined]
-    try:
+    """The engine's rotary modules compute in float64 (tests/engine_wheel.py)."""
+    with engine_wheel.float64_arithmetic(ROPE):
         yield
-    finally:
-        for module in patched:
-            module.torch = torch  # type: ignore[attr-defined]
 
 
 def build(
@@ -333,7 +310,13 @@ CASES: dict[str, tuple[int, int, dict[str, Any], str]] = {
 }
 
 
-@pytest.mark.parametrize("name", list(CASES))
+# Over 100,000 rows each: slow.
+SLOW = ["deepseek_yarn", "yarn-mscale", "yarn-attention_factor"]
+
+
+@pytest.mark.parametrize(
+    "name", [pytest.param(n, marks=[pytest.mark.slow] if n in SLOW else []) for n in CASES]
+)
 def test_cache_installs_and_is_exact(
     name: str, rope: types.ModuleType, client: posenc.Client
 ) -> None:

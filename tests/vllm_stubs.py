@@ -16,12 +16,12 @@ import importlib
 import logging
 import sys
 from collections.abc import Callable
-from importlib.machinery import ModuleSpec
 from pathlib import Path
 from types import ModuleType, SimpleNamespace
 from typing import Any
 
 import torch
+from engine_wheel import stub_module as _module
 
 # get_current_vllm_config(): Phi3LongRoPEScaledRotaryEmbedding reads max_model_len from it.
 current_config = SimpleNamespace(model_config=SimpleNamespace(max_model_len=4096))
@@ -73,17 +73,6 @@ def _init_logger(name: str) -> logging.Logger:
     logger.info_once = logger.info  # type: ignore[attr-defined]
     logger.debug_once = logger.debug  # type: ignore[attr-defined]
     return logger
-
-
-def _module(name: str, path: Path | None = None, **attributes: Any) -> ModuleType:
-    module = ModuleType(name)
-    # A spec, as an imported module has: importlib.util.find_spec("vllm") answers with it.
-    module.__spec__ = ModuleSpec(name, None, is_package=path is not None)
-    if path is not None:
-        module.__path__ = [str(path)]
-    module.__dict__.update(attributes)
-    sys.modules[name] = module
-    return module
 
 
 def load(root: Path) -> ModuleType:

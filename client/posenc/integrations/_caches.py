@@ -43,6 +43,11 @@ def violation(field: str, description: str) -> posenc.InvalidArgumentError:
     )
 
 
+def rotary(dim: int, theta: float, **scaling: Any) -> posenc.Spec:
+    """The rotary table of ``dim`` rotated columns in the engines' ``[cos | sin]`` layout."""
+    return posenc.Spec("rotary", head_dim=dim, rope_theta=theta, layout="vllm", **scaling)
+
+
 @dataclass(frozen=True)
 class Run:
     """Rows of one posenc table: positions ``start`` to ``start + rows - 1``."""
@@ -319,3 +324,113 @@ def install_modules(
     else:
         log.info("posenc installed %s", ", ".join(name for name, _, _ in pending))
     return [name for name, _, _ in pending]
+
+
+# -- caches that are no run of tables (the same classes in vLLM and SGLang) --------------
+
+
+def llama4_vision_cache(
+    client: posenc.Client,
+    dim: int,
+    patches: int,
+    theta: float,
+    double: bool,
+    device: Any,
+) -> torch.Tensor:
+    """Llama4VisionRotaryEmbedding's complex cache ``[patches + 1, 1, dim]``: patch ``k`` at
+    ``(x, y) = (k % side, k // side)`` rotates by ``(x + 1) * f`` then ``(y + 1) * f`` for
+    the ``dim / 2`` default frequencies ``f``; the last row (the class token) by 0."""
+    side = int(math.sqrt(patches))
+    real = torch.float64 if double else torch.float32
+    table = client.get_range(0, side + 1, rotary(dim, theta), dtype=real)
+    cos, sin = table.chunk(2, dim=-1)
+    index = torch.arange(patches)
+    x, y = index % side + 1, index // side + 1
+    angles = torch.complex(torch.cat([cos[x], cos[y]], -1), torch.cat([sin[x], sin[y]], -1))
+    cls = torch.ones(1, dim, dtype=angles.dtype)
+    return torch.cat([angles, cls])[:, None, :].to(device or "cpu")
+
+
+def dual_chunk_caches(client: posenc.Client, m: Any) -> dict[str, torch.Tensor]:
+    """DualChunkRotaryEmbedding's five caches, rows of one default table: ``q`` positions
+    ``0 .. c - 1`` (``c = chunk_size - local_size``), ``qc`` ``min(p + c, chunk_size)``, ``k``
+    ``p % c`` for every ``p < max_position``, ``qc_no_clamp`` ``p + c``, ``q_inter``
+    ``p + chunk_size``."""
+    buffer = m.cos_sin_q_cache
+    positions = dual_chunk_positions(m)
+    table = client.get_range(
+        0,
+        int(m.chunk_size) * 2,
+        rotary(int(m.rotary_dim), float(m.base)),
+        dtype=buffer.dtype,
+    )
+    return {name: table[rows] for name, rows in positions.items()}
+
+
+def dual_chunk_positions(m: Any) -> dict[str, torch.Tensor]:
+    """The positions of each row of a dual-chunk module's five caches (below
+    ``2 * chunk_size``)."""
+    chunk = int(m.chunk_size)
+    c = chunk - int(m.local_size)
+    p = torch.arange(c)
+    return {
+        "cos_sin_q_cache": p,
+        "cos_sin_qc_cache": (p + c).clamp(max=chunk),
+        "cos_sin_k_cache": torch.arange(int(m.max_position_embeddings)) % c,
+        "cos_sin_qc_no_clamp_cache": p + c,
+        "cos_sin_q_inter_cache": p + chunk,
+    }
+
+
+def fope_cache(client: posenc.Client, m: Any) -> torch.Tensor:
+    """FourierRotaryEmbedding's cache: the module's selected frequencies (the first
+    ``inv_freq.shape[-1]`` default ones) at exact angles, mixed by its learned ``cos_coef``
+    / ``sin_coef`` in float64, padded with 1 to ``head_size / 2``, halves repeated, one
+    rounding to the buffer's dtype."""
+    n = int(m.inv_freq.shape[-1])
+    dim, rows = int(m.rotary_dim), int(m.max_position_embeddings)
+    table = client.get_range(0, rows, rotary(dim, float(m.base)), dtype=torch.float64)
+    cos, sin = table[:, :n], table[:, dim // 2 : dim // 2 + n]
+    cos_coef, sin_coef = m.cos_coef.detach().cpu().double(), m.sin_coef.detach().cpu().double()
+    if bool(m.fope_sep_head):
+        cos = torch.einsum("tD,hDd->thd", cos, cos_coef)
+        sin = torch.einsum("tD,hDd->thd", sin, sin_coef)
+    else:
+        cos, sin = cos @ cos_coef, sin @ sin_coef
+    half = int(m.head_size) // 2
+    cos = torch.nn.functional.pad(cos, (0, half - cos.shape[-1]), value=1.0)
+    sin = torch.nn.functional.pad(sin, (0, half - sin.shape[-1]), value=1.0)
+    buffer = m.cos_sin_cache
+    return torch.cat((cos, cos, sin, sin), dim=-1).to(buffer.dtype)
+
+
+def own_rows(rotary_emb: torch.nn.Module, name: str) -> torch.Tensor:
+    """The module's own values of a buffer. FoPE's buffer holds the rows its coefficients
+    gave at construction (before the weights were loaded): they are recomputed, as its
+    first forward would."""
+    m: Any = rotary_emb
+    if type(m).__name__ == "FourierRotaryEmbedding" and name == "cos_sin_cache":
+        with torch.no_grad():
+            own: torch.Tensor = m._compute_cos_sin_cache().to(m.cos_sin_cache.dtype)
+            return own
+    buffer: torch.Tensor = getattr(m, name)
+    return buffer
+
+
+def check_caches(
+    releases: Releases,
+    label: str,
+    rotary_emb: torch.nn.Module,
+    caches: Mapping[str, torch.Tensor],
+    start: int = 0,
+) -> None:
+    """Refuses caches of another shape than their buffers, or other values than the
+    module's own (:func:`check_rows`; row ``r`` is position ``start + r``, dual-chunk
+    attention's rows their own positions)."""
+    check_shapes(rotary_emb, caches)
+    dual = type(rotary_emb).__name__ == "DualChunkRotaryEmbedding"
+    positions = dual_chunk_positions(rotary_emb) if dual else {}
+    for name, cache in caches.items():
+        own = own_rows(rotary_emb, name)
+        label = label or type(rotary_emb).__name__
+        check_rows(releases, label, name, own, cache, start, positions.get(name))

@@ -43,7 +43,16 @@ import torch
 
 import posenc
 from posenc.integrations import _caches
-from posenc.integrations._caches import Plan, Run, UntestedReleaseWarning, violation
+from posenc.integrations._caches import (
+    Plan,
+    Run,
+    UntestedReleaseWarning,
+    dual_chunk_caches,
+    fope_cache,
+    llama4_vision_cache,
+    rotary,
+    violation,
+)
 
 __all__ = [
     "TESTED_VLLM",
@@ -87,10 +96,6 @@ def _rotary_dim(head_size: int, rope: Mapping[str, Any]) -> int:
     return int(head_size * factor)
 
 
-def _rotary(dim: int, theta: float, **scaling: Any) -> posenc.Spec:
-    return posenc.Spec("rotary", head_dim=dim, rope_theta=theta, layout="vllm", **scaling)
-
-
 def _yarn_fields(rope: Mapping[str, Any], factor: float, original: int) -> dict[str, Any]:
     fields: dict[str, Any] = {"factor": factor, "original_max_position_embeddings": original}
     for name in ("beta_fast", "beta_slow", "truncate", "attention_factor"):
@@ -121,7 +126,7 @@ def _ntk_spec(dim: int, theta: float, factor: float, mixed_b: Any) -> posenc.Spe
             "NTKScalingRotaryEmbedding with mixed_b scales each frequency by a float32 "
             "exp(a * i ** mixed_b) no published model uses; only fixed NTK is served",
         )
-    return _rotary(dim, theta * factor, scaling="linear", factor=factor ** (2 / dim))
+    return rotary(dim, theta * factor, scaling="linear", factor=factor ** (2 / dim))
 
 
 def _plan(
@@ -150,7 +155,7 @@ def _plan(
     dim = _rotary_dim(head_size, rope)
 
     def one(rows: int, spec: posenc.Spec | None = None, kept: int | None = None) -> Plan:
-        return Plan((Run(spec or _rotary(dim, theta), rows),), kept)
+        return Plan((Run(spec or rotary(dim, theta), rows),), kept)
 
     mrope = "mrope_section" in rope
     if kind == "default" and rope.get("use_fope") and not mrope:
@@ -169,14 +174,14 @@ def _plan(
         return one(max_position * 4)
     if kind == "proportional":
         # Gemma 4: the frequencies of the whole head, zero past rotary_dim / 2.
-        return one(max_position, _rotary(head_size, theta), dim // 2)
+        return one(max_position, rotary(head_size, theta), dim // 2)
     if kind == "linear":
         factors = rope["factor"]
         listed: Sequence[float] = factors if isinstance(factors, Sequence) else [factors]
         return Plan(
             tuple(
                 Run(
-                    _rotary(dim, theta, scaling="linear", factor=float(f)),
+                    rotary(dim, theta, scaling="linear", factor=float(f)),
                     rows_of(max_position * f),
                 )
                 for f in listed
@@ -189,17 +194,17 @@ def _plan(
         # of max_position rows.
         exponent = dim / (dim - 2)
         if "alpha" in rope:
-            return one(max_position, _rotary(dim, theta * float(rope["alpha"]) ** exponent))
+            return one(max_position, rotary(dim, theta * float(rope["alpha"]) ** exponent))
         if "factor" in rope:
             f = float(rope["factor"])
             trained = int(rope.get("max_trained_positions", max_position))
             base = theta * ((f * max_position / trained) - (f - 1)) ** exponent
-            return one(max_position, _rotary(dim, base))
+            return one(max_position, rotary(dim, base))
         raise violation("rope_parameters", "dynamic scaling needs 'alpha' or 'factor'")
     if kind == "llama3":
         return one(
             max_position,
-            _rotary(
+            rotary(
                 dim,
                 theta,
                 scaling="llama3",
@@ -223,7 +228,7 @@ def _plan(
             # vLLM takes the mscale ratio only when both are set and non-zero.
             fields["mscale"] = float(rope["mscale"])
             fields["mscale_all_dim"] = float(rope["mscale_all_dim"])
-        return one(rows_of(original * f), _rotary(dim, theta, scaling="yarn", **fields))
+        return one(rows_of(original * f), rotary(dim, theta, scaling="yarn", **fields))
     if kind in ("deepseek_yarn", "deepseek_llama_scaling"):
         # DeepseekScalingRotaryEmbedding (and the V4 class): YaRN's frequencies over the
         # original length, truncated range, the mscale ratio as the scale.
@@ -236,7 +241,7 @@ def _plan(
                     f, float(rope.get("mscale", 1)), float(rope.get("mscale_all_dim", 0))
                 )
             )
-        return one(rows_of(original * f), _rotary(dim, theta, scaling="yarn", **fields))
+        return one(rows_of(original * f), rotary(dim, theta, scaling="yarn", **fields))
     if kind == "longrope":
         original = int(rope["original_max_position_embeddings"])
         common: dict[str, Any] = {
@@ -254,8 +259,8 @@ def _plan(
             long["attention_factor"] = float(rope["long_mscale"])
         return Plan(
             (
-                Run(_rotary(dim, theta, **short), original),
-                Run(_rotary(dim, theta, **long), max_position),
+                Run(rotary(dim, theta, **short), original),
+                Run(rotary(dim, theta, **long), max_position),
             )
         )
     served = (
@@ -293,81 +298,6 @@ def specs(
             "cos_sin_cache",
         )
     return [(run.spec, run.rows) for run in plan.runs]
-
-
-def _llama4_vision(
-    client: posenc.Client,
-    dim: int,
-    patches: int,
-    theta: float,
-    double: bool,
-    device: Any,
-) -> torch.Tensor:
-    """Llama4VisionRotaryEmbedding's complex cache ``[patches + 1, 1, dim]``: patch ``k`` at
-    ``(x, y) = (k % side, k // side)`` rotates by ``(x + 1) * f`` then ``(y + 1) * f`` for
-    the ``dim / 2`` default frequencies ``f``; the last row (the class token) by 0."""
-    side = int(math.sqrt(patches))
-    real = torch.float64 if double else torch.float32
-    table = client.get_range(0, side + 1, _rotary(dim, theta), dtype=real)
-    cos, sin = table.chunk(2, dim=-1)
-    index = torch.arange(patches)
-    x, y = index % side + 1, index // side + 1
-    angles = torch.complex(torch.cat([cos[x], cos[y]], -1), torch.cat([sin[x], sin[y]], -1))
-    cls = torch.ones(1, dim, dtype=angles.dtype)
-    return torch.cat([angles, cls])[:, None, :].to(device or "cpu")
-
-
-def _dual_chunk(client: posenc.Client, m: Any) -> dict[str, torch.Tensor]:
-    """DualChunkRotaryEmbedding's five caches, rows of one default table: ``q`` positions
-    ``0 .. c - 1`` (``c = chunk_size - local_size``), ``qc`` ``min(p + c, chunk_size)``, ``k``
-    ``p % c`` for every ``p < max_position``, ``qc_no_clamp`` ``p + c``, ``q_inter``
-    ``p + chunk_size``."""
-    buffer = m.cos_sin_q_cache
-    positions = dual_chunk_positions(m)
-    table = client.get_range(
-        0,
-        int(m.chunk_size) * 2,
-        _rotary(int(m.rotary_dim), float(m.base)),
-        dtype=buffer.dtype,
-    )
-    return {name: table[rows] for name, rows in positions.items()}
-
-
-def dual_chunk_positions(m: Any) -> dict[str, torch.Tensor]:
-    """The positions of each row of a dual-chunk module's five caches (below
-    ``2 * chunk_size``)."""
-    chunk = int(m.chunk_size)
-    c = chunk - int(m.local_size)
-    p = torch.arange(c)
-    return {
-        "cos_sin_q_cache": p,
-        "cos_sin_qc_cache": (p + c).clamp(max=chunk),
-        "cos_sin_k_cache": torch.arange(int(m.max_position_embeddings)) % c,
-        "cos_sin_qc_no_clamp_cache": p + c,
-        "cos_sin_q_inter_cache": p + chunk,
-    }
-
-
-def fope_cache(client: posenc.Client, m: Any) -> torch.Tensor:
-    """FourierRotaryEmbedding's cache: the module's selected frequencies (the first
-    ``inv_freq.shape[-1]`` default ones) at exact angles, mixed by its learned ``cos_coef``
-    / ``sin_coef`` in float64, padded with 1 to ``head_size / 2``, halves repeated, one
-    rounding to the buffer's dtype."""
-    n = int(m.inv_freq.shape[-1])
-    dim, rows = int(m.rotary_dim), int(m.max_position_embeddings)
-    table = client.get_range(0, rows, _rotary(dim, float(m.base)), dtype=torch.float64)
-    cos, sin = table[:, :n], table[:, dim // 2 : dim // 2 + n]
-    cos_coef, sin_coef = m.cos_coef.detach().cpu().double(), m.sin_coef.detach().cpu().double()
-    if bool(m.fope_sep_head):
-        cos = torch.einsum("tD,hDd->thd", cos, cos_coef)
-        sin = torch.einsum("tD,hDd->thd", sin, sin_coef)
-    else:
-        cos, sin = cos @ cos_coef, sin @ sin_coef
-    half = int(m.head_size) // 2
-    cos = torch.nn.functional.pad(cos, (0, half - cos.shape[-1]), value=1.0)
-    sin = torch.nn.functional.pad(sin, (0, half - sin.shape[-1]), value=1.0)
-    buffer = m.cos_sin_cache
-    return torch.cat((cos, cos, sin, sin), dim=-1).to(buffer.dtype)
 
 
 # The classes whose cache is the plain default table over their max_position_embeddings.
@@ -540,7 +470,9 @@ def cos_sin_cache(
     if rope.get("rope_type") == "mllama4" and "rope_theta" in rope:
         dim = _rotary_dim(head_size, rope)
         double = dtype in (torch.complex128, torch.float64, "float64", "complex128")
-        return _llama4_vision(client, dim, max_position, float(rope["rope_theta"]), double, device)
+        return llama4_vision_cache(
+            client, dim, max_position, float(rope["rope_theta"]), double, device
+        )
     plan = _plan(head_size, max_position, rope, mrope_positions_factor)
     return _caches.fetch(client, plan, dtype, device)
 
@@ -555,14 +487,14 @@ def caches_of(client: posenc.Client, rotary_emb: torch.nn.Module) -> dict[str, t
     m: Any = rotary_emb
     kind = type(m).__name__
     if kind == "DualChunkRotaryEmbedding":
-        return _dual_chunk(client, m)
+        return dual_chunk_caches(client, m)
     if kind == "FourierRotaryEmbedding":
         return {"cos_sin_cache": fope_cache(client, m)}
     name, buffer = _buffer(m)
     if kind == "Llama4VisionRotaryEmbedding":
         dim, patches = int(m.rotary_dim), int(m.max_position_embeddings)
         double = buffer.dtype == torch.complex128
-        return {name: _llama4_vision(client, dim, patches, float(m.base), double, None)}
+        return {name: llama4_vision_cache(client, dim, patches, float(m.base), double, None)}
     head_size, max_position, rope = get_rope_arguments(m)
     plan = _plan(head_size, max_position, rope, 1)
     return {name: _caches.fetch(client, plan, buffer.dtype)}
@@ -602,29 +534,10 @@ def cos_sin_cache_of(
     )
 
 
-def _own_rows(rotary_emb: torch.nn.Module, name: str) -> torch.Tensor:
-    """The module's own values of a buffer. FoPE's buffer holds the rows its coefficients
-    gave at construction (before the weights were loaded): it recomputes them, as its
-    first forward would."""
-    m: Any = rotary_emb
-    if type(m).__name__ == "FourierRotaryEmbedding" and name == "cos_sin_cache":
-        with torch.no_grad():
-            own: torch.Tensor = m._compute_cos_sin_cache().to(m.cos_sin_cache.dtype)
-            return own
-    buffer: torch.Tensor = getattr(m, name)
-    return buffer
-
-
 def _check(
     module_name: str, rotary_emb: torch.nn.Module, caches: Mapping[str, torch.Tensor]
 ) -> None:
-    _caches.check_shapes(rotary_emb, caches)
-    dual = type(rotary_emb).__name__ == "DualChunkRotaryEmbedding"
-    positions = dual_chunk_positions(rotary_emb) if dual else {}
-    for name, cache in caches.items():
-        own = _own_rows(rotary_emb, name)
-        label = module_name or type(rotary_emb).__name__
-        _caches.check_rows(_RELEASES, label, name, own, cache, positions=positions.get(name))
+    _caches.check_caches(_RELEASES, module_name, rotary_emb, caches)
 
 
 def _write(rotary_emb: torch.nn.Module, caches: Mapping[str, torch.Tensor]) -> None:

@@ -1,0 +1,567 @@
+"""SGLang's rotary ``cos_sin_cache``, exact, from posenc, kept exact as SGLang grows it.
+
+SGLang's rotary classes (``sglang.srt.layers.rotary_embedding``) hold vLLM's layout: one
+``[cos | sin]`` row per position, ``rotary_dim`` columns, computed in float32 at start-up.
+:func:`cos_sin_cache` builds the same tensor, every value correctly rounded, for the
+arguments of SGLang's ``get_rope``; :func:`cos_sin_cache_of` does it from a built module's own
+attributes, :func:`install` copies a cache into its module in place after checking it is
+that module's table, and :func:`install_model` does all of it for every rotary module of a
+loaded model::
+
+    import posenc
+    from posenc.integrations import sglang as ps
+
+    client = posenc.Client("posenc.internal:50051")  # kept open: the caches may grow
+    ps.install_model(model, client)  # e.g. model_runner.model, once loaded
+
+Where SGLang differs from vLLM, the caches follow SGLang: ``MRotaryEmbedding`` holds
+``max_position`` rows (not four times as many), dynamic NTK ``max_position * factor`` rows at
+the base of the older formula, YaRN's scale includes ``attn_factor``, and Bailing's video
+rope starts at position ``-max_position``. SGLang grows a cache at run time
+(``_ensure_cos_sin_cache_length``, called for every rotary module before CUDA-graph capture
+and by its indexers): an installed module's rows past the installed ones then come from
+posenc too, continuing the same table, while the client is open (a closed client leaves
+SGLang's own rows, with a warning). The ``cos_sin_cache_as(dtype)`` copy SGLang keeps is
+dropped on install, so no pre-install cast is served.
+
+Tested against SGLang 0.5.20 and 0.5.23 (:data:`TESTED_SGLANG`); another release is served
+once each cache agrees with the module's own rows (:class:`UntestedReleaseWarning`), and
+refused in one line naming the module and the row otherwise. SGLang importing some of vLLM
+for its fallback kernels changes nothing here: only SGLang's version is read.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Mapping
+from types import SimpleNamespace
+from typing import Any, Final
+
+import torch
+
+import posenc
+from posenc._output import as_tensor
+from posenc.integrations import _caches
+from posenc.integrations._caches import (
+    Plan,
+    Run,
+    UntestedReleaseWarning,
+    dual_chunk_caches,
+    fope_cache,
+    llama4_vision_cache,
+    rotary,
+    violation,
+)
+
+__all__ = [
+    "TESTED_SGLANG",
+    "UntestedReleaseWarning",
+    "caches_of",
+    "cos_sin_cache",
+    "cos_sin_cache_of",
+    "install",
+    "install_model",
+]
+
+_log = logging.getLogger(__name__)
+
+#: The SGLang releases the tests run this module against, both included.
+TESTED_SGLANG: Final[tuple[tuple[int, int, int], tuple[int, int, int]]] = ((0, 5, 20), (0, 5, 23))
+
+_RELEASES: Final = _caches.Releases("SGLang", "sglang", *TESTED_SGLANG)
+
+# The classes whose cache is the plain default table over max_position_embeddings rows.
+_PLAIN: Final = frozenset({"RotaryEmbedding", "MRotaryEmbedding", "Ernie4_5_VLRotaryEmbedding"})
+_YARN: Final = frozenset(
+    {"YaRNScalingRotaryEmbedding", "YaRNScalingMRotaryEmbedding", "DeepseekScalingRotaryEmbedding"}
+)
+_BUILT: Final = frozenset(
+    {"Llama4VisionRotaryEmbedding", "DualChunkRotaryEmbedding", "FourierRotaryEmbedding"}
+)
+_SERVED_CLASSES: Final = (
+    _PLAIN
+    | _YARN
+    | _BUILT
+    | {
+        "LinearScalingRotaryEmbedding",
+        "DynamicNTKScalingRotaryEmbedding",
+        "DynamicNTKAlphaRotaryEmbedding",
+        "Llama3RotaryEmbedding",
+        "Gemma4RotaryEmbedding",
+        "Phi3LongRoPEScaledRotaryEmbedding",
+        "BailingMRotaryEmbedding",
+    }
+)
+_PHI3_BUFFERS: Final = ("short_cos_sin_cache", "long_cos_sin_cache", "long_short_cos_sin_cache")
+
+
+def _served(rotary_emb: torch.nn.Module) -> str | None:
+    kind = type(rotary_emb).__name__
+    if kind in _SERVED_CLASSES:
+        return None
+    served = ", ".join(sorted(_SERVED_CLASSES))
+    return f"{kind} is not a rotary class posenc serves (served: {served})"
+
+
+def _yarn(m: Any, original: int) -> posenc.Spec:
+    """SGLang's YaRN frequencies (over ``original``) and its scale, the module's ``mscale``
+    (``attn_factor`` included). ``extrapolation_factor`` other than 1 scales the ramp,
+    which no published model sets and posenc does not serve."""
+    extrapolation = float(getattr(m, "extrapolation_factor", 1))
+    if extrapolation != 1:
+        raise violation(
+            "rotary_emb",
+            f"{type(m).__name__} has extrapolation_factor {extrapolation:g}: its ramp "
+            "scaled by it is not served (1 is)",
+        )
+    return rotary(
+        int(m.rotary_dim),
+        float(m.base),
+        scaling="yarn",
+        factor=float(m.scaling_factor),
+        original_max_position_embeddings=original,
+        beta_fast=float(m.beta_fast),
+        beta_slow=float(m.beta_slow),
+        truncate=bool(getattr(m, "truncate", True)),
+        attention_factor=float(m.mscale),
+    )
+
+
+def _plans(rotary_emb: torch.nn.Module) -> dict[str, Plan]:
+    """The posenc tables of each cache buffer of a module served by a plan, by name."""
+    m: Any = rotary_emb
+    kind = type(m).__name__
+    dim, theta, rows = int(m.rotary_dim), float(m.base), int(m.max_position_embeddings)
+    start = int(getattr(m, "position_start", 0))  # 0.5.23's Bailing video rope: negative
+
+    def one(spec: posenc.Spec, count: int = rows, kept: int | None = None) -> dict[str, Plan]:
+        return {"cos_sin_cache": Plan((Run(spec, count, start),), kept)}
+
+    if kind in _PLAIN:
+        return one(rotary(dim, theta))
+    if kind == "LinearScalingRotaryEmbedding":
+        runs = tuple(
+            Run(rotary(dim, theta, scaling="linear", factor=float(f)), _caches.rows_of(rows * f))
+            for f in m.scaling_factors
+        )
+        return {"cos_sin_cache": Plan(runs)}
+    if kind == "DynamicNTKScalingRotaryEmbedding":
+        # max_position * factor rows at the base of the older formula (in double, as the
+        # class computes it): the base rescaled for that length.
+        f = float(m.scaling_factor)
+        length = rows * f
+        base = theta * ((f * length / rows) - (f - 1)) ** (dim / (dim - 2))
+        return one(rotary(dim, base), _caches.rows_of(length))
+    if kind == "DynamicNTKAlphaRotaryEmbedding":
+        return one(rotary(dim, theta * float(m.scaling_alpha) ** (dim / (dim - 2))))
+    if kind in _YARN:
+        return one(_yarn(m, rows), _caches.rows_of(rows * float(m.scaling_factor)))
+    if kind == "BailingMRotaryEmbedding":
+        # Rows from position_start (-max_position with video rope); YaRN above factor 1.
+        if float(m.scaling_factor) > 1:
+            return one(_yarn(m, int(m.original_max_position_embeddings)))
+        return one(rotary(dim, theta))
+    if kind == "Llama3RotaryEmbedding":
+        return one(
+            rotary(
+                dim,
+                theta,
+                scaling="llama3",
+                factor=float(m.scaling_factor),
+                original_max_position_embeddings=int(m.orig_max_position),
+                low_freq_factor=float(m.low_freq_factor),
+                high_freq_factor=float(m.high_freq_factor),
+            )
+        )
+    if kind == "Gemma4RotaryEmbedding":
+        # The head's frequencies, zero past rope_angles (its rotary_dim is the head's).
+        return one(rotary(int(m.head_size), theta), kept=int(m.rope_angles))
+    if kind == "Phi3LongRoPEScaledRotaryEmbedding":
+        original = int(m.original_max_position_embeddings)
+        common: dict[str, Any] = {
+            "scaling": "longrope",
+            "original_max_position_embeddings": original,
+            "max_position_embeddings": rows,
+            "short_factor": [float(f) for f in m.short_factor],
+            "long_factor": [float(f) for f in m.long_factor],
+        }
+        short = Run(rotary(dim, theta, **common, attention_factor=float(m.short_mscale)), original)
+        long = Run(
+            rotary(
+                dim, theta, **common, attention_factor=float(m.long_mscale), seq_len=original + 1
+            ),
+            rows,
+        )
+        return {
+            "short_cos_sin_cache": Plan((short,)),
+            "long_cos_sin_cache": Plan((long,)),
+            "long_short_cos_sin_cache": Plan((short, long)),
+        }
+    raise violation("rotary_emb", _served(m) or f"{kind} is built by caches_of")
+
+
+def _fitted(plan: Plan, buffer: torch.Tensor) -> Plan:
+    """The plan over the buffer's rows: a cache SGLang has grown continues its last table."""
+    return plan.grown(len(buffer) - plan.rows) if len(buffer) > plan.rows else plan
+
+
+def caches_of(client: posenc.Client, rotary_emb: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Every cache buffer of an SGLang rotary module, by name, built from its own
+    attributes in its buffers' dtype, over their current rows (on CPU).
+
+    Raises:
+        posenc.InvalidArgumentError: A class or a setting posenc does not serve.
+    """
+    m: Any = rotary_emb
+    kind = type(m).__name__
+    reason = _served(m)
+    if reason is not None:
+        raise violation("rotary_emb", reason)
+    if kind == "DualChunkRotaryEmbedding":
+        return dual_chunk_caches(client, m)
+    if kind == "FourierRotaryEmbedding":
+        return {"cos_sin_cache": fope_cache(client, m)}
+    if kind == "Llama4VisionRotaryEmbedding":
+        buffer = m.cos_sin_cache
+        dim, patches = int(m.rotary_dim), int(m.max_position_embeddings)
+        double = buffer.dtype == torch.complex128
+        return {
+            "cos_sin_cache": llama4_vision_cache(client, dim, patches, float(m.base), double, None)
+        }
+    caches = {}
+    for name, plan in _plans(m).items():
+        buffer = getattr(m, name)
+        caches[name] = _caches.fetch(client, _fitted(plan, buffer), buffer.dtype)
+    return caches
+
+
+def cos_sin_cache_of(
+    client: posenc.Client,
+    rotary_emb: torch.nn.Module,
+    *,
+    dtype: torch.dtype | str | None = None,
+    device: torch.device | str | None = None,
+) -> Any:
+    """The ``cos_sin_cache`` (Phi-3: ``long_short_cos_sin_cache``) of an SGLang rotary
+    module from its own attributes, over its current rows: its buffer's dtype and device
+    unless told.
+
+    Raises:
+        posenc.InvalidArgumentError: A class or a setting posenc does not serve, or one with
+            several caches (dual-chunk attention: :func:`caches_of`).
+    """
+    _RELEASES.warn("SGLang integration")
+    m: Any = rotary_emb
+    kind = type(m).__name__
+    if kind == "DualChunkRotaryEmbedding":
+        raise violation("rotary_emb", f"{kind} holds five caches: build them with caches_of")
+    name = "long_short_cos_sin_cache" if kind == "Phi3LongRoPEScaledRotaryEmbedding" else None
+    if kind in _BUILT or dtype is None:
+        caches = caches_of(client, m)
+        cache = caches[name or "cos_sin_cache"]
+        if dtype is not None:
+            cache = cache.to(dtype)
+        return cache.to(device or getattr(m, name or "cos_sin_cache").device)
+    plan = _plans(m)[name or "cos_sin_cache"]
+    buffer = getattr(m, name or "cos_sin_cache")
+    return _caches.fetch(client, _fitted(plan, buffer), dtype, device or buffer.device)
+
+
+def _scaling_name(rope_scaling: Mapping[str, Any]) -> str:
+    if "rope_type" in rope_scaling:
+        return str(rope_scaling["rope_type"])
+    if "type" in rope_scaling:
+        return str(rope_scaling["type"])
+    raise violation("rope_scaling", f"names no rope_type (or type): {dict(rope_scaling)}")
+
+
+def _mscale(scale: float, weight: float = 1.0) -> float:
+    return 1.0 if scale <= 1 else 0.1 * weight * math.log(scale) + 1.0
+
+
+def _module_of(
+    head_size: int,
+    rotary_dim: int,
+    max_position: int,
+    base: float,
+    rope_scaling: Mapping[str, Any] | None,
+    partial_rotary_factor: float,
+) -> Any:
+    """The attributes of the module SGLang's ``get_rope`` builds for these arguments, as
+    its classes set them (a stand-in with the class's name, for :func:`_plans`)."""
+    if partial_rotary_factor < 1.0:
+        rotary_dim = int(rotary_dim * partial_rotary_factor)
+    m = SimpleNamespace(
+        head_size=head_size, rotary_dim=rotary_dim, max_position_embeddings=max_position, base=base
+    )
+
+    def named(kind: str, **attributes: Any) -> Any:
+        m.__dict__.update(attributes)
+        return type(kind, (SimpleNamespace,), {})(**vars(m))
+
+    if rope_scaling is None:
+        return named("RotaryEmbedding")
+    rope = dict(rope_scaling)
+    kind = _scaling_name(rope)
+    extra = {
+        "extrapolation_factor": rope.get("extrapolation_factor", 1),
+        "attn_factor": float(rope.get("attn_factor", 1)),
+        "beta_fast": rope.get("beta_fast", 32),
+        "beta_slow": rope.get("beta_slow", 1),
+    }
+    original = int(rope.get("original_max_position_embeddings", max_position))
+    factors = rope.get("factor", 1.0)  # a list for linear (one cache per factor)
+    factor = float(factors) if not isinstance(factors, list | tuple) else 1.0
+    if "mrope_section" in rope and rope.get("video_rope") and kind in ("default", "yarn"):
+        # BailingMRotaryEmbedding: from -max_position, max_position + original * factor rows.
+        mscale = _mscale(factor) * extra["attn_factor"] if factor > 1 else 1.0
+        return named(
+            "BailingMRotaryEmbedding",
+            **extra,
+            truncate=rope.get("truncate", True),
+            scaling_factor=factor,
+            original_max_position_embeddings=original,
+            mscale=mscale,
+            position_start=-max_position,
+            max_position_embeddings=max_position + int(original * factor),
+        )
+    if kind == "default":
+        if rope.get("use_fope"):
+            raise violation(
+                "rope_scaling.use_fope",
+                "FourierRotaryEmbedding's cache mixes the model's learned coefficients: build "
+                "it from the loaded module, cos_sin_cache_of(client, module)",
+            )
+        return named("MRotaryEmbedding" if "mrope_section" in rope else "RotaryEmbedding")
+    if kind == "llama3":
+        return named(
+            "Llama3RotaryEmbedding",
+            scaling_factor=factor,
+            low_freq_factor=float(rope.get("low_freq_factor", 1.0)),
+            high_freq_factor=float(rope.get("high_freq_factor", 4.0)),
+            orig_max_position=original,
+        )
+    if kind == "linear":
+        listed = list(factors) if isinstance(factors, list | tuple) else [factors]
+        return named("LinearScalingRotaryEmbedding", scaling_factors=listed)
+    if kind == "dynamic":
+        if "alpha" in rope:
+            return named("DynamicNTKAlphaRotaryEmbedding", scaling_alpha=float(rope["alpha"]))
+        return named("DynamicNTKScalingRotaryEmbedding", scaling_factor=factor)
+    if kind in ("yarn", "deepseek_yarn"):
+        if kind == "deepseek_yarn":
+            ratio = _mscale(factor, float(rope.get("mscale", 1))) / _mscale(
+                factor, float(rope.get("mscale_all_dim", 0))
+            )
+            cls = "DeepseekScalingRotaryEmbedding"
+        elif "mrope_section" in rope:
+            ratio, cls = _mscale(factor), "YaRNScalingMRotaryEmbedding"
+        elif rope.get("mscale") is not None and rope.get("mscale_all_dim") is not None:
+            ratio = _mscale(factor, float(rope["mscale"])) / _mscale(
+                factor, float(rope["mscale_all_dim"])
+            )
+            cls = "YaRNScalingRotaryEmbedding"
+        else:
+            ratio, cls = _mscale(factor), "YaRNScalingRotaryEmbedding"
+        return named(
+            cls,
+            **extra,
+            truncate=rope.get("truncate", True),
+            scaling_factor=factor,
+            max_position_embeddings=original,
+            mscale=float(ratio * extra["attn_factor"]),
+        )
+    if kind == "longrope":
+        scale = max_position / original
+        derived = 1.0 if scale <= 1 else math.sqrt(1 + math.log(scale) / math.log(original))
+        return named(
+            "Phi3LongRoPEScaledRotaryEmbedding",
+            original_max_position_embeddings=original,
+            short_factor=list(rope["short_factor"]),
+            long_factor=list(rope["long_factor"]),
+            short_mscale=rope.get("short_mscale", derived),
+            long_mscale=rope.get("long_mscale", derived),
+        )
+    if kind == "proportional":
+        return named("Gemma4RotaryEmbedding", rope_angles=rotary_dim // 2, rotary_dim=head_size)
+    served = "default, llama3, linear, dynamic, yarn, deepseek_yarn, longrope, proportional"
+    raise violation("rope_scaling.rope_type", f"{kind!r} is not served (served: {served})")
+
+
+def cos_sin_cache(
+    client: posenc.Client,
+    head_size: int,
+    rotary_dim: int,
+    max_position: int,
+    base: float,
+    rope_scaling: Mapping[str, Any] | None = None,
+    *,
+    partial_rotary_factor: float = 1.0,
+    dtype: torch.dtype | str = torch.float32,
+    device: torch.device | str | None = None,
+) -> Any:
+    """The cache SGLang's rotary class for these ``get_rope`` arguments holds at start-up.
+
+    Args:
+        client: The client the rows are fetched with.
+        head_size, rotary_dim, max_position, base, rope_scaling, partial_rotary_factor:
+            SGLang's ``get_rope`` arguments of the same names (``rope_scaling``: the
+            model's, ``rope_type`` or ``type`` naming the scaling).
+        dtype: The cache's dtype (SGLang keeps float32 on CUDA, the model's dtype on CPU),
+            computed by the server in it.
+        device: Where the tensor goes (default CPU).
+
+    Returns:
+        ``[rows, rotary_dim]`` (Gemma 4: ``head_size`` columns): ``[cos | sin]`` halves.
+        Phi-3's class: its ``long_short_cos_sin_cache``.
+
+    Raises:
+        posenc.InvalidArgumentError: Arguments SGLang builds no served cache from.
+    """
+    _RELEASES.warn("SGLang integration")
+    m = _module_of(head_size, rotary_dim, max_position, base, rope_scaling, partial_rotary_factor)
+    plans = _plans(m)
+    plan = plans.get("long_short_cos_sin_cache") or plans["cos_sin_cache"]
+    return _caches.fetch(client, plan, dtype, device)
+
+
+class _Growth:
+    """An installed module's ``_ensure_cos_sin_cache_length``: SGLang's own, then the rows
+    it added (or rebuilt: Bailing's scaled cache) replaced by posenc's of the same table."""
+
+    def __init__(self, module: Any, client: posenc.Client, plan: Plan, original: Any) -> None:
+        self.module, self.client, self.plan, self.original = module, client, plan, original
+
+    def __call__(self, needed_max_pos: int) -> None:
+        m = self.module
+        before = m.cos_sin_cache
+        self.original(needed_max_pos)
+        after = m.cos_sin_cache
+        if after is before and len(after) == len(before):
+            return
+        grown = self.plan.grown(len(after) - self.plan.rows)
+        try:
+            rows = _caches.fetch_rows(
+                self.client, grown, self.plan.rows, grown.rows - self.plan.rows, after.dtype
+            )
+        except Exception as error:  # serving goes on with SGLang's own rows
+            _log.warning(
+                "posenc could not fetch rows %d to %d of %s's cache (%s): SGLang's own "
+                "float32 rows are kept there",
+                self.plan.rows,
+                grown.rows - 1,
+                type(m).__name__,
+                error,
+            )
+            return
+        with torch.no_grad():
+            after[: len(before)] = before  # a rebuilt cache: posenc's rows again
+            after[self.plan.rows :] = as_tensor(rows).to(after.device)
+        self.plan = grown
+        _reset_memo(m)
+
+
+def _reset_memo(m: Any) -> None:
+    """Drops the ``cos_sin_cache_as(dtype)`` copy SGLang keeps (it would keep serving the
+    cast of the rows it replaced: the memo keys on the tensor, written in place)."""
+    if "_cos_sin_cache_cast" in vars(type(m)) or hasattr(m, "_cos_sin_cache_cast"):
+        m._cos_sin_cache_cast = None
+
+
+def _write(
+    rotary_emb: torch.nn.Module,
+    caches: Mapping[str, torch.Tensor],
+    client: posenc.Client | None,
+) -> None:
+    m: Any = rotary_emb
+    _caches.copy_caches(m, caches)
+    _reset_memo(m)
+    kind = type(m).__name__
+    if kind == "FourierRotaryEmbedding":
+        m.update_buffer = True  # its first forward would recompute the float32 rows
+    ensure = getattr(m, "_ensure_cos_sin_cache_length", None)
+    if client is None or ensure is None or kind in _BUILT or "cos_sin_cache" not in caches:
+        return
+    if isinstance(ensure, _Growth):
+        ensure.client = client
+        ensure.plan = _fitted(_plans(m)["cos_sin_cache"], m.cos_sin_cache)
+        return
+    plan = _fitted(_plans(m)["cos_sin_cache"], m.cos_sin_cache)
+    # An instance attribute: the class (shared by every module) is left as it is.
+    object.__setattr__(m, "_ensure_cos_sin_cache_length", _Growth(m, client, plan, ensure))
+
+
+def _check(label: str, rotary_emb: torch.nn.Module, caches: Mapping[str, torch.Tensor]) -> None:
+    start = int(getattr(rotary_emb, "position_start", 0))
+    _caches.check_caches(_RELEASES, label, rotary_emb, caches, start)
+
+
+def install(
+    rotary_emb: torch.nn.Module,
+    cache: torch.Tensor | Mapping[str, torch.Tensor],
+    *,
+    client: posenc.Client | None = None,
+    verify: bool = True,
+) -> None:
+    """Copies ``cache`` into an SGLang rotary module in place, its buffer's dtype and device
+    kept, and drops SGLang's cast copy of the old rows.
+
+    Args:
+        rotary_emb: The module.
+        cache: :func:`cos_sin_cache_of`'s tensor (the module's ``cos_sin_cache``; Phi-3's
+            ``long_short_cos_sin_cache``), or a mapping of buffer names to caches
+            (:func:`caches_of`: Phi-3's three, dual-chunk attention's five).
+        client: The client rows are fetched with when SGLang grows the cache later; None
+            leaves the rows SGLang appends its own.
+        verify: Compare the leading rows with the module's own first and refuse another
+            table; False skips it.
+
+    Raises:
+        posenc.InvalidArgumentError: No such buffer, another shape, or (``verify``) another
+            table: one line naming the module, the buffer and the row that differs.
+    """
+    if isinstance(cache, torch.Tensor):
+        kind = type(rotary_emb).__name__
+        name = "long_short_cos_sin_cache" if kind == "Phi3LongRoPEScaledRotaryEmbedding" else None
+        caches = {name or "cos_sin_cache": cache}
+    else:
+        caches = dict(cache)
+    if verify:
+        _check("", rotary_emb, caches)
+    else:
+        _caches.check_shapes(rotary_emb, caches)
+        _RELEASES.warn("SGLang integration")
+    _write(rotary_emb, caches, client)
+
+
+def install_model(
+    model: torch.nn.Module, client: posenc.Client, *, verify: bool = True
+) -> list[str]:
+    """Installs posenc's caches into every rotary module of a loaded SGLang model.
+
+    Each distinct module (``get_rope`` shares one between layers) gets :func:`caches_of`
+    its own attributes over its current rows, compared with its own (``verify``); every
+    cache is built and checked before any is written, so a refusal leaves the model as it
+    was. Rows SGLang adds later come from ``client`` (keep it open). Modules posenc does not
+    serve keep their caches and are named, with the reason, in one WARNING line of this
+    module's logger.
+
+    Returns:
+        The name of each module installed (the first, for a module shared by several).
+
+    Raises:
+        posenc.InvalidArgumentError: The model holds no served rotary module, or
+            (``verify``) a cache differs from a module's own.
+    """
+    _RELEASES.warn("SGLang integration")
+    return _caches.install_modules(
+        client,
+        model,
+        build=caches_of,
+        served=_served,
+        check=_check if verify else None,
+        install=lambda module, caches: _write(module, caches, client),
+        caches=("cos_sin_cache", *_PHI3_BUFFERS, "cos_sin_q_cache"),
+        log=_log,
+    )
