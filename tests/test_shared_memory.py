@@ -35,6 +35,7 @@ from test_operations import metric, metrics_port, scrape
 import posenc
 from posenc_protocol import regions, wire
 from posenc_protocol.v1 import posenc_pb2 as pb
+from posenc_server import shm
 
 MIB = 1 << 20
 SERVE = (sys.executable, "-m", "posenc_server", "--port", "0", "--metrics-port", "-1")
@@ -239,16 +240,19 @@ def _attack(region_socket: str, size: int) -> dict[str, Any]:
     return outcomes
 
 
-def _as_user(uid: int, gid: int, action: Callable[[], dict[str, Any]]) -> dict[str, Any]:
-    """``action()``'s answer, run in a child process of ``uid`` and ``gid`` alone (forked:
-    the interpreter's own files need not be readable by that uid)."""
+def _as_user(
+    uid: int, gid: int, action: Callable[[], dict[str, Any]], groups: tuple[int, ...] = ()
+) -> dict[str, Any]:
+    """``action()``'s answer, run in a child process of ``uid``, ``gid`` and the
+    supplementary ``groups`` (forked: the interpreter's own files need not be readable by
+    that uid)."""
     read, write = os.pipe()
     pid = os.fork()
     if pid == 0:  # the child: nothing but the action, then out without cleanup
         code = 1
         try:
             os.close(read)
-            os.setgroups([])
+            os.setgroups(list(groups))
             os.setgid(gid)
             os.setuid(uid)
             os.write(write, json.dumps(action()).encode())
@@ -346,10 +350,126 @@ def test_a_peer_outside_shm_peers_gets_rows_but_no_memory(
         rows = local.get_range(0, ROWS, D_MODEL, copy=False)
         assert not in_shared_memory(rows)
         assert np.array_equal(rows, tcp.get_range(0, ROWS, D_MODEL))
+    # Two refusals in a moment: both counted, the first logged (then one line per 10 s).
     refusals = [e for e in server.logs() if e["message"] == "region socket: refused a peer"]
-    assert len(refusals) == 2 and all(e["uid"] == os.getuid() for e in refusals)
+    assert len(refusals) == 1 and refusals[0]["uid"] == os.getuid()
     port = metrics_port(server)
     wait_until(lambda: metric(scrape(port), "posenc_shm_refused_total") == 2, "counted")
+
+
+def _hello(path: str) -> tuple[bytes, int]:
+    """What a new connection to the region socket ``path`` gets: its message and the
+    number of descriptors beside it (a refusal: nothing)."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as connection:
+        connection.connect(path)
+        message, ancillary, _, _ = connection.recvmsg(64, socket.CMSG_SPACE(4))
+        for _, _, data in ancillary:
+            os.close(struct.unpack("i", data[:4])[0])
+        return message, len(ancillary)
+
+
+def test_a_peer_that_connects_in_a_loop_is_logged_once_and_counted_in_full(
+    unix_server: Callable[..., tuple[ServerProcess, str]],
+) -> None:
+    other = max(os.getuid(), os.getgid()) + 4242
+    server, target = unix_server("--shm-bytes", str(MIB), "--shm-peers", f"uid:{other}")
+    path = target.removeprefix("unix:") + ".shm"
+    for _ in range(500):
+        assert _hello(path) == (b"", 0)
+    port = metrics_port(server)
+    wait_until(lambda: metric(scrape(port), "posenc_shm_refused_total") == 500, "counted")
+    refusals = [e for e in server.logs() if e["message"] == "region socket: refused a peer"]
+    assert 1 <= len(refusals) <= 2, refusals  # 10 s apart at most: the loop takes less
+
+
+def test_one_process_cannot_take_every_session(
+    unix_server: Callable[..., tuple[ServerProcess, str]],
+) -> None:
+    """A process that opens sessions and never closes them gets 16, its share: others
+    still get theirs."""
+    server, target = unix_server("--shm-bytes", str(MIB))
+    path = target.removeprefix("unix:") + ".shm"
+    held = [_session(path) for _ in range(shm.MAX_SESSIONS_PER_PEER)]
+    try:
+        assert _hello(path) == (b"", 0)  # this process: refused
+        other = subprocess.run(
+            [sys.executable, "-c", _OTHER_PEER, path],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=True,
+        )
+        assert other.stdout.split() == [str(regions.HELLO_BYTES), "1"], other.stderr
+    finally:
+        for connection, _, fd in held:
+            connection.close()
+            os.close(fd)
+    refusals = [e for e in server.logs() if e["message"] == "region socket: refused a peer"]
+    assert "16 sessions" in str(refusals[0]["reason"]), refusals
+
+
+# Another process's hello: its length and the descriptors beside it.
+_OTHER_PEER = """
+import socket, sys
+connection = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+connection.connect(sys.argv[1])
+message, ancillary, _, _ = connection.recvmsg(64, socket.CMSG_SPACE(4))
+print(len(message), len(ancillary))
+"""
+
+
+def test_a_release_longer_than_any_ends_the_session_instead_of_being_cut(
+    unix_server: Callable[..., tuple[ServerProcess, str]],
+) -> None:
+    """513 leases (4,105 bytes) are more than a release carries: the message is refused
+    whole (the session ends), not cut to its first 512 leases and taken."""
+    server, target = unix_server("--shm-bytes", str(MIB))
+    port = metrics_port(server)
+    connection, _, fd = _session(target.removeprefix("unix:") + ".shm")
+    try:
+        wait_until(lambda: metric(scrape(port), "posenc_shm_sessions") == 1, "session")
+        connection.send(b"R" + struct.pack("<513Q", *range(1, 514)))
+        connection.settimeout(30)
+        assert connection.recv(1) == b""  # the server closed it
+        wait_until(lambda: metric(scrape(port), "posenc_shm_sessions") == 0, "session ended")
+        again, _, again_fd = _session(target.removeprefix("unix:") + ".shm")
+        again.send(regions.release(list(range(1, 513))))  # the longest release is taken
+        wait_until(lambda: metric(scrape(port), "posenc_shm_sessions") == 1, "served")
+        again.close()
+        os.close(again_fd)
+    finally:
+        connection.close()
+        os.close(fd)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="taking another uid needs root")
+def test_a_supplementary_member_of_a_peer_group_is_admitted(
+    spawn_server: Callable[..., ServerProcess],
+) -> None:
+    """``--shm-peers gid:N`` admits a process whose supplementary groups hold N, as the
+    kernel gives them (SO_PEERGROUPS), not only one whose primary group is N."""
+    group = 4242
+    directory = Path(tempfile.mkdtemp(prefix="posenc-peers-"))
+    directory.chmod(0o755)
+    try:
+        path = directory / "posenc.sock"
+        spawn_server(
+            0,
+            *("--unix-socket", str(path), "--shm-bytes", str(MIB), "--shm-peers", f"gid:{group}"),
+        )
+        # Open to every uid, so that the credentials alone decide who is served.
+        os.chmod(f"{path}.shm", 0o666)
+
+        def hello() -> dict[str, Any]:
+            message, descriptors = _hello(f"{path}.shm")
+            return {"hello": len(message), "descriptors": descriptors}
+
+        member = _as_user(_NOBODY, _NOBODY, hello, groups=(group,))
+        assert member == {"hello": regions.HELLO_BYTES, "descriptors": 1}
+        outsider = _as_user(_NOBODY, _NOBODY, hello, groups=(group + 1,))
+        assert outsider == {"hello": 0, "descriptors": 0}
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
 
 
 def test_several_processes_serve_the_unix_socket_from_the_first(

@@ -19,8 +19,9 @@ any other: the memfd is sealed against every write but the server's own map
 the server, never where a client says. The pool is the whole budget: a table that does not
 fit in what leases leave free is answered in the response as without shared memory, after
 regions that no lease holds were evicted to make room. A session holds at most
-``MAX_LEASES`` leases, the server at most ``MAX_SESSIONS`` sessions; refused peers and
-sessions are logged.
+``MAX_LEASES`` leases, the server at most ``MAX_SESSIONS`` sessions, one peer process at most
+``MAX_SESSIONS_PER_PEER``; refused peers and sessions are counted, and logged at most once
+every ``_REFUSAL_LOG_SECONDS``.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ import socket
 import stat
 import struct
 import threading
+import time
 from collections.abc import Callable, Hashable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, Final
@@ -51,7 +53,17 @@ from posenc_server import metrics
 log = logging.getLogger("posenc_server")
 
 MAX_SESSIONS: Final = 256
+#: The most sessions one peer process holds: a process that opens every session would turn
+#: every other admitted peer to bytes.
+MAX_SESSIONS_PER_PEER: Final = 16
 MAX_LEASES: Final = 4096
+# SO_PEERGROUPS (Linux 4.13): the peer's supplementary groups, as the kernel had them when
+# it connected; not in every Python's socket module.
+_SO_PEERGROUPS: Final = getattr(socket, "SO_PEERGROUPS", 59)
+_GROUPS_BYTES: Final = 1024  # the most Python's getsockopt reads: 256 groups
+# Refused peers are logged once, then at most once per this many seconds, each line with
+# the count refused since the last: a peer that connects in a loop must not fill the log.
+_REFUSAL_LOG_SECONDS: Final = 10.0
 _PAGE: Final = mmap.PAGESIZE
 _PEERCRED: Final = struct.Struct("3i")  # pid, uid, gid
 # F_SEAL_FUTURE_WRITE (Linux 5.1) is not in every Python's fcntl.
@@ -74,9 +86,10 @@ class _Region:
 
 @dataclass(eq=False)
 class _Session:
-    """An admitted peer's session: its leases, by number."""
+    """An admitted peer's session: its leases, by number, and the peer's pid."""
 
     token: bytes
+    peer: int = 0
     leases: dict[int, _Region] = field(default_factory=dict)
     next_lease: int = 1
 
@@ -120,13 +133,17 @@ class SharedPool:
 
     # -- sessions
 
-    def open_session(self) -> bytes | None:
-        """A new session's token, or None when ``MAX_SESSIONS`` are open."""
+    def open_session(self, peer: int = 0) -> bytes | str:
+        """A new session's token for the peer process ``peer`` (its pid), or why not: when
+        ``MAX_SESSIONS`` are open, or the peer holds ``MAX_SESSIONS_PER_PEER``."""
         with self._lock:
             if len(self._sessions) >= MAX_SESSIONS:
-                return None
+                return f"{MAX_SESSIONS} sessions open"
+            held = sum(session.peer == peer for session in self._sessions.values())
+            if held >= MAX_SESSIONS_PER_PEER:
+                return f"the peer holds {held} sessions, the most one process may"
             token = secrets.token_bytes(regions.TOKEN_BYTES)
-            self._sessions[token] = _Session(token)
+            self._sessions[token] = _Session(token, peer)
             return token
 
     def close_session(self, token: bytes) -> None:
@@ -285,6 +302,8 @@ class RegionServer:
         self._selector = selectors.DefaultSelector()
         self._selector.register(self._listener, selectors.EVENT_READ)
         self._stop = threading.Event()
+        self._refused_quietly = 0  # refusals since the last one logged
+        self._next_refusal_log = 0.0
         self._thread = threading.Thread(target=self._serve, name="posenc-regions", daemon=True)
         self._thread.start()
 
@@ -310,23 +329,15 @@ class RegionServer:
             connection, _ = self._listener.accept()
         except OSError:
             return
-        peer = _PEERCRED.unpack(
+        pid, uid, gid = _PEERCRED.unpack(
             connection.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size)
         )
-        pid, uid, gid = peer
-        if uid not in self._uids and gid not in self._gids:
-            metrics.SHM_REFUSED.inc()
-            log.warning(
-                "region socket: refused a peer",
-                extra={"fields": {"pid": pid, "uid": uid, "gid": gid}},
-            )
-            connection.close()
+        if uid not in self._uids and self._gids.isdisjoint({gid, *_peer_groups(connection, pid)}):
+            self._refuse(connection, {"pid": pid, "uid": uid, "gid": gid})
             return
-        token = self._pool.open_session()
-        if token is None:
-            metrics.SHM_REFUSED.inc()
-            log.warning("region socket: refused a peer: %d sessions open", MAX_SESSIONS)
-            connection.close()
+        token = self._pool.open_session(pid)
+        if isinstance(token, str):
+            self._refuse(connection, {"pid": pid, "uid": uid, "gid": gid, "reason": token})
             return
         try:
             connection.sendmsg(
@@ -346,14 +357,31 @@ class RegionServer:
         connection.setblocking(False)
         self._selector.register(connection, selectors.EVENT_READ, token)
 
+    def _refuse(self, connection: socket.socket, fields: dict[str, object]) -> None:
+        """Close a refused peer's connection, count it, and log it unless a refusal was
+        logged less than ``_REFUSAL_LOG_SECONDS`` ago (the next line counts the ones
+        between)."""
+        connection.close()
+        metrics.SHM_REFUSED.inc()
+        self._refused_quietly += 1
+        now = time.monotonic()
+        if now < self._next_refusal_log:
+            return
+        self._next_refusal_log = now + _REFUSAL_LOG_SECONDS
+        fields = {**fields, "refused": self._refused_quietly}
+        self._refused_quietly = 0
+        log.warning("region socket: refused a peer", extra={"fields": fields})
+
     def _read(self, connection: socket.socket, token: bytes) -> None:
         try:
-            message = connection.recv(regions.MAX_RELEASE_BYTES)
+            message, _, flags, _ = connection.recvmsg(regions.MAX_RELEASE_BYTES)
         except BlockingIOError:
             return
         except OSError:
-            message = b""
-        leases = regions.parse_release(message)
+            message, flags = b"", 0
+        # A message longer than any release is no release: cut to the buffer, the rest
+        # would be parsed as if it were all.
+        leases = None if flags & socket.MSG_TRUNC else regions.parse_release(message)
         if leases is None:
             # The peer went away, or sent what no client sends: its session ends.
             self._selector.unregister(connection)
@@ -361,6 +389,25 @@ class RegionServer:
             self._pool.close_session(token)
             return
         self._pool.release(token, leases)
+
+
+def _peer_groups(connection: socket.socket, pid: int) -> tuple[int, ...]:
+    """The supplementary groups of ``connection``'s peer, process ``pid``: as the kernel
+    gave them when it connected (``SO_PEERGROUPS``), else (more than Python's getsockopt
+    holds, an older kernel) as the process has them now; none when neither says."""
+    try:
+        data = connection.getsockopt(socket.SOL_SOCKET, _SO_PEERGROUPS, _GROUPS_BYTES)
+        return tuple(array.array("I", data[: len(data) // 4 * 4]))
+    except OSError:
+        pass
+    try:
+        with open(f"/proc/{pid}/status") as status:
+            for line in status:
+                if line.startswith("Groups:"):
+                    return tuple(int(group) for group in line.split()[1:])
+    except (OSError, ValueError):
+        pass
+    return ()
 
 
 def remove_stale_socket(path: str) -> None:
