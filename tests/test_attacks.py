@@ -1270,3 +1270,21 @@ def test_a_stalled_call_flood_lets_every_sdk_call_through(
     # ...and it still ran, on open connections, when the last of them returned.
     assert open_at_the_end and open_at_the_end[0] > 0, "the flood had stopped"
     assert outcomes == ["ok"] * 10, outcomes
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), -float("inf")])
+def test_a_non_finite_parameter_is_refused_by_the_sdk_naming_its_field(value: float) -> None:
+    """``Spec(rope_theta=nan)`` and a config whose linear factor is NaN were accepted and
+    sent; each is refused where it is made, naming the field."""
+    with pytest.raises(posenc.InvalidArgumentError) as spec:
+        posenc.Spec("rotary", head_dim=64, rope_theta=value)
+    assert spec.value.field_violations[0][0] == "spec.rotary.rope_theta"
+    config = {"hidden_size": 512, "num_attention_heads": 8, "rope_theta": 10000.0}
+    config["rope_scaling"] = {"rope_type": "linear", "factor": value}
+    with pytest.raises(posenc.InvalidArgumentError) as read:
+        posenc.Spec.from_config(config)
+    assert read.value.field_violations == [
+        ("spec.rotary.linear.factor", f"must be a finite number, got {value}")
+    ]
+    with pytest.raises(posenc.InvalidArgumentError, match=r"spec\.rotary\.rope_theta"):
+        posenc.Spec.from_config({**config, "rope_theta": value, "rope_scaling": None})

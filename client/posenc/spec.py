@@ -19,6 +19,7 @@ cannot carry, and names the request field of anything it refuses.
 
 from __future__ import annotations
 
+import math
 import numbers
 import operator
 from collections.abc import Iterable, Mapping
@@ -177,7 +178,11 @@ def _scalar(field: FieldDescriptor, value: object, path: str) -> Any:
     if cpp_type in _REALS:
         if not isinstance(value, numbers.Real):
             raise bad_argument(path, f"must be a real number, got {type(value).__name__}")
-        return float(value)
+        # No table parameter is NaN or infinite (the server refuses them too): said here,
+        # naming the field, before any call, and by Spec.from_config of a config holding one.
+        if not math.isfinite(real := float(value)):
+            raise bad_argument(path, f"must be a finite number, got {real}")
+        return real
     if cpp_type == FieldDescriptor.CPPTYPE_STRING:
         if not isinstance(value, str):
             raise bad_argument(path, f"must be a string, got {type(value).__name__}")
