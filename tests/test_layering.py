@@ -1,12 +1,14 @@
 """Dependencies point one way: the protocol package imports neither the SDK nor the server, the
 server imports nothing of the SDK, and no module imports back, directly or around a cycle, a
 module that imports it. Every import counts, a late one inside a function too. And one
-request passes each module of the SDK once."""
+request passes each module of the SDK once: a traced call, its calls and its returns, stays in
+each module once on the way down and once on the way up."""
 
 from __future__ import annotations
 
 import ast
 import sys
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import FrameType
@@ -162,3 +164,58 @@ def test_a_get_range_request_passes_each_module_once(rows: int, width_known: boo
         "posenc._cursor",
         "posenc._channel",
     ]
+
+
+def _stays(call: Callable[[], object]) -> list[str]:
+    """The SDK modules ``call`` stays in, in order: every Python call and return event of
+    this thread, each given to the nearest SDK frame's module (library code in between is
+    that module's work), consecutive events of one module making one stay."""
+    stays: list[str] = []
+
+    def module(frame: FrameType | None) -> str | None:
+        while frame is not None:
+            name = str(frame.f_globals.get("__name__", ""))
+            if name == "posenc" or name.startswith("posenc."):
+                return name
+            frame = frame.f_back
+        return None
+
+    def profile(frame: FrameType, event: str, _: object) -> None:
+        if event not in ("call", "return"):
+            return
+        name = module(frame)
+        if name is not None and stays[-1:] != [name]:
+            stays.append(name)
+
+    sys.setprofile(profile)
+    try:
+        call()
+    finally:
+        sys.setprofile(None)
+    return stays
+
+
+def _settled(client: posenc.Client) -> None:
+    """Until the client's read-ahead thread has nothing left to do."""
+    for _ in range(500):
+        time.sleep(0.002)
+        if client._ahead_queue.empty() and not client._core.rows.in_flight:
+            return
+    raise AssertionError("read-ahead never settled")
+
+
+def test_a_cached_decode_step_stays_in_each_module_once_down_and_once_up() -> None:
+    """A decode step whose rows the row cache holds, calls and returns traced: the public
+    method, the core's fast path, the row cache's lookup, and the driver handing the result
+    back. At most 2m - 1 stays for m modules: a module is not asked twice for pieces of one
+    step, and nothing is built that the answer does not need."""
+    client = posenc.Client(transport=MockTransport(lambda r: np.zeros((len(positions(r)), 64))))
+    with client:
+        for step in range(4):
+            client.get_positions([1000 + step], 64)
+            _settled(client)
+        for positions_of_step in ([1004], np.array([1005]), np.array([[1006]])):
+            stays = _stays(lambda p=positions_of_step: client.get_positions(p, 64))
+            assert stays[0] == "posenc._base" and stays[-1] == "posenc._base", stays
+            assert len(stays) <= 2 * len(set(stays)) - 1, stays
+            assert "posenc._query" not in stays, "a cached step builds no query"

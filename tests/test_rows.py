@@ -27,6 +27,8 @@ from posenc._rows import (
     RowCache,
     RowPlan,
 )
+from posenc.testing import MockTransport
+from posenc.testing import positions as selected
 from posenc_server.app import RunningServer
 
 D_MODEL = 4096  # float32 rows of 16 KiB
@@ -226,6 +228,87 @@ def test_background_read_ahead_starts_when_a_window_is_half_used() -> None:
     plan = cache.plan(query([1066]))
     rows = answer(plan)
     assert plan is not None and plan.fetch is None and rows is not None and (rows == 1066).all()
+
+
+def test_a_cached_step_is_a_lookup_that_claims_once_when_its_window_runs_short() -> None:
+    # The decode loop's path: a step whose rows one batch holds is answered without a plan;
+    # the first step within the lead (32 rows) of its window's end says a claim is due, and
+    # only that one: the steps between wake no read-ahead thread.
+    cache = RowCache(64 * MIB, MIB)
+    cache.plan(query([1000]))
+    answer(cache.plan(query([1001])))  # caches 1001 .. 1064
+    key = query([1]).spec_key
+    for position in range(1001, 1033):
+        found = cache.lookup(key, np.array([position]))
+        assert found is not None and not found[1] and (found[0] == position).all()
+    rows, due = cache.lookup(key, np.array([1033])) or (None, False)
+    assert rows is not None and due and rows.shape == (1, D_MODEL)
+    found = cache.lookup(key, np.array([1034]))
+    assert found is not None and not found[1]  # claimed already
+    assert cache.lookup(key, np.array([1065])) is None  # not cached: the caller plans
+    assert cache.lookup(query([1], d_model=64).spec_key, np.array([1002])) is None
+    # The claim it calls for fetches the next window, as a step's own claim would.
+    (ahead,) = cache.claim_ahead(query([1033]), object)
+    assert ahead.query.positions is not None and ahead.query.positions[0] == 1065
+
+
+def test_a_lookup_of_several_sequences_keeps_their_order_and_gives_a_new_array() -> None:
+    cache = RowCache(64 * MIB, MIB)
+    starts = np.array([10, 5000, 90000, 700])
+    cache.plan(query(starts))
+    answer(cache.plan(query(starts + 1)))  # 16 rows ahead each (11 .. 26, ...)
+    key = query([1]).spec_key
+    found = cache.lookup(key, np.array([5004, 12, 12, 90003]))
+    assert found is not None
+    rows, due = found
+    assert rows[:, 0].tolist() == [5004, 12, 12, 90003] and not due
+    rows[...] = -1  # the caller's to write: the cache's rows stay
+    again = cache.lookup(key, np.array([12]))
+    assert again is not None and (again[0] == 12).all()
+    # The lead of 4 sequences is half their window, 8 rows: the first step within 8 rows of
+    # a window's end claims, once.
+    not_yet = cache.lookup(key, starts + 8)
+    assert not_yet is not None and not not_yet[1]
+    due_now = cache.lookup(key, starts + 9)
+    assert due_now is not None and due_now[1]
+    later = cache.lookup(key, starts + 10)
+    assert later is not None and not later[1]
+    assert cache.lookup(key, np.array([12, 4])) is None  # one row missing: plan
+
+
+def test_cached_steps_answer_as_their_steps_would() -> None:
+    # Steps served by the lookup (no plan) give what the same call gives through the server:
+    # lists, arrays of other int dtypes and shapes, (cos, sin) halves, tensors for a torch
+    # dtype; and a closed client refuses them, cached or not.
+    width = 64
+
+    def rows_of(request: Any) -> npt.NDArray[Any]:
+        held = selected(request).astype(np.float64)
+        return held[:, None] + np.arange(width) / 128
+
+    transport = MockTransport(rows_of)
+    client = posenc.Client(transport=transport)
+    plain = posenc.Client(transport=MockTransport(rows_of), row_cache_bytes=0)
+    rotary = posenc.Spec("rotary", head_dim=width)
+    starts = np.array([100, 9000, 70000])
+    with client, plain:
+        for step in range(40):
+            now = starts + step
+            for form in (now.tolist(), now.astype(np.int32), now.reshape(3, 1), now[:1]):
+                np.testing.assert_array_equal(
+                    client.get_positions(form, width), plain.get_positions(form, width)
+                )
+            cos, sin = client.get_positions(now, rotary, cos_sin=True)
+            expected = plain.get_positions(now, rotary)
+            np.testing.assert_array_equal(np.concatenate([cos, sin], axis=-1), expected)
+        assert len(transport.calls) < 20  # the rest were cached
+        torch = pytest.importorskip("torch")
+        for step in range(3):
+            tensor = client.get_positions(starts + step, width, dtype=torch.float32)
+            assert isinstance(tensor, torch.Tensor)
+            np.testing.assert_array_equal(tensor.numpy(), plain.get_positions(starts + step, width))
+    with pytest.raises(posenc.ClientClosedError):
+        client.get_positions(starts + 5, width)
 
 
 def test_a_callers_own_fetch_ahead_is_in_flight_until_released() -> None:

@@ -127,6 +127,12 @@ class AsyncClient(
     def _iterate(self, steps: Steps[None]) -> AsyncIterator[Slice]:
         return self._drive(Stepper(steps))
 
+    async def _ready(self, result: Result, claim: AheadClaim | None) -> Result:
+        # The claim starts when awaited: from the event loop, as every read-ahead.
+        if claim is not None:
+            self._read_ahead(claim)
+        return result
+
     async def _drive(self, stepper: Stepper[Any]) -> AsyncIterator[Slice]:
         with stepper:
             for operation in stepper:

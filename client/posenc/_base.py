@@ -266,6 +266,11 @@ class BaseClient(Generic[ArrayT, InfoT, StatusT, SlicesT]):
         the background (see ``row_cache_bytes`` and ``readahead_bytes``). The result is
         always a new array (or ``out``). ``AsyncClient``: awaitable.
         """
+        if out is None and device is None and coordinate_axis == -1 and timeout is DEFAULT:
+            # A decode step whose rows are cached: answered before any step is built.
+            step = None if classic else self._core.cached(positions, table, dtype, cos_sin)
+            if step is not None:
+                return self._ready(*step)
         steps = self._core.get_positions(
             positions,
             table,
@@ -459,6 +464,11 @@ class BaseClient(Generic[ArrayT, InfoT, StatusT, SlicesT]):
 
     def _run(self, steps: Steps[Any]) -> Any:
         """Performs ``steps``: their result (or, asyncio, an awaitable of it)."""
+        raise NotImplementedError
+
+    def _ready(self, result: Any, claim: AheadClaim | None) -> ArrayT:
+        """A result found without steps (or, asyncio, an awaitable of it); ``claim``, if not
+        None, is started as a read-ahead."""
         raise NotImplementedError
 
     def _iterate(self, steps: Steps[None]) -> SlicesT:

@@ -127,6 +127,11 @@ class Client(BaseClient[Result, ServerInfo, str, Iterator[Slice]]):
     def _iterate(self, steps: Steps[None]) -> Iterator[Slice]:
         return self._drive(Stepper(steps))
 
+    def _ready(self, result: Result, claim: AheadClaim | None) -> Result:
+        if claim is not None:
+            self._read_ahead(claim)
+        return result
+
     def _drive(self, stepper: Stepper[Any]) -> Iterator[Slice]:
         with stepper:
             for operation in stepper:

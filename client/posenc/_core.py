@@ -28,7 +28,7 @@ from grpc_health.v1 import health_pb2
 
 from posenc._channel import Settings
 from posenc._cursor import StreamCursor, decode_unary, parts, unary_request
-from posenc._output import Output
+from posenc._output import Output, as_tensor, cos_sin_halves
 from posenc._query import (
     Query,
     Widths,
@@ -360,6 +360,24 @@ def _affinity(query: Query) -> int | None:
 
 # -- the calls ---------------------------------------------------------------------------------
 
+# Decode-step argument forms remembered (see Core.cached): more tables than a loop uses.
+_FORMS_KEPT = 64
+
+
+class _Form:
+    """What the ``table`` and ``dtype`` of a decode step mean, found by its steps: the spec's
+    key and query (for read-ahead claims), and the result's form. It holds ``table``, so the
+    object's id, its key, names no other object while it is kept."""
+
+    __slots__ = ("key", "query", "rotary", "table", "tensor")
+
+    def __init__(self, table: object, key: bytes, query: Query, tensor: bool, rotary: bool):
+        self.table = table
+        self.key = key
+        self.query = query
+        self.tensor = tensor
+        self.rotary = rotary
+
 
 class Core:
     """The steps of every SDK call, on a client's settings, row cache and known widths.
@@ -378,6 +396,8 @@ class Core:
         self._contact = Contact(settings.target)
         # Set by the clients' close(); every call starts at budget(), so one check refuses all.
         self.closed = False
+        # What the arguments of decode steps were found to mean (see cached()).
+        self._forms: dict[tuple[Any, ...], _Form] = {}
 
     def check_open(self) -> None:
         """ClientClosedError once the client is closed (every call starts here)."""
@@ -393,6 +413,77 @@ class Core:
             self.settings.retry_backoff,
             self._contact,
         )
+
+    # -- the decode step's fast path
+
+    def cached(
+        self, positions: object, table: object, dtype: object, cos_sin: object
+    ) -> tuple[Result, AheadClaim | None] | None:
+        """A ``get_positions`` whose rows the row cache holds, answered before anything else
+        is built: its result, and the read-ahead claim that is due, if one is. None when the
+        call must take its steps (:meth:`get_positions`): another form of arguments, a row
+        missing, the client closed.
+
+        The arguments are not checked again: an earlier call of the same ``table`` object
+        and ``dtype`` took its steps and recorded what they mean (its spec, its result's
+        form); numpy arrays and lists of int positions are read here as those steps read
+        them. A decode step then costs a few numpy calls: no plan, no query, no lock.
+        """
+        try:
+            form = self._forms.get(
+                (table, dtype) if type(table) is int else (id(table), dtype, None)
+            )
+        except TypeError:  # an unhashable dtype argument: the steps say what is wrong with it
+            return None
+        if form is None or self.closed or (type(table) is not int and form.table is not table):
+            return None
+        if type(cos_sin) is not bool:
+            return None
+        if type(positions) is np.ndarray:
+            array = positions
+        elif type(positions) is list:
+            array = np.asarray(positions)
+        else:
+            return None
+        if array.dtype != np.int64:
+            if array.dtype.kind != "i":
+                return None  # unsigned (may not fit), floats, objects: the steps judge them
+            array = array.astype(np.int64)
+        flat = array.reshape(-1)
+        if not 0 < flat.size <= MAX_CACHED_CALL_ROWS or (cos_sin and not form.rotary):
+            return None  # (cos_sin of a table not rotary: the steps say so)
+        found = self.rows.lookup(form.key, flat)
+        if found is None:
+            return None
+        rows, due = found
+        result: Result = rows if array.ndim == 1 else rows.reshape(*array.shape, rows.shape[1])
+        if form.tensor:
+            result = as_tensor(result)
+        if cos_sin:
+            result = cos_sin_halves(result)
+        if not due:
+            return result, None
+        query = dataclasses.replace(
+            form.query, rows=flat.size, positions=flat.copy(), columns=rows.shape[1]
+        )
+        return result, AheadClaim(query)
+
+    def _remember(self, table: object, dtype: object, query: Query, result: Output) -> None:
+        """Records what a decode step's ``table`` and ``dtype`` mean, for :meth:`cached`: when
+        its rows may be cached and its result is a new array (or tensor) of the rows."""
+        if query.axes > 1 or result.out is not None or result.device is not None:
+            return
+        try:
+            key = (table, dtype) if type(table) is int else (id(table), dtype, None)
+        except TypeError:
+            return
+        if key in self._forms:
+            return
+        if len(self._forms) >= _FORMS_KEPT:
+            self._forms.clear()
+        rotary = query.spec.WhichOneof("table") in ("rotary", "mrope")
+        template = dataclasses.replace(query, positions=None, out=None, view=False)
+        self._forms[key] = _Form(table, query.spec_key, template, result.tensor, rotary)
 
     # -- what the public methods run
 
@@ -430,6 +521,8 @@ class Core:
         )
         if query.axes > 1:  # coordinates: the row cache keys rows by one position
             return result.finish((yield from self._fetch(query, budget)))
+        if not classic and coordinate_axis == -1:
+            self._remember(table, dtype, query, result)
         return result.finish((yield from self._through_rows(query, budget)))
 
     def get_grid(

@@ -22,6 +22,7 @@ known: from a response, the first of each table going to the server as asked.
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import threading
 from collections import OrderedDict
@@ -57,18 +58,37 @@ _RECENT_POSITIONS = 2 * MAX_CACHED_CALL_ROWS
 _RECENT_SPECS = 8
 # What an index entry costs beyond its row (dict slot, int key, tuple), counted in the budget.
 _ENTRY_BYTES = 100
+# Batches of a spec that a lookup tries, newest first: a decode step's rows are all in the
+# window fetched last, or the one before while a window's successor is landing.
+_LOOKUP_BATCHES = 4
 
 _Rows = np.ndarray[Any, np.dtype[Any]]
 
 
-@dataclass(eq=False)
 class _Batch:
-    """The rows of one read-ahead fetch, all of one spec; cached and evicted as a unit."""
+    """The rows of one read-ahead fetch, all of one spec; cached and evicted as a unit.
 
-    key: bytes
-    positions: list[int]
-    rows: _Rows
-    cost: int
+    A fetch asks for distinct positions in ascending order, so row ``i`` is the row of
+    ``held[i]``: a lookup is a binary search of ``held``, without an index. ``covered[i]``
+    says whether the batch holds the row ``lead`` positions after ``held[i]`` too; the
+    first step that finds a row of it not covered claims the next rows (``claimed``).
+    """
+
+    __slots__ = ("claimed", "cost", "covered", "held", "key", "positions", "rows")
+
+    def __init__(self, key: bytes, held: npt.NDArray[np.int64], rows: _Rows) -> None:
+        self.key = key
+        self.held = held
+        self.positions: list[int] = held.tolist()
+        self.rows = rows
+        self.cost = rows.nbytes + _ENTRY_BYTES * len(self.positions)
+        self.covered = np.zeros(len(self.positions), dtype=bool)
+        self.claimed = False
+
+    def cover(self, lead: int) -> None:
+        """Works out ``covered`` for read-ahead ``lead`` rows (before the batch is shared)."""
+        ahead = np.minimum(np.arange(len(self.held)) + lead, len(self.held) - 1)
+        self.covered = self.held[ahead] == self.held + lead
 
 
 _Entry = tuple[_Batch, int]  # a batch and the index of the row in it
@@ -121,6 +141,9 @@ class RowCache:
         # Per spec: positions being fetched (in the background, or ahead by a caller's own
         # call), and the token of each fetch.
         self._in_flight: dict[bytes, dict[int, Any]] = {}
+        # What :meth:`lookup` reads without the lock: per spec, its newest batches (a tuple,
+        # replaced whole under the lock, so a reader sees one or the other).
+        self._newest: dict[bytes, tuple[_Batch, ...]] = {}
 
     @property
     def in_flight(self) -> int:
@@ -133,6 +156,50 @@ class RowCache:
         """Bytes the cache holds now (rows and index), at most ``budget_bytes``."""
         with self._lock:
             return self._bytes
+
+    def lookup(self, key: bytes, positions: npt.NDArray[np.int64]) -> tuple[_Rows, bool] | None:
+        """The rows of ``positions`` (flat, int64) of spec ``key`` as a new array, when one of
+        the spec's newest batches holds them all, and whether a read-ahead claim is due;
+        None otherwise: the caller plans (:meth:`plan`).
+
+        The decode loop's path: no lock and no index, a binary search of a batch and one
+        gather, so that a step whose rows are cached costs a few numpy calls. A batch is
+        never changed once stored, and a row depends only on (spec, position): a batch
+        evicted while it is read still holds the right rows.
+
+        A claim is due at the first step whose rows are within the lead of their window's
+        end (:meth:`claim_ahead` fetches the next rows then), once a batch: the steps
+        between wake no thread.
+        """
+        newest = self._newest.get(key, ())
+        if positions.size == 1:  # one sequence: a bisection of the list, no array calls
+            position = positions.item()
+            for batch in newest:
+                row = bisect.bisect_left(batch.positions, position)
+                if row < len(batch.positions) and batch.positions[row] == position:
+                    due = not batch.claimed and not batch.covered[row]
+                    batch.claimed |= due
+                    return batch.rows[row : row + 1].copy(), due
+            return None
+        wanted = positions.tobytes()
+        for batch in newest:
+            held = batch.held
+            rows = held.searchsorted(positions)
+            # Bytes compared: fewer numpy calls than == and all() (clip: the rows checked).
+            if held.take(rows, mode="clip").tobytes() == wanted:
+                due = not batch.claimed and b"\x00" in batch.covered.take(rows).tobytes()
+                batch.claimed |= due
+                return batch.rows.take(rows, axis=0, mode="clip"), due
+        return None
+
+    def _lead(self, moving: int, row_bytes: int) -> tuple[int, int]:
+        """The read-ahead window and lead of ``moving`` sequences of rows of ``row_bytes``
+        (see :meth:`claim_ahead`)."""
+        window = max(1, min(MAX_READAHEAD_ROWS, self.readahead_bytes // (moving * row_bytes)))
+        # Steps ahead held at most a quarter of the cache: a lead of huge steps would
+        # evict the rows it fetched before they are used.
+        lead = max(window // 2, min(LEAD_STEPS, self.budget_bytes // (4 * moving * row_bytes)), 1)
+        return window, lead
 
     def _steps(self, query: Query) -> bool:
         """Whether ``query`` may be a decode step: a short list, with read-ahead on."""
@@ -254,21 +321,17 @@ class RowCache:
             recent = self._recent.get(key, OrderedDict())
             index = self._index.get(key, {})
             in_flight = self._in_flight.get(key, {})
+            # A position whose predecessor was asked for, or is cached: steps served by
+            # lookup() leave no trace in ``recent``, but their rows came from read-ahead.
             moving = [
                 p
                 for p in set(query.positions.tolist())
-                if p - 1 in recent and p <= INT64_MAX - 2 * MAX_READAHEAD_ROWS
+                if (p - 1 in recent or p - 1 in index) and p <= INT64_MAX - 2 * MAX_READAHEAD_ROWS
             ]
             if not moving:
                 return []
             assert query.row_bytes is not None  # cacheable
-            window = max(
-                1, min(MAX_READAHEAD_ROWS, self.readahead_bytes // (len(moving) * query.row_bytes))
-            )
-            # Steps ahead held at most a quarter of the cache: a lead of huge steps would
-            # evict the rows it fetched before they are used.
-            step_bytes = len(moving) * query.row_bytes
-            lead = max(window // 2, min(LEAD_STEPS, self.budget_bytes // (4 * step_bytes)), 1)
+            window, lead = self._lead(len(moving), query.row_bytes)
             # Per position to fetch, the window it falls in (0: the nearest rows).
             layer_of: dict[int, int] = {}
             for p in moving:
@@ -331,7 +394,7 @@ class RowCache:
         assert ahead.query.positions is not None
         positions = ahead.query.positions.tolist()
         if rows is not None:
-            self._store(_Batch(ahead.key, positions, rows, rows.nbytes + _ENTRY_BYTES * len(rows)))
+            self._store(_Batch(ahead.key, ahead.query.positions, rows))
         self._landed(ahead.key, positions, ahead.token)
 
     def _landed(self, key: bytes, positions: list[int], token: Any) -> None:
@@ -347,6 +410,10 @@ class RowCache:
     def _store(self, batch: _Batch) -> None:
         if batch.cost > self.budget_bytes:
             return
+        if batch.rows.shape[1] and len(batch.positions):
+            # Its sequences: runs of consecutive positions (the windows fetched).
+            runs = 1 + int(np.count_nonzero(np.diff(batch.held) != 1))
+            batch.cover(self._lead(runs, batch.rows.shape[1] * batch.rows.dtype.itemsize)[1])
         with self._lock:
             while self._bytes + batch.cost > self.budget_bytes:
                 self._evict(next(iter(self._batches)))
@@ -355,10 +422,17 @@ class RowCache:
             index = self._index.setdefault(batch.key, {})
             for row, position in enumerate(batch.positions):
                 index[position] = (batch, row)
+            newest = self._newest.get(batch.key, ())
+            self._newest[batch.key] = (batch, *newest[: _LOOKUP_BATCHES - 1])
 
     def _evict(self, batch: _Batch) -> None:
         del self._batches[batch]
         self._bytes -= batch.cost
+        newest = tuple(kept for kept in self._newest.get(batch.key, ()) if kept is not batch)
+        if newest:
+            self._newest[batch.key] = newest
+        else:
+            self._newest.pop(batch.key, None)
         index = self._index[batch.key]
         for position in batch.positions:
             entry = index.get(position)
@@ -423,10 +497,7 @@ class RowPlan:
         entries = self._found
         if self.fetch is not None:
             assert fetched is not None and self.fetch.positions is not None
-            positions = self.fetch.positions.tolist()
-            batch = _Batch(
-                self._key, positions, fetched, fetched.nbytes + _ENTRY_BYTES * len(positions)
-            )
+            batch = _Batch(self._key, self.fetch.positions, fetched)
             self._cache._store(batch)  # a fetch always reads ahead (else plan() gave None)
             self.release()
             assert self._query.positions is not None
