@@ -89,8 +89,14 @@ bench-quick: $(STAMP) $(BENCH_STAMP)
 	$(BIN)/python -m bench --quick
 
 # The documentation site (mkdocs.yml) into build/site, strict: a broken link, anchor or API
-# reference fails it. `make test` runs the same build (tests/test_docs.py).
+# reference fails it. `make test` runs the same build (tests/test_docs.py). It installs the
+# docs tools alone (the docs extra): not the test tools' torch and transformers.
 .PHONY: docs
+DOCS_STAMP := $(VENV)/.installed-docs
 
-docs: $(STAMP)
+$(DOCS_STAMP): pyproject.toml | $(BIN)/python
+	$(BIN)/python -m pip install --quiet -e '.[docs]'
+	touch $@
+
+docs: $(DOCS_STAMP)
 	$(BIN)/mkdocs build --strict

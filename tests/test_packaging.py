@@ -14,8 +14,9 @@ import pytest
 from conftest import ROOT
 from packaging.requirements import Requirement
 
-# Extras a user installs; `dev` and `conformance` are the project's own test environments.
-_TEST_ONLY = {"dev", "conformance"}
+# Extras a user installs; `dev` and `conformance` are the project's own test environments,
+# `docs` the tools of `make docs`.
+_TEST_ONLY = {"dev", "conformance", "docs"}
 
 
 def _project() -> dict[str, object]:
