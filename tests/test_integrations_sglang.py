@@ -475,6 +475,12 @@ def test_other_releases_are_served_after_checking(
         ),
     ):
         ps.install_model(torch.nn.Sequential(module), client)
+    # Outside the tested releases the check runs even when verify=False is asked.
+    with (
+        pytest.warns(ps.UntestedReleaseWarning),
+        pytest.raises(posenc.InvalidArgumentError, match="row 7"),
+    ):
+        ps.install(module, ps.cos_sin_cache(client, **arguments), verify=False)
 
 
 def test_fope_llama4_vision_and_dual_chunk(rope: types.ModuleType, client: posenc.Client) -> None:

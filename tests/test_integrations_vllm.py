@@ -655,6 +655,12 @@ def test_other_releases_are_served_after_checking(
         ),
     ):
         pv.install_model(client, torch.nn.Sequential(module))
+    # Outside the tested releases the check runs even when verify=False is asked.
+    with (
+        pytest.warns(pv.UntestedReleaseWarning),
+        pytest.raises(posenc.InvalidArgumentError, match="row 7"),
+    ):
+        pv.install(module, cache, verify=False)
 
 
 def test_tested_window_is_the_extras_and_the_releases_run() -> None:

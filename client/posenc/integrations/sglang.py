@@ -515,7 +515,8 @@ def install(
         client: The client rows are fetched with when SGLang grows the cache later; None
             leaves the rows SGLang appends its own.
         verify: Compare the leading rows with the module's own first and refuse another
-            table; False skips it.
+            table; False skips it (inside :data:`TESTED_SGLANG` only: outside, every cache
+            is compared).
 
     Raises:
         posenc.InvalidArgumentError: No such buffer, another shape, or (``verify``) another
@@ -527,11 +528,11 @@ def install(
         caches = {name or "cos_sin_cache": cache}
     else:
         caches = dict(cache)
-    if verify:
+    # Outside the tested releases the check is the guard: it runs whatever verify says.
+    if verify or _RELEASES.warn("SGLang integration") is not None:
         _check("", rotary_emb, caches)
     else:
         _caches.check_shapes(rotary_emb, caches)
-        _RELEASES.warn("SGLang integration")
     _write(rotary_emb, caches, client)
 
 
@@ -554,7 +555,8 @@ def install_model(
         posenc.InvalidArgumentError: The model holds no served rotary module, or
             (``verify``) a cache differs from a module's own.
     """
-    _RELEASES.warn("SGLang integration")
+    # Outside the tested releases the check is the guard: it runs whatever verify says.
+    verify = _RELEASES.warn("SGLang integration") is not None or verify
     return _caches.install_modules(
         client,
         model,

@@ -574,18 +574,19 @@ def install(
         verify: Compare the leading rows with the module's own cache first and refuse a
             different table (wrong ``rope_theta``, scaling or row convention; on a vLLM
             outside :data:`TESTED_VLLM`, a class that changed). False skips it, for a module
-            whose buffer no longer holds vLLM's own values.
+            whose buffer no longer holds vLLM's own values (inside the tested releases
+            only: outside, every cache is compared).
 
     Raises:
         posenc.InvalidArgumentError: No such buffer, another shape, or (``verify``) another
             table: one line naming the module, the buffer and the row that differs.
     """
     caches = {_buffer(rotary_emb)[0]: cache} if isinstance(cache, torch.Tensor) else dict(cache)
-    if verify:
+    # Outside the tested releases the check is the guard: it runs whatever verify says.
+    if verify or _RELEASES.warn("vLLM integration") is not None:
         _check("", rotary_emb, caches)
     else:
         _caches.check_shapes(rotary_emb, caches)
-        _RELEASES.warn("vLLM integration")
     _write(rotary_emb, caches)
 
 
@@ -608,7 +609,8 @@ def install_model(
         posenc.InvalidArgumentError: The model holds no served rotary module, or
             (``verify``) a cache differs from a module's own.
     """
-    _RELEASES.warn("vLLM integration")
+    # Outside the tested releases the check is the guard: it runs whatever verify says.
+    verify = _RELEASES.warn("vLLM integration") is not None or verify
     return _caches.install_modules(
         client,
         model,
