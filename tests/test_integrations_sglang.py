@@ -395,9 +395,9 @@ def test_install_model(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """install_model on a small model holding SGLang's own rotary instances: layers sharing
-    a module, Phi-3's three buffers, a YaRN setting posenc does not serve and an unknown
-    class (left alone, named); SGLang's imports of vLLM (its fallback kernels) change
-    nothing."""
+    a module, Phi-3's three buffers, YaRN with an extrapolation factor (its own float32
+    frequencies, exact angles) and an unknown class (left alone, named); SGLang's imports of
+    vLLM (its fallback kernels) change nothing."""
     monkeypatch.setitem(sys.modules, "vllm", types.SimpleNamespace(__version__="0.9.2"))
     local = args(128, 2048, 10000.0)
     phi3 = CASES["longrope"][0]
@@ -425,14 +425,19 @@ def test_install_model(
     model.phi3 = build(rope, phi3)
     model.extrapolated = build(rope, extrapolated)
     model.mystery = MysteryRotaryEmbedding()
-    kept = model.extrapolated.cos_sin_cache.clone()
     with caplog.at_level(logging.WARNING, logger="posenc.integrations.sglang"):
         installed = ps.install_model(model, client)
-    assert installed == ["layers.0.self_attn.rotary_emb", "phi3"]
+    assert installed == ["layers.0.self_attn.rotary_emb", "phi3", "extrapolated"]
     (line,) = [r.getMessage() for r in caplog.records if "left with" in r.getMessage()]
-    assert "extrapolated (YaRNScalingRotaryEmbedding: " in line and "extrapolation_factor" in line
-    assert "mystery (MysteryRotaryEmbedding: " in line
-    assert torch.equal(model.extrapolated.cos_sin_cache, kept)
+    assert "mystery (MysteryRotaryEmbedding: " in line and "extrapolated (" not in line
+    module = model.extrapolated
+    frequencies = module._compute_inv_freq(module.scaling_factor).double()
+    angles = torch.outer(torch.arange(len(module.cos_sin_cache), dtype=torch.float64), frequencies)
+    exact = torch.cat((angles.cos(), angles.sin()), dim=-1) * module.mscale
+    error = float((module.cos_sin_cache.double() - exact).abs().max())
+    assert error <= EPS32 * float(exact.abs().max())
+    with pytest.raises(posenc.InvalidArgumentError, match="cos_sin_cache_of"):
+        ps.cos_sin_cache(client, **extrapolated)
     assert torch.equal(shared.cos_sin_cache, ps.cos_sin_cache(client, **local))
     expected = ps.cos_sin_cache(client, **phi3)
     assert torch.equal(model.phi3.long_short_cos_sin_cache, expected)

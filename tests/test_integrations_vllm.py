@@ -411,8 +411,9 @@ def test_install_model(
     rope: types.ModuleType, client: posenc.Client, caplog: pytest.LogCaptureFixture
 ) -> None:
     """install_model on a model as vLLM builds it: layers sharing get_rope's modules, two
-    rope settings (sliding and global layers), DeepSeek's class, and modules posenc does not
-    serve (an unknown class, mixed NTK): left alone and named with the reason."""
+    rope settings (sliding and global layers), DeepSeek's class, mixed NTK (its own float32
+    frequencies, exact angles), and a class posenc does not serve: left alone and named
+    with the reason."""
     local = {"rope_theta": 10000.0}
     scaled = {"rope_type": "linear", "rope_theta": 1000000.0, "factor": 8.0}
     deepseek = {
@@ -434,26 +435,29 @@ def test_install_model(
     model.deepseek = rope.get_rope(64, 2048, rope_parameters=deepseek)
     model.mixed = rope.get_rope(64, 2048, rope_parameters=mixed)
     model.mystery = MysteryRotaryEmbedding()
-    kept = model.mixed.cos_sin_cache.clone()
     with caplog.at_level("WARNING", logger="posenc.integrations.vllm"):
         installed = pv.install_model(client, model)
     assert installed == [
         "layers.0.self_attn.rotary_emb",
         "layers.2.self_attn.rotary_emb",
         "deepseek",
+        "mixed",
     ]
     (line,) = [r.getMessage() for r in caplog.records if "left with" in r.getMessage()]
-    assert "mixed (NTKScalingRotaryEmbedding: " in line and "mixed_b" in line
-    assert "mystery (MysteryRotaryEmbedding: " in line
-    assert torch.equal(model.mixed.cos_sin_cache, kept)
+    assert "mystery (MysteryRotaryEmbedding: " in line and "mixed (" not in line
     assert torch.equal(model.mystery.cos_sin_cache, torch.ones(16, 8))
     for name, parameters in (("layers.0", local), ("layers.2", scaled)):
         rotary = model.get_submodule(f"{name}.self_attn.rotary_emb")
         expected = pv.cos_sin_cache(client, 128, 2048, parameters)
         assert torch.equal(rotary.cos_sin_cache, expected)
     assert torch.equal(model.deepseek.cos_sin_cache, pv.cos_sin_cache(client, 64, 2048, deepseek))
-    with pytest.raises(posenc.InvalidArgumentError, match=r"holds no rotary module.*mixed_b"):
-        pv.install_model(client, torch.nn.Sequential(model.mixed))
+    # Mixed NTK: the angles of the module's own float32 frequencies, to float32 rounding.
+    frequencies = model.mixed._compute_inv_freq(10000.0).double()
+    angles = torch.outer(torch.arange(2048, dtype=torch.float64), frequencies)
+    exact = torch.cat((angles.cos(), angles.sin()), dim=-1)
+    assert float((model.mixed.cos_sin_cache.double() - exact).abs().max()) <= EPS32
+    with pytest.raises(posenc.InvalidArgumentError, match=r"holds no rotary module.*Mystery"):
+        pv.install_model(client, torch.nn.Sequential(model.mystery))
     with pytest.raises(posenc.InvalidArgumentError, match="MysteryRotaryEmbedding"):
         pv.cos_sin_cache_of(client, model.mystery)
 
@@ -619,7 +623,7 @@ def test_missing_rope_theta_is_refused(rope: types.ModuleType) -> None:
 
 def test_unserved_rope_types_are_refused() -> None:
     cases = {
-        "mixed_b": {"rope_type": "ntk", "factor": 2.0, "mixed_b": 0.5},
+        "cos_sin_cache_of": {"rope_type": "ntk", "factor": 2.0, "mixed_b": 0.5},
         "use_fope": {"rope_type": "default", "use_fope": True},
         "rope_type": {"type": "linear", "factor": 2.0},
         "'su' is not served": {"rope_type": "su"},

@@ -48,6 +48,16 @@ def rotary(dim: int, theta: float, **scaling: Any) -> posenc.Spec:
     return posenc.Spec("rotary", head_dim=dim, rope_theta=theta, layout="vllm", **scaling)
 
 
+def own_frequencies(dim: int, inv_freq: torch.Tensor, attention: float = 1.0) -> posenc.Spec:
+    """The table of a module's own frequencies (the float32 values its code computed), the
+    angles exact for those values: for a scaling posenc has no closed form of."""
+    values = [float(f) for f in inv_freq.detach().cpu().double()]
+    fields: dict[str, Any] = {"inv_freq": values}
+    if attention != 1.0:
+        fields["attention_factor"] = attention
+    return posenc.Spec("rotary", head_dim=dim, layout="vllm", scaling="frequencies", **fields)
+
+
 @dataclass(frozen=True)
 class Run:
     """Rows of one posenc table: positions ``start`` to ``start + rows - 1``."""

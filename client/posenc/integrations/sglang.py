@@ -106,15 +106,22 @@ def _served(rotary_emb: torch.nn.Module) -> str | None:
 
 def _yarn(m: Any, original: int) -> posenc.Spec:
     """SGLang's YaRN frequencies (over ``original``) and its scale, the module's ``mscale``
-    (``attn_factor`` included). ``extrapolation_factor`` other than 1 scales the ramp,
-    which no published model sets and posenc does not serve."""
+    (``attn_factor`` included). An ``extrapolation_factor`` other than 1 scales the ramp,
+    a form posenc's YaRN has not: the module's own float32 frequencies are served then,
+    their angles exact."""
     extrapolation = float(getattr(m, "extrapolation_factor", 1))
     if extrapolation != 1:
-        raise violation(
-            "rotary_emb",
-            f"{type(m).__name__} has extrapolation_factor {extrapolation:g}: its ramp "
-            "scaled by it is not served (1 is)",
-        )
+        compute = getattr(m, "_compute_inv_freq", None)
+        if compute is None:  # get_rope's arguments only: no frequencies to take
+            raise violation(
+                "rope_scaling.extrapolation_factor",
+                f"{extrapolation:g} scales YaRN's ramp, which has no closed form here: "
+                "build the cache from the module, cos_sin_cache_of(client, module)",
+            )
+        bailing = type(m).__name__ == "BailingMRotaryEmbedding"
+        with torch.no_grad():
+            inv_freq = compute(m.base if bailing else m.scaling_factor)
+        return _caches.own_frequencies(int(m.rotary_dim), inv_freq, float(m.mscale))
     return rotary(
         int(m.rotary_dim),
         float(m.base),

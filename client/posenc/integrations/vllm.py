@@ -123,8 +123,9 @@ def _ntk_spec(dim: int, theta: float, factor: float, mixed_b: Any) -> posenc.Spe
     if mixed_b is not None:
         raise violation(
             "rope_parameters.mixed_b",
-            "NTKScalingRotaryEmbedding with mixed_b scales each frequency by a float32 "
-            "exp(a * i ** mixed_b) no published model uses; only fixed NTK is served",
+            "NTKScalingRotaryEmbedding with mixed_b scales each frequency by exp(a * i ** "
+            "mixed_b) in float32: build it from the module, whose own frequencies are "
+            "served (cos_sin_cache_of(client, module))",
         )
     return rotary(dim, theta * factor, scaling="linear", factor=factor ** (2 / dim))
 
@@ -495,6 +496,13 @@ def caches_of(client: posenc.Client, rotary_emb: torch.nn.Module) -> dict[str, t
         dim, patches = int(m.rotary_dim), int(m.max_position_embeddings)
         double = buffer.dtype == torch.complex128
         return {name: llama4_vision_cache(client, dim, patches, float(m.base), double, None)}
+    if kind == "NTKScalingRotaryEmbedding" and m.mixed_b is not None:
+        # Mixed NTK has no closed form: the module's own float32 frequencies, exact angles.
+        dim = int(m.rotary_dim)
+        with torch.no_grad():
+            spec = _caches.own_frequencies(dim, m._compute_inv_freq(m.base))
+        plan = Plan((Run(spec, int(m.max_position_embeddings)),))
+        return {name: _caches.fetch(client, plan, buffer.dtype)}
     head_size, max_position, rope = get_rope_arguments(m)
     plan = _plan(head_size, max_position, rope, 1)
     return {name: _caches.fetch(client, plan, buffer.dtype)}
@@ -519,8 +527,11 @@ def cos_sin_cache_of(
     if kind == "DualChunkRotaryEmbedding":
         raise violation("rotary_emb", f"{kind} holds five caches: build them with caches_of")
     _, buffer = _buffer(rotary_emb)
-    if kind in ("Llama4VisionRotaryEmbedding", "FourierRotaryEmbedding") and dtype is None:
+    mixed = kind == "NTKScalingRotaryEmbedding" and getattr(rotary_emb, "mixed_b", None) is not None
+    if kind in ("Llama4VisionRotaryEmbedding", "FourierRotaryEmbedding") or mixed:
         (cache,) = caches_of(client, rotary_emb).values()
+        if dtype is not None:
+            cache = cache.to(dtype if isinstance(dtype, torch.dtype) else getattr(torch, dtype))
         return cache.to(device or buffer.device)
     head_size, max_position, rope = get_rope_arguments(rotary_emb)
     return cos_sin_cache(
