@@ -9,6 +9,7 @@ from typing import Any
 import numpy as np
 
 import posenc
+from bench import decode
 from bench.common import Section, Sizes, Table, cpu_seconds, median, percentile, ratio, runs_target
 from bench.floor import FloorClient
 from posenc._rows import LEAD_STEPS
@@ -74,7 +75,14 @@ def run(
             "ratio one of its own p50s or p99s. Client in the harness process. CPU per "
             "call: user + system CPU of the server's processes and of the harness process "
             f"(all its threads) over {sizes.latency_cpu_calls} further calls of each kind, run "
-            "one kind after the other."
+            "one kind after the other. Then, against memory (bench/decode.py): cached "
+            "steps (the rows in the row cache before each step, waited for untimed) of 1 and "
+            "64 sequences at d_model 128 and 4096, blocking and asyncio clients, back to back "
+            f"and after {MODEL_SECONDS * 1e3:.0f} ms of model time, each beside a numpy "
+            "gather of as many rows of a float32 table in memory (after the same pause): "
+            "step / gather per run (its p50s); and 64 sequences x 4096 advancing back to "
+            "back with nothing waited for, against the gather plus the step's bytes at the "
+            "floor's stream bandwidth measured in the same run."
         ),
     )
     kinds = [
@@ -280,6 +288,12 @@ def run(
             1.0,
         ),
         (
+            "p50 get_positions(1) / p50 empty unary beside it (model not waiting)",
+            per_run_ratio(free_running[0], beside[0]),
+            "<=",
+            0.5,
+        ),
+        (
             f"p99 get_positions({BATCH}) / p50 empty unary beside it (model not waiting)",
             per_run_ratio(free_running[1], beside[1], 99, 50),
             "",
@@ -352,4 +366,7 @@ def run(
         "batch": BATCH,
         "model_seconds": MODEL_SECONDS,
     }
+    # Cached steps against a numpy gather, and 64 sequences back to back against the gather
+    # plus the wire (bench/decode.py): after the phases above, on positions of their own.
+    decode.add_to(section, sizes, posenc_target, floor_target)
     return section

@@ -9,12 +9,13 @@ import sys
 import tempfile
 import time
 from collections.abc import Sequence
+from pathlib import Path
 
 import numpy as np
 
 import posenc
 from bench import procs
-from bench.common import MIB, REPO, Section, Sizes, Table, median, ratio, runs_target
+from bench.common import MIB, REPO, Section, Sizes, Table, median, ratio, rotated, runs_target
 from bench.floor import FloorClient
 
 TIMEOUT = 600.0
@@ -81,6 +82,12 @@ def run(sizes: Sizes, posenc_target: str, floor_target: str, extra: Sequence[str
                 if not sizes.quick
                 else " (full mode only) with an empty cache directory."
             )
+            + " Then a fresh client process (bench/fresh_client.py, bytecode compiled as an "
+            "installed package's) imports posenc, makes a client and connects it (untimed), "
+            f"and times its first call, `get_range` of {rows} x {d_model} in bfloat16 or "
+            "float32 from the harness's warm server, into an array touched before; a fresh "
+            "floor client process streams the same bytes; and `import posenc` is timed "
+            "against `import grpc, numpy` in pairs of fresh processes."
         ),
     )
     nbytes = {dtype: rows * d_model * _ITEMSIZE[dtype] for dtype in DTYPES}
@@ -178,6 +185,7 @@ def run(sizes: Sizes, posenc_target: str, floor_target: str, extra: Sequence[str
                 0.5,
             )
         )
+    new_clients = _fresh_clients(section, posenc_target, floor_target, rows, d_model, runs)
     section.targets.append(runs_target("warm-up before SERVING (s)", warm, "", 0.0, " s"))
     if compiled is not None:
         section.targets.append(
@@ -192,8 +200,99 @@ def run(sizes: Sizes, posenc_target: str, floor_target: str, extra: Sequence[str
         "serving_s": serving,
         "warm_up_s": warm,
         "warm_up_empty_cache_s": compiled,
+        "fresh_client": new_clients,
     }
     return section
+
+
+# The fresh client processes' dtypes: bfloat16 loads ml_dtypes, float32 needs nothing more.
+_CLIENT_DTYPES = ("bfloat16", "float32")
+_IMPORT_RUNS = 10
+
+
+def _fresh(mode: str, *arguments: str) -> list[float]:
+    """The figures a fresh client process (bench/fresh_client.py) prints. Its bytecode is
+    compiled (in a cache directory of its own), as an installed package's is."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+    env.pop("PYTHONDONTWRITEBYTECODE", None)
+    env["PYTHONPYCACHEPREFIX"] = str(Path(tempfile.gettempdir()) / "posenc-bench-pycache")
+    out = subprocess.run(
+        [sys.executable, "-m", "bench.fresh_client", mode, *arguments],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=TIMEOUT,
+        cwd=REPO,
+        env=env,
+    )
+    return [float(value) for value in out.stdout.split()]
+
+
+def _fresh_clients(
+    section: Section, posenc_target: str, floor_target: str, rows: int, d_model: int, runs: int
+) -> dict[str, object]:
+    """A fresh client process's first call (its imports and client made before, untimed)
+    against a fresh floor client's stream of the same bytes, on the warm harness servers;
+    and ``import posenc`` against ``import grpc, numpy``, each in fresh processes."""
+    _fresh("import")  # the bytecode cache filled
+    first: dict[str, list[float]] = {dtype: [] for dtype in _CLIENT_DTYPES}
+    floor_times: dict[str, list[float]] = {dtype: [] for dtype in _CLIENT_DTYPES}
+    setup: dict[str, list[float]] = {dtype: [] for dtype in _CLIENT_DTYPES}
+    for index in range(runs):
+        for dtype in rotated(_CLIENT_DTYPES, index):
+            # The range the harness's client fetched (so the server's cache holds it): what
+            # is measured is the client process's first call, not the server's.
+            size = [dtype, str(rows), str(d_model), "0"]
+            _, made, call = _fresh("call", posenc_target, *size)
+            first[dtype].append(call)
+            setup[dtype].append(made)
+            floor_times[dtype].append(_fresh("floor", floor_target, *size)[2])
+    imports: list[float] = []
+    import_ratios: list[float] = []
+    for _ in range(_IMPORT_RUNS):
+        posenc_import, floor_import = _fresh("import")[0], _fresh("import-floor")[0]
+        imports.append(posenc_import)
+        import_ratios.append(ratio(posenc_import, floor_import))
+    section.tables.append(
+        Table(
+            f"a fresh client process's first call, get_range {rows} x {d_model} from a warm "
+            f"server ({runs} runs); import times in {_IMPORT_RUNS} pairs of fresh processes",
+            ["dtype", "client made ms", "first call ms", "floor ms", "x floor (median run)"],
+            [
+                [
+                    dtype,
+                    f"{median(setup[dtype]) * 1e3:.0f}",
+                    f"{median(first[dtype]) * 1e3:.0f}",
+                    f"{median(floor_times[dtype]) * 1e3:.0f}",
+                    f"{median(_ratios(floor_times[dtype], first[dtype])):.2f}",
+                ]
+                for dtype in _CLIENT_DTYPES
+            ]
+            + [["import posenc", "", f"{median(imports) * 1e3:.0f}", "", ""]],
+        )
+    )
+    for dtype in _CLIENT_DTYPES:
+        section.targets.append(
+            runs_target(
+                f"first {dtype} call of a fresh client process / floor (MiB/s)",
+                _ratios(floor_times[dtype], first[dtype]),
+                ">=",
+                0.5,
+            )
+        )
+    section.targets.append(
+        runs_target(
+            "import posenc / import grpc, numpy (fresh processes)", import_ratios, "<=", 1.5
+        )
+    )
+    return {
+        "first_call_s": first,
+        "floor_s": floor_times,
+        "client_made_s": setup,
+        "import_s": imports,
+        "import_ratios": import_ratios,
+    }
 
 
 def _ratios(floor_times: list[float], call_times: list[float]) -> list[float]:
