@@ -527,3 +527,30 @@ def test_fope_llama4_vision_and_dual_chunk(rope: types.ModuleType, client: posen
     qc = np.outer(np.minimum(p + 7168, 8192), inv)
     expected = np.concatenate([np.cos(qc), np.sin(qc)], axis=1)
     assert np.abs(dual.cos_sin_qc_cache.numpy() - expected).max() <= EPS32
+
+
+@pytest.mark.parametrize("name", ["llama3", "deepseek_yarn-mscale", "proportional"])
+def test_installed_module_rotates_as_float64(
+    name: str, rope: types.ModuleType, client: posenc.Client
+) -> None:
+    """The module's own native forward with posenc's cache: float32 rounding of the float64
+    run's rotation, where SGLang's float32 cache is off by its angle error at far positions."""
+    arguments, _ = CASES[name]
+    module = build(rope, arguments)
+    exact = build(rope, arguments, torch.float64)
+    rows = len(module.cos_sin_cache)
+    positions = torch.tensor([0, 1, 77, 1023, 1024, rows // 2, rows - 1])
+    head_size = arguments["head_size"]
+    generator = torch.Generator().manual_seed(0)
+    query = torch.randn(len(positions), 4 * head_size, generator=generator)
+    key = torch.randn(len(positions), 2 * head_size, generator=generator)
+
+    def rotate(rotary: Any, dtype: Any) -> Any:
+        q, k = rotary.forward_native(positions, query.to(dtype), key.to(dtype))
+        return torch.cat([q.reshape(len(positions), -1), k.reshape(len(positions), -1)], -1)
+
+    expected = rotate(exact, torch.float64)
+    native = float((rotate(module, torch.float32).double() - expected).abs().max())
+    ps.install(module, ps.cos_sin_cache_of(client, module))
+    ours = float((rotate(module, torch.float32).double() - expected).abs().max())
+    assert ours <= 1e-5 < native, (ours, native)
