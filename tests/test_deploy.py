@@ -25,7 +25,7 @@ from kubernetes_validate.utils import all_versions
 
 from posenc_server import app
 from posenc_server.config import MIB, ServerConfig, shm_peers
-from posenc_server.metrics import HEALTH_PATH
+from posenc_server.metrics import HEALTH_PATH, LIVE_PATH
 
 K8S = ROOT / "deploy" / "k8s"
 NGINX_CONF = ROOT / "deploy" / "nginx" / "nginx.conf"
@@ -172,10 +172,14 @@ def test_probes_and_services_use_the_served_port() -> None:
     ports = {p["name"]: p["containerPort"] for p in container()["ports"]}
     assert ports["grpc"] == port
     assert ports["metrics"] == ServerConfig.from_args([], env()).metrics_port
-    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+    for probe, path in (
+        ("startupProbe", HEALTH_PATH),
+        ("readinessProbe", HEALTH_PATH),
+        # Liveness, which a flood of the gRPC port's connections does not fail.
+        ("livenessProbe", LIVE_PATH),
+    ):
         check = container()[probe]
-        # The server's health on the metrics port, which no connection flood fails.
-        assert check["httpGet"] == {"path": HEALTH_PATH, "port": "metrics"}, probe
+        assert check["httpGet"] == {"path": path, "port": "metrics"}, probe
     headless = one("Service", "posenc-headless")["spec"]
     assert headless["clusterIP"] == "None"
     assert headless["publishNotReadyAddresses"] is False

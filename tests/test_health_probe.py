@@ -1,8 +1,10 @@
 """The probe for kubelets: ``GET /healthz`` on the metrics port.
 
-It must answer while an unauthenticated client holds every connection the gRPC port allows
-(where a probe of gRPC health then fails), and while the client floods the metrics port
-itself with connections that never speak; it must turn 503 when a drain starts.
+It says whether a new call is served: NOT_SERVING while an unauthenticated client holds
+every connection the gRPC port allows (where a probe of gRPC health then fails too), or while
+the unix socket's worker is stopped; ``/livez`` answers 200 all the same, so the flood
+restarts nothing. Both answer while the client floods the metrics port itself with
+connections that never speak; both turn 503 when a drain starts.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import signal
 import socket
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import pytest
 from conftest import ServerProcess, fresh_probe, worker_pids
@@ -22,6 +25,8 @@ from test_cli import posenc_cli
 from test_operations import metrics_port
 
 import posenc
+from posenc_server.metrics import HEALTH_PATH as HEALTHZ
+from posenc_server.metrics import LIVE_PATH as LIVEZ
 
 
 def healthz(port: int, path: str = "/healthz") -> tuple[int, bytes]:
@@ -54,32 +59,91 @@ def flooded(spawn_server: Callable[..., ServerProcess]) -> Iterator[ServerProces
             sock.close()
 
 
+def _until(path: str, port: int, answer: tuple[int, bytes]) -> list[tuple[int, bytes]]:
+    """Probes of ``path`` until one gets ``answer`` (the pytest timeout is the hang
+    guard); the answers before it."""
+    before = []
+    while (got := healthz(port, path)) != answer:
+        before.append(got)
+        time.sleep(0.05)
+    return before
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(120)
-def test_no_connection_flood_fails_the_http_probe(flooded: ServerProcess) -> None:
+def test_a_connection_flood_fails_readiness_not_liveness(flooded: ServerProcess) -> None:
+    """While a client holds every connection the gRPC port allows, a new call finds no
+    place: /healthz says NOT_SERVING, as a probe of the gRPC port finds, so a balancer
+    moves traffic away; /livez still answers 200, so nothing restarts the server for it,
+    and no worker is replaced."""
     before = worker_pids(flooded.process.pid)
     assert len(before) == 2
     # The flood is real: a probe of the gRPC port finds no place.
     assert fresh_probe(flooded.target) != health_pb2.HealthCheckResponse.SERVING
     port = metrics_port(flooded)
+    _until(HEALTHZ, port, (503, b"NOT_SERVING\n"))
     # Probes the way the kubelet runs them (a liveness period is 10 s; here back to back, for
     # longer than the supervisor takes to replace a worker that fails its checks).
-    answers = [healthz(port) for _ in range(50)]
+    answers = [(healthz(port, LIVEZ), healthz(port)) for _ in range(50)]
     # Longer than the supervisor takes to replace a worker that fails its checks (3, each
     # up to 2 s); the metrics port's silent connections are closed after 5 s: open them anew.
     time.sleep(8)
     again = [socket.create_connection(("127.0.0.1", port)) for _ in range(200)]
     try:
-        answers += [healthz(port) for _ in range(50)]
+        answers += [(healthz(port, LIVEZ), healthz(port)) for _ in range(50)]
     finally:
         for sock in again:
             sock.close()
-    assert set(answers) == {(200, b"SERVING\n")}
+    assert set(answers) == {((200, b"SERVING\n"), (503, b"NOT_SERVING\n"))}
     assert worker_pids(flooded.process.pid) == before
-    # The containers' health check, `posenc health --http`, passes the same way.
-    url = f"http://127.0.0.1:{port}/healthz"
-    probe = posenc_cli("health", "--http", url, "--timeout", "10")
+    # The containers' liveness check, `posenc health --http` of /livez, passes the same way.
+    probe = posenc_cli("health", "--http", f"http://127.0.0.1:{port}{LIVEZ}", "--timeout", "10")
     assert (probe.returncode, probe.stdout.strip()) == (0, "SERVING"), probe.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_healthz_serves_again_once_a_flood_ends(spawn_server: Callable[..., ServerProcess]) -> None:
+    """One process at --max-connections 8: /healthz turns NOT_SERVING under 50 idle
+    connections, whose probe of gRPC health fails too, and SERVING once they close."""
+    server = spawn_server(0, "--max-connections", "8")
+    port = metrics_port(server)
+    assert healthz(port) == (200, b"SERVING\n")
+    flood = [RawConnection("127.0.0.1", server.port) for _ in range(50)]
+    try:
+        _until(HEALTHZ, port, (503, b"NOT_SERVING\n"))
+        assert fresh_probe(server.target, timeout=10) != health_pb2.HealthCheckResponse.SERVING
+        assert healthz(port, LIVEZ) == (200, b"SERVING\n")
+    finally:
+        for connection in flood:
+            connection.close()
+    _until(HEALTHZ, port, (200, b"SERVING\n"))
+    assert fresh_probe(server.target) == health_pb2.HealthCheckResponse.SERVING
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_healthz_fails_while_the_unix_sockets_worker_is_stopped(
+    spawn_server: Callable[..., ServerProcess], tmp_path: Path
+) -> None:
+    """The first of two workers serves the unix socket alone: stopped, its clients get
+    nothing, so /healthz says NOT_SERVING within a health check (not 200 while the other
+    worker answers), /livez stays 200, and /healthz serves again once it is replaced."""
+    socket_path = tmp_path / "posenc.sock"
+    server = spawn_server(0, "--processes", "2", "--unix-socket", str(socket_path))
+    port = metrics_port(server)
+    first = worker_pids(server.process.pid)[0]
+    with open(f"/proc/{first}/environ", "rb") as environ:
+        assert b"POSENC_WORKER_INDEX=0\0" in environ.read()  # the unix socket's worker
+    os.kill(first, signal.SIGSTOP)
+    try:
+        _until(HEALTHZ, port, (503, b"NOT_SERVING\n"))
+        assert healthz(port, LIVEZ) == (200, b"SERVING\n")
+    finally:
+        os.kill(first, signal.SIGCONT)
+    _until(HEALTHZ, port, (200, b"SERVING\n"))
+    with posenc.Client(f"unix:{socket_path}", timeout=30) as client:
+        assert client.health() == "SERVING"
 
 
 @pytest.mark.slow

@@ -513,7 +513,8 @@ def _build_parser() -> argparse.ArgumentParser:
         const="",
         metavar="URL",
         help="ask the metrics port's /healthz over HTTP instead (200 SERVING, 503 NOT_SERVING), "
-        "which answers whatever holds the gRPC port's connections; URL defaults to "
+        "which answers whatever holds the gRPC port's connections (NOT_SERVING when they "
+        "leave no room for a new call; /livez: SERVING all the same); URL defaults to "
         f"http://127.0.0.1:${_SERVER_METRICS_PORT_ENV}/healthz ({_DEFAULT_METRICS_PORT} when "
         "unset): the server's own metrics port where the probe runs beside it",
     )

@@ -539,8 +539,14 @@ def run(argv: Sequence[str] | None = None) -> int:
         supervisor.die_with_supervisor()
     started: list[RunningServer] = []  # the server, once it listens
 
-    def serving() -> bool:
+    def alive() -> bool:
         return bool(started) and not stop.is_set() and started[0].serving(_PROBE_TIMEOUT)
+
+    rooms: list[supervisor.ConnectionRoom] = []  # once the port is known
+
+    def serving() -> bool:
+        # A process at --max-connections closes every new connection: it serves no new call.
+        return alive() and all(room.has_room(os.getpid()) for room in rooms)
 
     try:
         metrics_port: int | None = None  # a worker's: its supervisor serves them
@@ -549,7 +555,7 @@ def run(argv: Sequence[str] | None = None) -> int:
             # (A supervisor's workers share its port, and it serves their metrics.)
             supervisor.check_port_free(config.host, config.port, "--port (POSENC_PORT)")
             supervisor.check_unix_socket_free(config)
-            metrics_port = supervisor.serve_metrics(config, serving)
+            metrics_port = supervisor.serve_metrics(config, serving, alive=alive)
         # Every dtype, kind and layout runs once before the server listens (the kernels
         # compiled or loaded from numba's cache, ml_dtypes imported), and the cache's memory
         # is faulted in: no request waits for either; nor for the collector walking what
@@ -562,6 +568,7 @@ def run(argv: Sequence[str] | None = None) -> int:
     except (OSError, RuntimeError, ValueError) as error:
         print(f"posenc serve: {error}", file=sys.stderr)
         return 1
+    rooms.append(supervisor.ConnectionRoom(config, running.port))
     started.append(running)
     threading.Thread(
         target=housekeeping,

@@ -31,6 +31,8 @@ MULTIPROCESS_DIR_ENV = "PROMETHEUS_MULTIPROC_DIR"
 _WORKER_INDEX_ENV = "POSENC_WORKER_INDEX"
 METRICS_PATH = "/metrics"
 HEALTH_PATH = "/healthz"
+#: Liveness: 200 while the server's processes answer, whatever holds its connections.
+LIVE_PATH = "/livez"
 
 if os.environ.get(MULTIPROCESS_DIR_ENV) and os.environ.get(_WORKER_INDEX_ENV):
     # A worker's metric files are named after its index, not its pid: a replaced worker
@@ -276,42 +278,52 @@ class _QuietHandler(WSGIRequestHandler):
 _WsgiApp = Callable[[dict[str, Any], Callable[..., Any]], Iterable[bytes]]
 
 
-def _routes(app: _WsgiApp, serving: Callable[[], bool]) -> _WsgiApp:
-    """``app`` at /metrics, the server's health at /healthz; 404 everywhere else."""
+def _routes(app: _WsgiApp, serving: Callable[[], bool], alive: Callable[[], bool]) -> _WsgiApp:
+    """``app`` at /metrics, the server's health at /healthz, its liveness at /livez; 404
+    everywhere else."""
 
     def serve(environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
         path = environ.get("PATH_INFO")
-        if path == HEALTH_PATH:
-            up = serving()
+        if path in (HEALTH_PATH, LIVE_PATH):
+            up = serving() if path == HEALTH_PATH else alive()
             start_response(
                 "200 OK" if up else "503 Service Unavailable", [("Content-Type", "text/plain")]
             )
             return [b"SERVING\n" if up else b"NOT_SERVING\n"]
         if path != METRICS_PATH:
             start_response("404 Not Found", [("Content-Type", "text/plain")])
-            return [b"not found: the metrics are at /metrics, the health at /healthz\n"]
+            return [
+                b"not found: the metrics are at /metrics, the health at /healthz, the "
+                b"liveness at /livez\n"
+            ]
         return app(environ, start_response)
 
     return serve
 
 
 def serve(
-    host: str, port: int, serving: Callable[[], bool], multiprocess_dir: str | None = None
+    host: str,
+    port: int,
+    serving: Callable[[], bool],
+    multiprocess_dir: str | None = None,
+    alive: Callable[[], bool] | None = None,
 ) -> int:
-    """Serve /metrics and /healthz, and nothing else, on ``host:port`` (0: a free port) in a
-    thread; returns the port.
+    """Serve /metrics, /healthz and /livez, and nothing else, on ``host:port`` (0: a free
+    port) in a thread; returns the port.
 
-    /healthz answers 200 ``SERVING`` while ``serving()`` is true, else 503 ``NOT_SERVING``:
-    the probe for kubelets. It shares this server's connection handling, where a new
-    connection takes the place of a silent one, so no flood of idle connections (to this
-    port or the gRPC one, whose connections are capped) fails it.
+    /healthz answers 200 ``SERVING`` while ``serving()`` is true (a new call would be
+    served), else 503 ``NOT_SERVING``: the readiness probe. /livez answers the same way by
+    ``alive()`` (default ``serving``): the liveness probe, which a server at its connection
+    limit still passes. Both share this server's connection handling, where a new
+    connection takes the place of a silent one, so no flood of idle connections to this
+    port fails them.
     With ``multiprocess_dir``, /metrics serves the sum of the worker processes writing there.
     """
     registry: CollectorRegistry = prometheus_client.REGISTRY
     if multiprocess_dir is not None:
         registry = CollectorRegistry()
         multiprocess.MultiProcessCollector(registry, path=multiprocess_dir)  # type: ignore[no-untyped-call]
-    app = _routes(prometheus_client.make_wsgi_app(registry), serving)
+    app = _routes(prometheus_client.make_wsgi_app(registry), serving, alive or serving)
     server_class = _Server6 if ":" in host else _Server
     server = make_server(host, port, app, server_class, handler_class=_QuietHandler)
     threading.Thread(target=server.serve_forever, name="posenc-metrics", daemon=True).start()

@@ -15,6 +15,7 @@ import ctypes
 import errno
 import itertools
 import logging
+import math
 import os
 import shutil
 import signal
@@ -95,22 +96,27 @@ def check_port_free(host: str, port: int, setting: str) -> None:
 
 
 def serve_metrics(
-    config: ServerConfig, serving: Callable[[], bool], multiprocess_dir: str | None = None
+    config: ServerConfig,
+    serving: Callable[[], bool],
+    multiprocess_dir: str | None = None,
+    alive: Callable[[], bool] | None = None,
 ) -> int:
-    """Serve /metrics and /healthz (200 while ``serving()``) as ``config`` says; the port, or
-    -1 when metrics are off.
+    """Serve /metrics, /healthz (200 while ``serving()``) and /livez (200 while ``alive()``)
+    as ``config`` says; the port, or -1 when metrics are off.
 
     A failure raises OSError whose message names the port and the setting that chose it.
     """
     if config.metrics_port < 0:
         return -1
     try:
-        return metrics.serve(config.metrics_host, config.metrics_port, serving, multiprocess_dir)
+        return metrics.serve(
+            config.metrics_host, config.metrics_port, serving, multiprocess_dir, alive
+        )
     except OSError as error:
         if config.metrics_port == DEFAULT_METRICS_PORT and error.errno == errno.EADDRINUSE:
             # A second server on a developer's machine: the default port is a convention,
             # not a promise, so it yields; a port chosen on purpose fails the start below.
-            port = metrics.serve(config.metrics_host, 0, serving, multiprocess_dir)
+            port = metrics.serve(config.metrics_host, 0, serving, multiprocess_dir, alive)
             log.warning(
                 "metrics port busy: serving metrics on a free port",
                 extra={"fields": {"busy_port": DEFAULT_METRICS_PORT, "metrics_port": port}},
@@ -120,6 +126,76 @@ def serve_metrics(
             f"cannot serve metrics on port {config.metrics_port}: {error} "
             "(choose another with --metrics-port (POSENC_METRICS_PORT), or -1 for none)"
         ) from None
+
+
+# How long a count of a process's connections stands: /healthz may be asked for in a loop,
+# and a count reads every descriptor of the process.
+_CONNECTIONS_TTL_SECONDS = 1.0
+_ESTABLISHED = "01"  # /proc/net/tcp's state
+_CONNECTED = "03"  # /proc/net/unix's state
+_MAX_COUNTED = 1024
+
+
+def open_connections(pid: int, port: int, unix_socket: str) -> int:
+    """The client connections process ``pid`` holds on TCP ``port`` and on ``unix_socket``
+    (none: ""), as the kernel lists them: what gRPC's connection limit counts."""
+    inodes: set[str] = set()
+    fds = f"/proc/{pid}/fd"
+    for fd in os.listdir(fds):
+        with contextlib.suppress(OSError):
+            target = os.readlink(f"{fds}/{fd}")
+            if target.startswith("socket:["):
+                inodes.add(target[8:-1])
+    count = 0
+    for table in ("tcp", "tcp6"):
+        with contextlib.suppress(OSError), open(f"/proc/{pid}/net/{table}") as lines:
+            next(lines, None)
+            for line in lines:
+                fields = line.split()
+                local_port = int(fields[1].rpartition(":")[2], 16)
+                count += local_port == port and fields[3] == _ESTABLISHED and fields[9] in inodes
+    if unix_socket:
+        with contextlib.suppress(OSError), open(f"/proc/{pid}/net/unix") as lines:
+            next(lines, None)
+            for line in lines:
+                fields = line.split()
+                # Accepted connections carry the listening socket's path.
+                count += (
+                    len(fields) > 7
+                    and fields[7] == unix_socket
+                    and fields[5] == _CONNECTED
+                    and fields[6] in inodes
+                )
+    return count
+
+
+class ConnectionRoom:
+    """Whether processes have room for a new client connection under ``--max-connections``,
+    counted at most once per ``_CONNECTIONS_TTL_SECONDS``. Thread-safe."""
+
+    def __init__(self, config: ServerConfig, port: int) -> None:
+        self._limit, self._port, self._unix = config.max_connections, port, config.unix_socket
+        self._lock = threading.Lock()
+        self._counted: dict[int, tuple[float, bool]] = {}
+
+    def has_room(self, pid: int, unix: bool = True) -> bool:
+        """Whether process ``pid`` (serving the unix socket too, if ``unix``) holds fewer
+        connections than the limit (always, without one)."""
+        if not self._limit:
+            return True
+        with self._lock:
+            now = time.monotonic()
+            counted, room = self._counted.get(pid, (-math.inf, True))
+            if now - counted >= _CONNECTIONS_TTL_SECONDS:
+                try:
+                    held = open_connections(pid, self._port, self._unix if unix else "")
+                except OSError:  # the process is gone: its own check says so
+                    held = 0
+                room = held < self._limit
+                if len(self._counted) >= _MAX_COUNTED:  # replaced workers' pids
+                    self._counted.clear()
+                self._counted[pid] = (now, room)
+            return room
 
 
 _METRICS_DIR_PREFIX = "posenc-metrics-"
@@ -279,13 +355,26 @@ def supervise(
     metrics_dir = tempfile.TemporaryDirectory(prefix=f"{_METRICS_DIR_PREFIX}{os.getpid()}-")
     workers: list[_Worker] = []
 
-    def serving() -> bool:
+    room = ConnectionRoom(config, port)
+
+    def alive() -> bool:
         return not stop.is_set() and any(worker.serving() for worker in list(workers))
+
+    def serving() -> bool:
+        """Whether a new call is served: no worker that takes connections is hung (the
+        kernel hands it its share of them), the unix socket's worker answers, and some
+        worker has room for a connection under --max-connections."""
+        current = [w for w in list(workers) if w.ready.is_set() and w.process.poll() is None]
+        if stop.is_set() or not current or any(w.failed_checks for w in current):
+            return False
+        if config.unix_socket and not any(w.index == 0 for w in current):
+            return False
+        return any(room.has_room(w.process.pid, unix=w.index == 0) for w in current)
 
     # Metrics listen before any worker does: a busy metrics port fails the start while
     # nothing serves yet.
     try:
-        metrics_port = serve_metrics(config, serving, metrics_dir.name)
+        metrics_port = serve_metrics(config, serving, metrics_dir.name, alive)
     except OSError as error:
         port_holder.close()
         metrics_dir.cleanup()
