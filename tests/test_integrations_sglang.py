@@ -554,3 +554,36 @@ def test_installed_module_rotates_as_float64(
     ps.install(module, ps.cos_sin_cache_of(client, module))
     ours = float((rotate(module, torch.float32).double() - expected).abs().max())
     assert ours <= 1e-5 < native, (ours, native)
+
+
+def test_model_subclasses(rope: types.ModuleType, client: posenc.Client) -> None:
+    """A model's own subclass that only fixes the constructor's arguments holds its base
+    class's cache and is served; one that computes its frequencies otherwise is left,
+    named with the reason."""
+    base = rope.RotaryEmbedding
+
+    class FixedRotaryEmbedding(base):  # type: ignore[misc, valid-type]
+        def __init__(self) -> None:
+            super().__init__(128, 128, 2048, 500000.0, True, torch.float32)
+
+    class OtherRotaryEmbedding(base):  # type: ignore[misc, valid-type]
+        def __init__(self) -> None:
+            super().__init__(128, 128, 2048, 500000.0, True, torch.float32)
+
+        def _compute_inv_freq(self, base: float) -> Any:
+            return super()._compute_inv_freq(base) / 2
+
+    model = torch.nn.ModuleDict({"fixed": FixedRotaryEmbedding(), "other": OtherRotaryEmbedding()})
+    other = model["other"].cos_sin_cache.clone()
+    assert ps.install_model(model, client) == ["fixed"]
+    assert torch.equal(model["other"].cos_sin_cache, other)
+    error = float(
+        (model["fixed"].cos_sin_cache.double() - exact_table(2048, 128, 500000.0)).abs().max()
+    )
+    assert error <= EPS32
+
+
+def exact_table(rows: int, dim: int, theta: float) -> Any:
+    frequencies = theta ** (-torch.arange(0, dim, 2, dtype=torch.float64) / dim)
+    angles = torch.outer(torch.arange(rows, dtype=torch.float64), frequencies)
+    return torch.cat((angles.cos(), angles.sin()), dim=-1)

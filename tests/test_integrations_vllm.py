@@ -676,3 +676,36 @@ def test_tested_window_is_the_extras_and_the_releases_run() -> None:
     assert f"vllm>={low_major}.{low_minor}" in extras["vllm"]
     tested = tuple(int(part) for part in vllm_wheel.VERSION.split(".")[:2])
     assert tested == pv.TESTED_VLLM[0]
+
+
+def test_model_subclasses(rope: types.ModuleType, client: posenc.Client) -> None:
+    """A model's own subclass that only fixes the constructor's arguments holds its base
+    class's cache and is served; one that computes its frequencies otherwise is left,
+    named with the reason."""
+    base = rope.RotaryEmbedding
+
+    class FixedRotaryEmbedding(base):  # type: ignore[misc, valid-type]
+        def __init__(self) -> None:
+            super().__init__(128, 128, 2048, 500000.0, True, torch.float32)
+
+    class OtherRotaryEmbedding(base):  # type: ignore[misc, valid-type]
+        def __init__(self) -> None:
+            super().__init__(128, 128, 2048, 500000.0, True, torch.float32)
+
+        def _compute_inv_freq(self, base: float) -> Any:
+            return super()._compute_inv_freq(base) / 2
+
+    model = torch.nn.ModuleDict({"fixed": FixedRotaryEmbedding(), "other": OtherRotaryEmbedding()})
+    other = model["other"].cos_sin_cache.clone()
+    assert pv.install_model(client, model) == ["fixed"]
+    assert torch.equal(model["other"].cos_sin_cache, other)
+    error = float(
+        (model["fixed"].cos_sin_cache.double() - exact_table(2048, 128, 500000.0)).abs().max()
+    )
+    assert error <= EPS32
+
+
+def exact_table(rows: int, dim: int, theta: float) -> Any:
+    frequencies = theta ** (-torch.arange(0, dim, 2, dtype=torch.float64) / dim)
+    angles = torch.outer(torch.arange(rows, dtype=torch.float64), frequencies)
+    return torch.cat((angles.cos(), angles.sin()), dim=-1)

@@ -36,6 +36,35 @@ class UntestedReleaseWarning(UserWarning):
     every cache is still compared with the module's own before it is installed."""
 
 
+# The methods an engine's rotary class builds its cache with: a subclass that inherits them
+# all (a model's own subclass that only fixes the constructor's arguments) has its
+# ancestor's cache.
+_CACHE_METHODS: Final = (
+    "_compute_inv_freq",
+    "_compute_cos_sin_cache",
+    "_ensure_cos_sin_cache_length",
+)
+
+
+def kind_of(module: object, served: frozenset[str]) -> str:
+    """The served class whose cache ``module`` holds: its own class when served, else the
+    nearest served ancestor whose cache methods its class inherits unchanged, else its own
+    class's name (not served). The install-time row check guards the inference."""
+    cls = type(module)
+    if cls.__name__ in served:
+        return cls.__name__
+    for base in cls.__mro__[1:]:
+        if base.__name__ in served:
+            same = all(getattr(cls, n, None) is getattr(base, n, None) for n in _CACHE_METHODS)
+            return base.__name__ if same else cls.__name__
+    return cls.__name__
+
+
+def descends(module: object, name: str) -> bool:
+    """Whether ``module``'s class is, or derives from, a class named ``name``."""
+    return any(c.__name__ == name for c in type(module).__mro__)
+
+
 def violation(field: str, description: str) -> posenc.InvalidArgumentError:
     """INVALID_ARGUMENT naming ``field``."""
     return posenc.InvalidArgumentError(
@@ -419,7 +448,7 @@ def own_rows(rotary_emb: torch.nn.Module, name: str) -> torch.Tensor:
     gave at construction (before the weights were loaded): they are recomputed, as its
     first forward would."""
     m: Any = rotary_emb
-    if type(m).__name__ == "FourierRotaryEmbedding" and name == "cos_sin_cache":
+    if descends(m, "FourierRotaryEmbedding") and name == "cos_sin_cache":
         with torch.no_grad():
             own: torch.Tensor = m._compute_cos_sin_cache().to(m.cos_sin_cache.dtype)
             return own
@@ -438,7 +467,7 @@ def check_caches(
     module's own (:func:`check_rows`; row ``r`` is position ``start + r``, dual-chunk
     attention's rows their own positions)."""
     check_shapes(rotary_emb, caches)
-    dual = type(rotary_emb).__name__ == "DualChunkRotaryEmbedding"
+    dual = descends(rotary_emb, "DualChunkRotaryEmbedding")
     positions = dual_chunk_positions(rotary_emb) if dual else {}
     for name, cache in caches.items():
         own = own_rows(rotary_emb, name)

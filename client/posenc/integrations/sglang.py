@@ -96,8 +96,13 @@ _SERVED_CLASSES: Final = (
 _PHI3_BUFFERS: Final = ("short_cos_sin_cache", "long_cos_sin_cache", "long_short_cos_sin_cache")
 
 
+def _kind(rotary_emb: object) -> str:
+    """The served class whose cache the module holds (:func:`_caches.kind_of`)."""
+    return _caches.kind_of(rotary_emb, _SERVED_CLASSES)
+
+
 def _served(rotary_emb: torch.nn.Module) -> str | None:
-    kind = type(rotary_emb).__name__
+    kind = _kind(rotary_emb)
     if kind in _SERVED_CLASSES:
         return None
     served = ", ".join(sorted(_SERVED_CLASSES))
@@ -118,7 +123,7 @@ def _yarn(m: Any, original: int) -> posenc.Spec:
                 f"{extrapolation:g} scales YaRN's ramp, which has no closed form here: "
                 "build the cache from the module, cos_sin_cache_of(client, module)",
             )
-        bailing = type(m).__name__ == "BailingMRotaryEmbedding"
+        bailing = _kind(m) == "BailingMRotaryEmbedding"
         with torch.no_grad():
             inv_freq = compute(m.base if bailing else m.scaling_factor)
         return _caches.own_frequencies(int(m.rotary_dim), inv_freq, float(m.mscale))
@@ -138,7 +143,7 @@ def _yarn(m: Any, original: int) -> posenc.Spec:
 def _plans(rotary_emb: torch.nn.Module) -> dict[str, Plan]:
     """The posenc tables of each cache buffer of a module served by a plan, by name."""
     m: Any = rotary_emb
-    kind = type(m).__name__
+    kind = _kind(m)
     dim, theta, rows = int(m.rotary_dim), float(m.base), int(m.max_position_embeddings)
     start = int(getattr(m, "position_start", 0))  # 0.5.23's Bailing video rope: negative
 
@@ -221,7 +226,7 @@ def caches_of(client: posenc.Client, rotary_emb: torch.nn.Module) -> dict[str, t
         posenc.InvalidArgumentError: A class or a setting posenc does not serve.
     """
     m: Any = rotary_emb
-    kind = type(m).__name__
+    kind = _kind(m)
     reason = _served(m)
     if reason is not None:
         raise violation("rotary_emb", reason)
@@ -260,7 +265,7 @@ def cos_sin_cache_of(
     """
     _RELEASES.warn("SGLang integration")
     m: Any = rotary_emb
-    kind = type(m).__name__
+    kind = _kind(m)
     if kind == "DualChunkRotaryEmbedding":
         raise violation("rotary_emb", f"{kind} holds five caches: build them with caches_of")
     name = "long_short_cos_sin_cache" if kind == "Phi3LongRoPEScaledRotaryEmbedding" else None
@@ -484,7 +489,7 @@ def _write(
     m: Any = rotary_emb
     _caches.copy_caches(m, caches)
     _reset_memo(m)
-    kind = type(m).__name__
+    kind = _kind(m)
     if kind == "FourierRotaryEmbedding":
         m.update_buffer = True  # its first forward would recompute the float32 rows
     ensure = getattr(m, "_ensure_cos_sin_cache_length", None)
@@ -530,7 +535,7 @@ def install(
             table: one line naming the module, the buffer and the row that differs.
     """
     if isinstance(cache, torch.Tensor):
-        kind = type(rotary_emb).__name__
+        kind = _kind(rotary_emb)
         name = "long_short_cos_sin_cache" if kind == "Phi3LongRoPEScaledRotaryEmbedding" else None
         caches = {name or "cos_sin_cache": cache}
     else:

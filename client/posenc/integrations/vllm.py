@@ -333,8 +333,13 @@ _SERVED_CLASSES: Final = (
 )
 
 
+def _kind(rotary_emb: torch.nn.Module) -> str:
+    """The served class whose cache the module holds (:func:`_caches.kind_of`)."""
+    return _caches.kind_of(rotary_emb, _SERVED_CLASSES)
+
+
 def _served(rotary_emb: torch.nn.Module) -> str | None:
-    kind = type(rotary_emb).__name__
+    kind = _kind(rotary_emb)
     if kind in _SERVED_CLASSES:
         return None
     return (
@@ -353,7 +358,7 @@ def get_rope_arguments(rotary_emb: torch.nn.Module) -> tuple[int, int, dict[str,
             ``get_rope`` arguments describe (dual-chunk, FoPE: :func:`caches_of`).
     """
     m: Any = rotary_emb
-    kind = type(m).__name__
+    kind = _kind(m)
     reason = _served(m)
     if reason is not None or kind in ("DualChunkRotaryEmbedding", "FourierRotaryEmbedding"):
         raise violation(
@@ -486,7 +491,7 @@ def caches_of(client: posenc.Client, rotary_emb: torch.nn.Module) -> dict[str, t
         posenc.InvalidArgumentError: A class posenc does not serve.
     """
     m: Any = rotary_emb
-    kind = type(m).__name__
+    kind = _kind(m)
     if kind == "DualChunkRotaryEmbedding":
         return dual_chunk_caches(client, m)
     if kind == "FourierRotaryEmbedding":
@@ -523,7 +528,7 @@ def cos_sin_cache_of(
             caches (dual-chunk attention: :func:`caches_of`).
     """
     _RELEASES.warn("vLLM integration")
-    kind = type(rotary_emb).__name__
+    kind = _kind(rotary_emb)
     if kind == "DualChunkRotaryEmbedding":
         raise violation("rotary_emb", f"{kind} holds five caches: build them with caches_of")
     _, buffer = _buffer(rotary_emb)
@@ -559,7 +564,7 @@ def _write(rotary_emb: torch.nn.Module, caches: Mapping[str, torch.Tensor]) -> N
     if cache is not None and isinstance(second, torch.Tensor) and second.shape == cache.shape:
         with torch.no_grad():
             second.copy_(cache)
-    if type(m).__name__ == "FourierRotaryEmbedding":
+    if _kind(m) == "FourierRotaryEmbedding":
         m.update_cache = False  # its first forward would recompute the float32 rows
 
 
