@@ -587,3 +587,15 @@ def exact_table(rows: int, dim: int, theta: float) -> Any:
     frequencies = theta ** (-torch.arange(0, dim, 2, dtype=torch.float64) / dim)
     angles = torch.outer(torch.arange(rows, dtype=torch.float64), frequencies)
     return torch.cat((angles.cos(), angles.sin()), dim=-1)
+
+
+def test_tested_window_is_the_extras_and_the_releases_run() -> None:
+    """pyproject.toml's sglang extra is a lower bound, the oldest tested release, which this
+    file's pinned wheel is."""
+    import tomllib
+
+    with open(Path(__file__).resolve().parent.parent / "pyproject.toml", "rb") as file:
+        extras = tomllib.load(file)["project"]["optional-dependencies"]
+    oldest = ".".join(map(str, ps.TESTED_SGLANG[0]))
+    assert f"sglang>={oldest}" in extras["sglang"]
+    assert sglang_wheel.OLDEST.version == oldest
