@@ -311,7 +311,7 @@ def _reference_rows(module64: Any, rows: int) -> Any:
     """The float64 rows 0 .. rows - 1 of a float64 module's table, from its own frequencies
     and scale (the table SGLang's growth continues)."""
     with float64_arithmetic():
-        if hasattr(module64, "scaling_factor"):
+        if hasattr(module64, "mscale"):  # the YaRN classes take their factor
             inv_freq = module64._compute_inv_freq(module64.scaling_factor)
         else:
             inv_freq = module64._compute_inv_freq(module64.base)
@@ -321,13 +321,20 @@ def _reference_rows(module64: Any, rows: int) -> Any:
 
 
 @pytest.mark.parametrize(
-    "name", ["default", pytest.param("yarn", marks=pytest.mark.slow), "mrope-yarn"]
+    "name",
+    [
+        "default",
+        "llama3",
+        pytest.param("yarn", marks=pytest.mark.slow),
+        "mrope-yarn",
+        "deepseek_yarn-mscale",
+    ],
 )
 def test_grown_cache_stays_exact(name: str, rope: types.ModuleType, client: posenc.Client) -> None:
     """SGLang grows caches before CUDA-graph capture (reserve_rope_cache_for_long_sequences
     calls _ensure_cos_sin_cache_length): an installed module's new rows are posenc's, the
-    same table continued, where SGLang's own are float32 rows (or, in 0.5.20's YaRN, rows of
-    another table)."""
+    same table continued, where SGLang's own are float32 rows (or, in 0.5.20's YaRN and
+    DeepSeek classes, rows of another table: 2.1 off)."""
     arguments, _ = CASES[name]
     module = build(rope, arguments)
     exact = build(rope, arguments, torch.float64)
