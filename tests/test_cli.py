@@ -832,9 +832,9 @@ def test_a_disk_filled_by_another_writer_mid_fetch_takes_nothing_from_it(
 @pytest.mark.slow  # the default waits: 20 s for fetch, 10 s for info
 def test_a_port_that_never_answers_fails_fetch_and_info_naming_it(tmp_path: Path) -> None:
     """A port that accepts connections and never answers (a hung process, another program):
-    fetch, whose --timeout defaults to none (a table may take hours), and info give up after
-    their default waits, each in one line that names the address and the flag to wait
-    longer, and fetch leaves no file."""
+    fetch, whose --timeout defaults to none (a table may take hours), info and plot give up
+    after their waits, each in one line that names the address and the flag to wait
+    longer, and no file is left behind."""
     with socket.socket() as silent:
         silent.bind(("127.0.0.1", 0))
         silent.listen(64)  # the kernel accepts; nobody ever reads
@@ -844,6 +844,7 @@ def test_a_port_that_never_answers_fails_fetch_and_info_naming_it(tmp_path: Path
         commands = {
             "fetch": ["fetch", "0", "10", "--d-model", "8", "-o", str(output)],
             "info": ["info"],
+            "plot": ["plot", "heatmap", "--timeout", "5", "-o", str(tmp_path / "never.png")],
         }
         running = {
             name: subprocess.Popen(

@@ -999,6 +999,7 @@ def _plot(args: argparse.Namespace) -> int:
         )
         return EXIT_USAGE
     with _client(args, _targets(args)) as client:
+        _first_answer(client, args, args.timeout)
         drawn = figure(args.kind, client, spec, bases=args.bases, dtype=args.dtype)
     render(drawn, args.output)
     print(f"posenc plot: wrote {args.kind} of {spec!r} to {args.output}", file=sys.stderr)
