@@ -173,7 +173,10 @@ def test_every_scaling_field_comes_from_the_descriptor() -> None:
     scaling = pb.RotaryTable.DESCRIPTOR.oneofs_by_name["scaling"]
     for case in scaling.fields:
         assert case.message_type is not None
-        rope = {field.name: 3.0 for field in case.message_type.fields}
+        rope: dict[str, Any] = {
+            field.name: [1.0] * 4 if field.is_repeated else 3.0
+            for field in case.message_type.fields
+        }
         rope.update(rope_type=case.name, short_factor=[1.0] * 4, long_factor=[2.0] * 4)
         rope.update(truncate=False, unrelated_key=1.0)
         config = {"head_dim": 8, "max_position_embeddings": 7, "rope_parameters": rope}
@@ -187,6 +190,76 @@ def test_every_scaling_field_comes_from_the_descriptor() -> None:
             else:
                 assert field.name in parameters, field.name
         assert "unrelated_key" not in parameters
+
+
+def test_gemma4_proportional_layers_read_as_transformers_does() -> None:
+    # Gemma 4's full-attention layers: rope type proportional over a quarter of the head.
+    config = {
+        "model_type": "gemma4_text",
+        "head_dim": 512,
+        "rope_parameters": {
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+            "full_attention": {
+                "rope_type": "proportional",
+                "partial_rotary_factor": 0.25,
+                "rope_theta": 1000000.0,
+            },
+        },
+    }
+    full = posenc.Spec.from_config(config, layer_type="full_attention")
+    assert full == posenc.Spec(
+        "rotary",
+        head_dim=512,
+        layout="transformers",
+        rope_theta=1e6,
+        partial_rotary_factor=0.25,
+        scaling="proportional",
+    )
+    sliding = posenc.Spec.from_config(config, layer_type="sliding_attention")
+    assert sliding.parameters == {"head_dim": 512, "layout": "transformers", "rope_theta": 1e4}
+
+
+def test_deepseek_v4_rope_parameters_keyed_main_and_compress() -> None:
+    rope = {"rope_theta": 10000.0, "partial_rotary_factor": 0.125}
+    config = {
+        "model_type": "deepseek_v4",
+        "head_dim": 512,
+        "rope_parameters": {
+            "main": {"rope_type": "default", **rope},
+            "compress": {
+                **rope,
+                "rope_type": "yarn",
+                "rope_theta": 160000.0,
+                "factor": 16.0,
+                "original_max_position_embeddings": 65536,
+                "attention_factor": 1.0,
+            },
+        },
+    }
+    main = posenc.Spec.from_config(config, layer_type="main", layout="vllm")
+    assert main.parameters["partial_rotary_factor"] == 0.125
+    compress = posenc.Spec.from_config(config, layer_type="compress").parameters
+    assert compress["scaling"] == "yarn" and compress["attention_factor"] == 1.0
+    assert compress["rope_theta"] == 160000.0
+
+
+def test_mrope_sections_can_be_read_as_the_plain_table() -> None:
+    from posenc._configs import table_from_config
+
+    config = {
+        "model_type": "qwen3_5_text",
+        "head_dim": 256,
+        "rope_parameters": {
+            "rope_type": "default",
+            "rope_theta": 1e7,
+            "partial_rotary_factor": 0.25,
+            "mrope_section": [11, 11, 10],
+        },
+    }
+    with pytest.raises(posenc.InvalidArgumentError, match="partial rotary with mrope_section"):
+        posenc.Spec.from_config(config)
+    kind, parameters = table_from_config(config, sections=False)
+    assert (kind, parameters["partial_rotary_factor"]) == ("rotary", 0.25)
 
 
 def test_seq_len_is_normalised() -> None:
@@ -229,8 +302,8 @@ def test_partial_factor_gives_the_exact_rotary_dim() -> None:
 
 
 def test_unserved_rope_type_and_missing_width_are_refused() -> None:
-    with pytest.raises(posenc.InvalidArgumentError, match="proportional"):
-        posenc.Spec.from_config({"head_dim": 8, "rope_parameters": {"rope_type": "proportional"}})
+    with pytest.raises(posenc.InvalidArgumentError, match="'xdrope' is not served"):
+        posenc.Spec.from_config({"head_dim": 8, "rope_parameters": {"rope_type": "xdrope"}})
     with pytest.raises(posenc.InvalidArgumentError) as error:
         posenc.Spec.from_config({"rope_theta": 10.0})
     assert error.value.field_violations[0][0] == "config"

@@ -1056,17 +1056,44 @@ def test_patch_names_what_it_leaves_alone(
 # -- releases -------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("version", ["5.16.1", "5.25.0", "6.0.0"])
-def test_an_untested_release_is_said_at_patch(
+@pytest.mark.parametrize("version", ["5.16.1", "5.26.0", "6.0.0"])
+def test_an_untested_release_is_verified_not_refused(
     version: str, client: posenc.Client, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     model = build(_llama3())
     # The module transformers' lazy import left in sys.modules, where its version is read.
     monkeypatch.setattr(sys.modules["transformers"], "__version__", version)
-    with pytest.warns(UntestedReleaseWarning, match=rf"transformers {version} is outside"):
+    window = r"\(>=5\.17,<5\.26\)"
+    with pytest.warns(
+        UntestedReleaseWarning, match=rf"transformers {version} is outside.*{window}"
+    ):
         patch(model, client).undo()
-    with pytest.raises(ValueError, match="verify=True"):
+    # verify=False outside the window verifies anyway, and says so.
+    with pytest.warns(UntestedReleaseWarning, match="verify=False is overridden"):
+        patch(model, client, verify=False).undo()
+    assert "forward" not in model.model.rotary_emb.__dict__
+
+
+def test_an_untested_release_refuses_a_table_that_differs_in_one_line(
+    client: posenc.Client, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    class Custom(LlamaRotaryEmbedding):  # a release whose rotary code changed
+        def forward(self, x: Any, position_ids: Any) -> Any:
+            return super().forward(x, position_ids * 2)
+
+    model = build(_llama3())
+    model.model.rotary_emb = Custom(model.config)
+    monkeypatch.setattr(sys.modules["transformers"], "__version__", "6.0.0")
+    with pytest.warns(UntestedReleaseWarning), pytest.raises(ValueError) as refused:
         patch(model, client, verify=False)
+    message = str(refused.value)
+    assert "\n" not in message
+    assert message.startswith("model.rotary_emb (Custom, rope type 'llama3'): ")
+    assert "differs from the model's own at row 1, cos column 0: 0.540302 against -0.416147" in (
+        message
+    )
     assert "forward" not in model.model.rotary_emb.__dict__
 
 

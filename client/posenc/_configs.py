@@ -175,9 +175,12 @@ def table_from_config(
     layout: str | None = None,
     seq_len: int | None = None,
     layer_type: str | None = None,
+    sections: bool = True,
 ) -> Table:
     """The kind and parameters of :meth:`posenc.Spec.from_config` (its docstring says what
-    is read, and how), which builds the spec.
+    is read, and how), which builds the spec. ``sections=False`` reads a config with
+    ``mrope_section`` as its plain rotary table (the rows of text positions, every axis
+    equal), partial rotary included.
 
     Every config it cannot read is an InvalidArgumentError: the values are checked where
     they are read, and a failure of Python's own conversions on a value of a shape no check
@@ -185,7 +188,9 @@ def table_from_config(
     OverflowError or ZeroDivisionError of this module's code.
     """
     try:
-        return _spec_from_config(config, layout=layout, seq_len=seq_len, layer_type=layer_type)
+        return _spec_from_config(
+            config, layout=layout, seq_len=seq_len, layer_type=layer_type, sections=sections
+        )
     except InvalidArgumentError:
         raise
     except (ArithmeticError, LookupError, TypeError, ValueError) as error:
@@ -193,7 +198,12 @@ def table_from_config(
 
 
 def _spec_from_config(
-    config: object, *, layout: str | None, seq_len: int | None, layer_type: str | None
+    config: object,
+    *,
+    layout: str | None,
+    seq_len: int | None,
+    layer_type: str | None,
+    sections: bool = True,
 ) -> Table:
     if seq_len is not None:
         seq_len = _integer(seq_len, "seq_len", positive=True)
@@ -225,8 +235,10 @@ def _spec_from_config(
 
     rope_type = str(rope.get("rope_type") or rope.get("type") or "default")
     family = model_type.removesuffix("_text")
-    if rope.get("mrope_section") is not None or family in MROPE_FAMILIES:
+    if sections and (rope.get("mrope_section") is not None or family in MROPE_FAMILIES):
         return _mrope(family, rope, rope_type, parameters)
+    if rope_type == "mrope":  # older configs' name of M-RoPE's default rope type
+        rope_type = "default"
     if model_type == "phi3" and rope_type in _PHI3_LONGROPE:
         rope_type = "longrope"
     if rope_type != "default":

@@ -39,14 +39,26 @@ A patched model can be deep-copied (the copy is patched too and shares the clien
 it (``torch.save(model)``) is refused with a message saying what to save instead, and its
 ``state_dict`` holds nothing of posenc's.
 
-The transformers releases this is tested against: :data:`TRANSFORMERS_RELEASES`; another
-release gets a warning (and, with ``verify=False``, a refusal). The returned :class:`Patch`
+A rotary module's table is verified at load against the module's own output at positions
+below 64, with the position-id shapes it takes (``[axes, batch, seq]`` for a module merging
+several axes), in the column order it returns. A rope type posenc does not compute (or a
+config it cannot match), in a module of the standard form (an ``inv_freq`` buffer and an
+attention scaling, cos and sin of position x inv_freq), is served exactly for the float32
+frequencies the module holds, with a :class:`ModuleFrequenciesWarning` naming the type; a
+rotary module of another form is left alone and named in :attr:`Patch.skipped`, with why.
+
+The transformers releases this is tested against: :data:`TRANSFORMERS_RELEASES`. Another
+release is served the same way, verified whatever ``verify`` says, with an
+:class:`UntestedReleaseWarning` naming the tested window: a table that agrees with the
+module's own is served, one that differs refused in one line naming the module, the row and
+the column. No release is refused for its version alone. The returned :class:`Patch`
 undoes every change (``undo()``, or leaving its ``with`` block). Importing this module
 imports torch, not transformers: models are recognised by the modules they hold.
 """
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import itertools
 import logging
@@ -64,23 +76,32 @@ import torch
 from torch import nn
 
 import posenc
-from posenc._configs import config_dict
+from posenc._configs import config_dict, table_from_config
 from posenc._output import as_tensor
 from posenc.table import DEFAULT_MAX_BYTES, DEFAULT_MIN_ROWS, GrowingTable
 
-__all__ = ["TRANSFORMERS_RELEASES", "Patch", "UntestedReleaseWarning", "patch"]
+__all__ = [
+    "TRANSFORMERS_RELEASES",
+    "ModuleFrequenciesWarning",
+    "Patch",
+    "UntestedReleaseWarning",
+    "patch",
+]
 
 _log = logging.getLogger(__name__)
 
 #: The transformers releases :func:`patch` is tested against: from the first (inclusive) to
 #: the second (exclusive), as ``(major, minor)``; the ``transformers`` extra declares the same.
-TRANSFORMERS_RELEASES: Final = ((5, 17), (5, 25))
+TRANSFORMERS_RELEASES: Final = ((5, 17), (5, 26))
 
 _SERVED: Final = frozenset({torch.float32, torch.float16, torch.bfloat16, torch.float64})
 # Rows compared with the model's own table when patching: positions where float32 is exact
 # to a few ulps, so a difference means a misread config, not rounding.
 _VERIFY_ROWS: Final = 64
 _VERIFY_TOLERANCE: Final = 2e-4
+# The column orders a rotary module's output may have: transformers' halves, GPT-J's pairs
+# (Cohere's rotary module), vLLM's one half (GPT-OSS, DeepSeek-V4, complex frequencies).
+_LAYOUTS: Final = ("transformers", "gptj", "vllm")
 # Distinct dynamic-NTK specs remembered per module (one per seq_len a forward reached).
 _SPECS_KEPT: Final = 8
 # The attribute of a patched module holding what its patched methods need.
@@ -112,27 +133,30 @@ def _release() -> tuple[str, tuple[int, int] | None]:
     return version, (int(match[1]), int(match[2])) if match else None
 
 
-def _check_release(verify: bool) -> None:
+def _check_release(verify: bool) -> bool:
+    """Whether to verify: always outside :data:`TRANSFORMERS_RELEASES` (said in a warning),
+    where each table served must agree with the model's own, else as the caller asked."""
     version, release = _release()
     if not version:  # no transformers imported: modules of the caller's own
-        return
+        return verify
     low, high = TRANSFORMERS_RELEASES
     if release is not None and low <= release < high:
-        return
+        return verify
     supported = f">={low[0]}.{low[1]},<{high[0]}.{high[1]}"
-    if not verify:
-        raise ValueError(
-            f"transformers {version} is outside the releases posenc's patch is tested "
-            f"against ({supported}): patch with verify=True (each table is then compared "
-            "with the model's own), or install a tested release"
-        )
+    overridden = "" if verify else " (verify=False is overridden outside that window)"
     warnings.warn(
         f"transformers {version} is outside the releases posenc's patch is tested against "
-        f"({supported}); each table is still compared with the model's own at positions "
-        f"below {_VERIFY_ROWS} and refused if it differs",
+        f"({supported}): each table is compared with the model's own at positions below "
+        f"{_VERIFY_ROWS}, served where it agrees and refused where it differs{overridden}",
         UntestedReleaseWarning,
         stacklevel=3,
     )
+    return True
+
+
+class ModuleFrequenciesWarning(UserWarning):
+    """A rotary module is served for the frequencies it holds: its rope type (named in the
+    message) is one posenc does not compute, or its config could not be matched."""
 
 
 class Patch:
@@ -276,7 +300,9 @@ def patch(
             the model runs patched.
         verify: Compare each table with the model's own at positions below 64 before
             replacing it, refusing (``ValueError``) a difference beyond float32 rounding:
-            the sign of a config read differently from the model.
+            the sign of a config read differently from the model. ``False`` serves a
+            rotary table in the column order that fits the module best even if it differs;
+            outside :data:`TRANSFORMERS_RELEASES` tables are verified anyway.
         min_rows: First size of each growing table (rows from position 0).
         max_table_bytes: Memory cap of each growing table; rows past it are fetched per
             forward.
@@ -286,15 +312,14 @@ def patch(
         ``specs`` names what was replaced and ``skipped`` what was left alone.
 
     Raises:
-        ValueError: The model holds no table posenc serves, or (``verify``) a table differs,
-            or (``verify=False``) transformers is outside :data:`TRANSFORMERS_RELEASES`.
-        posenc.InvalidArgumentError: A text table's config names a rope type posenc does not
-            serve.
+        ValueError: The model holds no table posenc serves, or (``verify``) a table differs
+            from the model's own (one line: the module, its rope type, the row and column).
 
     Warns:
         UntestedReleaseWarning: transformers is outside :data:`TRANSFORMERS_RELEASES`.
+        ModuleFrequenciesWarning: A rotary module is served for the frequencies it holds.
     """
-    _check_release(verify)
+    verify = _check_release(verify)
     handle = Patch(client, min_rows=min_rows, max_table_bytes=max_table_bytes)
     config = getattr(model, "config", None)
     model_type = str(getattr(config, "model_type", "") or "")
@@ -308,7 +333,9 @@ def patch(
                 if reason:
                     handle.skipped[name] = reason
                     continue
-                _Rotary(handle, name, module).install(verify)
+                reason = _Rotary(handle, name, module).install(verify)
+                if reason:
+                    handle.skipped[name] = reason
             elif _is_gptj_rotary(module):
                 _GPTJRotary(handle, name, module, config).install(verify)
             elif _is_gptj_attention(module):
@@ -429,6 +456,28 @@ def _is_xlm(module: nn.Module) -> bool:
     )
 
 
+def _difference(ours: torch.Tensor, theirs: torch.Tensor, *, halves: bool = False) -> str:
+    """Where two tables of equal shape first differ beyond float32 rounding ("" if nowhere):
+    the row (its position, from 0) and the column (of cos or of sin for ``[cos | sin]``
+    rows), with both values."""
+    if not ours.numel():
+        return ""
+    width = ours.shape[-1]
+    mine, native = (t.double().reshape(-1, width) for t in (ours, theirs))
+    bad = ((mine - native).abs() > _VERIFY_TOLERANCE) | mine.isnan() | native.isnan()
+    if not bool(bad.any()):
+        return ""
+    row, column = (int(i) for i in bad.nonzero()[0])
+    where = f"column {column}"
+    if halves:
+        part, index = divmod(column, width // 2)
+        where = f"{('cos', 'sin')[part]} column {index}"
+    return (
+        f"differs from the model's own at row {row}, {where}: {float(mine[row, column]):.6g} "
+        f"against {float(native[row, column]):.6g}"
+    )
+
+
 def _check(name: str, spec: posenc.Spec, ours: torch.Tensor, theirs: torch.Tensor) -> None:
     """Refuses a table that differs from the model's own at small positions."""
     if tuple(ours.shape) != tuple(theirs.shape):
@@ -436,12 +485,11 @@ def _check(name: str, spec: posenc.Spec, ours: torch.Tensor, theirs: torch.Tenso
             f"{name or 'model'}: posenc's table for {spec} has shape {tuple(ours.shape)}, "
             f"the model's {tuple(theirs.shape)}"
         )
-    difference = float((ours.double() - theirs.double()).abs().max()) if ours.numel() else 0.0
-    if difference > _VERIFY_TOLERANCE:
+    where = _difference(ours, theirs)
+    if where:
         raise ValueError(
-            f"{name or 'model'}: posenc's table for {spec} differs from the model's own by "
-            f"{difference:.3g} at positions below {len(ours)}: the config is read differently "
-            "from the model's code"
+            f"{name or 'model'}: posenc's table for {spec} {where}: the config is read "
+            "differently from the model's code"
         )
 
 
@@ -450,23 +498,35 @@ def _check(name: str, spec: posenc.Spec, ours: torch.Tensor, theirs: torch.Tenso
 
 class _Rotary(_State):
     """The forward of a transformers rotary module, from posenc: ``(cos, sin)`` of
-    ``position_ids`` ``[batch, seq]`` (complex ``cos + i sin`` where the module returns
-    complex frequencies: DeepSeek-V2, Llama 4), in the width the module returns (GPT-OSS:
-    one half each)."""
+    ``position_ids`` (complex ``cos + i sin`` where the module returns complex frequencies:
+    DeepSeek-V2, Llama 4), in the width and column order the module returns.
+
+    Each layer type's table is the first of these that equals the module's own output at
+    small positions: the spec of its config (its layer type's own config where the model
+    has per-layer ones, Gemma 4's head sizes); that spec at the head size of the module's
+    own frequency buffer; the module's own frequencies (``scaling="frequencies"``, the
+    fallback for a rope type posenc does not compute, with a warning). Its column order is
+    the one of transformers (halves), GPT-J (pairs: Cohere) or vLLM (one half: GPT-OSS,
+    DeepSeek-V4) that the output has. A module that merges several position axes (M-RoPE:
+    position ids ``[axes, batch, seq]``) takes each column's angle from the axis its own
+    output does.
+    """
 
     def __init__(self, handle: Patch, name: str, module: Any) -> None:
         self.handle = handle
         self.name = name
         self.config = module.config
-        # The config's keys, read once: a dynamic-NTK decode loop makes a spec every step.
-        self.values = config_dict(module.config)
+        self.values: dict[str, Any] = {}
         self.native = type(module).forward
-        # A module returning complex frequencies (DeepSeek-V2's freqs_cis) or half-width
-        # (cos, sin) (GPT-OSS) gets vLLM-layout rows, [cos | sin] without duplicated halves.
         self.complex = False
-        self.layout = "transformers"
-        # M-RoPE (Qwen-VL): position ids [3, batch, seq] of (t, h, w).
+        # The layout and spec of each layer type's table.
+        self.layouts: dict[str | None, str] = {}
+        self.base: dict[str | None, posenc.Spec] = {}
+        # M-RoPE by its spec (Qwen-VL, a MRopeTable spec) ...
         self.mrope = False
+        # ... or by the axis of each cos and sin column of a module merging `axes` axes.
+        self.axes = 0
+        self.column_axes: dict[str | None, tuple[torch.Tensor, torch.Tensor]] = {}
         # transformers' dynamic-NTK state (dynamic_rope_update), per layer type.
         self.cached: dict[str | None, int] = {}
         self.original = int(getattr(module, "original_max_seq_len", 0) or 0)
@@ -479,65 +539,206 @@ class _Rotary(_State):
         self.specs = dict(self.specs)
         self.tables = dict(self.tables)
 
-    def install(self, verify: bool) -> None:
+    # -- installing ---------------------------------------------------------------------------
+
+    def install(self, verify: bool) -> str:
+        """Patches the module; returns why it was left alone ("" when patched), or raises a
+        one-line ValueError naming the module and what differs."""
         module = self.module
         del self.module  # the patched forward is bound to the module (or its deep copy)
         rope_type = module.rope_type
+        if isinstance(rope_type, dict) and not rope_type:
+            return f"{type(module).__name__}: a rotary module with no rope type per layer type"
         layer_types: list[str | None] = list(rope_type) if isinstance(rope_type, dict) else [None]
+        self.rope_types = dict(rope_type) if isinstance(rope_type, dict) else rope_type
         inv_freq = _inv_freq(module)
         assert inv_freq is not None
         probe = torch.zeros(1, device=inv_freq.device)
-        positions = torch.arange(_VERIFY_ROWS, device=probe.device)[None]
-        # Not self.spec: its memo would keep the layout before the probe below decides it.
-        if layer_types == [None] and posenc.Spec.from_config(self.values).kind == "mrope":
-            # (t, h, w) position ids [3, 1, seq]: a 4 x 4 x 4 video's, every axis its own.
-            self.mrope = True
-            cells = torch.arange(_VERIFY_ROWS, device=probe.device)
-            positions = torch.stack([cells // 16, cells // 4 % 4, cells % 4])[:, None, :]
         try:
             # A fresh module: float32 frequencies (a model cast to bfloat16 rounded its
             # inv_freq buffer too), initial dynamic state, and the model's own untouched.
             reference = type(module)(self.config).to(probe.device)
-        except TypeError:
+        except Exception:  # a module whose class takes more: its own state
             reference = module
-        natives = {}
+        try:
+            self.values = config_dict(self.config)
+        except posenc.InvalidArgumentError:
+            self.values = {}
+        call = _Call(self.native, reference, probe)
+        try:
+            call.standard(layer_types)
+        except _NotStandard as why:
+            return f"{type(module).__name__}: {why}"
+        self.axes = call.axes
+        self.complex = call.complex
+        chosen: dict[str | None, posenc.Spec] = {}
         for layer_type in layer_types:
-            kwargs = {} if layer_type is None else {"layer_type": layer_type}
-            natives[layer_type] = self.native(reference, probe, positions, **kwargs)
-        native = natives[layer_types[0]]
-        self.complex = isinstance(native, torch.Tensor) and native.is_complex()
-        if self.complex:
-            self.layout = "vllm"
-        else:
-            full = posenc.Spec.from_config(self.values, layer_type=layer_types[0])
-            if full.kind == "rotary" and native[0].shape[-1] * 2 == _width(full):
-                self.layout = "vllm"  # half-width cos and sin (GPT-OSS)
-        for layer_type in layer_types:
+            spec, layout = self._choose(call, reference, layer_type, verify)
+            self.base[layer_type] = spec
+            self.layouts[layer_type] = layout
             self.cached[layer_type] = int(getattr(module, "max_seq_len_cached", 0) or 0)
-            spec = self.spec(layer_type, None)
+            chosen[layer_type] = self.spec(layer_type, None)
+        for layer_type, spec in chosen.items():
             self.handle.specs[self.name if layer_type is None else f"{self.name}:{layer_type}"] = (
                 spec
             )
-            if verify:
-                # One direct fetch: no table is held for the probe's dtype.
-                cos, sin = self.handle.client.get_positions(
-                    positions.movedim(0, -1) if self.mrope else positions,
-                    spec,
-                    dtype=torch.float32,
-                    cos_sin=True,
-                )
-                native = natives[layer_type]
-                if self.complex:
-                    ours = torch.view_as_real(torch.complex(cos, sin))
-                    _check(self.name, spec, ours, torch.view_as_real(native))
-                else:
-                    _check(self.name, spec, torch.cat([cos, sin], -1), torch.cat(native, -1))
         # The width of the module's cos (and sin), for the compiled forward's shapes.
-        self.width = int(native.shape[-1] if self.complex else native[0].shape[-1])
-        self.rope_types = dict(rope_type) if isinstance(rope_type, dict) else rope_type
+        self.width = call.width
         self._register()
         self.handle._override(module, _STATE, self)
         self.handle._bind(module, "forward", _rotary_forward)
+        return ""
+
+    def _candidates(self, reference: Any, layer_type: str | None) -> Iterator[tuple[str, Any]]:
+        """The tables a layer type may be, in order of preference: ``(why, spec)``, where
+        ``spec`` is a :class:`posenc.Spec` (without its layout) or the error that stopped
+        its config from giving one."""
+        rope_type = self.rope_type(layer_type)
+        values = self._layer_values(layer_type)
+        config_spec: posenc.Spec | None = None
+        # A module merging several axes: its M-RoPE spec (Qwen-VL's sections), then its
+        # plain table, each column's axis read from its own output.
+        for sections in (True, False) if self.axes else (True,):
+            try:
+                kind, parameters = table_from_config(
+                    values, layout="vllm", layer_type=layer_type, sections=sections
+                )
+                spec = posenc.Spec(kind, **parameters)
+            except posenc.InvalidArgumentError as error:
+                yield "config", error
+                continue
+            if kind == "rotary":
+                config_spec = spec
+            if kind in ("rotary", "mrope"):
+                yield "config", spec
+        buffer = _layer_inv_freq(reference, layer_type)
+        count = 0 if buffer is None else int(buffer.numel())
+        if config_spec is not None and config_spec.kind == "rotary" and count:
+            parameters = config_spec.parameters
+            if _width(config_spec) != 2 * count:
+                # The head size its frequency buffer was made for (a per-layer head size or
+                # partial factor the config keeps elsewhere).
+                if parameters.get("scaling") == "proportional":
+                    parameters["head_dim"] = 2 * count
+                else:
+                    parameters.pop("partial_rotary_factor", None)
+                    parameters["head_dim"] = 2 * count
+                with contextlib.suppress(posenc.InvalidArgumentError):
+                    yield "head", posenc.Spec("rotary", **parameters)
+        if buffer is not None and count and "dynamic" not in rope_type and rope_type != "longrope":
+            scale = _attention_scaling(reference, layer_type)
+            try:
+                yield (
+                    "frequencies",
+                    posenc.Spec(
+                        "rotary",
+                        head_dim=2 * count,
+                        layout="vllm",
+                        scaling="frequencies",
+                        inv_freq=buffer.detach().double().cpu().tolist(),
+                        **({} if scale == 1.0 else {"attention_factor": scale}),
+                    ),
+                )
+            except posenc.InvalidArgumentError as error:
+                yield "frequencies", error
+
+    def _layer_values(self, layer_type: str | None) -> dict[str, Any]:
+        """The config's keys for one layer type: its own config where the model has
+        per-layer ones (Gemma 4's full-attention head size), else the model's."""
+        if layer_type is not None:
+            per_layer = getattr(self.config, "per_layer_config", None)
+            with contextlib.suppress(Exception):
+                if per_layer is not None:
+                    return config_dict(per_layer[layer_type])
+        return self.values
+
+    def _choose(
+        self, call: _Call, reference: Any, layer_type: str | None, verify: bool
+    ) -> tuple[posenc.Spec, str]:
+        """The first candidate table that equals the module's own output, and its layout;
+        a one-line ValueError naming the module, the rope type and what differs if none."""
+        rope_type = self.rope_type(layer_type)
+        native = call.text(layer_type)
+        first: str = ""
+        fallback: tuple[posenc.Spec, str] | None = None
+        for source, candidate in self._candidates(reference, layer_type):
+            if not isinstance(candidate, posenc.Spec):
+                first = first or f"its config gives no table ({candidate})"
+                continue
+            spec = candidate
+            if spec.kind == "mrope":
+                if call.axes != 3:
+                    continue
+                for layout in _LAYOUTS:
+                    spec = posenc.Spec("mrope", **(candidate.parameters | {"layout": layout}))
+                    try:
+                        difference = self._check_mrope(call, layer_type, spec)
+                    except posenc.InvalidArgumentError as error:
+                        difference = f"(refused: {error})"
+                    if not difference:
+                        self.mrope = True
+                        return spec, layout
+                first = first or f"posenc's table for {spec} {difference}"
+                continue
+            try:
+                cos, sin = self.handle.client.get_positions(
+                    call.positions, spec, dtype=torch.float32, cos_sin=True
+                )
+            except posenc.InvalidArgumentError as error:
+                first = first or f"posenc's table for {spec} is refused ({error})"
+                continue
+            layout, difference = _match_layout(cos, sin, native)
+            if layout and call.axes:
+                self.column_axes[layer_type] = call.column_axes(layer_type)
+                difference = self._check_axes(call, layer_type, spec, layout)
+            if layout and not difference:
+                if source == "frequencies":
+                    self._warn_frequencies(rope_type, first)
+                return spec, layout
+            if layout and fallback is None:
+                fallback = (spec, layout)
+            first = first or f"posenc's table for {spec} {difference}"
+        if not verify and fallback is not None:
+            return fallback
+        what = first or "its output is not cos and sin of position x its inv_freq"
+        raise ValueError(
+            f"{self.name or 'model'} ({type(reference).__name__}, rope type {rope_type!r}"
+            f"{'' if layer_type is None else f', layer type {layer_type!r}'}): {what}"
+        )
+
+    def _warn_frequencies(self, rope_type: str, why: str) -> None:
+        warnings.warn(
+            f"{self.name or 'model'}: rope type {rope_type!r} is served for the float32 "
+            f"frequencies its module holds (exact angles of those values), not computed from "
+            f"its config ({why or 'a rope type posenc does not compute'})",
+            ModuleFrequenciesWarning,
+            stacklevel=4,
+        )
+
+    def _check_mrope(self, call: _Call, layer_type: str | None, spec: posenc.Spec) -> str:
+        """Where the M-RoPE spec's rows differ from the module's at (t, h, w) positions."""
+        positions = call.grid()
+        cos, sin = self.handle.client.get_positions(
+            positions.movedim(0, -1), spec, dtype=torch.float32, cos_sin=True
+        )
+        native = call.halves(positions, layer_type)
+        if native[0].shape != cos.shape:
+            return f"has cos of shape {tuple(cos.shape)}, the model's {tuple(native[0].shape)}"
+        return _difference(torch.cat([cos, sin], -1), torch.cat(native, -1), halves=True)
+
+    def _check_axes(
+        self, call: _Call, layer_type: str | None, spec: posenc.Spec, layout: str
+    ) -> str:
+        """Where the rows merged from each column's axis differ from the module's at
+        positions whose axes differ."""
+        positions = call.grid()
+        self.layouts[layer_type] = layout
+        self.base[layer_type] = spec
+        cos, sin = self.merged(positions, layer_type, spec.parameters | {"layout": layout})
+        native = call.halves(positions, layer_type)
+        return _difference(torch.cat([cos, sin], -1), torch.cat(native, -1), halves=True)
+
+    # -- serving ------------------------------------------------------------------------------
 
     def rope_type(self, layer_type: str | None) -> str:
         rope_type = self.rope_types
@@ -549,9 +750,17 @@ class _Rotary(_State):
         if spec is None:
             if len(self.specs) >= _SPECS_KEPT + 2:
                 self.specs.clear()
-            spec = posenc.Spec.from_config(
-                self.values, layout=self.layout, seq_len=seq_len, layer_type=layer_type
-            )
+            base = self.base[layer_type]
+            parameters = base.parameters | {"layout": self.layouts[layer_type]}
+            if seq_len is not None and parameters.get("scaling") in ("dynamic", "longrope"):
+                values = self._layer_values(layer_type)
+                _, config = table_from_config(
+                    values, layout=self.layouts[layer_type], seq_len=seq_len, layer_type=layer_type
+                )
+                parameters["seq_len"] = config.get("seq_len")
+                if parameters["seq_len"] is None:
+                    del parameters["seq_len"]
+            spec = posenc.Spec(base.kind, **parameters)
             self.specs[key] = spec
         return spec
 
@@ -587,26 +796,71 @@ class _Rotary(_State):
         returning complex frequencies (the caller makes them complex)."""
         if self.mrope:
             return self.mrope_rows(x, position_ids)
-        rope_type = self.rope_type(layer_type)
-        seq_len = self.seq_len(rope_type, position_ids, layer_type)
-        spec = self.spec(layer_type, seq_len)
         dtype = torch.float32 if self.complex else _served(x.dtype)
-        if seq_len is not None and "dynamic" in rope_type:
-            # A table for this seq_len only (it changes as the sequence grows): the rows of
-            # this forward, not a table from position 0.
-            cos, sin = self.handle.client.get_positions(
-                position_ids, spec, dtype=dtype, device=x.device, cos_sin=True
-            )
-            self.prefetch_next(position_ids, layer_type, dtype)
+        if self.axes:
+            spec = self.spec(layer_type, None)
+            cos, sin = self.merged(position_ids, layer_type, spec.parameters, dtype, x.device)
         else:
-            key = (spec, dtype)
-            table = self.tables.get(key)
-            if table is None:
-                table = self.tables[key] = self.handle.table(spec, dtype)
-            cos, sin = table.get(position_ids, device=x.device, cos_sin=True)
+            rope_type = self.rope_type(layer_type)
+            seq_len = self.seq_len(rope_type, position_ids, layer_type)
+            spec = self.spec(layer_type, seq_len)
+            cos, sin = self.fetch(
+                spec, position_ids, dtype, x.device, dynamic="dynamic" in rope_type
+            )
+            if seq_len is not None and "dynamic" in rope_type:
+                self.prefetch_next(position_ids, layer_type, dtype)
         if dtype != self.dtype(x):
             return cos.to(x.dtype), sin.to(x.dtype)
         return cos, sin
+
+    def fetch(
+        self,
+        spec: posenc.Spec,
+        position_ids: torch.Tensor,
+        dtype: torch.dtype,
+        device: torch.device | None = None,
+        *,
+        dynamic: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(cos, sin)`` of ``spec`` at ``position_ids``: from its growing table, or (a
+        dynamic-NTK table for one seq_len, which changes as the sequence grows) the rows of
+        these positions only."""
+        if dynamic and "seq_len" in spec.parameters:
+            cos, sin = self.handle.client.get_positions(
+                position_ids, spec, dtype=dtype, device=device, cos_sin=True
+            )
+            return cos, sin
+        key = (spec, dtype)
+        table = self.tables.get(key)
+        if table is None:
+            table = self.tables[key] = self.handle.table(spec, dtype)
+        cos, sin = table.get(position_ids, device=device, cos_sin=True)
+        return cos, sin
+
+    def merged(
+        self,
+        position_ids: torch.Tensor,
+        layer_type: str | None,
+        parameters: dict[str, Any],
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rows of a module merging several position axes: each column's value from the
+        table at the position of the axis that column takes its angle from (text positions,
+        every axis equal, are one table's rows)."""
+        spec = posenc.Spec("rotary", **parameters)
+        if position_ids.ndim == 2:
+            position_ids = position_ids[None].expand(self.axes, -1, -1)
+        if bool((position_ids == position_ids[:1]).all()):
+            return self.fetch(spec, position_ids[0], dtype, device)
+        cos_axes, sin_axes = self.column_axes[layer_type]
+        rows = [self.fetch(spec, position_ids[a], dtype, device) for a in range(self.axes)]
+        merged = []
+        for part, axes in ((0, cos_axes), (1, sin_axes)):
+            stacked = torch.stack([row[part] for row in rows])
+            index = axes.to(stacked.device).expand(1, *stacked.shape[1:])
+            merged.append(stacked.gather(0, index)[0])
+        return merged[0], merged[1]
 
     def prefetch_next(
         self, position_ids: torch.Tensor, layer_type: str | None, dtype: torch.dtype
@@ -648,6 +902,156 @@ class _Rotary(_State):
         if dtype != x.dtype:
             return cos.to(x.dtype), sin.to(x.dtype)
         return cos, sin
+
+
+class _NotStandard(Exception):
+    """A rotary module whose forward is not ``forward(x, position_ids[, layer_type])`` giving
+    cos and sin (or complex frequencies): the reason."""
+
+
+class _Call:
+    """The native forward of a fresh module at probe positions: its shapes, its position
+    axes and, for a module merging several, each column's axis."""
+
+    def __init__(self, native: Callable[..., Any], module: Any, probe: torch.Tensor) -> None:
+        self.native = native
+        self.module = module
+        self.probe = probe
+        self.positions = torch.arange(_VERIFY_ROWS, device=probe.device)[None]
+        self.axes = 0
+        self.complex = False
+        self.width = 0
+
+    def halves(
+        self, position_ids: torch.Tensor, layer_type: str | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(cos, sin)`` of the module at ``position_ids`` (its complex output split)."""
+        kwargs = {} if layer_type is None else {"layer_type": layer_type}
+        try:
+            with torch.no_grad():
+                output = self.native(self.module, self.probe, position_ids, **kwargs)
+        except Exception as error:  # the module's own code: its reason, in one line
+            raise _NotStandard(
+                f"forward(x, position_ids of shape {list(position_ids.shape)}) raised "
+                f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
+            ) from None
+        if isinstance(output, torch.Tensor) and output.is_complex():
+            self.complex = True
+            return output.real.float().cpu(), output.imag.float().cpu()
+        if (
+            isinstance(output, tuple | list)
+            and len(output) == 2
+            and all(isinstance(t, torch.Tensor) for t in output)
+            and output[0].shape == output[1].shape
+        ):
+            return output[0].float().cpu(), output[1].float().cpu()
+        raise _NotStandard("its forward returns neither (cos, sin) nor complex frequencies")
+
+    def standard(self, layer_types: list[str | None]) -> None:
+        """Finds the module's position axes: 0 for ``[batch, seq]`` position ids, else the
+        count of ``[axes, batch, seq]`` ones whose rows it merges."""
+        layer_type = layer_types[0]
+        two = self.halves(self.positions, layer_type)
+        if two[0].ndim != 3 or two[0].shape[:2] != (1, _VERIFY_ROWS):
+            raise _NotStandard(
+                f"its cos for position ids [1, {_VERIFY_ROWS}] has shape {list(two[0].shape)}"
+            )
+        self.width = int(two[0].shape[-1])
+        for axes in (3, 2, 4):
+            try:
+                several = self.halves(self.positions[None].expand(axes, -1, -1), layer_type)
+            except _NotStandard:
+                continue
+            if several[0].shape == two[0].shape:
+                self.axes = axes
+                return
+
+    def text(self, layer_type: str | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The module's rows at positions 0 .. 63 (every axis equal)."""
+        positions = self.positions
+        if self.axes:
+            positions = positions[None].expand(self.axes, -1, -1)
+        return self.halves(positions, layer_type)
+
+    def grid(self) -> torch.Tensor:
+        """``[axes, 1, 64]`` positions whose axes differ: the cells of a 4 x 4 x 4 video
+        (8 x 8 for two axes), every axis its own."""
+        cells = torch.arange(_VERIFY_ROWS, device=self.probe.device)
+        if self.axes == 2:
+            return torch.stack([cells // 8, cells % 8])[:, None, :]
+        digits = [cells // 4**k % 4 for k in range(self.axes)][::-1]
+        return torch.stack(digits)[:, None, :]
+
+    def column_axes(self, layer_type: str | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The axis each cos and each sin column takes its angle from (0 for columns of a
+        zero frequency, which no axis moves)."""
+        moved = []
+        for axis in range(self.axes):
+            positions = torch.zeros(self.axes, 1, _VERIFY_ROWS, dtype=torch.long)
+            positions[axis] = self.positions[0]
+            cos, sin = self.halves(positions.to(self.probe.device), layer_type)
+            moved.append(
+                [
+                    ((part - part[:, :1]).abs().amax(dim=(0, 1)) > _VERIFY_TOLERANCE)
+                    for part in (cos, sin)
+                ]
+            )
+        result = []
+        for part in (0, 1):
+            flags = torch.stack([m[part] for m in moved])  # [axes, width]
+            axes = flags.float().argmax(dim=0)
+            result.append(axes.view(1, 1, 1, -1))
+        return result[0], result[1]
+
+
+def _match_layout(
+    cos: torch.Tensor, sin: torch.Tensor, native: tuple[torch.Tensor, torch.Tensor]
+) -> tuple[str, str]:
+    """The layout whose arrangement of vLLM-layout rows ``(cos, sin)`` is the module's
+    output, and where the closest one differs ("" when it is equal); ``("", why)`` when no
+    layout has the module's width."""
+    theirs = torch.cat(native, -1)
+    fits = []
+    for layout in _LAYOUTS:
+        mine = torch.cat(_arranged(layout, cos, sin), -1)
+        if mine.shape == theirs.shape:
+            difference = _difference(mine, theirs, halves=True)
+            if not difference:
+                return layout, ""
+            fits.append((layout, difference))
+    if fits:
+        return fits[0]
+    return "", (f"has {cos.shape[-1]} frequencies, the module's cos {native[0].shape[-1]} columns")
+
+
+def _arranged(layout: str, cos: torch.Tensor, sin: torch.Tensor) -> list[torch.Tensor]:
+    """vLLM-layout halves in another layout's column order."""
+    if layout == "transformers":
+        return [torch.cat([cos, cos], -1), torch.cat([sin, sin], -1)]
+    if layout == "gptj":
+        return [cos.repeat_interleave(2, -1), sin.repeat_interleave(2, -1)]
+    return [cos, sin]
+
+
+def _layer_inv_freq(module: nn.Module, layer_type: str | None) -> torch.Tensor | None:
+    """A layer type's frequency buffer (``{layer_type}_inv_freq``), else ``inv_freq``."""
+    if layer_type is not None:
+        buffer = getattr(module, f"{layer_type}_inv_freq", None)
+        if isinstance(buffer, torch.Tensor):
+            return buffer
+    return _inv_freq(module)
+
+
+def _attention_scaling(module: nn.Module, layer_type: str | None) -> float:
+    """A layer type's attention scaling (``{layer_type}_attention_scaling``), else the
+    module's; 1 when it keeps none."""
+    for name in (f"{layer_type}_attention_scaling", "attention_scaling"):
+        value = getattr(module, name, None)
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, torch.Tensor) and value.numel() == 1:
+            return float(value)
+    return 1.0
 
 
 def _width(spec: posenc.Spec) -> int:
