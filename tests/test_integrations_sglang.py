@@ -606,3 +606,20 @@ def test_tested_window_is_the_extras_and_the_releases_run() -> None:
     oldest = ".".join(map(str, ps.TESTED_SGLANG[0]))
     assert f"sglang>={oldest}" in extras["sglang"]
     assert sglang_wheel.OLDEST.version == oldest
+
+
+def test_refusals_name_the_class(rope: types.ModuleType, client: posenc.Client) -> None:
+    """vLLM's integration on SGLang's classes (the same names, other attributes and row
+    counts), and a class lacking an attribute posenc reads: one line each, no traceback
+    from inside posenc; install_model leaves such a module, named."""
+    from posenc.integrations import vllm as pv
+
+    module = build(rope, CASES["mrope"][0])
+    with pytest.raises(posenc.InvalidArgumentError, match="SGLang's class: install it with"):
+        pv.cos_sin_cache_of(client, module)
+    yarn = build(rope, CASES["yarn"][0])
+    del yarn.beta_fast
+    with pytest.raises(posenc.InvalidArgumentError, match="no attribute 'beta_fast'"):
+        ps.cos_sin_cache_of(client, yarn)
+    model = torch.nn.ModuleDict({"plain": build(rope, CASES["default"][0]), "yarn": yarn})
+    assert ps.install_model(model, client) == ["plain"]

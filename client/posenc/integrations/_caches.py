@@ -10,6 +10,7 @@ cache before it writes any (nothing is half-installed).
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import re
@@ -17,7 +18,7 @@ import sys
 import warnings
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, replace
-from typing import Any, Final
+from typing import Any, Final, TypeVar, cast
 
 import numpy as np
 import torch
@@ -58,6 +59,29 @@ def kind_of(module: object, served: frozenset[str]) -> str:
             same = all(getattr(cls, n, None) is getattr(base, n, None) for n in _CACHE_METHODS)
             return base.__name__ if same else cls.__name__
     return cls.__name__
+
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def reads_attributes(function: _F) -> _F:
+    """``function`` reads a rotary module's attributes: one the module lacks (a release
+    whose class differs from the tested ones) is refused in one line naming the class and
+    the attribute, instead of an AttributeError from inside posenc."""
+
+    @functools.wraps(function)
+    def reading(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return function(*args, **kwargs)
+        except AttributeError as error:
+            module = next((a for a in args if isinstance(a, torch.nn.Module)), None)
+            raise violation(
+                "rotary_emb",
+                f"{type(module).__name__} has no attribute {error.name!r}, which posenc "
+                "reads its table from: this class differs from the tested releases'",
+            ) from error
+
+    return cast(_F, reading)
 
 
 def descends(module: object, name: str) -> bool:

@@ -103,6 +103,9 @@ def _kind(rotary_emb: object) -> str:
 
 def _served(rotary_emb: torch.nn.Module) -> str | None:
     kind = _kind(rotary_emb)
+    if type(rotary_emb).__module__.startswith("vllm."):
+        # The engines share class names, not attributes or row counts.
+        return f"{kind} is vLLM's class: install it with posenc.integrations.vllm"
     if kind in _SERVED_CLASSES:
         return None
     served = ", ".join(sorted(_SERVED_CLASSES))
@@ -218,6 +221,7 @@ def _fitted(plan: Plan, buffer: torch.Tensor) -> Plan:
     return plan.grown(len(buffer) - plan.rows) if len(buffer) > plan.rows else plan
 
 
+@_caches.reads_attributes
 def caches_of(client: posenc.Client, rotary_emb: torch.nn.Module) -> dict[str, torch.Tensor]:
     """Every cache buffer of an SGLang rotary module, by name, built from its own
     attributes in its buffers' dtype, over their current rows (on CPU).
@@ -248,6 +252,7 @@ def caches_of(client: posenc.Client, rotary_emb: torch.nn.Module) -> dict[str, t
     return caches
 
 
+@_caches.reads_attributes
 def cos_sin_cache_of(
     client: posenc.Client,
     rotary_emb: torch.nn.Module,

@@ -340,6 +340,9 @@ def _kind(rotary_emb: torch.nn.Module) -> str:
 
 def _served(rotary_emb: torch.nn.Module) -> str | None:
     kind = _kind(rotary_emb)
+    if type(rotary_emb).__module__.startswith("sglang."):
+        # The engines share class names, not attributes or row counts.
+        return f"{kind} is SGLang's class: install it with posenc.integrations.sglang"
     if kind in _SERVED_CLASSES:
         return None
     return (
@@ -347,6 +350,7 @@ def _served(rotary_emb: torch.nn.Module) -> str | None:
     )
 
 
+@_caches.reads_attributes
 def get_rope_arguments(rotary_emb: torch.nn.Module) -> tuple[int, int, dict[str, Any]]:
     """``(head_size, max_position, rope_parameters)`` that rebuild the cache of a vLLM rotary
     module from the module's own attributes (its ``base``, ``rotary_dim``, factors and
@@ -483,6 +487,7 @@ def cos_sin_cache(
     return _caches.fetch(client, plan, dtype, device)
 
 
+@_caches.reads_attributes
 def caches_of(client: posenc.Client, rotary_emb: torch.nn.Module) -> dict[str, torch.Tensor]:
     """Every cache buffer of a vLLM rotary module, by name, built from its own attributes
     in its buffers' dtype (on CPU): one for most classes, dual-chunk attention's five.
@@ -492,6 +497,9 @@ def caches_of(client: posenc.Client, rotary_emb: torch.nn.Module) -> dict[str, t
     """
     m: Any = rotary_emb
     kind = _kind(m)
+    reason = _served(m)
+    if reason is not None:
+        raise violation("rotary_emb", reason)
     if kind == "DualChunkRotaryEmbedding":
         return dual_chunk_caches(client, m)
     if kind == "FourierRotaryEmbedding":
@@ -513,6 +521,7 @@ def caches_of(client: posenc.Client, rotary_emb: torch.nn.Module) -> dict[str, t
     return {name: _caches.fetch(client, plan, buffer.dtype)}
 
 
+@_caches.reads_attributes
 def cos_sin_cache_of(
     client: posenc.Client,
     rotary_emb: torch.nn.Module,
