@@ -623,3 +623,15 @@ def test_refusals_name_the_class(rope: types.ModuleType, client: posenc.Client) 
         ps.cos_sin_cache_of(client, yarn)
     model = torch.nn.ModuleDict({"plain": build(rope, CASES["default"][0]), "yarn": yarn})
     assert ps.install_model(model, client) == ["plain"]
+
+
+def test_ernie45_vl(rope: types.ModuleType, client: posenc.Client) -> None:
+    """Ernie 4.5-VL builds its MRotaryEmbedding subclass itself: the plain cache of
+    max_position rows."""
+    ernie = sys.modules[f"{ROPE}.mrope"].Ernie4_5_VLRotaryEmbedding
+    module = ernie(128, 128, 4096, 500000.0, False, torch.float32, mrope_section=[22, 22, 20])
+    assert ps.install_model(torch.nn.Sequential(module), client) == ["0"]
+    assert (
+        float((module.cos_sin_cache.double() - exact_table(4096, 128, 500000.0)).abs().max())
+        <= EPS32
+    )
