@@ -106,7 +106,7 @@ def test_arguments_are_checked_when_a_method_is_called(server: RunningServer) ->
 
 def test_invalid_argument_with_field_violations(server: RunningServer) -> None:
     async def bad(client: posenc.AsyncClient) -> None:
-        await client.get_positions([1, -(1 << 45)], 8, base=float("nan"))
+        await client.get_positions([1, -(1 << 45)], 8, base=-1.0)
 
     with pytest.raises(posenc.InvalidArgumentError) as caught:
         run(bad, server.target)
