@@ -447,6 +447,10 @@ def test_install_model(
         ps.cos_sin_cache(client, **extrapolated)
     assert torch.equal(shared.cos_sin_cache, ps.cos_sin_cache(client, **local))
     expected = ps.cos_sin_cache(client, **phi3)
+    alone = build(rope, phi3)
+    ps.install(alone, ps.cos_sin_cache_of(client, alone))  # the three buffers from one
+    for name in ("short_cos_sin_cache", "long_cos_sin_cache", "long_short_cos_sin_cache"):
+        assert torch.equal(getattr(alone, name), getattr(model.phi3, name))
     assert torch.equal(model.phi3.long_short_cos_sin_cache, expected)
     assert torch.equal(model.phi3.short_cos_sin_cache, expected[:1024])
     assert torch.equal(model.phi3.long_cos_sin_cache, expected[1024:])

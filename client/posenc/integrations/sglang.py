@@ -539,10 +539,16 @@ def install(
         posenc.InvalidArgumentError: No such buffer, another shape, or (``verify``) another
             table: one line naming the module, the buffer and the row that differs.
     """
-    if isinstance(cache, torch.Tensor):
-        kind = _kind(rotary_emb)
-        name = "long_short_cos_sin_cache" if kind == "Phi3LongRoPEScaledRotaryEmbedding" else None
-        caches = {name or "cos_sin_cache": cache}
+    if isinstance(cache, torch.Tensor) and _kind(rotary_emb) == "Phi3LongRoPEScaledRotaryEmbedding":
+        # The stacked cache, and the short and long tables it stacks (buffers of their own).
+        short = int(getattr(rotary_emb, "original_max_position_embeddings", 0))
+        caches = {
+            "long_short_cos_sin_cache": cache,
+            "short_cos_sin_cache": cache[:short],
+            "long_cos_sin_cache": cache[short:],
+        }
+    elif isinstance(cache, torch.Tensor):
+        caches = {"cos_sin_cache": cache}
     else:
         caches = dict(cache)
     # Outside the tested releases the check is the guard: it runs whatever verify says.
