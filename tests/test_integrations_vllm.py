@@ -435,6 +435,10 @@ def test_install_model(
     model.deepseek = rope.get_rope(64, 2048, rope_parameters=deepseek)
     model.mixed = rope.get_rope(64, 2048, rope_parameters=mixed)
     model.mystery = MysteryRotaryEmbedding()
+    # A fused kernel's module holding the rotary module's buffer (Hunyuan's HpcRopeNorm):
+    # it reads the installed rows, and is neither installed nor named as left.
+    model.fused = MysteryRotaryEmbedding()
+    model.fused.cos_sin_cache = model.deepseek.cos_sin_cache
     with caplog.at_level("WARNING", logger="posenc.integrations.vllm"):
         installed = pv.install_model(client, model)
     assert installed == [
@@ -445,6 +449,8 @@ def test_install_model(
     ]
     (line,) = [r.getMessage() for r in caplog.records if "left with" in r.getMessage()]
     assert "mystery (MysteryRotaryEmbedding: " in line and "mixed (" not in line
+    assert "fused (" not in line
+    assert torch.equal(model.fused.cos_sin_cache, model.deepseek.cos_sin_cache)
     assert torch.equal(model.mystery.cos_sin_cache, torch.ones(16, 8))
     for name, parameters in (("layers.0", local), ("layers.2", scaled)):
         rotary = model.get_submodule(f"{name}.self_attn.rotary_emb")

@@ -349,7 +349,7 @@ def install_modules(
         posenc.InvalidArgumentError: No served rotary module, or a cache that differs.
     """
     pending: list[tuple[str, torch.nn.Module, dict[str, torch.Tensor]]] = []
-    left: list[str] = []
+    left: list[tuple[str, list[torch.Tensor]]] = []
     seen: set[int] = set()
     names = tuple(caches)
     for name, module in model.named_modules():
@@ -370,19 +370,23 @@ def install_modules(
                     check(name, module, built)
                 pending.append((name, module, built))
                 continue
-        left.append(f"{name} ({type(module).__name__}: {reason})")
+        left.append((f"{name} ({type(module).__name__}: {reason})", held))
+    # A module holding the memory of a cache installed here (a fused kernel's view of the
+    # rotary module's buffer) reads posenc's rows: it is not left.
+    written = {getattr(m, b).data_ptr() for _, m, built in pending for b in built}
+    left_names = [n for n, held in left if not any(b.data_ptr() in written for b in held)]
     if not pending:
-        detail = f"; left: {'; '.join(left)}" if left else ""
+        detail = f"; left: {'; '.join(left_names)}" if left_names else ""
         raise violation(
             "model", f"{type(model).__name__} holds no rotary module posenc serves{detail}"
         )
     for _, module, built in pending:
         install(module, built)
-    if left:
+    if left_names:
         log.warning(
             "posenc installed %s; left with their own caches: %s",
             ", ".join(name for name, _, _ in pending),
-            "; ".join(left),
+            "; ".join(left_names),
         )
     else:
         log.info("posenc installed %s", ", ".join(name for name, _, _ in pending))
