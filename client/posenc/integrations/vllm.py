@@ -24,11 +24,13 @@ naming the module and the row, if it differs; building a cache there warns
 Bailing and openPangu), ``partial_rotary_factor`` and ``rope_dim``, ``linear``,
 ``dynamic`` (``max_trained_positions`` or ``alpha``), ``yarn`` (with ``mrope_section``
 too), ``deepseek_yarn`` / ``deepseek_llama_scaling`` (DeepSeek's mscale ratio; the V4
-class's float32 cache), ``ntk``, ``proportional`` (Gemma 4: the head's frequencies, zero
-past ``rotary_dim``), ``llama3``, ``longrope`` (the short table's
+class's float32 cache), ``ntk`` (with ``mixed_b``, from the module: its own float32
+frequencies at exact angles), ``proportional`` (Gemma 4: the head's frequencies, zero past
+``rotary_dim / 2``), ``llama3``, ``longrope`` (the short table's
 ``original_max_position_embeddings`` rows then the long table's ``max_position`` rows),
 ``mllama4`` (Llama 4's vision patches, complex), dual-chunk attention's five caches and
-FoPE's (its learned mixing applied in float64 to exact angles).
+FoPE's (its learned mixing applied in float64 to exact angles). A model's subclass that
+inherits a served class's cache methods is served as that class.
 """
 
 from __future__ import annotations
