@@ -374,7 +374,7 @@ def test_second_bfloat16_buffer_is_refreshed(rope: types.ModuleType, client: pos
     assert torch.equal(module.cos_sin_cache_bf16, ours.to(torch.bfloat16))
 
 
-@pytest.mark.parametrize("name", ["llama3", "longrope", "mrope"])
+@pytest.mark.parametrize("name", ["llama3", "longrope", "mrope", "proportional", "ntk"])
 def test_installed_module_rotates_as_float64(
     name: str, rope: types.ModuleType, client: posenc.Client
 ) -> None:
