@@ -9,6 +9,8 @@ reference_tables.py, at every scale up to the position limit.
 from __future__ import annotations
 
 import dataclasses
+import math
+import re
 import zlib
 from typing import Any
 
@@ -510,6 +512,30 @@ BAD_PARAMETERS: list[tuple[str, dict[str, Any], str]] = [
 ]
 
 
+def _proto_of(kind: str, parameters: dict[str, Any], field: str) -> pb.EncodingSpec:
+    """The spec of ``parameters`` as sent. The SDK refuses a NaN or infinite ``field`` itself
+    (checked here): the server's own refusal is tested with the value set on the message."""
+    name = field.rpartition(".")[2]
+    value = parameters.get(name)
+    values = value if isinstance(value, list) else [value]
+    if not any(isinstance(v, float) and not math.isfinite(v) for v in values):
+        return posenc.Spec(kind, **parameters).to_proto()
+    with pytest.raises(posenc.InvalidArgumentError, match=re.escape(field)):
+        posenc.Spec(kind, **parameters)
+    finite = [1.0 if isinstance(v, float) and not math.isfinite(v) else v for v in values]
+    spec = posenc.Spec(kind, **{**parameters, name: finite if isinstance(value, list) else 1.0})
+    proto = spec.to_proto()
+    message: Any = proto
+    for part in field.split(".")[1:-1]:
+        message = getattr(message, part)
+    if isinstance(value, list):
+        del getattr(message, name)[:]
+        getattr(message, name).extend(value)
+    else:
+        setattr(message, name, value)
+    return proto
+
+
 @pytest.mark.parametrize(("kind", "parameters", "field"), BAD_PARAMETERS, ids=lambda v: str(v)[:60])
 def test_bad_parameters_get_invalid_argument_naming_the_field(
     stub: posenc_pb2_grpc.PositionalEncodingServiceStub,
@@ -517,7 +543,7 @@ def test_bad_parameters_get_invalid_argument_naming_the_field(
     parameters: dict[str, Any],
     field: str,
 ) -> None:
-    spec = posenc.Spec(kind, **parameters).to_proto()
+    spec = _proto_of(kind, parameters, field)
     request = pb.GetEncodingRequest(spec=spec, range=pb.PositionRange(start=0, stop=4))
     with pytest.raises(grpc.RpcError) as raised:
         stub.GetEncoding(request)
