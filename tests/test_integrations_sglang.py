@@ -358,6 +358,23 @@ def test_grown_cache_stays_exact(name: str, rope: types.ModuleType, client: pose
         assert torch.equal(module.cos_sin_cache_as(torch.bfloat16), grown.to(torch.bfloat16))
 
 
+def test_copied_module_keeps_growing_exactly(rope: types.ModuleType, client: posenc.Client) -> None:
+    """A deep copy of an installed module (a draft model built from the target's) grows its
+    own cache with posenc's rows; the original is left as it was."""
+    import copy
+
+    module = build(rope, CASES["default"][0])
+    ps.install_model(torch.nn.Sequential(module), client)
+    twin = copy.deepcopy(module)
+    twin._ensure_cos_sin_cache_length(len(module.cos_sin_cache) + 10)
+    assert len(twin.cos_sin_cache) > len(module.cos_sin_cache) == 4096
+    assert torch.equal(twin.cos_sin_cache, ps.cos_sin_cache_of(client, twin))
+    error = float(
+        (twin.cos_sin_cache.double() - exact_table(len(twin.cos_sin_cache), 128, 1e4)).abs().max()
+    )
+    assert error <= EPS32
+
+
 def test_growth_with_a_closed_client_keeps_sglang_rows(
     rope: types.ModuleType, server: Any, caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import logging
 import math
+import types
 from collections.abc import Mapping
 from types import SimpleNamespace
 from typing import Any, Final
@@ -449,6 +450,15 @@ class _Growth:
 
     def __init__(self, module: Any, client: posenc.Client, plan: Plan, original: Any) -> None:
         self.module, self.client, self.plan, self.original = module, client, plan, original
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> Any:
+        """A copied module's growth: the same wrapping, of the copy (the client is shared:
+        a connection cannot be copied)."""
+        copy = memo.get(id(self.module))
+        if copy is None:  # the wrapper copied alone: SGLang's own method of its module
+            return self.original
+        original = types.MethodType(self.original.__func__, copy)
+        return _Growth(copy, self.client, self.plan, original)
 
     def __call__(self, needed_max_pos: int) -> None:
         m = self.module
