@@ -224,6 +224,7 @@ def test_deepseek_v4_rope_parameters_keyed_main_and_compress() -> None:
     config = {
         "model_type": "deepseek_v4",
         "head_dim": 512,
+        "qk_rope_head_dim": 64,  # the config class's own int(head_dim * partial factor)
         "rope_parameters": {
             "main": {"rope_type": "default", **rope},
             "compress": {
@@ -238,6 +239,7 @@ def test_deepseek_v4_rope_parameters_keyed_main_and_compress() -> None:
     }
     main = posenc.Spec.from_config(config, layer_type="main", layout="vllm")
     assert main.parameters["partial_rotary_factor"] == 0.125
+    assert main.parameters["head_dim"] == 512  # rotary_dim 64
     compress = posenc.Spec.from_config(config, layer_type="compress").parameters
     assert compress["scaling"] == "yarn" and compress["attention_factor"] == 1.0
     assert compress["rope_theta"] == 160000.0

@@ -25,6 +25,7 @@ transformers.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import logging
 import math
@@ -46,7 +47,11 @@ transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.slow
 
 import posenc  # noqa: E402
-from posenc.integrations.transformers import UntestedReleaseWarning, patch  # noqa: E402
+from posenc.integrations.transformers import (  # noqa: E402
+    ModuleFrequenciesWarning,
+    UntestedReleaseWarning,
+    patch,
+)
 
 #: posenc-fed logits are at least this many times closer to the float64 reference than the
 #: model's own float32 logits, at 2^20 and 2^24.
@@ -387,7 +392,28 @@ def _deepseek_v3() -> Any:
     return _deepseek(transformers.DeepseekV3Config, 1.0)
 
 
+def _gemma4() -> Any:  # Gemma 4: proportional RoPE on 512-wide full-attention heads
+    return transformers.Gemma4TextConfig(
+        **TINY,
+        head_dim=256,
+        global_head_dim=512,
+        layer_types=["sliding_attention", "full_attention"],
+        max_position_embeddings=131072,
+    )
+
+
+def _cohere() -> Any:  # Command R: GPT-J's interleaved pairs inside a Llama-style module
+    return transformers.CohereConfig(
+        **TINY,
+        head_dim=128,
+        max_position_embeddings=131072,
+        rope_parameters={"rope_type": "default", "rope_theta": 8000000.0},
+    )
+
+
 ROTARY: dict[str, Callable[[], Any]] = {
+    "gemma4": _gemma4,
+    "cohere": _cohere,
     "llama3": _llama3,
     "mistral": _mistral,
     "mistral-small-3": _mistral_small3,
@@ -452,6 +478,8 @@ def feed(model: Any, rows: Callable[[Any, str | None], tuple[Any, Any]]) -> None
             complex_rows = isinstance(probe, torch.Tensor) and probe.is_complex()
             width = rows(torch.arange(1)[None], layer_types[0])[0].shape[-1]
             half = not complex_rows and probe[0].shape[-1] == width  # GPT-OSS
+            # Cohere: GPT-J's pairs (cos_0, cos_0, cos_1, ...), not duplicated halves.
+            pairs = not complex_rows and torch.equal(probe[0][0, 1, 0::2], probe[0][0, 1, 1::2])
 
             def forward(
                 x: Any,
@@ -459,11 +487,14 @@ def feed(model: Any, rows: Callable[[Any, str | None], tuple[Any, Any]]) -> None
                 layer_type: str | None = None,
                 _c: bool = complex_rows,
                 _h: bool = half,
+                _p: bool = pairs,
             ) -> Any:
                 cos, sin = rows(position_ids, layer_type)
                 if _c:
                     return torch.complex(torch.from_numpy(cos), torch.from_numpy(sin))
-                if not _h:
+                if _p:
+                    cos, sin = np.repeat(cos, 2, -1), np.repeat(sin, 2, -1)
+                elif not _h:
                     cos, sin = np.concatenate([cos, cos], -1), np.concatenate([sin, sin], -1)
                 return torch.from_numpy(cos).to(x.dtype), torch.from_numpy(sin).to(x.dtype)
 
@@ -499,6 +530,16 @@ def rope_frequencies(
     if layer_type is not None:
         rope = dict(rope[layer_type])
     kind = rope.get("rope_type", "default")
+    if layer_type is not None and getattr(config, "per_layer_config", None) is not None:
+        with contextlib.suppress(Exception):  # Gemma 4's per-layer head sizes
+            config = config.per_layer_config[layer_type]
+    if kind == "proportional":
+        head_dim = config.head_dim
+        rotated = int(rope.get("partial_rotary_factor", 1.0) * head_dim // 2)
+        exponents = np.arange(0, 2 * rotated, 2, dtype=np.float64) / head_dim
+        inv = 1.0 / float(rope["rope_theta"]) ** exponents
+        inv = np.concatenate([inv, np.zeros(head_dim // 2 - rotated)])
+        return inv / rope.get("factor", 1.0), 1.0
     if config.model_type == "gptj":
         theta = 10000.0
         dim = config.rotary_dim
@@ -1276,3 +1317,88 @@ def test_whole_llama4_for_conditional_generation(client: posenc.Client) -> None:
     our_error = float((ours[2] - expected).abs().max())
     print(f"llama4-vl @2^24: native {native_error:.3g}, posenc {our_error:.3g}")
     assert our_error * FACTOR <= native_error, (native_error, our_error)
+
+
+# -- the newest families, rope types posenc does not compute, other forms -------------------------
+
+# Families patch() refused or crashed on before (tests/transformers_sweep.py builds them from
+# their config classes' defaults): proportional RoPE, keyed main / compress parameters and a
+# partial compressor, per-layer head sizes, partial factors kept elsewhere, partial M-RoPE,
+# M-RoPE variants, two-axis position ids, forms of module that are not the standard one.
+NEWEST = [
+    "gemma4_text",
+    "lfm3",
+    "deepseek_v4",
+    "cohere2",
+    "ergo",
+    "neomme",
+    "qwen3_5_text",
+    "cosmos3_edge",
+    "glm_ocr",
+    "embedding_gemma2",
+    "minimax_m3_vl",
+    "mistral4",
+    "jetmoe",
+    "evolla",
+    "musicflamingo",
+    "recurrent_gemma",
+]
+
+
+@pytest.mark.parametrize("family", NEWEST)
+def test_the_newest_families_are_served_exactly(family: str, client: posenc.Client) -> None:
+    from transformers_sweep import run_family
+
+    if family not in transformers.CONFIG_MAPPING:
+        pytest.skip(f"transformers {transformers.__version__} has no {family}")
+    outcome = run_family(family, client)
+    assert outcome.status == "served", outcome
+    assert "module frequencies" not in outcome.detail, outcome
+
+
+def test_an_unknown_rope_type_is_served_for_its_module_frequencies(
+    client: posenc.Client, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from transformers import modeling_rope_utils
+
+    def day_one(config: Any, device: Any = None, **kwargs: Any) -> tuple[Any, float]:
+        # A rope type of a release newer than posenc: frequencies posenc has no formula for.
+        inv_freq, _ = modeling_rope_utils.ROPE_INIT_FUNCTIONS["linear"](config, device, **kwargs)
+        return inv_freq * (1 + torch.arange(len(inv_freq)) / 1000), 1.25
+
+    monkeypatch.setitem(modeling_rope_utils.ROPE_INIT_FUNCTIONS, "day_one", day_one)
+    config = transformers.LlamaConfig(
+        **TINY,
+        head_dim=128,
+        rope_parameters={"rope_type": "day_one", "rope_theta": 10000.0, "factor": 2.0},
+    )
+    model = build(config)
+    native = logits_at(model, 100)
+    with pytest.warns(ModuleFrequenciesWarning, match="rope type 'day_one'"):
+        handle = patch(model, client)
+    with handle:
+        spec = handle.specs["model.rotary_emb"]
+        assert spec.parameters["scaling"] == "frequencies"
+        assert spec.parameters["attention_factor"] == 1.25
+        held = model.model.rotary_emb.inv_freq.double().tolist()
+        assert list(spec.parameters["inv_freq"]) == held  # the float32 values, exactly
+        ours = logits_at(model, 100)
+    assert float((ours - native).abs().max()) <= 1e-4 * float(native.abs().max())
+
+
+def test_a_rotary_module_of_another_form_is_named_with_why(client: posenc.Client) -> None:
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    class Merged(LlamaRotaryEmbedding):  # one tensor, not (cos, sin)
+        def forward(self, x: Any, position_ids: Any) -> Any:
+            cos, sin = super().forward(x, position_ids)
+            return torch.cat([cos, sin], -1)
+
+    model = build(_llama3())
+    model.model.rotary_emb = Merged(model.config)
+    with pytest.raises(ValueError) as refused:
+        patch(model, client)
+    message = str(refused.value)
+    assert "\n" not in message
+    assert "model.rotary_emb: Merged: its forward returns neither (cos, sin)" in message
+    assert "forward" not in model.model.rotary_emb.__dict__

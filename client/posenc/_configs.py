@@ -232,6 +232,15 @@ def _spec_from_config(
         factor = _real(factor, "config.partial_rotary_factor")
         if factor != 1.0:
             parameters["partial_rotary_factor"] = factor
+            own = values.get("head_dim")
+            if (
+                values.get("qk_rope_head_dim")
+                and isinstance(own, int)
+                and int(own * factor) == values["qk_rope_head_dim"]
+            ):
+                # DeepSeek-V4: qk_rope_head_dim is the rotated part of head_dim, which the
+                # partial factor is of (DeepSeek-V2/V3 rotate all of qk_rope_head_dim).
+                parameters["head_dim"] = own
 
     rope_type = str(rope.get("rope_type") or rope.get("type") or "default")
     family = model_type.removesuffix("_text")
