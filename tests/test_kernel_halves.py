@@ -55,6 +55,7 @@ def test_float16_rows_without_f16c_are_the_vector_kernels(planes: bool) -> None:
         vector.float16_to_columns,
         vector.float16_to_planes,
         halves.FLOAT16,
+        "float16_scalar",
         run_pairs=32,
         vectorized=False,
     )

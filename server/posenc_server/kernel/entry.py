@@ -12,7 +12,7 @@ import numpy as np
 import numpy.typing as npt
 
 from posenc_server.kernel import rows
-from posenc_server.kernel.jit import compiled
+from posenc_server.kernel.jit import compiled, named
 from posenc_server.kernel.rows import Planes
 from posenc_server.numerics import STORE_BFLOAT16 as BFLOAT16
 from posenc_server.numerics import STORE_FLOAT16 as FLOAT16
@@ -99,9 +99,10 @@ def _entry_points(stored: int, suffix: str) -> tuple[Kernel, Kernel]:
         else:
             rows.ranged_values(*args)
 
-    rotate_into.__name__ += suffix
-    range_into.__name__ += suffix
-    return compiled(rotate_into), compiled(range_into)
+    return (
+        compiled(named(rotate_into, f"rotate_into{suffix}")),
+        compiled(named(range_into, f"range_into{suffix}")),
+    )
 
 
 rotate_into, range_into = _entry_points(VALUES, "")

@@ -13,7 +13,7 @@ import numpy as np
 import numpy.typing as npt
 
 from posenc_server.kernel import pairs, vector
-from posenc_server.kernel.jit import helper
+from posenc_server.kernel.jit import helper, named
 from posenc_server.kernel.pairs import Factors, RowWriter
 from posenc_server.kernel.vector import LANES
 
@@ -107,6 +107,7 @@ def _round_again(
 def _rounded_row(
     kernel: Callable[..., int],
     form: Format,
+    name: str,
     *,
     planes: bool,
     run_pairs: int,
@@ -122,9 +123,9 @@ def _rounded_row(
     rounded wrong (one in 65536 for bfloat16, 4096 for float16); such a run goes through it
     again a step at a time, which gives each step's mask of those values, rounded again
     exactly (``_round_again``). Not ``vectorized`` (float16 without F16C), rows take the
-    scalar rounding alone: numba leaves the constant branch out, and the kernel uncompiled."""
+    scalar rounding alone: numba leaves the constant branch out, and the kernel uncompiled.
+    The row's helper is named ``name`` (see ``jit.named``)."""
 
-    @helper
     def rounded(factors: Factors, amplitude: float, out: npt.NDArray[np.generic]) -> None:
         count = factors[0].size if planes else min(factors[0].size, out.size // 2)
         step, plane = (1, count) if planes else (2, 1)
@@ -143,34 +144,49 @@ def _rounded_row(
             for k in range(2 * count, out.size):  # an odd width's last sin, or the zero column
                 out[k] = half_bits(pairs.value(factors, amplitude, k), form)
 
-    return rounded
+    return helper(named(rounded, name))
 
 
 def rounded_rows(
     to_columns: Callable[..., int],
     to_planes: Callable[..., int],
     form: Format,
+    name: str,
     *,
     run_pairs: int,
     vectorized: bool = True,
 ) -> tuple[RowWriter, RowWriter]:
     """A format's rows (``_rounded_row``): straight to the interleaved layout's columns by
-    the vector kernel ``to_columns``, and as planes by ``to_planes``."""
-    return (
-        _rounded_row(to_columns, form, planes=False, run_pairs=run_pairs, vectorized=vectorized),
-        _rounded_row(to_planes, form, planes=True, run_pairs=run_pairs, vectorized=vectorized),
+    the vector kernel ``to_columns``, and as planes by ``to_planes``; their helpers named
+    after ``name``, which no other rows may take."""
+    columns, planes = (
+        _rounded_row(
+            kernel,
+            form,
+            f"{name}_{kind}",
+            planes=kind == "planes",
+            run_pairs=run_pairs,
+            vectorized=vectorized,
+        )
+        for kernel, kind in ((to_columns, "columns"), (to_planes, "planes"))
     )
+    return columns, planes
 
 
 #: Each format's rows: straight to the interleaved layout's columns, and as planes for the
 #: layouts copied by runs.
 BFLOAT16_ROWS: Final = rounded_rows(
-    vector.bfloat16_to_columns, vector.bfloat16_to_planes, BFLOAT16, run_pairs=_BFLOAT16_RUN
+    vector.bfloat16_to_columns,
+    vector.bfloat16_to_planes,
+    BFLOAT16,
+    "bfloat16",
+    run_pairs=_BFLOAT16_RUN,
 )
 FLOAT16_ROWS: Final = rounded_rows(
     vector.float16_to_columns,
     vector.float16_to_planes,
     FLOAT16,
+    "float16",
     run_pairs=_FLOAT16_RUN,
     vectorized=vector.F16C,
 )

@@ -45,6 +45,16 @@ def compiled(function: _F) -> _F:
         return numba.njit(nogil=True, boundscheck=False)(function)  # type: ignore[return-value]
 
 
+def named(function: _G, name: str) -> _G:
+    """``function``, named ``name``: for each function a factory makes, a name of its own.
+    numba names a function's compiled code by its qualified name and a number counting
+    the functions the process has compiled; code cached by two processes can so hold two
+    different functions of one name under one symbol, and a process that loads both
+    calls one of them for the other."""
+    function.__name__ = function.__qualname__ = name
+    return function
+
+
 def helper(function: _G) -> _G:
     """A loop's helper, compiled once per argument types and inlined where it is called by
     LLVM: numba's own inlining (``inline="always"``) types and lowers it again at every call

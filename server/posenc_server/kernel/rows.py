@@ -18,7 +18,7 @@ import numpy.typing as npt
 
 from posenc_server.kernel import halves, pairs
 from posenc_server.kernel.angles import angles_into
-from posenc_server.kernel.jit import allocating_helper, helper
+from posenc_server.kernel.jit import allocating_helper, helper, named
 from posenc_server.numerics import STORE_BFLOAT16 as BFLOAT16
 from posenc_server.numerics import STORE_FLOAT16 as FLOAT16
 from posenc_server.numerics import STORE_VALUES as VALUES
@@ -81,11 +81,12 @@ def _copy_runs(
             target[j] = values[j]
 
 
-def _row_loops(stored: int) -> tuple[Callable[..., None], Callable[..., None]]:
+def _row_loops(stored: int, name: str) -> tuple[Callable[..., None], Callable[..., None]]:
     """The loops over rows of ``rotate_into`` and ``range_into`` in the format ``stored``,
-    helpers like the rows' own (see ``jit.helper``): in a compiled entry point each view a
-    row takes (its factors, its columns) would count a reference, atomically, in and out, a
-    fixed cost per row that short rows (a rotary head's) pay in full."""
+    named after ``name`` (see ``jit.named``), helpers like the rows' own (see
+    ``jit.helper``): in a compiled entry point each view a row takes (its factors, its
+    columns) would count a reference, atomically, in and out, a fixed cost per row that
+    short rows (a rotary head's) pay in full."""
     straight, planar = _WRITERS[stored]
 
     @numba.njit(inline="always")
@@ -101,7 +102,6 @@ def _row_loops(stored: int) -> tuple[Callable[..., None], Callable[..., None]]:
             planar(factors, amplitude, scratch)
             _copy_runs(scratch, runs, out[r])
 
-    @helper
     def rotated(
         bases: Planes,
         base_index: npt.NDArray[np.int64],
@@ -112,7 +112,6 @@ def _row_loops(stored: int) -> tuple[Callable[..., None], Callable[..., None]]:
         for r in range(target[2].shape[0]):
             write_row(bases[base_index[r]], rotations[rotation_index[r]], target, r)
 
-    @helper
     def ranged(
         first: int,
         freq_hi: npt.NDArray[np.float64],
@@ -133,9 +132,9 @@ def _row_loops(stored: int) -> tuple[Callable[..., None], Callable[..., None]]:
             if offset == block:
                 offset = 0
 
-    return rotated, ranged
+    return helper(named(rotated, f"rotated_{name}")), helper(named(ranged, f"ranged_{name}"))
 
 
-rotated_values, ranged_values = _row_loops(VALUES)
-rotated_bfloat16, ranged_bfloat16 = _row_loops(BFLOAT16)
-rotated_float16, ranged_float16 = _row_loops(FLOAT16)
+rotated_values, ranged_values = _row_loops(VALUES, "values")
+rotated_bfloat16, ranged_bfloat16 = _row_loops(BFLOAT16, "bfloat16")
+rotated_float16, ranged_float16 = _row_loops(FLOAT16, "float16")
