@@ -61,6 +61,9 @@ _RESTART_DELAY = 1.0
 _HEALTH_INTERVAL = 1.0
 _HEALTH_TIMEOUT = 1.0
 _HEALTH_FAILURES = 3
+# A worker that failed this many checks in a row serves no new call (/healthz says so) until
+# it answers again or is replaced: one check slow on a busy machine is not enough.
+_READY_FAILURES = 2
 # A worker still running this long after its grace (or after a second signal) is killed.
 _KILL_AFTER_GRACE = 5.0
 #: How often a drain looks for a second signal (which cuts it short).
@@ -361,11 +364,12 @@ def supervise(
         return not stop.is_set() and any(worker.serving() for worker in list(workers))
 
     def serving() -> bool:
-        """Whether a new call is served: no worker that takes connections is hung (the
-        kernel hands it its share of them), the unix socket's worker answers, and some
-        worker has room for a connection under --max-connections."""
+        """Whether a new call is served: no worker that takes connections fails its checks
+        (the kernel hands a hung one its share of them), the unix socket's worker runs, and
+        some worker has room for a connection under --max-connections."""
         current = [w for w in list(workers) if w.ready.is_set() and w.process.poll() is None]
-        if stop.is_set() or not current or any(w.failed_checks for w in current):
+        hung = any(w.failed_checks >= _READY_FAILURES for w in current)
+        if stop.is_set() or not current or hung:
             return False
         if config.unix_socket and not any(w.index == 0 for w in current):
             return False
