@@ -104,68 +104,6 @@ def test_no_module_imports_back_a_module_that_imports_it() -> None:
 # -- the path of one request ---------------------------------------------------------------------
 
 
-def _modules_entered(call: Callable[[], object]) -> list[str]:
-    """The SDK modules that ``call`` enters, in order, until its first request reaches the
-    transport: the module of each Python function called from another module (a module
-    called several times in a row, e.g. one argument check per argument, is entered once)."""
-    entered: list[str] = []
-    reached: list[bool] = []
-
-    def module(frame: FrameType | None) -> str | None:
-        while frame is not None:  # the nearest SDK frame: library code in between is not a step
-            name = str(frame.f_globals.get("__name__", ""))
-            if name.startswith("posenc"):
-                return name
-            frame = frame.f_back
-        return None
-
-    def profile(frame: FrameType, event: str, _: object) -> None:
-        if event != "call" or reached:
-            return
-        name = module(frame)
-        if name == "posenc.testing":  # the transport answers: the request has arrived
-            reached.append(True)
-        elif name is not None and name != module(frame.f_back) and entered[-1:] != [name]:
-            entered.append(name)
-
-    sys.setprofile(profile)
-    try:
-        call()
-    finally:
-        sys.setprofile(None)
-    assert reached, "the call reached no transport"
-    return entered
-
-
-@pytest.mark.parametrize("rows", [4, 100_000], ids=["unary", "stream"])
-@pytest.mark.parametrize("width_known", [False, True], ids=["first", "again"])
-def test_a_get_range_request_passes_each_module_once(rows: int, width_known: bool) -> None:
-    """From ``get_range`` to the transport a request passes each SDK module once, in the order
-    of the architecture: the public method, the driver, the core, the argument conversion
-    (with its checks, the spec and the output), the wire requests, the connection pool.
-
-    A module is not asked twice for pieces of one request. Once the request is out, the
-    driver and the core alternate once per operation: that is the step protocol.
-    """
-    client = posenc.Client(transport=MockTransport(lambda r: np.zeros((len(positions(r)), 64))))
-    if width_known:
-        client.get_range(0, 4, 64)
-    entered = _modules_entered(lambda: client.get_range(0, rows, 64))
-    assert len(entered) == len(set(entered)), entered
-    assert entered == [
-        "posenc._base",
-        "posenc._client",
-        "posenc._core",
-        "posenc._retry",  # the call's timeout argument
-        "posenc._query",
-        "posenc._checks",
-        "posenc.spec",
-        "posenc._output",
-        "posenc._cursor",
-        "posenc._channel",
-    ]
-
-
 def _stays(call: Callable[[], object]) -> list[str]:
     """The SDK modules ``call`` stays in, in order: every Python call and return event of
     this thread, each given to the nearest SDK frame's module (library code in between is
@@ -219,3 +157,23 @@ def test_a_cached_decode_step_stays_in_each_module_once_down_and_once_up() -> No
             assert stays[0] == "posenc._base" and stays[-1] == "posenc._base", stays
             assert len(stays) <= 2 * len(set(stays)) - 1, stays
             assert "posenc._query" not in stays, "a cached step builds no query"
+
+
+@pytest.mark.parametrize("width_known", [False, True], ids=["first", "again"])
+def test_a_get_range_stays_in_each_module_once_down_and_once_up(width_known: bool) -> None:
+    """A small ``get_range``, calls and returns traced, as the floors of the SDK: the public
+    method; its plan (the arguments, the spec, the output's form, the budget, the request),
+    built once; the driver, which makes the plan's call over a connection of the pool; the
+    transport; the core, which turns the response into the result. At most 2m - 1 stays for
+    m modules: no module is asked twice for pieces of one request."""
+    client = posenc.Client(transport=MockTransport(lambda r: np.zeros((len(positions(r)), 64))))
+    with client:
+        if width_known:
+            client.get_range(0, 4, 64)
+        stays = _stays(lambda: client.get_range(0, 4, 64))
+    assert len(stays) <= 2 * len(set(stays)) - 1, stays
+    assert [name for name in dict.fromkeys(stays) if name in _FLOORS] == list(_FLOORS), stays
+
+
+# The floors of a planned call, in the order a request meets them on its way down.
+_FLOORS = ("posenc._base", "posenc._query", "posenc._client", "posenc.testing", "posenc._core")

@@ -16,6 +16,7 @@ from posenc import _core as core
 from posenc._base import BaseClient
 from posenc._channel import Calls, Pool
 from posenc._core import Result, Slice, Stepper, Steps
+from posenc._query import Plan
 from posenc._rows import AheadClaim, AheadFetch
 from posenc.errors import ClientClosedError
 from posenc.types import ServerInfo
@@ -126,6 +127,25 @@ class AsyncClient(
 
     def _iterate(self, steps: Steps[None]) -> AsyncIterator[Slice]:
         return self._drive(Stepper(steps))
+
+    def _call(self, plan: Plan) -> Coroutine[Any, Any, Any]:
+        if plan.request is None:
+            return self._run(self._core.planned(plan))
+        return self._planned_call(plan)
+
+    async def _planned_call(self, plan: Plan) -> Any:
+        done, value = self._core.finish(plan, await self._first_call(plan))
+        return value if done else await self._result(value)
+
+    async def _first_call(self, plan: Plan) -> object:
+        """The outcome of a plan's GetEncoding call: its response, or its error, without
+        its traceback: a traceback holds its frames, and theirs callers' (the driver's,
+        which holds the call's result), until a collection."""
+        try:
+            calls = self._connect().pick(_affinity(plan.affinity))
+            return await calls.get_encoding(plan.request, timeout=plan.timeout)
+        except grpc.RpcError as error:
+            return error.with_traceback(None)
 
     async def _ready(self, result: Result, claim: AheadClaim | None) -> Result:
         # The claim starts when awaited: from the event loop, as every read-ahead.

@@ -26,7 +26,7 @@ from posenc._channel import (
     channel_credentials,
 )
 from posenc._core import Core, Steps
-from posenc._query import load_dtypes
+from posenc._query import Plan, grid_plan, load_dtypes, range_plan
 from posenc._retry import DEFAULT_MAX_RETRIES, DEFAULT_RETRY_BACKOFF, DEFAULT_TIMEOUT
 from posenc._rows import (
     DEFAULT_READAHEAD_BYTES,
@@ -219,7 +219,8 @@ class BaseClient(Generic[ArrayT, InfoT, StatusT, SlicesT]):
             DeadlineExceededError: The timeout expired.
             UnavailableError: The server stayed unreachable through every retry.
         """
-        steps = self._core.get_range(
+        plan = range_plan(
+            self._core,
             start,
             stop,
             table,
@@ -231,7 +232,7 @@ class BaseClient(Generic[ArrayT, InfoT, StatusT, SlicesT]):
             cos_sin=cos_sin,
             copy=copy,
         )
-        return cast(ArrayT, self._run(steps))
+        return cast(ArrayT, self._call(plan))
 
     def get_positions(
         self,
@@ -374,8 +375,8 @@ class BaseClient(Generic[ArrayT, InfoT, StatusT, SlicesT]):
         It is ``get_range(0, cells, table)`` (row ``r`` is the row-major cell ``r``)
         reshaped; other arguments as in :meth:`get_range`. ``AsyncClient``: awaitable.
         """
-        steps = self._core.get_grid(table, dtype, timeout, out=out, device=device, copy=copy)
-        return cast(ArrayT, self._run(steps))
+        plan = grid_plan(self._core, table, dtype, timeout, out=out, device=device, copy=copy)
+        return cast(ArrayT, self._call(plan))
 
     def iter_grid(
         self,
@@ -464,6 +465,12 @@ class BaseClient(Generic[ArrayT, InfoT, StatusT, SlicesT]):
 
     def _run(self, steps: Steps[Any]) -> Any:
         """Performs ``steps``: their result (or, asyncio, an awaitable of it)."""
+        raise NotImplementedError
+
+    def _call(self, plan: Plan) -> Any:
+        """Performs a planned call (see :class:`posenc._query.Plan`): its GetEncoding call
+        first when it has one, then the core's steps; the result (or, asyncio, an
+        awaitable of it)."""
         raise NotImplementedError
 
     def _ready(self, result: Any, claim: AheadClaim | None) -> ArrayT:

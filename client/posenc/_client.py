@@ -17,6 +17,7 @@ from posenc import _core as core
 from posenc._base import BaseClient
 from posenc._channel import Calls, Pool
 from posenc._core import Result, Slice, Stepper, Steps
+from posenc._query import Plan
 from posenc._rows import AheadClaim, AheadFetch
 from posenc.errors import ClientClosedError
 from posenc.types import ServerInfo
@@ -119,10 +120,28 @@ class Client(BaseClient[Result, ServerInfo, str, Iterator[Slice]]):
     # -- I/O ------------------------------------------------------------------------------
 
     def _run(self, steps: Steps[Any]) -> Any:
-        stepper = Stepper(steps)
+        return self._result(Stepper(steps))
+
+    def _result(self, stepper: Stepper[Any]) -> Any:
         for _ in self._drive(stepper):
             raise AssertionError("only iterators deliver slices")
         return stepper.result
+
+    def _call(self, plan: Plan) -> Any:
+        if plan.request is None:
+            return self._run(self._core.planned(plan))
+        done, value = self._core.finish(plan, self._first_call(plan))
+        return value if done else self._result(value)
+
+    def _first_call(self, plan: Plan) -> object:
+        """The outcome of a plan's GetEncoding call: its response, or its error, without
+        its traceback: a traceback holds its frames, and theirs callers' (the driver's,
+        which holds the call's result), until a collection."""
+        try:
+            calls = self._pool.pick(_affinity(plan.affinity))
+            return calls.get_encoding(plan.request, timeout=plan.timeout)
+        except grpc.RpcError as error:
+            return error.with_traceback(None)
 
     def _iterate(self, steps: Steps[None]) -> Iterator[Slice]:
         return self._drive(Stepper(steps))

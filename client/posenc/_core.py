@@ -16,7 +16,6 @@ import dataclasses
 import logging
 import random
 import time
-import zlib
 from collections.abc import Callable, Generator, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, Generic, TypeAlias, TypeVar
@@ -27,15 +26,22 @@ import numpy.typing as npt
 from grpc_health.v1 import health_pb2
 
 from posenc._channel import Settings
-from posenc._cursor import StreamCursor, decode_unary, parts, unary_request
+from posenc._cursor import StreamCursor, decode_unary
 from posenc._output import Output, as_tensor, cos_sin_halves
 from posenc._query import (
+    WIDTHS_KEPT,
+    Plan,
     Query,
     Widths,
+    affinity,
     check_chunk_bytes,
+    grid_plan,
     grid_query,
+    parts,
     positions_query,
+    range_plan,
     range_query,
+    unary_request,
 )
 from posenc._retry import (
     MAX_RETRY_BACKOFF,
@@ -190,12 +196,14 @@ class Stepper(Generic[T]):
     told the outcome of the last; None once the call returned (its value is
     :attr:`result`). Closing it closes the steps, which cancels a stream left open."""
 
-    def __init__(self, steps: Steps[T]) -> None:
+    def __init__(self, steps: Steps[T], first: Operation | None = None) -> None:
+        """``first``: the operation the steps yielded already (they were started by their
+        core), which iterating begins with."""
         self._steps = steps
         self._value: Any = None
         self._error: BaseException | None = None
-        self._started = False
-        self._first: Operation | None = None
+        self._started = first is not None
+        self._first: Operation | None = first
         self.result: T
 
     def start(self) -> Stepper[T]:
@@ -242,6 +250,9 @@ class Stepper(Generic[T]):
 
 # -- the deadline and retries of a call --------------------------------------------------------
 
+# A unary call's outcome not given: the steps make the call (see Core._call).
+_NOT_MADE: Any = object()
+
 
 class Contact:
     """Whether a server of this client's target has ever answered it.
@@ -267,11 +278,18 @@ class CallBudget:
     """
 
     def __init__(
-        self, timeout: float | None, max_retries: int, backoff: float, contact: Contact
+        self,
+        timeout: float | None,
+        max_retries: int,
+        backoff: float,
+        contact: Contact,
+        deadline: float | None = None,
     ) -> None:
         self.timeout = timeout
         self._contact = contact
-        self._deadline = None if timeout is None else time.monotonic() + timeout
+        if deadline is None and timeout is not None:
+            deadline = time.monotonic() + timeout
+        self._deadline = deadline
         self._max_retries = max_retries
         self._backoff = backoff
         self._failures = 0  # consecutive failed attempts without progress
@@ -342,20 +360,6 @@ def _over_a_limit(error: grpc.RpcError) -> bool:
     the server is busy, and the retry budget handles it)."""
     mapped = map_rpc_error(error)
     return mapped.code == grpc.StatusCode.RESOURCE_EXHAUSTED and mapped.retry_after is None
-
-
-def _affinity(query: Query) -> int | None:
-    """Calls that a server process's cache answers keep to one connection, so to that
-    process (the client adds the caller's thread or task): the decode steps (short position
-    lists) of one table, whose blocks their sequences share, and a range asked for again
-    (the same table and start). Each process caches its own blocks: spread over processes,
-    a range fetched twice was computed twice. Other calls spread."""
-    if query.positions is None:
-        start = query.start.to_bytes(8, "little", signed=True)
-        return zlib.crc32(start, zlib.crc32(query.spec_key))
-    if query.rows > MAX_CACHED_CALL_ROWS:
-        return None
-    return zlib.crc32(query.spec_key)
 
 
 # -- the calls ---------------------------------------------------------------------------------
@@ -485,6 +489,41 @@ class Core:
         template = dataclasses.replace(query, positions=None, out=None, view=False)
         self._forms[key] = _Form(table, query.spec_key, template, result.tensor, rotary)
 
+    # -- planned calls (see posenc._query.Plan)
+
+    def finish(self, plan: Plan, outcome: object) -> tuple[bool, Any]:
+        """A planned call whose GetEncoding call the driver made: ``outcome`` is its
+        response, or the ``grpc.RpcError`` it failed with. ``(True, result)`` when that
+        settles the call; else ``(False, stepper)``, the steps that go on (a retry, a stream
+        instead), started: the driver performs their operations from the stepper's first."""
+        steps = self._planned(plan, outcome)
+        try:
+            operation = next(steps)
+        except StopIteration as stop:
+            return True, stop.value
+        return False, Stepper(steps, operation)
+
+    def planned(self, plan: Plan) -> Steps[Result]:
+        """The steps of a planned call that makes no call first (``plan.request`` None)."""
+        return self._planned(plan, _NOT_MADE)
+
+    def _planned(self, plan: Plan, outcome: object) -> Steps[Result]:
+        budget = CallBudget(
+            plan.timeout,
+            self.settings.max_retries,
+            self.settings.retry_backoff,
+            self._contact,
+            plan.deadline,
+        )
+        if outcome is _NOT_MADE:
+            rows = yield from self._fetch(plan.query, budget)
+        else:
+            rows = yield from self._fetch(plan.query, budget, planned=plan, outcome=outcome)
+        output = plan.output
+        if output.plain:  # the rows themselves: no call of the output's module
+            return rows if len(output.shape) == 1 else rows.reshape(*output.shape, rows.shape[1])
+        return output.finish(rows)
+
     # -- what the public methods run
 
     def get_range(
@@ -498,10 +537,9 @@ class Core:
         **output: Any,
     ) -> Steps[Result]:
         """Rows ``[start, stop)``, handed back as ``output`` (``out``, ``device``,
-        ``cos_sin``; see :class:`posenc._output.Output`) says."""
-        budget = self.budget(timeout)
-        query, result = range_query(start, stop, table, dtype, classic, self.widths, **output)
-        return result.finish((yield from self._fetch(query, budget)))
+        ``cos_sin``; see :class:`posenc._output.Output`) says: the steps of its plan, which
+        make its call themselves (the clients make a plan's call first: see finish())."""
+        return self.planned(range_plan(self, start, stop, table, dtype, classic, timeout, **output))
 
     def get_positions(
         self,
@@ -528,10 +566,8 @@ class Core:
     def get_grid(
         self, table: object, dtype: DTypeArg | None, timeout: Timeout, **output: Any
     ) -> Steps[Result]:
-        """A grid kind's whole grid, ``[*grid_shape, width]``."""
-        budget = self.budget(timeout)
-        query, result = grid_query(table, dtype, self.widths, **output)
-        return result.finish((yield from self._fetch(query, budget)))
+        """A grid kind's whole grid, ``[*grid_shape, width]`` (as :meth:`get_range`)."""
+        return self.planned(grid_plan(self, table, dtype, timeout, **output))
 
     def iter_range(
         self,
@@ -651,12 +687,23 @@ class Core:
         return max(self.settings.unary_max_bytes, self.rows.readahead_bytes)
 
     def _call(
-        self, method: str, request: object, budget: CallBudget, affinity: int | None = None
+        self,
+        method: str,
+        request: object,
+        budget: CallBudget,
+        affinity: int | None = None,
+        made: object = _NOT_MADE,
     ) -> Steps[Any]:
-        """One unary call, retried on transient failures within the budget."""
+        """One unary call, retried on transient failures within the budget. ``made``: the
+        outcome of its first attempt, when the driver made it (a plan's call)."""
         while True:
             try:
-                response = yield Unary(method, request, budget.attempt_timeout(), affinity)
+                if made is _NOT_MADE:
+                    response = yield Unary(method, request, budget.attempt_timeout(), affinity)
+                else:
+                    response, made = made, _NOT_MADE
+                    if isinstance(response, grpc.RpcError):
+                        raise response
             except grpc.RpcError as error:
                 delay = budget.on_error(error)
             else:
@@ -680,38 +727,62 @@ class Core:
         return name
 
     def _fetch(
-        self, query: Query, budget: CallBudget, unary_max_bytes: int | None = None
+        self,
+        query: Query,
+        budget: CallBudget,
+        unary_max_bytes: int | None = None,
+        planned: Plan | None = None,
+        outcome: object = None,
     ) -> Steps[Rows]:
         """A whole table: one unary call when it is small (or empty: the response still
-        tells its width), else a stream collected into one array.
+        tells its width), else a stream collected into one array. With ``planned``, the
+        plan's GetEncoding call was made already: ``outcome`` is its response, or the
+        ``grpc.RpcError`` it failed with.
 
         Until a response has told the table's width, a call is small when it would be with
         one column: the server refuses a unary result over its limit before computing
         anything, and the call then streams. A decode loop's first step is one unary call.
         """
-        pieces = parts(query)
-        if len(pieces) > 1:
-            tables = []
-            for part in pieces:
-                tables.append((yield from self._fetch(part, budget, unary_max_bytes)))
-                if len(tables) == 1:
-                    query.check_size(tables[0].shape[1])  # the whole, once the width is told
-            return np.concatenate(tables)
+        if planned is None:
+            pieces = parts(query)
+            if len(pieces) > 1:
+                tables = []
+                for part in pieces:
+                    tables.append((yield from self._fetch(part, budget, unary_max_bytes)))
+                    if len(tables) == 1:
+                        query.check_size(tables[0].shape[1])  # the whole, once the width is told
+                return np.concatenate(tables)
         unary_max = self.settings.unary_max_bytes if unary_max_bytes is None else unary_max_bytes
         too_large = False  # for a response: the server said so
-        if self.settings.shared_memory is not None and query.positions is None and query.rows > 0:
+        if (
+            planned is None
+            and self.settings.shared_memory is not None
+            and query.positions is None
+            and query.rows > 0
+        ):
             shared = yield from self._shared(query, budget)
             if not isinstance(shared, bool):
                 return shared
             too_large = shared
         # A width not known yet counts as one column.
         size = query.rows * (query.columns or 1) * query.dtype.itemsize
-        if not too_large and (query.rows <= 0 or size <= unary_max):
+        if planned is not None or (not too_large and (query.rows <= 0 or size <= unary_max)):
             try:
-                request = unary_request(query)
-                tensor = yield from self._call("get_encoding", request, budget, _affinity(query))
+                if planned is None:
+                    request, calls = unary_request(query), affinity(query)
+                    tensor = yield from self._call("get_encoding", request, budget, calls)
+                else:
+                    assert planned.request is not None, "a plan of a call made"
+                    tensor = yield from self._call(
+                        "get_encoding", planned.request, budget, planned.affinity, outcome
+                    )
                 rows = decode_unary(tensor, query)
-                self.widths.learn(query.spec_key, rows.shape[1])
+                if self.widths.get(query.spec_key) != rows.shape[1]:
+                    # (a dict: set here rather than by learn(), which a planned call would
+                    # enter after its plan left its module)
+                    self.widths[query.spec_key] = rows.shape[1]
+                    if len(self.widths) > WIDTHS_KEPT:
+                        self.widths.trim()
                 return rows
             except ResourceExhaustedError:
                 if query.rows <= 0:
@@ -734,7 +805,7 @@ class Core:
         request.shared_memory_session = token
         try:
             response = yield from self._call(
-                "get_encoding_shared", request, budget, _affinity(query)
+                "get_encoding_shared", request, budget, affinity(query)
             )
         except ResourceExhaustedError:
             return True  # not placed, and over the unary limit
@@ -763,11 +834,11 @@ class Core:
         """The cursor's chunks (delivered unless it collects them); an interrupted call
         resumes with the missing rows."""
         collect = cursor.collect
-        affinity = _affinity(cursor.query)
+        calls = affinity(cursor.query)
         while True:
-            call = yield OpenStream(cursor.request(), budget.attempt_timeout(), affinity)
+            call = yield OpenStream(cursor.request(), budget.attempt_timeout(), calls)
             # A stream that resumes takes the next connection: the one that failed may be gone.
-            affinity = None
+            calls = None
             try:
                 while (chunk := (yield NextChunk(call))) is not None:
                     label, rows = cursor.accept(chunk)

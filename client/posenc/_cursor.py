@@ -1,5 +1,5 @@
-"""A query on the wire: its requests, the unary decode, and the stream cursor that resumes
-a stream.
+"""A query on the wire: the unary decode, and the stream cursor that resumes a stream (the
+requests themselves are written by :mod:`posenc._query`, with the plan of a call).
 
 Responses are parsed by :mod:`posenc_protocol.wire`, which hands out the payload as a view of the
 received message, so each chunk is copied once: into the result array. The width of a
@@ -8,65 +8,19 @@ table is whatever the server's ``columns`` say (the same in every response of a 
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable
-from typing import Any, Final
+from typing import Any
 
 import numpy as np
 
-from posenc._query import Query
+from posenc._query import Query, request_selection, request_stop
 from posenc.errors import InternalError
 from posenc.spec import enum_name
 from posenc_protocol.v1 import posenc_pb2 as pb
 from posenc_protocol.wire import TensorView
 
-#: Positions one request carries at most (a coordinate is one position of its row): longer
-#: lists travel in several calls. A request of this many positions is at most 640 KiB, so a
-#: server holds little for each call while reading it (gRPC reads a request whole before
-#: admitting it against its memory budget), and the calls of many clients at once stay small.
-MAX_POSITIONS_PER_REQUEST: Final = 1 << 16
-
-
-def _rows_per_request(query: Query) -> int:
-    """Rows one request carries at most: ``MAX_POSITIONS_PER_REQUEST`` positions, a
-    several-axis table's row being ``axes`` of them."""
-    return max(MAX_POSITIONS_PER_REQUEST // query.axes, 1)
-
-
-def _request_stop(query: Query, first_row: int) -> int:
-    """The row after the last one a request starting at ``first_row`` asks for."""
-    if query.positions is None:
-        return query.rows
-    return min(query.rows, first_row + _rows_per_request(query))
-
-
-def _selection(query: Query, first_row: int, stop_row: int) -> dict[str, Any]:
-    # Rows before first_row were already received: ask only for the rest (up to stop_row,
-    # when a long selection travels in parts).
-    if query.positions is None:
-        range_ = pb.PositionRange(start=query.start + first_row, stop=query.start + stop_row)
-        return {"range": range_}
-    if query.axes > 1:
-        coordinates = query.positions[first_row:stop_row].reshape(-1).tolist()
-        return {"coordinates": pb.CoordinateList(axes=query.axes, coordinates=coordinates)}
-    return {"positions": pb.PositionList(positions=query.positions[first_row:stop_row].tolist())}
-
-
-def parts(query: Query) -> list[Query]:
-    """``query`` as queries that one request each carries (split by rows: a several-axis
-    table's ``positions`` are ``[rows, axes]``)."""
-    step = _rows_per_request(query)
-    if query.positions is None or query.rows <= step:
-        return [query]
-    return [
-        dataclasses.replace(query, rows=len(part), positions=part)
-        for part in np.split(query.positions, range(step, query.rows, step))
-    ]
-
-
-def unary_request(query: Query) -> pb.GetEncodingRequest:
-    """The GetEncoding request of a query that one request carries (see :func:`parts`)."""
-    return pb.GetEncodingRequest(spec=query.spec, **_selection(query, 0, query.rows))
+# A unary result this large or smaller goes into a plain new array (see decode_unary).
+_SMALL_BYTES = 64 << 20
 
 
 def _copy_tensor(
@@ -110,7 +64,15 @@ def decode_unary(tensor: TensorView, query: Query) -> np.ndarray[Any, Any]:
         raise InternalError(f"server sent {tensor.rows} rows, expected {query.rows}")
     if query.columns not in (None, tensor.columns):
         return _copy_tensor(tensor, query, query.columns, None)  # raises: a width changed
-    return _copy_tensor(tensor, query, query.columns, query.allocate(tensor.columns))
+    shape = (tensor.rows, tensor.columns)
+    if query.out is not None and query.out.shape == shape:
+        out = query.out
+    elif len(tensor.data) <= _SMALL_BYTES:
+        # Already in memory once (the message): no memory check, no pooled allocation.
+        out = np.empty(shape, dtype=query.dtype)
+    else:
+        out = query.allocate(tensor.columns)
+    return _copy_tensor(tensor, query, query.columns, out)
 
 
 class StreamCursor:
@@ -146,13 +108,13 @@ class StreamCursor:
     def request(self) -> pb.StreamEncodingRequest:
         """The request for the rows not yet received."""
         self._base = self.received
-        self._stop = _request_stop(self.query, self.received)
+        self._stop = request_stop(self.query, self.received)
         if self._max_rows is not None:
             self._stop = min(self._stop, self.received + self._max_rows)
         return pb.StreamEncodingRequest(
             spec=self.query.spec,
             max_chunk_bytes=self.max_chunk_bytes or 0,
-            **_selection(self.query, self.received, self._stop),
+            **request_selection(self.query, self.received, self._stop),
         )
 
     def split(self) -> bool:

@@ -121,7 +121,9 @@ class Output:
 
     ``host`` is ``out`` as a 2-D numpy array the rows can be decoded into (None when the
     rows must be copied into ``out``, or there is no ``out``); its width must match the
-    table's, which only the server's response tells.
+    table's, which only the server's response tells. ``plain``: the result is the rows
+    themselves as a new numpy array, shaped ``shape + [width]`` (no ``out``, tensor or
+    halves), which the core hands back without a call here.
     """
 
     shape: tuple[int, ...]
@@ -131,6 +133,7 @@ class Output:
     out: Any = None
     host: npt.NDArray[Any] | None = None
     cos_sin: bool = False
+    plain: bool = False
 
     @classmethod
     def create(
@@ -180,7 +183,8 @@ class Output:
             torch_module()  # fail now, not after the call, when torch is missing
         if device is None and out is None:
             device = positions_device
-        return cls(shape, dtype, tensor, device, out, host, cos_sin)
+        plain = out is None and not tensor and not cos_sin
+        return cls(shape, dtype, tensor, device, out, host, cos_sin, plain)
 
     def finish(self, rows: npt.NDArray[Any]) -> Any:
         """The call's result from its decoded ``rows`` (2-D)."""

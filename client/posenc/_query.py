@@ -1,5 +1,11 @@
-"""One table request, as the SDK's methods were called: argument checks, the ``Query``, and
-the ``Output`` its rows are handed back in.
+"""One table request, as the SDK's methods were called: argument checks, the ``Query``, the
+``Output`` its rows are handed back in, its wire requests, and the ``Plan`` of a call.
+
+A call's plan is a value built once, here, before any I/O: every argument checked and
+normalised (the spec, the dtype, the output's shape and form, the timeout and deadline), and
+how the rows travel (one GetEncoding call, whose request the plan holds, or the core's
+steps). The driver makes the plan's call and hands its outcome to :mod:`posenc._core`, which
+turns it into the result; nothing is asked of this module again (``tests/test_layering.py``).
 
 Values are the server's to judge (its limits are configurable, and its messages name them);
 the checks here refuse only what the wire types cannot carry, and what would be a bug.
@@ -7,22 +13,25 @@ the checks here refuse only what the wire types cannot carry, and what would be 
 
 from __future__ import annotations
 
+import dataclasses
 import math
-import threading
-from collections import OrderedDict
+import operator
+import time
+import zlib
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Final
+from typing import Any, Final, Protocol
 
 import numpy as np
 import numpy.typing as npt
 
-from posenc._checks import INT64_MAX, INT64_MIN, as_int, as_int64, bad_argument, choice
+from posenc._checks import INT64_MAX, INT64_MIN, bad_argument
 from posenc._memory import memory_limit, new_array
 from posenc._output import Output, is_tensor, is_torch_dtype, positions_of, torch_dtype_name
-from posenc.errors import ResourceExhaustedError
+from posenc._retry import resolve_timeout
+from posenc.errors import ClientClosedError, ResourceExhaustedError
 from posenc.spec import Spec, enum_names, position_axes
-from posenc.types import DTypeArg
+from posenc.types import DEFAULT, DTypeArg, Timeout
 from posenc_protocol.v1 import posenc_pb2 as pb
 
 #: The ``dtype=`` names, from the ``Dtype`` enum; numpy knows each by that name.
@@ -33,13 +42,63 @@ _DTYPE_NAMES_BY_ENUM: Final = {number: name for name, number in _DTYPE_ENUMS.ite
 _NUMPY_DTYPES: Final = {name: np.dtype(name) for name in DTYPE_NAMES if name != "bfloat16"}
 # The classic table: what an int ``table`` is.
 _CLASSIC: Final = "sinusoidal"
-# Widths learned from responses, per spec: more than any process uses at once.
-_WIDTHS_KEPT: Final = 256
+#: Widths learned from responses, per spec: more than any process uses at once.
+WIDTHS_KEPT: Final = 256
+# Specs and dtype names worked out from table and dtype arguments, kept so that a table
+# asked for again is not converted again: more than any process uses at once.
+_SPECS_KEPT: Final = 256
+#: Positions one request carries at most (a coordinate is one position of its row): longer
+#: lists travel in several calls. A request of this many positions is at most 640 KiB, so a
+#: server holds little for each call while reading it (gRPC reads a request whole before
+#: admitting it against its memory budget), and the calls of many clients at once stay small.
+MAX_POSITIONS_PER_REQUEST: Final = 1 << 16
+# Calls with more positions than this are batch work, not decode steps (see posenc._rows).
+MAX_CACHED_CALL_ROWS: Final = 4096
+
+
+def as_int(value: object, field: str) -> int:
+    """``value`` as an int; bools are refused (passing True as a position is a bug)."""
+    if isinstance(value, bool | np.bool_):
+        raise bad_argument(field, f"must be an integer, got {value!r}")
+    try:
+        return operator.index(value)  # type: ignore[arg-type]
+    except TypeError:
+        raise bad_argument(field, f"must be an integer, got {type(value).__name__}") from None
+
+
+def as_int64(value: object, field: str) -> int:
+    """``value`` as an int that an int64 field can carry."""
+    number = as_int(value, field)
+    if not INT64_MIN <= number <= INT64_MAX:
+        raise bad_argument(field, f"must fit in int64, got {number}")
+    return number
+
+
+def choice(value: object, choices: Mapping[str, Any], field: str) -> str:
+    """``value`` as one of the names in ``choices`` (case-insensitive)."""
+    if not isinstance(value, str) or value.lower() not in choices:
+        raise bad_argument(field, f"{value!r} is not one of {', '.join(choices)}")
+    return value.lower()
 
 
 def dtype_name(dtype: DTypeArg) -> str:
     """Normalizes a ``dtype=`` argument: a name, a numpy dtype such as ``np.float16``, or a
-    torch dtype such as ``torch.bfloat16``."""
+    torch dtype such as ``torch.bfloat16`` (each one worked out once)."""
+    try:
+        return _DTYPE_ARGUMENTS[dtype]
+    except (KeyError, TypeError):  # not seen yet, or not hashable (the checks say why)
+        pass
+    name = _dtype_name(dtype)
+    if len(_DTYPE_ARGUMENTS) < _SPECS_KEPT:
+        _DTYPE_ARGUMENTS[dtype] = name
+    return name
+
+
+# What each dtype argument seen was worked out to be.
+_DTYPE_ARGUMENTS: dict[object, str] = {}
+
+
+def _dtype_name(dtype: DTypeArg) -> str:
     if isinstance(dtype, str):
         return choice(dtype, _DTYPE_ENUMS, "spec.dtype")
     if is_torch_dtype(dtype):
@@ -233,28 +292,24 @@ class Query:
         return self.allocate(self.columns)
 
 
-class Widths:
+class Widths(dict[bytes, int]):
     """Table widths learned from responses, by spec key: a table's width is a function of
     its spec, and knowing it lets a call choose unary or stream by size, and the row cache
-    plan in bytes. Bounded, least recently used forgotten first; thread-safe."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._widths: OrderedDict[bytes, int] = OrderedDict()
-
-    def get(self, key: bytes) -> int | None:
-        with self._lock:
-            width = self._widths.get(key)
-            if width is not None:
-                self._widths.move_to_end(key)
-            return width
+    plan in bytes. Bounded, the first learned forgotten first. A dict, read with ``get``
+    (atomic under the GIL, and no call of this module: a call's core reads it)."""
 
     def learn(self, key: bytes, width: int) -> None:
-        with self._lock:
-            self._widths[key] = width
-            self._widths.move_to_end(key)
-            if len(self._widths) > _WIDTHS_KEPT:
-                self._widths.popitem(last=False)
+        if self.get(key) != width:
+            self[key] = width
+            self.trim()
+
+    def trim(self) -> None:
+        """Forgets the first learned widths beyond the bound."""
+        while len(self) > WIDTHS_KEPT:
+            try:
+                del self[next(iter(self))]
+            except (KeyError, RuntimeError, StopIteration):  # another thread's, meanwhile
+                break
 
 
 def _result_dtype(dtype: DTypeArg | None, out: Any) -> DTypeArg:
@@ -267,11 +322,41 @@ def _result_dtype(dtype: DTypeArg | None, out: Any) -> DTypeArg:
 
 
 def table_spec(table: object, dtype: DTypeArg, classic: Mapping[str, object]) -> pb.EncodingSpec:
-    """The ``EncodingSpec`` of a table method's ``table``, ``dtype`` and classic options."""
+    """The ``EncodingSpec`` of a table method's ``table``, ``dtype`` and classic options
+    (shared by the calls of the same table: not to be changed)."""
+    return spec_and_key(table, dtype, classic)[0]
+
+
+def spec_and_key(
+    table: object, dtype: DTypeArg, classic: Mapping[str, object]
+) -> tuple[pb.EncodingSpec, bytes]:
+    """:func:`table_spec` and its deterministic bytes (what tells two specs' rows apart),
+    worked out once per table: the same int, or the same :class:`Spec` object, with the same
+    dtype and options, is found again without a conversion."""
     name = dtype_name(dtype)
+    try:
+        options = tuple(classic.items())
+        memo: tuple[Any, ...] = (
+            (table, name, options) if type(table) is int else (id(table), name, options, None)
+        )
+        found = _SPECS.get(memo)
+    except TypeError:  # an unhashable option: the checks below say what is wrong with it
+        memo, found = (), None
+    if found is not None and (type(table) is int or found[0] is table):
+        return found[1], found[2]
     spec = as_spec(table, classic).to_proto()
     spec.dtype = _DTYPE_ENUMS[name]  # type: ignore[assignment]
-    return spec
+    key = spec.SerializeToString(deterministic=True)
+    if memo:
+        if len(_SPECS) >= _SPECS_KEPT:
+            _SPECS.clear()
+        # The table itself is kept: its id names no other object while it is here.
+        _SPECS[memo] = (table, spec, key)
+    return spec, key
+
+
+# Specs worked out, by (table, dtype name, options); see spec_and_key.
+_SPECS: dict[tuple[Any, ...], tuple[object, pb.EncodingSpec, bytes]] = {}
 
 
 def range_query(
@@ -286,11 +371,11 @@ def range_query(
     """The query for positions ``[start, stop)``, and how its rows are handed back
     (``output``: ``out``, ``device``, ``cos_sin``; see :class:`posenc._output.Output`)."""
     first, end = as_int64(start, "range.start"), as_int64(stop, "range.stop")
-    spec = table_spec(table, _result_dtype(dtype, output.get("out")), classic)
+    spec, key = spec_and_key(table, _result_dtype(dtype, output.get("out")), classic)
     # A negative row count (stop < start) goes to the server, which refuses it with its
     # own field violation; results are only allocated once the server has answered.
     rows = end - first
-    return _query(spec, widths, (max(rows, 0),), dtype, output, rows=rows, start=first)
+    return _query(spec, key, widths, (max(rows, 0),), dtype, output, rows=rows, start=first)
 
 
 def positions_query(
@@ -306,7 +391,7 @@ def positions_query(
     read flat, or of coordinates along ``coordinate_axis`` (``[..., axes]``, read as
     ``[rows, axes]``) for a several-axis table; and how its rows are handed back."""
     array, device = positions_of(positions)
-    spec = table_spec(table, _result_dtype(dtype, output.get("out")), classic)
+    spec, key = spec_and_key(table, _result_dtype(dtype, output.get("out")), classic)
     kind = spec.WhichOneof("table")
     axes = position_axes(str(kind))
     if coordinate_axis != -1:
@@ -328,7 +413,7 @@ def positions_query(
         flat = flat.reshape(-1, axes)
         shape = shape[:-1]
     return _query(
-        spec, widths, shape, dtype, output, device, rows=len(flat), positions=flat, axes=axes
+        spec, key, widths, shape, dtype, output, device, rows=len(flat), positions=flat, axes=axes
     )
 
 
@@ -345,12 +430,13 @@ def grid_query(
             f"{spec.kind} is not a grid kind (sincos_grid_2d, sincos_grid_3d): "
             "use get_range or get_positions",
         )
-    proto = table_spec(spec, _result_dtype(dtype, output.get("out")), {})
-    return _query(proto, widths, shape, dtype, output, rows=math.prod(shape), start=0)
+    proto, key = spec_and_key(spec, _result_dtype(dtype, output.get("out")), {})
+    return _query(proto, key, widths, shape, dtype, output, rows=math.prod(shape), start=0)
 
 
 def _query(
     spec: pb.EncodingSpec,
+    key: bytes,
     widths: Widths,
     shape: tuple[int, ...],
     dtype: DTypeArg | None,
@@ -360,7 +446,6 @@ def _query(
 ) -> tuple[Query, Output]:
     """The query and its output; a result whose width is known already is judged now,
     before any call (see :meth:`Query.check_size`)."""
-    key = spec.SerializeToString(deterministic=True)
     numpy_type = named_dtype(_DTYPE_NAMES_BY_ENUM[spec.dtype])
     output = dict(output)
     copy = output.pop("copy", True)
@@ -370,7 +455,8 @@ def _query(
         shape,
         numpy_type,
         positions_device=positions_device,
-        torch_dtype=is_torch_dtype(dtype),
+        # (a name or None is no torch dtype: no call to ask)
+        torch_dtype=not (dtype is None or isinstance(dtype, str)) and is_torch_dtype(dtype),
         rotary=spec.WhichOneof("table") in ("rotary", "mrope"),
         **output,
     )
@@ -381,3 +467,131 @@ def _query(
     if query.columns is not None:
         query.check_size(query.columns)
     return query, result
+
+
+# -- the wire requests ------------------------------------------------------------------------
+
+
+def _rows_per_request(query: Query) -> int:
+    """Rows one request carries at most: ``MAX_POSITIONS_PER_REQUEST`` positions, a
+    several-axis table's row being ``axes`` of them."""
+    return max(MAX_POSITIONS_PER_REQUEST // query.axes, 1)
+
+
+def request_stop(query: Query, first_row: int) -> int:
+    """The row after the last one a request starting at ``first_row`` asks for."""
+    if query.positions is None:
+        return query.rows
+    return min(query.rows, first_row + _rows_per_request(query))
+
+
+def request_selection(query: Query, first_row: int, stop_row: int) -> dict[str, Any]:
+    # Rows before first_row were already received: ask only for the rest (up to stop_row,
+    # when a long selection travels in parts).
+    if query.positions is None:
+        range_ = pb.PositionRange(start=query.start + first_row, stop=query.start + stop_row)
+        return {"range": range_}
+    if query.axes > 1:
+        coordinates = query.positions[first_row:stop_row].reshape(-1).tolist()
+        return {"coordinates": pb.CoordinateList(axes=query.axes, coordinates=coordinates)}
+    return {"positions": pb.PositionList(positions=query.positions[first_row:stop_row].tolist())}
+
+
+def parts(query: Query) -> list[Query]:
+    """``query`` as queries that one request each carries (split by rows: a several-axis
+    table's ``positions`` are ``[rows, axes]``)."""
+    step = _rows_per_request(query)
+    if query.positions is None or query.rows <= step:
+        return [query]
+    return [
+        dataclasses.replace(query, rows=len(part), positions=part)
+        for part in np.split(query.positions, range(step, query.rows, step))
+    ]
+
+
+def unary_request(query: Query) -> pb.GetEncodingRequest:
+    """The GetEncoding request of a query that one request carries (see :func:`parts`)."""
+    return pb.GetEncodingRequest(spec=query.spec, **request_selection(query, 0, query.rows))
+
+
+def affinity(query: Query) -> int | None:
+    """Calls that a server process's cache answers keep to one connection, so to that
+    process (the client adds the caller's thread or task): the decode steps (short position
+    lists) of one table, whose blocks their sequences share, and a range asked for again
+    (the same table and start). Each process caches its own blocks: spread over processes,
+    a range fetched twice was computed twice. Other calls spread."""
+    if query.positions is None:
+        start = query.start.to_bytes(8, "little", signed=True)
+        return zlib.crc32(start, zlib.crc32(query.spec_key))
+    if query.rows > MAX_CACHED_CALL_ROWS:
+        return None
+    return zlib.crc32(query.spec_key)
+
+
+# -- the plan of a call -----------------------------------------------------------------------
+
+
+class Context(Protocol):
+    """What a plan is made from besides the call's arguments: the client's core (its
+    settings, the widths it learned, whether it is closed)."""
+
+    closed: bool
+    widths: Widths
+
+    @property
+    def settings(self) -> Any: ...  # posenc._channel.Settings (which imports this module)
+
+
+@dataclass(frozen=True, eq=False)
+class Plan:
+    """One table call, built once before any I/O: the query (its spec, dtype, selection,
+    known width, destination), the result's form, the whole call's timeout and deadline,
+    and ``request``, the GetEncoding request the driver makes first (with ``affinity``), or
+    None when the rows travel otherwise (a stream, shared memory): then the core's steps
+    run from the start. Nothing in it changes: retries and resumes are the core's."""
+
+    query: Query
+    output: Output
+    timeout: float | None
+    deadline: float | None
+    request: pb.GetEncodingRequest | None
+    affinity: int | None
+
+
+def range_plan(
+    context: Context,
+    start: object,
+    stop: object,
+    table: object,
+    dtype: DTypeArg | None,
+    classic: Mapping[str, object],
+    timeout: Timeout,
+    **output: Any,
+) -> Plan:
+    """The plan of ``get_range``: rows ``[start, stop)`` (see :func:`range_query`)."""
+    query, result = range_query(start, stop, table, dtype, classic, context.widths, **output)
+    return _plan(context, query, result, timeout)
+
+
+def grid_plan(
+    context: Context, table: object, dtype: DTypeArg | None, timeout: Timeout, **output: Any
+) -> Plan:
+    """The plan of ``get_grid``: a grid kind's whole grid (see :func:`grid_query`)."""
+    query, result = grid_query(table, dtype, context.widths, **output)
+    return _plan(context, query, result, timeout)
+
+
+def _plan(context: Context, query: Query, result: Output, timeout: Timeout) -> Plan:
+    """The plan of a range ``query``: one GetEncoding call when the result is small (a width
+    not known yet counts as one column: the server refuses a unary result over its limit
+    before computing anything, and the core then streams), else the core's steps."""
+    if context.closed:
+        raise ClientClosedError()
+    settings = context.settings
+    # (DEFAULT is the client's timeout: no call to ask)
+    seconds = settings.timeout if timeout is DEFAULT else resolve_timeout(timeout, None)
+    deadline = None if seconds is None else time.monotonic() + seconds
+    size = query.rows * (query.columns or 1) * query.dtype.itemsize
+    if settings.shared_memory is not None or (query.rows > 0 and size > settings.unary_max_bytes):
+        return Plan(query, result, seconds, deadline, None, None)
+    return Plan(query, result, seconds, deadline, unary_request(query), affinity(query))

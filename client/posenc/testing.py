@@ -36,7 +36,6 @@ import numpy as np
 import numpy.typing as npt
 from grpc_health.v1 import health_pb2
 
-from posenc._query import named_dtype
 from posenc.spec import enum_names
 from posenc_protocol import wire
 from posenc_protocol.v1 import posenc_pb2 as pb
@@ -119,7 +118,9 @@ class MockTransport:
     def _rows(self, request: Request) -> tuple[int, npt.NDArray[Any]]:
         self.calls.append(request)
         number = request.spec.dtype or pb.DTYPE_FLOAT32
-        rows = np.ascontiguousarray(self.handler(request), dtype=named_dtype(_DTYPES[number]))
+        # np.dtype, not the SDK's named_dtype: the transport is the server's side of a call.
+        # (bfloat16 is numpy's once a client is made: it loads ml_dtypes.)
+        rows = np.ascontiguousarray(self.handler(request), dtype=np.dtype(_DTYPES[number]))
         if rows.ndim != 2:
             raise ValueError(f"a handler returns [rows, width], got shape {rows.shape}")
         return number, rows
