@@ -712,7 +712,7 @@ class _Rotary(_State):
             f"frequencies its module holds (exact angles of those values), not computed from "
             f"its config ({why or 'a rope type posenc does not compute'})",
             ModuleFrequenciesWarning,
-            stacklevel=4,
+            stacklevel=5,  # patch()'s caller
         )
 
     def _check_mrope(self, call: _Call, layer_type: str | None, spec: posenc.Spec) -> str:
