@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -252,3 +253,25 @@ def test_a_number_for_a_target_says_what_a_target_is() -> None:
         posenc.Client(12345)  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="target must be 'host:port'"):
         posenc.Client(None)  # type: ignore[arg-type]
+
+
+def test_clients_tls_mistakes_leave_the_servers_log_one_json_object_a_line(
+    spawn_server: Callable[..., ServerProcess], authority: trustme.CA, tmp_path: Path
+) -> None:
+    """A plaintext client retrying against a TLS server adds no line of gRPC's core to the
+    server's log, which stays JSON; a client expecting another name adds at most the core's
+    ERROR line, once (no INFO or WARNING line a handshake)."""
+    files = pem_files(authority, tmp_path)
+    server = spawn_server(
+        0, "--tls-cert-file", str(files["server_cert"]), "--tls-key-file", str(files["server_key"])
+    )
+    _one_call(server.target)  # plaintext, retried
+    with posenc.Client(server.target, credentials=credentials(files, client_cert=False)) as ok:
+        assert ok.health() == "SERVING"  # the server took the attempts, and serves on
+    lines = [line for line in server.log_lines if line.strip()]
+    assert all(line.startswith("{") for line in lines), "".join(lines)
+    _one_call(server.target, files["ca"], "wrong.example")
+    time.sleep(1)  # the server's stderr, read by a thread of the fixture's
+    core = [line for line in server.log_lines if line.strip() and not line.startswith("{")]
+    # At most one a connection the client opened (posenc.Client's default is 8).
+    assert len(core) <= 8 and all(line.startswith("E") for line in core), core
