@@ -338,3 +338,29 @@ def test_without_a_session_a_unix_targets_range_travels_as_over_tcp() -> None:
     rows, _ = run(fake, c.get_positions([3, 4], WIDTH, None, {}, -1, DEFAULT))
     np.testing.assert_array_equal(rows, expected([3, 4]))
     assert fake.log == [("stream", [3, 4])]
+
+
+def test_a_call_moves_through_the_phases_of_the_core_s_table(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A range refused as too large for a unary call, then streamed, interrupted and
+    # resumed: each move is one the table lists (a move it does not list is a bug).
+    moves: list[core.Phase] = []
+    move = core.CallBudget.move
+
+    def recorded(budget: core.CallBudget, phase: core.Phase) -> None:
+        assert phase in core.MOVES[budget.phase], (budget.phase, phase)
+        moves.append(phase)
+        move(budget, phase)
+
+    monkeypatch.setattr(core.CallBudget, "move", recorded)
+    fake = Fake(unary_failures=[TOO_LARGE], stream_failures=[(12, UNAVAILABLE)])
+    result, _ = run(fake, get_range(make_core(), 0, 30))
+    np.testing.assert_array_equal(result, expected(list(range(30))))
+    assert moves == [
+        core.Phase.CALLING,
+        core.Phase.STREAMING,
+        core.Phase.BACKING_OFF,
+        core.Phase.STREAMING,
+    ]
+    assert set(core.MOVES) == set(core.Phase)

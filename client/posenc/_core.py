@@ -13,12 +13,13 @@ hold a driver of a few lines and the operations' I/O.
 from __future__ import annotations
 
 import dataclasses
+import enum
 import logging
 import random
 import time
 from collections.abc import Callable, Generator, Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any, Generic, TypeAlias, TypeVar
+from typing import Any, Final, Generic, TypeAlias, TypeVar
 
 import grpc
 import numpy as np
@@ -254,6 +255,34 @@ class Stepper(Generic[T]):
 _NOT_MADE: Any = object()
 
 
+class Phase(enum.Enum):
+    """Where a call is between its operations (see ``MOVES``)."""
+
+    PLANNED = "planned"  # its plan built, nothing asked yet
+    CALLING = "calling"  # a unary call made (or a shared-memory one), its response awaited
+    STREAMING = "streaming"  # a stream open, its chunks read
+    BACKING_OFF = "backing off"  # a transient failure: sleeping before the next attempt
+    WAITING = "waiting"  # its rows on their way in the background: waiting for them
+
+
+#: Every phase a call may move to from each phase, in one table: the core's steps move a
+#: call's budget (``CallBudget.move``) before each operation they yield, and a move not
+#: listed here is a bug of the steps (InternalError). A call ends from any phase: its steps
+#: return the result, or raise.
+MOVES: Final[Mapping[Phase, frozenset[Phase]]] = {
+    # cached rows need nothing; rows fetched ahead are waited for; else a call, or a stream
+    Phase.PLANNED: frozenset({Phase.CALLING, Phase.STREAMING, Phase.WAITING}),
+    # the next part of a long list, the caller's own call after a refused read-ahead, a
+    # shared-memory call then the unary one; a unary result too large: a stream instead
+    Phase.CALLING: frozenset({Phase.CALLING, Phase.STREAMING, Phase.BACKING_OFF}),
+    # resumed, split, or the next part of a long list (streamed, or one unary call)
+    Phase.STREAMING: frozenset({Phase.STREAMING, Phase.CALLING, Phase.BACKING_OFF}),
+    Phase.BACKING_OFF: frozenset({Phase.CALLING, Phase.STREAMING}),
+    # the rows waited for landed (or not: the call fetches them itself)
+    Phase.WAITING: frozenset({Phase.CALLING, Phase.STREAMING}),
+}
+
+
 class Contact:
     """Whether a server of this client's target has ever answered it.
 
@@ -293,6 +322,13 @@ class CallBudget:
         self._max_retries = max_retries
         self._backoff = backoff
         self._failures = 0  # consecutive failed attempts without progress
+        self.phase = Phase.PLANNED
+
+    def move(self, phase: Phase) -> None:
+        """The call moves to ``phase`` (see ``MOVES``)."""
+        if phase not in MOVES[self.phase]:
+            raise InternalError(f"a call cannot move from {self.phase.value} to {phase.value}")
+        self.phase = phase
 
     def attempt_timeout(self) -> float | None:
         """The timeout of the next attempt: what remains of the call's deadline."""
@@ -518,6 +554,7 @@ class Core:
         if outcome is _NOT_MADE:
             rows = yield from self._fetch(plan.query, budget)
         else:
+            budget.move(Phase.CALLING)  # the driver made the plan's call
             rows = yield from self._fetch(plan.query, budget, planned=plan, outcome=outcome)
         output = plan.output
         if output.plain:  # the rows themselves: no call of the output's module
@@ -699,6 +736,7 @@ class Core:
         while True:
             try:
                 if made is _NOT_MADE:
+                    budget.move(Phase.CALLING)
                     response = yield Unary(method, request, budget.attempt_timeout(), affinity)
                 else:
                     response, made = made, _NOT_MADE
@@ -709,6 +747,7 @@ class Core:
             else:
                 budget.progress()
                 return response
+            budget.move(Phase.BACKING_OFF)
             yield Sleep(delay)
 
     def _server_info(self, budget: CallBudget) -> Steps[ServerInfo]:
@@ -798,6 +837,7 @@ class Core:
         not fit there now, sends in the response). False when the session is out of reach
         (the call goes on as over TCP); True when the server could not place the rows and
         they are too large for a response (the call streams them)."""
+        budget.move(Phase.CALLING)
         token = yield ShareSession()
         if token is None:
             return False
@@ -836,6 +876,7 @@ class Core:
         collect = cursor.collect
         calls = affinity(cursor.query)
         while True:
+            budget.move(Phase.STREAMING)
             call = yield OpenStream(cursor.request(), budget.attempt_timeout(), calls)
             # A stream that resumes takes the next connection: the one that failed may be gone.
             calls = None
@@ -861,12 +902,14 @@ class Core:
                 # A no-op when the call finished; frees the server's stream when the
                 # caller abandoned the iterator or a chunk failed validation.
                 call.cancel()
+            budget.move(Phase.BACKING_OFF)
             yield Sleep(delay)
 
     def _through_rows(self, query: Query, budget: CallBudget) -> Steps[Rows]:
         """A positions query, through the row cache (see :mod:`posenc._rows`)."""
         plan = self.rows.plan(query, new_token=self._new_token)
         if isinstance(plan, Pending):  # rows on their way: wait, then take them
+            budget.move(Phase.WAITING)
             yield Wait(plan.tokens, budget.attempt_timeout())
             # The fetch waited for may be the first to tell this table's width: the result
             # is judged now, as one whose width was known is when its query is made.
