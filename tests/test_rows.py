@@ -18,6 +18,7 @@ import numpy.typing as npt
 import pytest
 
 import posenc
+from posenc._client import READ_AHEAD_THREADS
 from posenc._query import Query, Widths, positions_query, table_spec
 from posenc._rows import (
     LEAD_STEPS,
@@ -477,10 +478,12 @@ def test_closing_a_client_ends_its_read_ahead(server: RunningServer) -> None:
     client = posenc.Client(server.target)
     for step in range(40):
         client.get_positions([5_000 + step], D_MODEL)
-    [thread] = read_ahead_threads() - before
+    threads = read_ahead_threads() - before
+    assert len(threads) == READ_AHEAD_THREADS
     client.close()
-    thread.join(10)
-    assert not thread.is_alive()
+    for thread in threads:
+        thread.join(10)
+        assert not thread.is_alive()
 
 
 @pytest.mark.slow
@@ -580,7 +583,8 @@ def test_a_client_dropped_without_close_is_collected_and_its_thread_ends(
     for step in range(40):
         client.get_positions([9_000 + step], D_MODEL)
     counter.settle()
-    [thread] = read_ahead_threads() - before
+    threads = read_ahead_threads() - before
+    assert len(threads) == READ_AHEAD_THREADS
     dropped = weakref.ref(client)
     del client
     for _ in range(100):  # the thread holds it while it files its last rows, then lets go
@@ -588,9 +592,10 @@ def test_a_client_dropped_without_close_is_collected_and_its_thread_ends(
         if dropped() is None:
             break
         time.sleep(0.01)
-    assert dropped() is None  # the read-ahead thread holds it weakly
-    thread.join(10)
-    assert not thread.is_alive()
+    assert dropped() is None  # the read-ahead threads hold it weakly
+    for thread in threads:
+        thread.join(10)
+        assert not thread.is_alive()
 
 
 def test_closing_an_async_client_with_a_read_ahead_in_flight_ends_it(

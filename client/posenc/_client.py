@@ -24,8 +24,12 @@ from posenc.types import ServerInfo
 
 __all__ = ["Client"]
 
-#: The name of the thread that fetches rows ahead in the background.
+#: The name of the threads that fetch rows ahead in the background.
 READ_AHEAD_THREAD = "posenc-read-ahead"
+#: How many of them a client runs: a loop of many sequences back to back needs a fetch a
+#: step, and one fetch waits on the server and the wire while the next could be computed
+#: by another server process (the row cache keeps several steps in flight: LEAD_STEPS).
+READ_AHEAD_THREADS = 2
 
 
 def _affinity(table: int | None) -> int | None:
@@ -37,13 +41,17 @@ def _affinity(table: int | None) -> int | None:
 def _run_ahead(
     client_ref: weakref.ref[Client], work: queue.SimpleQueue[AheadFetch | AheadClaim | None]
 ) -> None:
-    """The read-ahead thread of a client: background fetches, one at a time, until the
-    client closes or is collected. A daemon, so that it never holds up interpreter exit."""
+    """A read-ahead thread of a client: background fetches, one at a time, until the client
+    closes or is collected. A claim's fetches beyond its first go back to the queue, for the
+    other thread. A daemon, so that it never holds up interpreter exit."""
     while (job := work.get()) is not None:
         client = client_ref()
         if client is None:
             return
-        for ahead in client._core.aheads(job):
+        aheads = client._core.aheads(job)
+        for later in aheads[1:]:
+            work.put(later)
+        for ahead in aheads[:1]:
             rows = None
             try:
                 rows = client._run(client._core.fetch_ahead(ahead))
@@ -73,7 +81,7 @@ class Client(BaseClient[Result, ServerInfo, str, Iterator[Slice]]):
 
     def _setup(self) -> None:
         self._ahead_queue: queue.SimpleQueue[AheadFetch | AheadClaim | None] = queue.SimpleQueue()
-        self._ahead_thread: threading.Thread | None = None
+        self._ahead_threads: list[threading.Thread] = []
         self._ahead_lock = threading.Lock()
         settings = self._core.settings
         self._channels: list[grpc.Channel] = []
@@ -112,7 +120,8 @@ class Client(BaseClient[Result, ServerInfo, str, Iterator[Slice]]):
         """Closes the channels; calls in flight (background read-ahead too) are cancelled."""
         with self._ahead_lock:
             self._core.closed = True
-            self._ahead_queue.put(None)  # the end mark: the read-ahead thread ends there
+            for _ in range(READ_AHEAD_THREADS):  # the end marks: each thread ends at one
+                self._ahead_queue.put(None)
         for channel in self._channels:
             channel.close()
         self._close_shared()
@@ -195,21 +204,23 @@ class Client(BaseClient[Result, ServerInfo, str, Iterator[Slice]]):
         return futures.Future()
 
     def _read_ahead(self, ahead: AheadFetch | AheadClaim) -> None:
-        """Queue ``ahead`` for the read-ahead thread, started at the first one."""
+        """Queue ``ahead`` for the read-ahead threads, started at the first one."""
         with self._ahead_lock:  # close() takes it too: nothing is queued after its end mark
             if self._core.closed:
                 if isinstance(ahead, AheadFetch):
                     self._core.finish_ahead(ahead, None)
                 return
-            if self._ahead_thread is None:
-                # The thread holds the client weakly: a client dropped without close() is
-                # still collected, and its finalizer ends the thread.
-                self._ahead_thread = threading.Thread(
-                    target=_run_ahead,
-                    args=(weakref.ref(self), self._ahead_queue),
-                    name=READ_AHEAD_THREAD,
-                    daemon=True,
-                )
-                self._ahead_thread.start()
-                weakref.finalize(self, self._ahead_queue.put, None)
+            if not self._ahead_threads:
+                # The threads hold the client weakly: a client dropped without close() is
+                # still collected, and its finalizer ends them.
+                for _ in range(READ_AHEAD_THREADS):
+                    thread = threading.Thread(
+                        target=_run_ahead,
+                        args=(weakref.ref(self), self._ahead_queue),
+                        name=READ_AHEAD_THREAD,
+                        daemon=True,
+                    )
+                    thread.start()
+                    self._ahead_threads.append(thread)
+                    weakref.finalize(self, self._ahead_queue.put, None)
             self._ahead_queue.put(ahead)
