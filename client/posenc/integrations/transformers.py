@@ -949,22 +949,33 @@ class _Call:
 
     def standard(self, layer_types: list[str | None]) -> None:
         """Finds the module's position axes: 0 for ``[batch, seq]`` position ids, else the
-        count of ``[axes, batch, seq]`` ones whose rows it merges."""
+        count of ``[axes, batch, seq]`` ones whose rows it merges (some releases' M-RoPE
+        modules take only those)."""
         layer_type = layer_types[0]
-        two = self.halves(self.positions, layer_type)
-        if two[0].ndim != 3 or two[0].shape[:2] != (1, _VERIFY_ROWS):
-            raise _NotStandard(
-                f"its cos for position ids [1, {_VERIFY_ROWS}] has shape {list(two[0].shape)}"
-            )
-        self.width = int(two[0].shape[-1])
+        two: tuple[torch.Tensor, torch.Tensor] | None = None
+        try:
+            two = self.halves(self.positions, layer_type)
+        except _NotStandard as error:
+            refused = error
+        shape = (1, _VERIFY_ROWS)
         for axes in (3, 2, 4):
             try:
                 several = self.halves(self.positions[None].expand(axes, -1, -1), layer_type)
             except _NotStandard:
                 continue
-            if several[0].shape == two[0].shape:
+            if (two is None and several[0].shape[:2] == shape and several[0].ndim == 3) or (
+                two is not None and several[0].shape == two[0].shape
+            ):
                 self.axes = axes
+                self.width = int(several[0].shape[-1])
                 return
+        if two is None:
+            raise refused
+        if two[0].ndim != 3 or two[0].shape[:2] != shape:
+            raise _NotStandard(
+                f"its cos for position ids [1, {_VERIFY_ROWS}] has shape {list(two[0].shape)}"
+            )
+        self.width = int(two[0].shape[-1])
 
     def text(self, layer_type: str | None) -> tuple[torch.Tensor, torch.Tensor]:
         """The module's rows at positions 0 .. 63 (every axis equal)."""
