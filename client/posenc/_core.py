@@ -39,6 +39,7 @@ from posenc._query import (
     grid_plan,
     grid_query,
     parts,
+    positions_plan,
     positions_query,
     range_plan,
     range_query,
@@ -551,11 +552,13 @@ class Core:
             self._contact,
             plan.deadline,
         )
-        if outcome is _NOT_MADE:
-            rows = yield from self._fetch(plan.query, budget)
-        else:
+        if outcome is not _NOT_MADE:
             budget.move(Phase.CALLING)  # the driver made the plan's call
             rows = yield from self._fetch(plan.query, budget, planned=plan, outcome=outcome)
+        elif plan.query.positions is not None and plan.query.axes == 1:
+            rows = yield from self._through_rows(plan.query, budget)
+        else:  # a range, a grid, coordinates (the row cache keys rows by one position)
+            rows = yield from self._fetch(plan.query, budget)
         output = plan.output
         if output.plain:  # the rows themselves: no call of the output's module
             return rows if len(output.shape) == 1 else rows.reshape(*output.shape, rows.shape[1])
@@ -589,16 +592,14 @@ class Core:
         **output: Any,
     ) -> Steps[Result]:
         """The rows of positions of any shape (coordinates along ``coordinate_axis`` for a
-        table of several position axes), one-axis ones through the row cache."""
-        budget = self.budget(timeout)
-        query, result = positions_query(
-            positions, table, dtype, classic, self.widths, coordinate_axis, **output
+        table of several position axes), one-axis ones through the row cache: the steps of
+        its plan."""
+        plan = positions_plan(
+            self, positions, table, dtype, classic, coordinate_axis, timeout, **output
         )
-        if query.axes > 1:  # coordinates: the row cache keys rows by one position
-            return result.finish((yield from self._fetch(query, budget)))
-        if not classic and coordinate_axis == -1:
-            self._remember(table, dtype, query, result)
-        return result.finish((yield from self._through_rows(query, budget)))
+        if plan.query.axes == 1 and not classic and coordinate_axis == -1:
+            self._remember(table, dtype, plan.query, plan.output)
+        return self.planned(plan)
 
     def get_grid(
         self, table: object, dtype: DTypeArg | None, timeout: Timeout, **output: Any

@@ -569,28 +569,56 @@ def range_plan(
     **output: Any,
 ) -> Plan:
     """The plan of ``get_range``: rows ``[start, stop)`` (see :func:`range_query`)."""
+    seconds, deadline = _budget(context, timeout)
     query, result = range_query(start, stop, table, dtype, classic, context.widths, **output)
-    return _plan(context, query, result, timeout)
+    return _range_plan(context, query, result, seconds, deadline)
 
 
 def grid_plan(
     context: Context, table: object, dtype: DTypeArg | None, timeout: Timeout, **output: Any
 ) -> Plan:
     """The plan of ``get_grid``: a grid kind's whole grid (see :func:`grid_query`)."""
+    seconds, deadline = _budget(context, timeout)
     query, result = grid_query(table, dtype, context.widths, **output)
-    return _plan(context, query, result, timeout)
+    return _range_plan(context, query, result, seconds, deadline)
 
 
-def _plan(context: Context, query: Query, result: Output, timeout: Timeout) -> Plan:
+def positions_plan(
+    context: Context,
+    positions: npt.ArrayLike,
+    table: object,
+    dtype: DTypeArg | None,
+    classic: Mapping[str, object],
+    coordinate_axis: int,
+    timeout: Timeout,
+    **output: Any,
+) -> Plan:
+    """The plan of ``get_positions`` (see :func:`positions_query`): no call first, since the
+    row cache decides, when the call runs, what it asks for (its steps: posenc._core)."""
+    seconds, deadline = _budget(context, timeout)
+    query, result = positions_query(
+        positions, table, dtype, classic, context.widths, coordinate_axis, **output
+    )
+    return Plan(query, result, seconds, deadline, None, None)
+
+
+def _budget(context: Context, timeout: Timeout) -> tuple[float | None, float | None]:
+    """A call's timeout and deadline (monotonic); ClientClosedError once the client is
+    closed (every planned call starts here)."""
+    if context.closed:
+        raise ClientClosedError()
+    # (DEFAULT is the client's timeout: no call to ask)
+    seconds = context.settings.timeout if timeout is DEFAULT else resolve_timeout(timeout, None)
+    return seconds, None if seconds is None else time.monotonic() + seconds
+
+
+def _range_plan(
+    context: Context, query: Query, result: Output, seconds: float | None, deadline: float | None
+) -> Plan:
     """The plan of a range ``query``: one GetEncoding call when the result is small (a width
     not known yet counts as one column: the server refuses a unary result over its limit
     before computing anything, and the core then streams), else the core's steps."""
-    if context.closed:
-        raise ClientClosedError()
     settings = context.settings
-    # (DEFAULT is the client's timeout: no call to ask)
-    seconds = settings.timeout if timeout is DEFAULT else resolve_timeout(timeout, None)
-    deadline = None if seconds is None else time.monotonic() + seconds
     size = query.rows * (query.columns or 1) * query.dtype.itemsize
     if settings.shared_memory is not None or (query.rows > 0 and size > settings.unary_max_bytes):
         return Plan(query, result, seconds, deadline, None, None)
