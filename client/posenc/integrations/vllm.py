@@ -375,25 +375,19 @@ def get_rope_arguments(rotary_emb: torch.nn.Module) -> tuple[int, int, dict[str,
     yarn = kind == "YaRNScalingRotaryEmbedding" or (
         kind == "MRotaryEmbedding" and m.scaling_factor is not None
     )
-    if yarn:
+    deepseek = kind in ("DeepseekScalingRotaryEmbedding", "DeepseekV4ScalingRotaryEmbedding")
+    if yarn or deepseek:
+        # DeepSeek's ramp is YaRN's; only plain YaRN holds a truncate flag.
         rope.update(
-            rope_type="yarn",
-            factor=float(m.scaling_factor),
-            original_max_position_embeddings=rows,
-            beta_fast=m.beta_fast,
-            beta_slow=m.beta_slow,
-            truncate=bool(m.truncate),
-            attention_factor=float(m.mscale),
-        )
-    elif kind in ("DeepseekScalingRotaryEmbedding", "DeepseekV4ScalingRotaryEmbedding"):
-        rope.update(
-            rope_type="deepseek_yarn",
+            rope_type="yarn" if yarn else "deepseek_yarn",
             factor=float(m.scaling_factor),
             original_max_position_embeddings=rows,
             beta_fast=m.beta_fast,
             beta_slow=m.beta_slow,
             attention_factor=float(m.mscale),
         )
+        if yarn:
+            rope["truncate"] = bool(m.truncate)
     elif kind == "LinearScalingRotaryEmbedding":
         rope.update(rope_type="linear", factor=[float(f) for f in m.scaling_factors])
     elif kind == "NTKScalingRotaryEmbedding":
