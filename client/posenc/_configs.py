@@ -25,6 +25,7 @@ from google.protobuf.descriptor import FieldDescriptor
 
 from posenc._checks import bad_argument
 from posenc.errors import InvalidArgumentError
+from posenc_protocol.descriptors import INTEGER_RANGES, cases, message_of
 from posenc_protocol.v1 import posenc_pb2 as pb
 
 __all__ = ["MROPE_FAMILIES", "SINUSOIDAL_FAMILIES", "Table", "config_dict", "table_from_config"]
@@ -33,14 +34,6 @@ Table = tuple[str, dict[str, Any]]
 """A table kind and its parameters: what :class:`posenc.Spec` is built from."""
 
 _SCALING: Final = pb.RotaryTable.DESCRIPTOR.oneofs_by_name["scaling"]
-_INTEGER_TYPES: Final = frozenset(
-    {
-        FieldDescriptor.CPPTYPE_INT32,
-        FieldDescriptor.CPPTYPE_INT64,
-        FieldDescriptor.CPPTYPE_UINT32,
-        FieldDescriptor.CPPTYPE_UINT64,
-    }
-)
 # transformers' aliases of the width keys (PretrainedConfig.attribute_map of GPT-J, XLM, ...).
 _HIDDEN: Final = ("hidden_size", "n_embd", "d_model", "emb_dim")
 _HEADS: Final = ("num_attention_heads", "n_head", "n_heads", "num_heads")
@@ -288,14 +281,13 @@ def _scaling(
     config: Mapping[str, Any], rope: Mapping[str, Any], rope_type: str, seq_len: int | None
 ) -> dict[str, Any]:
     """The ``scaling`` choice and its message's fields, from the rope parameters."""
-    cases = {field.name: field for field in _SCALING.fields}
-    if rope_type not in cases:
+    scalings = cases(_SCALING)
+    if rope_type not in scalings:
         raise bad_argument(
             f"spec.rotary.{_SCALING.name}",
-            f"rope type {rope_type!r} is not served; posenc serves default, {', '.join(cases)}",
+            f"rope type {rope_type!r} is not served; posenc serves default, {', '.join(scalings)}",
         )
-    message = cases[rope_type].message_type
-    assert message is not None
+    message = message_of(scalings[rope_type])
     max_positions = _first(config, _MAX_POSITIONS)
     out: dict[str, Any] = {_SCALING.name: rope_type}
     for field in message.fields:
@@ -323,7 +315,7 @@ def _as_field(field: FieldDescriptor, value: Any) -> Any:
     """A config value as the field takes it: JSON writes some integers as floats (4096.0)."""
     if isinstance(value, list | tuple):
         return list(value)
-    if field.cpp_type in _INTEGER_TYPES and isinstance(value, float) and value.is_integer():
+    if field.cpp_type in INTEGER_RANGES and isinstance(value, float) and value.is_integer():
         return int(value)
     return value
 

@@ -23,13 +23,26 @@ import math
 import numbers
 import operator
 from collections.abc import Iterable, Mapping
-from typing import Any, Final
+from typing import Any
 
 import numpy as np
 from google.protobuf.descriptor import Descriptor, EnumDescriptor, FieldDescriptor, OneofDescriptor
 
 from posenc._checks import bad_argument
 from posenc._configs import table_from_config
+from posenc_protocol.descriptors import (
+    INTEGER_RANGES,
+    REALS,
+    TABLE,
+    cases,
+    choice_oneofs,
+    enum_names,
+    enum_of,
+    kind_names,
+    message_of,
+    parameter_fields,
+    value_names,
+)
 from posenc_protocol.v1 import posenc_pb2 as pb
 
 __all__ = [
@@ -44,86 +57,18 @@ __all__ = [
     "position_axes",
 ]
 
-_TABLE: Final[OneofDescriptor] = pb.EncodingSpec.DESCRIPTOR.oneofs_by_name["table"]
-
-_INTEGER_RANGES: Final[Mapping[int, tuple[int, int]]] = {
-    FieldDescriptor.CPPTYPE_INT32: (-(1 << 31), (1 << 31) - 1),
-    FieldDescriptor.CPPTYPE_INT64: (-(1 << 63), (1 << 63) - 1),
-    FieldDescriptor.CPPTYPE_UINT32: (0, (1 << 32) - 1),
-    FieldDescriptor.CPPTYPE_UINT64: (0, (1 << 64) - 1),
-}
-_REALS: Final = (FieldDescriptor.CPPTYPE_DOUBLE, FieldDescriptor.CPPTYPE_FLOAT)
-
-
-# -- names from descriptors ---------------------------------------------------------------
-
-
-def enum_names(enum: EnumDescriptor) -> dict[str, int]:
-    """The names an enum is given by in the SDK: ``LAYOUT_SPLIT`` -> ``"split"``.
-
-    The zero value (``*_UNSPECIFIED``, the server's default) is left out; its prefix is the
-    one every value name shares, as ``buf lint`` requires.
-    """
-    prefix = enum.values_by_number[0].name.removesuffix("UNSPECIFIED")
-    return {
-        value.name.removeprefix(prefix).lower(): value.number
-        for value in enum.values
-        if value.number != 0
-    }
-
 
 def enum_name(enum: EnumDescriptor, number: int) -> str:
     """The SDK name of an enum value; values this SDK does not know stay readable."""
-    for name, value in enum_names(enum).items():
-        if value == number:
-            return name
-    return f"unknown({number})"
-
-
-def kind_names() -> tuple[str, ...]:
-    """The table kinds: the fields of ``EncodingSpec.table``, in proto order."""
-    return tuple(field.name for field in _TABLE.fields)
-
-
-def _message_of(field: FieldDescriptor) -> Descriptor:
-    message = field.message_type
-    assert message is not None, f"{field.full_name} is a message field"
-    return message
-
-
-def _enum_of(field: FieldDescriptor) -> EnumDescriptor:
-    enum = field.enum_type
-    assert enum is not None, f"{field.full_name} is an enum field"
-    return enum
-
-
-def cases(oneof: OneofDescriptor) -> dict[str, FieldDescriptor]:
-    """The fields of a oneof, by name."""
-    return {field.name: field for field in oneof.fields}
+    return value_names(enum).get(number, f"unknown({number})")
 
 
 def kind_message(kind: str) -> Descriptor:
     """The message of table kind ``kind``; InvalidArgumentError naming the known ones."""
-    kinds = cases(_TABLE)
+    kinds = cases(TABLE)
     if not isinstance(kind, str) or kind not in kinds:
         raise bad_argument("spec.table", f"{kind!r} is not a table kind: one of {', '.join(kinds)}")
-    return _message_of(kinds[kind])
-
-
-def _is_synthetic(oneof: OneofDescriptor) -> bool:
-    # proto3 `optional` wraps its field in a oneof of its own, named after it.
-    return len(oneof.fields) == 1 and oneof.name == "_" + oneof.fields[0].name
-
-
-def choice_oneofs(message: Descriptor) -> tuple[OneofDescriptor, ...]:
-    """The oneofs a kind chooses a message from by name (the rotary ``scaling``)."""
-    return tuple(oneof for oneof in message.oneofs if not _is_synthetic(oneof))
-
-
-def parameter_fields(message: Descriptor) -> tuple[FieldDescriptor, ...]:
-    """A message's own parameters: its fields outside the oneofs it chooses from."""
-    chosen = {field.name for oneof in choice_oneofs(message) for field in oneof.fields}
-    return tuple(field for field in message.fields if field.name not in chosen)
+    return message_of(kinds[kind])
 
 
 def position_axes(kind: str) -> int:
@@ -152,7 +97,7 @@ def _convert(field: FieldDescriptor, value: object, path: str) -> Any:
 def _scalar(field: FieldDescriptor, value: object, path: str) -> Any:
     cpp_type = field.cpp_type
     if cpp_type == FieldDescriptor.CPPTYPE_ENUM:
-        names = enum_names(_enum_of(field))
+        names = enum_names(enum_of(field))
         if isinstance(value, str) and value.lower() in names:
             return value.lower()
         raise bad_argument(path, f"{value!r} is not one of {', '.join(names)}")
@@ -162,12 +107,12 @@ def _scalar(field: FieldDescriptor, value: object, path: str) -> Any:
         return bool(value)
     if isinstance(value, bool | np.bool_):  # an int to Python, a bug in a number field
         raise bad_argument(path, f"must be a number, got {value!r}")
-    if cpp_type in _INTEGER_RANGES:
+    if cpp_type in INTEGER_RANGES:
         try:
             number = operator.index(value)  # type: ignore[arg-type]
         except TypeError:
             raise bad_argument(path, f"must be an integer, got {type(value).__name__}") from None
-        low, high = _INTEGER_RANGES[cpp_type]
+        low, high = INTEGER_RANGES[cpp_type]
         # What the wire type cannot carry; the server judges the rest (its own ranges).
         if number < low:
             bound = "must not be negative" if low == 0 else f"must be at least {low}"
@@ -175,7 +120,7 @@ def _scalar(field: FieldDescriptor, value: object, path: str) -> Any:
         if number > high:
             raise bad_argument(path, f"must be at most {high}, got {number}")
         return number
-    if cpp_type in _REALS:
+    if cpp_type in REALS:
         if not isinstance(value, numbers.Real):
             raise bad_argument(path, f"must be a real number, got {type(value).__name__}")
         # No table parameter is NaN or infinite (the server refuses them too): said here,
@@ -192,7 +137,7 @@ def _scalar(field: FieldDescriptor, value: object, path: str) -> Any:
 
 def _set(message: Any, field: FieldDescriptor, value: Any) -> None:
     if field.cpp_type == FieldDescriptor.CPPTYPE_ENUM:
-        value = enum_names(_enum_of(field))[value]
+        value = enum_names(enum_of(field))[value]
     if field.is_repeated:
         getattr(message, field.name).extend(value)
     else:
@@ -261,7 +206,7 @@ class Spec:
             )
         case = named[choice.lower()]
         chosen: dict[str, Any] = {}
-        for field in _message_of(case).fields:
+        for field in message_of(case).fields:
             if field.name in remaining:
                 path = f"spec.{kind}.{case.name}.{field.name}"
                 chosen[field.name] = _convert(field, remaining.pop(field.name), path)
@@ -282,11 +227,11 @@ class Spec:
         for oneof in choice_oneofs(message_type):
             named = cases(oneof)
             owners = [
-                case for case, field in named.items() if name in _message_of(field).fields_by_name
+                case for case, field in named.items() if name in message_of(field).fields_by_name
             ]
             chosen = given.get(oneof.name)
             if chosen is not None and owners:
-                taken = ", ".join(_message_of(named[chosen]).fields_by_name) or "nothing"
+                taken = ", ".join(message_of(named[chosen]).fields_by_name) or "nothing"
                 return bad_argument(
                     f"spec.{kind}.{chosen}.{name}",
                     f"{oneof.name} {chosen} has no parameter {name!r} ({' or '.join(owners)} "

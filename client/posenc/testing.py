@@ -36,8 +36,8 @@ import numpy as np
 import numpy.typing as npt
 from grpc_health.v1 import health_pb2
 
-from posenc.spec import enum_names
-from posenc_protocol import wire
+from posenc_protocol import limits, wire
+from posenc_protocol.descriptors import value_names
 from posenc_protocol.v1 import posenc_pb2 as pb
 
 __all__ = ["Handler", "MockTransport", "Request", "Status", "positions"]
@@ -49,10 +49,10 @@ Request: TypeAlias = pb.GetEncodingRequest | pb.StreamEncodingRequest
 Handler: TypeAlias = Callable[[Request], npt.ArrayLike]
 
 #: A server's default chunk size: a stream's chunks hold at most this many bytes.
-DEFAULT_CHUNK_BYTES: Final = 1 << 20
+DEFAULT_CHUNK_BYTES: Final = limits.MAX_CHUNK_BYTES
 #: A server's default unary limit: 4 MiB (a default gRPC client's receive limit) less
 #: 16 KiB for the message around the rows.
-DEFAULT_MAX_UNARY_BYTES: Final = (4 << 20) - (16 << 10)
+DEFAULT_MAX_UNARY_BYTES: Final = limits.MAX_UNARY_BYTES
 
 
 class Status(grpc.RpcError, grpc.Call):
@@ -160,11 +160,11 @@ def _server_info(max_unary_bytes: int) -> pb.GetServerInfoResponse:
     return pb.GetServerInfoResponse(
         version="mock",
         limits=pb.Limits(
-            max_d_model=65536,
-            max_abs_position=1 << 42,
-            max_positions=1 << 20,
+            max_d_model=limits.MAX_D_MODEL,
+            max_abs_position=limits.MAX_ABS_POSITION,
+            max_positions=limits.MAX_POSITIONS,
             max_unary_bytes=max_unary_bytes,
-            max_stream_bytes=16 << 30,
+            max_stream_bytes=limits.MAX_STREAM_BYTES,
             max_chunk_bytes=DEFAULT_CHUNK_BYTES,
         ),
         server_id="mock",
@@ -172,7 +172,7 @@ def _server_info(max_unary_bytes: int) -> pb.GetServerInfoResponse:
 
 
 _EOF: Any = grpc.aio.EOF  # type: ignore[attr-defined]
-_DTYPES: Final = {number: name for name, number in enum_names(pb.Dtype.DESCRIPTOR).items()}
+_DTYPES: Final = value_names(pb.Dtype.DESCRIPTOR)
 _SERVING: Final = health_pb2.HealthCheckResponse(status=health_pb2.HealthCheckResponse.SERVING)
 
 

@@ -16,16 +16,12 @@ from dataclasses import dataclass, field
 from importlib import metadata
 from typing import Any, Final
 
+from posenc_protocol import limits
+from posenc_protocol.limits import CLIENT_RECEIVE_LIMIT, GIB, MESSAGE_OVERHEAD, MIB
 from posenc_protocol.numbers import integer
 
-MIB = 1 << 20
 DEFAULT_METRICS_PORT: Final = 9464
 """Prometheus' customary exporter port; on a shared host another server may hold it."""
-GIB = 1 << 30
-# What a default gRPC client accepts in one message.
-DEFAULT_CLIENT_RECEIVE_LIMIT = 4 * MIB
-# Room for the protobuf framing around a payload (a few dozen bytes in practice).
-MESSAGE_OVERHEAD = 16 * 1024
 # A packed int64 takes at most 10 bytes on the wire.
 MAX_VARINT_BYTES = 10
 # The largest connection age gRPC can take: 2**31 - 1 milliseconds, about 24 days.
@@ -44,18 +40,25 @@ class ServerConfig:
 
     host: str = field(default="127.0.0.1", metadata={"help": "address to listen on"})
     port: int = field(default=50051, metadata={"help": "gRPC port (0 picks a free one)"})
-    max_d_model: int = field(default=65536, metadata={"help": "largest d_model accepted"})
-    max_abs_position: int = field(default=1 << 42, metadata={"help": "largest |position|"})
-    max_positions: int = field(default=1 << 20, metadata={"help": "largest explicit position list"})
+    max_d_model: int = field(
+        default=limits.MAX_D_MODEL, metadata={"help": "largest d_model accepted"}
+    )
+    max_abs_position: int = field(
+        default=limits.MAX_ABS_POSITION, metadata={"help": "largest |position|"}
+    )
+    max_positions: int = field(
+        default=limits.MAX_POSITIONS, metadata={"help": "largest explicit position list"}
+    )
     max_unary_bytes: int = field(
-        default=DEFAULT_CLIENT_RECEIVE_LIMIT - MESSAGE_OVERHEAD,
+        default=limits.MAX_UNARY_BYTES,
         metadata={"help": "largest GetEncoding result in bytes (fits a default client)"},
     )
     max_stream_bytes: int = field(
-        default=16 * GIB, metadata={"help": "largest StreamEncoding result in bytes"}
+        default=limits.MAX_STREAM_BYTES,
+        metadata={"help": "largest StreamEncoding result in bytes"},
     )
     max_chunk_bytes: int = field(
-        default=MIB,
+        default=limits.MAX_CHUNK_BYTES,
         metadata={
             "help": "largest stream chunk in bytes (at most 4 MiB); a client may ask for "
             "smaller ones, down to one row, and pays for each chunk's message and trip: "
@@ -194,7 +197,7 @@ class ServerConfig:
         check("max_positions", 1 <= self.max_positions <= 1 << 26, "must be in 1..2**26")
         check(
             "max_chunk_bytes",
-            self.max_d_model * 8 <= self.max_chunk_bytes <= DEFAULT_CLIENT_RECEIVE_LIMIT,
+            self.max_d_model * 8 <= self.max_chunk_bytes <= CLIENT_RECEIVE_LIMIT,
             f"must hold one float64 row of max_d_model ({self.max_d_model * 8} bytes) "
             "and be at most 4 MiB",
         )

@@ -20,6 +20,7 @@ import numpy.typing as npt
 from google.protobuf.descriptor import Descriptor, EnumDescriptor
 from google.protobuf.message import DecodeError, Message
 
+from posenc_protocol.descriptors import TABLE, value_names
 from posenc_protocol.v1 import posenc_pb2 as pb
 from posenc_server import engine
 from posenc_server.errors import FieldViolation, InvalidRequestError
@@ -29,7 +30,6 @@ from posenc_server.tables import KINDS, Documented, Limits, TableKind
 
 DEFAULT_DTYPE = "float32"
 """The dtype of a request that leaves it unset (``DTYPE_UNSPECIFIED``)."""
-_TABLE = pb.EncodingSpec.DESCRIPTOR.oneofs_by_name["table"]
 
 RequestT = TypeVar("RequestT", bound=Message)
 
@@ -128,7 +128,7 @@ def table_from_proto(
     """
     which = spec.WhichOneof("table")
     if which is None:
-        known = ", ".join(field.name for field in _TABLE.fields)
+        known = ", ".join(field.name for field in TABLE.fields)
         violations.append(FieldViolation("spec.table", f"set one table kind: {known}"))
         return None
     before = len(violations)
@@ -173,24 +173,10 @@ def _fields(
     return fields
 
 
-@functools.cache
-def _enum_names(enum: EnumDescriptor) -> Mapping[int, str]:
-    """Value names of ``enum`` by number, without the prefix, lowercased; 0 (unset) left out.
-
-    buf's ENUM_VALUE_PREFIX rule gives every value the prefix of ``*_UNSPECIFIED``.
-    """
-    prefix = enum.values_by_number[0].name.removesuffix("UNSPECIFIED")
-    return {
-        value.number: value.name.removeprefix(prefix).lower()
-        for value in enum.values
-        if value.number != 0
-    }
-
-
 def _enum_name(
     enum: EnumDescriptor, number: int, path: str, violations: list[FieldViolation]
 ) -> str:
-    names = _enum_names(enum)
+    names = value_names(enum)
     name = names.get(number)
     if name is None:
         known = ", ".join(f"{value} ({name})" for value, name in names.items())
@@ -200,7 +186,7 @@ def _enum_name(
 
 
 _DTYPE_CODES: Mapping[str, pb.Dtype.ValueType] = {
-    name: pb.Dtype.ValueType(number) for number, name in _enum_names(pb.Dtype.DESCRIPTOR).items()
+    name: pb.Dtype.ValueType(number) for number, name in value_names(pb.Dtype.DESCRIPTOR).items()
 }
 
 
@@ -385,7 +371,7 @@ def table_kinds() -> tuple[pb.TableKind, ...]:
     The response copies them, so sharing them is safe.
     """
     kinds: list[pb.TableKind] = []
-    for field in _TABLE.fields:
+    for field in TABLE.fields:
         assert field.message_type is not None
         _describe(field.name, KINDS[field.name], field.message_type, "spec", kinds)
     return tuple(kinds)
