@@ -180,94 +180,126 @@ class ServerConfig:
     )
 
     def __post_init__(self) -> None:
-        problems = []
+        problems = [
+            *self._size_problems(),
+            *self._concurrency_problems(),
+            *self._seconds_problems(),
+            *self._listener_problems(),
+        ]
+        if problems:
+            raise ValueError("invalid configuration: " + "; ".join(problems))
 
-        def check(name: str, valid: bool, rule: str) -> None:
-            if not valid:
-                value = getattr(self, name)
-                problems.append(f"{_flag(name)} ({_env_name(name)}) {rule}, got {value!r}")
+    def _problem(self, name: str, valid: bool, rule: str) -> list[str]:
+        """The problem with setting ``name`` (its flag, variable, rule and value), or none."""
+        if valid:
+            return []
+        return [f"{_flag(name)} ({_env_name(name)}) {rule}, got {getattr(self, name)!r}"]
 
-        check("port", 0 <= self.port <= 65535, "must be in 0..65535")
-        check("max_d_model", 1 <= self.max_d_model <= 1 << 20, "must be in 1..1048576")
-        check(
-            "max_abs_position",
-            0 <= self.max_abs_position <= 1 << 52,
-            "must be in 0..2**52 (exact in float64)",
-        )
-        check("max_positions", 1 <= self.max_positions <= 1 << 26, "must be in 1..2**26")
-        check(
-            "max_chunk_bytes",
-            self.max_d_model * 8 <= self.max_chunk_bytes <= CLIENT_RECEIVE_LIMIT,
-            f"must hold one float64 row of max_d_model ({self.max_d_model * 8} bytes) "
-            "and be at most 4 MiB",
-        )
-        check(
-            "in_flight_bytes",
-            self.max_receive_message_bytes <= self.in_flight_bytes <= 1 << 50,
-            f"must hold the largest request ({self.max_receive_message_bytes} bytes, from "
-            "max_positions) and be at most 2**50",
-        )
-        check(
-            "admission_wait_seconds",
-            math.isfinite(self.admission_wait_seconds) and 0 < self.admission_wait_seconds <= 3600,
-            "must be a number of seconds in (0, 3600]",
-        )
-        check(
-            "read_timeout_seconds",
-            math.isfinite(self.read_timeout_seconds)
-            and _MIN_READ_TIMEOUT_SECONDS <= self.read_timeout_seconds <= 3600,
-            f"must be a number of seconds in [{_MIN_READ_TIMEOUT_SECONDS:g}, 3600]",
-        )
+    def _size_problems(self) -> list[str]:
+        """The table sizes, positions and byte budgets out of their ranges."""
+        check = self._problem
         # A unary result is one gRPC message, whose size gRPC takes as a C int.
         largest_unary = _MAX_GRPC_INT - MESSAGE_OVERHEAD
-        check(
-            "max_unary_bytes",
-            0 <= self.max_unary_bytes <= largest_unary,
-            f"must be in 0..{largest_unary} (one gRPC message)",
-        )
-        for name in ("max_stream_bytes", "cache_bytes", "spec_bytes"):
-            check(name, 0 <= getattr(self, name) <= 1 << 50, "must be in 0..2**50")
-        check("processes", 0 <= self.processes <= 256, "must be in 0..256")
-        check("workers", 1 <= self.workers <= 4096, "must be in 1..4096")
-        # gRPC takes the age in milliseconds as a C int.
-        check(
-            "max_connection_age_seconds",
-            math.isfinite(self.max_connection_age_seconds)
-            and 0 < self.max_connection_age_seconds <= _MAX_CONNECTION_AGE_SECONDS,
-            f"must be a number of seconds in (0, {_MAX_CONNECTION_AGE_SECONDS}]",
-        )
-        check(
-            "grace_seconds",
-            math.isfinite(self.grace_seconds) and 0 <= self.grace_seconds <= 86400,
-            "must be a number of seconds in [0, 86400]",
-        )
-        check(
-            "max_concurrent_streams",
-            1 <= self.max_concurrent_streams < self.workers,
-            f"must be between 1 and workers - 1 ({self.workers - 1})",
-        )
-        check(
-            "max_connections",
-            0 <= self.max_connections <= _MAX_GRPC_INT,
-            f"must be 0 (no limit) or at most {_MAX_GRPC_INT}",
-        )
-        check("metrics_port", -1 <= self.metrics_port <= 65535, "must be in -1..65535")
-        # An empty host binds every interface: the unauthenticated metrics must not end up
-        # there by a variable set to nothing.
-        check(
-            "metrics_host",
-            bool(self.metrics_host.strip()),
-            "must name an address (0.0.0.0 or :: for every interface)",
-        )
-        check("shm_bytes", 0 <= self.shm_bytes <= 1 << 50, "must be in 0..2**50")
-        # The region socket's path is the unix socket's plus ".shm"; a socket path is at
-        # most 107 bytes.
-        check(
-            "unix_socket",
-            len(os.fsencode(self.unix_socket)) <= _MAX_UNIX_PATH - len(".shm")
-            and "\0" not in self.unix_socket,
-            f"must be a path of at most {_MAX_UNIX_PATH - len('.shm')} bytes",
-        )
+        return [
+            *check("max_d_model", 1 <= self.max_d_model <= 1 << 20, "must be in 1..1048576"),
+            *check(
+                "max_abs_position",
+                0 <= self.max_abs_position <= 1 << 52,
+                "must be in 0..2**52 (exact in float64)",
+            ),
+            *check("max_positions", 1 <= self.max_positions <= 1 << 26, "must be in 1..2**26"),
+            *check(
+                "max_chunk_bytes",
+                self.max_d_model * 8 <= self.max_chunk_bytes <= CLIENT_RECEIVE_LIMIT,
+                f"must hold one float64 row of max_d_model ({self.max_d_model * 8} bytes) "
+                "and be at most 4 MiB",
+            ),
+            *check(
+                "in_flight_bytes",
+                self.max_receive_message_bytes <= self.in_flight_bytes <= 1 << 50,
+                f"must hold the largest request ({self.max_receive_message_bytes} bytes, "
+                "from max_positions) and be at most 2**50",
+            ),
+            *check(
+                "max_unary_bytes",
+                0 <= self.max_unary_bytes <= largest_unary,
+                f"must be in 0..{largest_unary} (one gRPC message)",
+            ),
+            *(
+                problem
+                for name in ("max_stream_bytes", "cache_bytes", "spec_bytes", "shm_bytes")
+                for problem in check(
+                    name, 0 <= getattr(self, name) <= 1 << 50, "must be in 0..2**50"
+                )
+            ),
+        ]
+
+    def _concurrency_problems(self) -> list[str]:
+        """The process, thread, stream and connection counts out of their ranges."""
+        check = self._problem
+        return [
+            *check("processes", 0 <= self.processes <= 256, "must be in 0..256"),
+            *check("workers", 1 <= self.workers <= 4096, "must be in 1..4096"),
+            *check(
+                "max_concurrent_streams",
+                1 <= self.max_concurrent_streams < self.workers,
+                f"must be between 1 and workers - 1 ({self.workers - 1})",
+            ),
+            *check(
+                "max_connections",
+                0 <= self.max_connections <= _MAX_GRPC_INT,
+                f"must be 0 (no limit) or at most {_MAX_GRPC_INT}",
+            ),
+        ]
+
+    def _seconds_problems(self) -> list[str]:
+        """The durations that are not finite or out of their ranges."""
+
+        def seconds(name: str, low: float, high: float, *, above_low: bool) -> list[str]:
+            """``name`` in (low, high] when ``above_low``, else in [low, high]."""
+            value = getattr(self, name)
+            valid = math.isfinite(value) and (value > low if above_low else value >= low)
+            bounds = f"{'(' if above_low else '['}{low:g}, {high}]"
+            return self._problem(
+                name, valid and value <= high, f"must be a number of seconds in {bounds}"
+            )
+
+        return [
+            *seconds("admission_wait_seconds", 0, 3600, above_low=True),
+            *seconds("read_timeout_seconds", _MIN_READ_TIMEOUT_SECONDS, 3600, above_low=False),
+            # gRPC takes the age in milliseconds as a C int.
+            *seconds("max_connection_age_seconds", 0, _MAX_CONNECTION_AGE_SECONDS, above_low=True),
+            *seconds("grace_seconds", 0, 86400, above_low=False),
+        ]
+
+    def _listener_problems(self) -> list[str]:
+        """The ports, addresses, TLS files, shared-memory peers and log level that are
+        wrong, alone or together."""
+        check = self._problem
+        problems = [
+            *check("port", 0 <= self.port <= 65535, "must be in 0..65535"),
+            *check("metrics_port", -1 <= self.metrics_port <= 65535, "must be in -1..65535"),
+            # An empty host binds every interface: the unauthenticated metrics must not end
+            # up there by a variable set to nothing.
+            *check(
+                "metrics_host",
+                bool(self.metrics_host.strip()),
+                "must name an address (0.0.0.0 or :: for every interface)",
+            ),
+            # The region socket's path is the unix socket's plus ".shm"; a socket path is
+            # at most 107 bytes.
+            *check(
+                "unix_socket",
+                len(os.fsencode(self.unix_socket)) <= _MAX_UNIX_PATH - len(".shm")
+                and "\0" not in self.unix_socket,
+                f"must be a path of at most {_MAX_UNIX_PATH - len('.shm')} bytes",
+            ),
+            *check(
+                "log_level",
+                self.log_level.upper() in {"DEBUG", "INFO", "WARNING", "ERROR"},
+                "must be DEBUG, INFO, WARNING or ERROR",
+            ),
+        ]
         try:
             shm_peers(self.shm_peers)
         except ValueError as error:
@@ -276,13 +308,7 @@ class ServerConfig:
             problems.append("--tls-cert-file and --tls-key-file go together")
         if self.tls_client_ca_file and not self.tls_cert_file:
             problems.append("--tls-client-ca-file needs --tls-cert-file and --tls-key-file")
-        check(
-            "log_level",
-            self.log_level.upper() in {"DEBUG", "INFO", "WARNING", "ERROR"},
-            "must be DEBUG, INFO, WARNING or ERROR",
-        )
-        if problems:
-            raise ValueError("invalid configuration: " + "; ".join(problems))
+        return problems
 
     @property
     def process_count(self) -> int:

@@ -335,80 +335,61 @@ def _forward_logs(worker: _Worker) -> None:
             worker.ready.set()
 
 
-def supervise(
-    config: ServerConfig,
-    argv: Sequence[str],
-    stop: threading.Event,
-    hurry: threading.Event,
-    signals: list[str],
-) -> int:
-    """Run ``config.process_count`` workers until ``stop`` is set, then drain them (at once
-    when ``hurry`` is set too: a second signal)."""
-    count = config.process_count
-    try:
-        check_unix_socket_free(config)
-        port_holder = _reserve_port(config)
-    except OSError as error:
-        print(f"posenc serve: cannot listen on {config.address}: {error}", file=sys.stderr)
-        return 1
-    port = int(port_holder.getsockname()[1])
-    # Workers write their metrics here; the supervisor serves the sum. Their health sockets
-    # live here too.
-    _remove_orphaned_metrics_dirs()
-    metrics_dir = tempfile.TemporaryDirectory(prefix=f"{_METRICS_DIR_PREFIX}{os.getpid()}-")
-    workers: list[_Worker] = []
+class _Pool:
+    """The supervisor's workers on ``port``: how each is started, whether the server
+    serves, and the loop that replaces a worker that exits."""
 
-    room = ConnectionRoom(config, port)
+    def __init__(self, config: ServerConfig, argv: Sequence[str], port: int) -> None:
+        self.config = config
+        self.workers: list[_Worker] = []
+        self.room = ConnectionRoom(config, port)
+        # Workers write their metrics here; the supervisor serves the sum. Their health
+        # sockets live here too.
+        _remove_orphaned_metrics_dirs()
+        self.metrics_dir = tempfile.TemporaryDirectory(
+            prefix=f"{_METRICS_DIR_PREFIX}{os.getpid()}-"
+        )
+        self.health_dir = _private_directory(self.metrics_dir.name)
+        self.generations = itertools.count()
+        self.worker_argv = [
+            *argv,
+            # Later flags win: these override whatever argv said.
+            *("--processes", "1", "--port", str(port)),
+            *("--cache-bytes", str(config.cache_bytes // config.process_count)),
+        ]
 
-    def alive() -> bool:
-        return not stop.is_set() and any(worker.serving() for worker in list(workers))
+    def alive(self, stop: threading.Event) -> bool:
+        """Not stopping, and some worker serves."""
+        return not stop.is_set() and any(worker.serving() for worker in list(self.workers))
 
-    def serving() -> bool:
+    def serving(self, stop: threading.Event) -> bool:
         """Whether a new call is served: no worker that takes connections fails its checks
         (the kernel hands a hung one its share of them), the unix socket's worker runs, and
         some worker has room for a connection under --max-connections."""
-        current = [w for w in list(workers) if w.ready.is_set() and w.process.poll() is None]
+        current = [w for w in list(self.workers) if w.ready.is_set() and w.process.poll() is None]
         hung = any(w.failed_checks >= _READY_FAILURES for w in current)
         if stop.is_set() or not current or hung:
             return False
-        if config.unix_socket and not any(w.index == 0 for w in current):
+        if self.config.unix_socket and not any(w.index == 0 for w in current):
             return False
-        return any(room.has_room(w.process.pid, unix=w.index == 0) for w in current)
+        return any(self.room.has_room(w.process.pid, unix=w.index == 0) for w in current)
 
-    # Metrics listen before any worker does: a busy metrics port fails the start while
-    # nothing serves yet.
-    try:
-        metrics_port = serve_metrics(config, serving, metrics_dir.name, alive)
-    except OSError as error:
-        port_holder.close()
-        metrics_dir.cleanup()
-        print(f"posenc serve: {error}", file=sys.stderr)
-        return 1
-    worker_argv = [
-        *argv,
-        # Later flags win: these override whatever argv said.
-        *("--processes", "1", "--port", str(port)),
-        *("--cache-bytes", str(config.cache_bytes // count)),
-    ]
-
-    health_dir = _private_directory(metrics_dir.name)
-    generations = itertools.count()
-
-    def start(index: int) -> _Worker:
+    def start(self, index: int) -> _Worker:
+        """Start worker ``index`` and forward its logs."""
         # In a directory only this user may enter; a new name for every worker started, so
         # that a replacement never meets its predecessor's socket file.
-        path = os.path.join(health_dir, f"worker-{index}-{next(generations)}.sock")
+        path = os.path.join(self.health_dir, f"worker-{index}-{next(self.generations)}.sock")
         health_socket = f"unix:{path}"
         # The unix socket (one path) is the first worker's alone.
         unix = () if index == 0 else ("--unix-socket", "")
         process = subprocess.Popen(
-            [sys.executable, "-m", "posenc_server", *worker_argv, *unix],
+            [sys.executable, "-m", "posenc_server", *self.worker_argv, *unix],
             env={
                 **os.environ,
                 WORKER_INDEX_ENV: str(index),
                 SUPERVISOR_PID_ENV: str(os.getpid()),
                 HEALTH_SOCKET_ENV: health_socket,
-                metrics.MULTIPROCESS_DIR_ENV: metrics_dir.name,
+                metrics.MULTIPROCESS_DIR_ENV: self.metrics_dir.name,
             },
             stdin=subprocess.DEVNULL,
             stderr=subprocess.PIPE,
@@ -418,10 +399,11 @@ def supervise(
         threading.Thread(target=_forward_logs, args=(worker,), daemon=True).start()
         return worker
 
-    workers.extend(start(index) for index in range(count))
-    try:
+    def wait_ready(self, stop: threading.Event) -> int | None:
+        """Wait for every worker to report ready: None when they all did, else the exit
+        code (1: one failed to start in time, 0: ``stop`` came first)."""
         deadline = time.monotonic() + _START_TIMEOUT
-        for worker in workers:
+        for worker in self.workers:
             while not worker.ready.wait(0.1):
                 if worker.process.poll() is not None or time.monotonic() > deadline:
                     log.error(
@@ -430,14 +412,12 @@ def supervise(
                     return 1
                 if stop.is_set():
                     return 0
-        fields = startup_fields(config, port, metrics_port)
-        log.info("listening", extra={"fields": {**fields, "processes": count}})
-        watchdog = threading.Thread(
-            target=_watch_health, args=(workers, stop), name="posenc-watchdog", daemon=True
-        )
-        watchdog.start()
+        return None
+
+    def replace_exited(self, stop: threading.Event) -> None:
+        """Until ``stop``, replace each worker that exits (after ``_RESTART_DELAY``)."""
         while not stop.wait(0.2):
-            for position, worker in enumerate(workers):
+            for position, worker in enumerate(self.workers):
                 if worker.process.poll() is not None and not stop.is_set():
                     log.error(
                         "worker exited; starting a new one",
@@ -445,10 +425,57 @@ def supervise(
                             "fields": {"worker": worker.index, "code": worker.process.returncode}
                         },
                     )
-                    metrics.forget_worker(worker.index, metrics_dir.name)
+                    metrics.forget_worker(worker.index, self.metrics_dir.name)
                     _remove_socket(worker.health_socket)
                     time.sleep(_RESTART_DELAY)
-                    workers[position] = start(worker.index)
+                    self.workers[position] = self.start(worker.index)
+
+    def cleanup(self) -> None:
+        """Remove the metrics and health directories."""
+        self.metrics_dir.cleanup()
+        shutil.rmtree(self.health_dir, ignore_errors=True)
+
+
+def supervise(
+    config: ServerConfig,
+    argv: Sequence[str],
+    stop: threading.Event,
+    hurry: threading.Event,
+    signals: list[str],
+) -> int:
+    """Run ``config.process_count`` workers until ``stop`` is set, then drain them (at once
+    when ``hurry`` is set too: a second signal)."""
+    try:
+        check_unix_socket_free(config)
+        port_holder = _reserve_port(config)
+    except OSError as error:
+        print(f"posenc serve: cannot listen on {config.address}: {error}", file=sys.stderr)
+        return 1
+    port = int(port_holder.getsockname()[1])
+    pool = _Pool(config, argv, port)
+    # Metrics listen before any worker does: a busy metrics port fails the start while
+    # nothing serves yet.
+    try:
+        metrics_port = serve_metrics(
+            config, lambda: pool.serving(stop), pool.metrics_dir.name, lambda: pool.alive(stop)
+        )
+    except OSError as error:
+        port_holder.close()
+        pool.cleanup()
+        print(f"posenc serve: {error}", file=sys.stderr)
+        return 1
+    pool.workers.extend(pool.start(index) for index in range(config.process_count))
+    try:
+        failed = pool.wait_ready(stop)
+        if failed is not None:
+            return failed
+        fields = startup_fields(config, port, metrics_port)
+        log.info("listening", extra={"fields": {**fields, "processes": config.process_count}})
+        watchdog = threading.Thread(
+            target=_watch_health, args=(pool.workers, stop), name="posenc-watchdog", daemon=True
+        )
+        watchdog.start()
+        pool.replace_exited(stop)
         log.info(
             "draining",
             extra={
@@ -456,10 +483,9 @@ def supervise(
             },
         )
     finally:
-        drained = _stop_workers(workers, config.grace_seconds, hurry)
+        drained = _stop_workers(pool.workers, config.grace_seconds, hurry)
         port_holder.close()
-        metrics_dir.cleanup()
-        shutil.rmtree(health_dir, ignore_errors=True)
+        pool.cleanup()
     log.info("stopped", extra={"fields": {"drained": drained}})
     return 0
 
