@@ -305,58 +305,8 @@ async def _start(
     specs = SpecTable(config, max_bytes=config.spec_bytes)
     shared = shm.SharedPool(config.shm_bytes) if config.unix_socket and config.shm_bytes else None
     servicer = PositionalEncodingServicer(config, specs, service, version(), pool, budget, shared)
-    token = None
-    if config.auth_token_file:
-        token = auth.BearerToken(auth.read_token(config.auth_token_file))
-    interceptor = ServingInterceptor(
-        (SERVICE_NAME, health.SERVICE_NAME),
-        frozenset(METHOD_NAMES) | _OTHER_METHODS,
-        STREAMING_METHODS,
-        config.read_timeout_seconds,
-        token,
-    )
     server = grpc.aio.server(
-        interceptors=[interceptor],
-        options=[
-            ("grpc.max_receive_message_length", config.max_receive_message_bytes),
-            ("grpc.max_send_message_length", config.max_send_message_bytes),
-            ("grpc.so_reuseport", int(reuse_port)),
-            # Without BDP probing, a call's request occupies at most the initial 64 KiB
-            # window until its handler reads it: with it, gRPC let every client send about
-            # 10 MB per call before any handler asked (64 calls: 680 MB held).
-            ("grpc.http2.bdp_probe", 0),
-            # gRPC sizes a connection's read buffer by its largest recent reads and keeps it
-            # while the connection lives: the 192 connections of 64 clients that had each
-            # sent a million positions held 68 MiB, outside the in-flight budget. Capped,
-            # 22 MiB, and large requests arrive as fast.
-            ("grpc.experimental.tcp_max_read_buffer_size", _READ_BUFFER_BYTES),
-            # Clients re-resolve names only when a connection closes: closing connections
-            # now and then lets them find replicas added since (the SDK resumes cut streams).
-            ("grpc.max_connection_age_ms", int(config.max_connection_age_seconds * 1000)),
-            ("grpc.max_connection_age_grace_ms", _CONNECTION_AGE_GRACE_MS),
-            # Each connection holds memory the in-flight budget does not count (its state,
-            # buffers: about 17 KiB idle), so a flood of them is capped: connections past
-            # the limit are closed as they come (the supervisor's health line is not one),
-            # and one that has not finished its handshake in a few seconds is closed too.
-            *(
-                [("grpc.max_allowed_incoming_connections", config.max_connections)]
-                if config.max_connections
-                else []
-            ),
-            ("grpc.server_handshake_timeout_ms", _HANDSHAKE_TIMEOUT_MS),
-            # HTTP/2 keepalive: the server pings a connection with calls in flight, so that
-            # a client (or a balancer's upstream connection) that vanished without a reset
-            # frees its calls within a bound, and a balancer waiting on a stream hears from
-            # the replica at least this often (its read timeout need only exceed it). The
-            # SDK's own pings (every 20 s) are accepted down to every 10 s.
-            ("grpc.keepalive_time_ms", _KEEPALIVE_TIME_MS),
-            ("grpc.keepalive_timeout_ms", _KEEPALIVE_TIMEOUT_MS),
-            # How long any ping's answer is waited for (a minute by default, whatever the
-            # keepalive timeout says).
-            ("grpc.http2.ping_timeout_ms", _KEEPALIVE_TIMEOUT_MS),
-            ("grpc.http2.max_pings_without_data", 0),
-            ("grpc.http2.min_recv_ping_interval_without_data_ms", _MIN_CLIENT_PING_MS),
-        ],
+        interceptors=[_interceptor(config)], options=_server_options(config, reuse_port)
     )
     add_to_server(servicer, server)
     health_servicer = health.Health(
@@ -368,32 +318,9 @@ async def _start(
     reflection.enable_server_reflection(
         (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server
     )
-    credentials = server_credentials(config)
-    private = None
-    try:
-        if address := os.environ.get(supervisor.HEALTH_SOCKET_ENV):
-            # The supervisor's private line for health checks: it reaches this worker, not
-            # whichever worker the kernel hands a TCP connection on the shared port, and
-            # serves health alone, on a socket only the server's user can open.
-            private = await health.serve_private(health_servicer, address)
-        port = _add_port(server, config.address, credentials)
-        if config.unix_socket:
-            # The same service and credentials as the TCP port, for clients on this machine.
-            shm.remove_stale_socket(config.unix_socket)
-            _add_port(server, f"unix:{config.unix_socket}", credentials)
-    except RuntimeError as error:
-        raise OSError(f"cannot listen on {config.address}: {error}") from None
+    port, private = await _listen(server, config, health_servicer)
     await server.start()
-    regions = None
-    if config.unix_socket:
-        try:
-            os.chmod(config.unix_socket, 0o660)  # its directory says who may reach it
-            if shared is not None:
-                peers = shm_peers(config.shm_peers)
-                regions = shm.RegionServer(config.unix_socket + ".shm", shared, peers)
-        except OSError:
-            await server.stop(0)
-            raise
+    regions = await _serve_regions(server, config, shared)
     for name in ("", SERVICE_NAME):
         await health_servicer.set(name, health.SERVING)
     running = RunningServer(
@@ -411,6 +338,108 @@ async def _start(
     )
     running.publish_metrics()
     return running
+
+
+def _interceptor(config: ServerConfig) -> ServingInterceptor:
+    """Auth (the bearer token of ``auth_token_file``, if any), metrics and errors around
+    every handler."""
+    token = None
+    if config.auth_token_file:
+        token = auth.BearerToken(auth.read_token(config.auth_token_file))
+    return ServingInterceptor(
+        (SERVICE_NAME, health.SERVICE_NAME),
+        frozenset(METHOD_NAMES) | _OTHER_METHODS,
+        STREAMING_METHODS,
+        config.read_timeout_seconds,
+        token,
+    )
+
+
+def _server_options(config: ServerConfig, reuse_port: bool) -> list[tuple[str, int]]:
+    """The gRPC server's channel arguments: message sizes, the memory a connection may hold
+    outside the in-flight budget, connection ages and limits, keepalive."""
+    return [
+        ("grpc.max_receive_message_length", config.max_receive_message_bytes),
+        ("grpc.max_send_message_length", config.max_send_message_bytes),
+        ("grpc.so_reuseport", int(reuse_port)),
+        # Without BDP probing, a call's request occupies at most the initial 64 KiB window
+        # until its handler reads it; with it, gRPC widens the window and lets every client
+        # send megabytes per call before any handler asks, memory the in-flight budget
+        # never sees.
+        ("grpc.http2.bdp_probe", 0),
+        # gRPC sizes a connection's read buffer by its largest recent reads and keeps it
+        # while the connection lives, outside the in-flight budget: capped, a connection
+        # that once sent a large request holds no more than the cap, and large requests
+        # still arrive at full speed (the reads are only more of them).
+        ("grpc.experimental.tcp_max_read_buffer_size", _READ_BUFFER_BYTES),
+        # Clients re-resolve names only when a connection closes: closing connections
+        # now and then lets them find replicas added since (the SDK resumes cut streams).
+        ("grpc.max_connection_age_ms", int(config.max_connection_age_seconds * 1000)),
+        ("grpc.max_connection_age_grace_ms", _CONNECTION_AGE_GRACE_MS),
+        # Each connection holds memory the in-flight budget does not count (its state and
+        # buffers), so a flood of them is capped: connections past the limit are closed as
+        # they come (the supervisor's health line is not one), and one that has not
+        # finished its handshake in time is closed too.
+        *(
+            [("grpc.max_allowed_incoming_connections", config.max_connections)]
+            if config.max_connections
+            else []
+        ),
+        ("grpc.server_handshake_timeout_ms", _HANDSHAKE_TIMEOUT_MS),
+        # HTTP/2 keepalive: the server pings a connection with calls in flight, so that a
+        # client (or a balancer's upstream connection) that vanished without a reset frees
+        # its calls within a bound, and a balancer waiting on a stream hears from the
+        # replica at least this often (its read timeout need only exceed it). The SDK's
+        # own pings are accepted down to every _MIN_CLIENT_PING_MS.
+        ("grpc.keepalive_time_ms", _KEEPALIVE_TIME_MS),
+        ("grpc.keepalive_timeout_ms", _KEEPALIVE_TIMEOUT_MS),
+        # How long any ping's answer is waited for (gRPC's default ignores the keepalive
+        # timeout).
+        ("grpc.http2.ping_timeout_ms", _KEEPALIVE_TIMEOUT_MS),
+        ("grpc.http2.max_pings_without_data", 0),
+        ("grpc.http2.min_recv_ping_interval_without_data_ms", _MIN_CLIENT_PING_MS),
+    ]
+
+
+async def _listen(
+    server: grpc.aio.Server, config: ServerConfig, health_servicer: health.Health
+) -> tuple[int, grpc.aio.Server | None]:
+    """Add the server's ports (TCP, and the unix socket if configured) and start the
+    supervisor's private health line if this is a worker: the TCP port and that line."""
+    credentials = server_credentials(config)
+    private = None
+    try:
+        if address := os.environ.get(supervisor.HEALTH_SOCKET_ENV):
+            # The supervisor's private line for health checks: it reaches this worker, not
+            # whichever worker the kernel hands a TCP connection on the shared port, and
+            # serves health alone, on a socket only the server's user can open.
+            private = await health.serve_private(health_servicer, address)
+        port = _add_port(server, config.address, credentials)
+        if config.unix_socket:
+            # The same service and credentials as the TCP port, for clients on this machine.
+            shm.remove_stale_socket(config.unix_socket)
+            _add_port(server, f"unix:{config.unix_socket}", credentials)
+    except RuntimeError as error:
+        raise OSError(f"cannot listen on {config.address}: {error}") from None
+    return port, private
+
+
+async def _serve_regions(
+    server: grpc.aio.Server, config: ServerConfig, shared: shm.SharedPool | None
+) -> shm.RegionServer | None:
+    """Open the started server's unix socket to its group and hand out ``shared``'s
+    regions beside it; on failure, stop the server and raise."""
+    if not config.unix_socket:
+        return None
+    try:
+        os.chmod(config.unix_socket, 0o660)  # its directory says who may reach it
+        if shared is not None:
+            peers = shm_peers(config.shm_peers)
+            return shm.RegionServer(config.unix_socket + ".shm", shared, peers)
+    except OSError:
+        await server.stop(0)
+        raise
+    return None
 
 
 def _add_port(server: grpc.aio.Server, address: str, credentials: Any) -> int:
