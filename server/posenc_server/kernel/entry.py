@@ -45,6 +45,11 @@ def _entry_points(stored: int, suffix: str) -> tuple[Kernel, Kernel]:
     format's loop, for the arrays each is given. The loop is named there rather than held
     in the closure: numba keys a cached function by its closure's contents, and a compiled
     function's would be new in every process, so the cache would never be used."""
+    return _rotate_entry(stored, suffix), _range_entry(stored, suffix)
+
+
+def _rotate_entry(stored: int, suffix: str) -> Kernel:
+    """``rotate_into`` in the format ``stored`` (``_entry_points``)."""
     scratch_type = rows.SCRATCH[stored]
 
     def rotate_into(
@@ -75,6 +80,13 @@ def _entry_points(stored: int, suffix: str) -> tuple[Kernel, Kernel]:
         else:
             rows.rotated_values(*args)
 
+    return compiled(named(rotate_into, f"rotate_into{suffix}"))
+
+
+def _range_entry(stored: int, suffix: str) -> Kernel:
+    """``range_into`` in the format ``stored`` (``_entry_points``)."""
+    scratch_type = rows.SCRATCH[stored]
+
     def range_into(
         first: int,
         freq_hi: npt.NDArray[np.float64],
@@ -99,10 +111,7 @@ def _entry_points(stored: int, suffix: str) -> tuple[Kernel, Kernel]:
         else:
             rows.ranged_values(*args)
 
-    return (
-        compiled(named(rotate_into, f"rotate_into{suffix}")),
-        compiled(named(range_into, f"range_into{suffix}")),
-    )
+    return compiled(named(range_into, f"range_into{suffix}"))
 
 
 rotate_into, range_into = _entry_points(VALUES, "")

@@ -70,81 +70,115 @@ def _vector_kernel(name: str, rounding: Callable[..., Any], planes: bool) -> Cal
         signature = types.uint16(*arrays[:4], types.float64, out, *(types.intp,) * 3)
 
         def codegen(context: Any, builder: ir.IRBuilder, signature: Any, args: list[Any]) -> Any:
-            data = [
-                context.make_array(signature.args[k])(context, builder, args[k]).data
-                for k in (0, 1, 2, 3, 5)
-            ]
-
-            def at(k: int, index: Any, vector: ir.Type) -> Any:  # vector at array k's index
-                return builder.bitcast(builder.gep(data[k], [index]), vector.as_pointer())
-
-            amplitude, first, stop, count = args[4], args[6], args[7], args[8]
-            doubles = ir.VectorType(ir.DoubleType(), LANES)
-            scale = builder.insert_element(ir.Constant(doubles, None), amplitude, ir.IntType(32)(0))
-            scale = builder.shuffle_vector(scale, scale, _splat(_WORDS, 0))
-            # Each plane's least low bits so far, per lane (unsigned): zero where some step
-            # had a doubt.
-            least = [
-                cgutils.alloca_once_value(builder, _splat(_WORDS, 0xFFFFFFFF))  # type: ignore[no-untyped-call]
-                for _ in range(2)
-            ]
-
-            def loop(scaled: bool) -> None:
-                steps = cgutils.for_range_slice(builder, first, stop, first.type(LANES))
-                with steps as (index, _):
-                    s, c, turn_s, turn_c = (
-                        builder.load(at(k, index, doubles), align=8) for k in range(4)
-                    )
-                    sin = builder.fadd(builder.fmul(s, turn_c), builder.fmul(c, turn_s))
-                    cos = builder.fadd(
-                        builder.fmul(c, turn_c), builder.fmul(s, builder.fneg(turn_s))
-                    )
-                    if scaled:
-                        sin, cos = builder.fmul(sin, scale), builder.fmul(cos, scale)
-                    rounded, lows = rounding(builder, sin, cos)
-                    if planes:
-                        for plane, halves in enumerate(rounded):
-                            where = builder.add(index, builder.mul(count, count.type(plane)))
-                            builder.store(halves, at(4, where, _HALVES), align=2)
-                    else:
-                        # Sine k and cosine k side by side: out's columns 2k and 2k + 1.
-                        order = [k // 2 + (k % 2) * LANES for k in range(2 * LANES)]
-                        pairs = builder.shuffle_vector(
-                            rounded[0],
-                            rounded[1],
-                            ir.Constant(ir.VectorType(ir.IntType(32), 2 * LANES), order),
-                        )
-                        where = builder.mul(index, index.type(2))
-                        builder.store(pairs, at(4, where, pairs.type), align=2)
-                    for low, plane_least in zip(lows, least, strict=True):
-                        so_far = builder.load(plane_least)
-                        smaller = builder.icmp_unsigned("<", low, so_far)
-                        builder.store(builder.select(smaller, low, so_far), plane_least)
-
-            with builder.if_else(builder.fcmp_ordered("!=", amplitude, ir.DoubleType()(1.0))) as (
-                scaled,
-                plain,
-            ):
-                with scaled:
-                    loop(scaled=True)
-                with plain:
-                    loop(scaled=False)
-            masks = [
-                builder.zext(
-                    builder.bitcast(
-                        builder.icmp_unsigned("==", builder.load(p), ir.Constant(_WORDS, None)),
-                        ir.IntType(LANES),
-                    ),
-                    ir.IntType(16),
-                )
-                for p in least
-            ]
-            return builder.or_(masks[0], builder.shl(masks[1], ir.IntType(16)(LANES)))
+            return _Body(context, builder, signature, args).emit(rounding, planes)
 
         return signature, codegen
 
     typing.__name__ = typing.__qualname__ = name
     return intrinsic(typing)
+
+
+class _Body:
+    """The IR of one vector kernel's call: its arguments (the five arrays' data, the
+    amplitude, ``first``, ``stop``, ``count``) and the two planes' least low bits so far."""
+
+    def __init__(self, context: Any, builder: ir.IRBuilder, signature: Any, args: list[Any]):
+        self.builder = builder
+        self.data = [
+            context.make_array(signature.args[k])(context, builder, args[k]).data
+            for k in (0, 1, 2, 3, 5)
+        ]
+        self.amplitude, self.first, self.stop, self.count = args[4], args[6], args[7], args[8]
+        self.doubles = ir.VectorType(ir.DoubleType(), LANES)
+        scale = builder.insert_element(
+            ir.Constant(self.doubles, None), self.amplitude, ir.IntType(32)(0)
+        )
+        self.scale = builder.shuffle_vector(scale, scale, _splat(_WORDS, 0))
+        # Each plane's least low bits so far, per lane (unsigned): zero where some step
+        # had a doubt.
+        self.least = [
+            cgutils.alloca_once_value(builder, _splat(_WORDS, 0xFFFFFFFF))  # type: ignore[no-untyped-call]
+            for _ in range(2)
+        ]
+
+    def at(self, k: int, index: Any, vector: ir.Type) -> Any:
+        """A pointer to a vector at array ``k``'s ``index``."""
+        return self.builder.bitcast(self.builder.gep(self.data[k], [index]), vector.as_pointer())
+
+    def emit(self, rounding: Callable[..., Any], planes: bool) -> Any:
+        """The loop, with the amplitude's products when it is not 1 and without them when
+        it is; then the mask of doubts."""
+        builder = self.builder
+        not_one = builder.fcmp_ordered("!=", self.amplitude, ir.DoubleType()(1.0))
+        with builder.if_else(not_one) as (scaled, plain):
+            with scaled:
+                self.loop(rounding, planes, scaled=True)
+            with plain:
+                self.loop(rounding, planes, scaled=False)
+        return self.mask()
+
+    def loop(self, rounding: Callable[..., Any], planes: bool, scaled: bool) -> None:
+        """Steps of ``LANES`` pairs from ``first`` to ``stop``: compute, round, store and
+        fold each step's doubts."""
+        builder = self.builder
+        steps = cgutils.for_range_slice(builder, self.first, self.stop, self.first.type(LANES))
+        with steps as (index, _):
+            s, c, turn_s, turn_c = (
+                builder.load(self.at(k, index, self.doubles), align=8) for k in range(4)
+            )
+            sin = builder.fadd(builder.fmul(s, turn_c), builder.fmul(c, turn_s))
+            cos = builder.fadd(builder.fmul(c, turn_c), builder.fmul(s, builder.fneg(turn_s)))
+            if scaled:
+                sin, cos = builder.fmul(sin, self.scale), builder.fmul(cos, self.scale)
+            rounded, lows = rounding(builder, sin, cos)
+            if planes:
+                self.store_planes(index, rounded)
+            else:
+                self.store_columns(index, rounded)
+            self.fold(lows)
+
+    def store_planes(self, index: Any, rounded: list[Any]) -> None:
+        """The sines at ``out[index]``, the cosines at ``out[count + index]``."""
+        builder = self.builder
+        for plane, halves in enumerate(rounded):
+            where = builder.add(index, builder.mul(self.count, self.count.type(plane)))
+            builder.store(halves, self.at(4, where, _HALVES), align=2)
+
+    def store_columns(self, index: Any, rounded: list[Any]) -> None:
+        """Sine k and cosine k side by side: ``out``'s columns 2k and 2k + 1."""
+        builder = self.builder
+        order = [k // 2 + (k % 2) * LANES for k in range(2 * LANES)]
+        pairs = builder.shuffle_vector(
+            rounded[0],
+            rounded[1],
+            ir.Constant(ir.VectorType(ir.IntType(32), 2 * LANES), order),
+        )
+        where = builder.mul(index, index.type(2))
+        builder.store(pairs, self.at(4, where, pairs.type), align=2)
+
+    def fold(self, lows: list[Any]) -> None:
+        """Keep each plane's least low bits, per lane (unsigned)."""
+        builder = self.builder
+        for low, plane_least in zip(lows, self.least, strict=True):
+            so_far = builder.load(plane_least)
+            smaller = builder.icmp_unsigned("<", low, so_far)
+            builder.store(builder.select(smaller, low, so_far), plane_least)
+
+    def mask(self) -> Any:
+        """The doubts as a 16-bit mask: bit k a sine's lane k, bit ``LANES + k`` a
+        cosine's."""
+        builder = self.builder
+        masks = [
+            builder.zext(
+                builder.bitcast(
+                    builder.icmp_unsigned("==", builder.load(p), ir.Constant(_WORDS, None)),
+                    ir.IntType(LANES),
+                ),
+                ir.IntType(16),
+            )
+            for p in self.least
+        ]
+        return builder.or_(masks[0], builder.shl(masks[1], ir.IntType(16)(LANES)))
 
 
 def _bfloat16_rounding(builder: ir.IRBuilder, sin: Any, cos: Any) -> tuple[list[Any], list[Any]]:
