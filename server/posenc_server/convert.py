@@ -238,31 +238,8 @@ def _coordinates(
 ) -> CoordinateList | None:
     """The coordinates of a table with several position axes, as ``[rows, axes]``."""
     axes, values = message.axes, message.coordinates
-    if table is not None and table.AXES == 1:
-        violations.append(
-            FieldViolation(
-                "coordinates.axes",
-                f"spec.{table.NAME} has one position axis: select positions or a range",
-            )
-        )
-        return None
-    if table is not None and axes != table.AXES:
-        violations.append(
-            FieldViolation(
-                "coordinates.axes", f"spec.{table.NAME} has {table.AXES} position axes, got {axes}"
-            )
-        )
-        return None
-    if axes < 2:
-        violations.append(FieldViolation("coordinates.axes", f"must be at least 2, got {axes}"))
-        return None
-    if len(values) % axes:
-        violations.append(
-            FieldViolation(
-                "coordinates.coordinates",
-                f"must hold a multiple of axes ({axes}) values, got {len(values)}",
-            )
-        )
+    if (shape := _coordinates_shape_violation(axes, len(values), table)) is not None:
+        violations.append(shape)
         return None
     count, limit = len(values) // axes, limits.max_abs_position
     if not 1 <= count <= limits.max_positions:
@@ -286,6 +263,30 @@ def _coordinates(
             )
         )
     return CoordinateList(flat.reshape(count, axes))
+
+
+def _coordinates_shape_violation(
+    axes: int, values: int, table: TableKind | None
+) -> FieldViolation | None:
+    """What is wrong with ``values`` coordinates of ``axes`` axes for ``table`` (when
+    known), before any is looked at; None when nothing is."""
+    if table is not None and table.AXES == 1:
+        return FieldViolation(
+            "coordinates.axes",
+            f"spec.{table.NAME} has one position axis: select positions or a range",
+        )
+    if table is not None and axes != table.AXES:
+        return FieldViolation(
+            "coordinates.axes", f"spec.{table.NAME} has {table.AXES} position axes, got {axes}"
+        )
+    if axes < 2:
+        return FieldViolation("coordinates.axes", f"must be at least 2, got {axes}")
+    if values % axes:
+        return FieldViolation(
+            "coordinates.coordinates",
+            f"must hold a multiple of axes ({axes}) values, got {values}",
+        )
+    return None
 
 
 def _out_of_range(values: npt.NDArray[np.int64], limit: int) -> tuple[int, int] | None:

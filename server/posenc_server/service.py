@@ -26,7 +26,7 @@ import os
 import secrets
 import socket
 import threading
-from collections.abc import Generator, Iterator, Mapping
+from collections.abc import Callable, Generator, Iterator, Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -445,64 +445,18 @@ class EncodingService:
         """
         block_rows = self.block_rows(spec)
         block_ids = positions // block_rows
-        spec_id = spec.serial
         offsets = positions - block_ids * block_rows
         first_block = int(block_ids[0])
-
-        blocks: dict[int, Table | None] = {}
-
-        def cached_block(block_id: int) -> Table | None:
-            """The block from the cache, computed while new ones are allowed; else None
-            (decided once per block for this gather)."""
-            if block_id not in blocks:
-                key = (spec_id, block_id)
-                new = key not in self.cache
-                if new and (allowance.blocks <= 0 or not self._seen_before(key)):
-                    blocks[block_id] = None
-                else:
-                    allowance.blocks -= new
-                    blocks[block_id] = self._block(spec, block_id).rows
-            return blocks[block_id]
-
+        cached_block = self._block_lookup(spec, allowance)
         if (block_ids == first_block).all() and (block := cached_block(first_block)) is not None:
             rows: Table = block[offsets]
             return rows  # one block, as for one sequence's step: no grouping
         out = np.empty((positions.size, spec.width), dtype=spec.encoding.dtype)
-
         uncached: list[int] | npt.NDArray[np.intp]
         if positions.size <= _ROW_BY_ROW_GATHER:
-            # A decode step of many sequences: about one row per block, where copying row
-            # by row costs a fifth of a fancy-indexed gather per block.
-            uncached = []
-            for row, (block_id, offset) in enumerate(
-                zip(block_ids.tolist(), offsets.tolist(), strict=True)
-            ):
-                block = cached_block(block_id)
-                if block is None:
-                    uncached.append(row)
-                else:
-                    out[row] = block[offset]
+            uncached = _copy_row_by_row(cached_block, block_ids, offsets, out)
         else:
-            # Rows grouped by block: one gather per block, for the blocks looked at one by
-            # one: the cached ones, and the first _SEEN_BLOCKS others (where new blocks may
-            # be allowed and blocks asked for twice are noticed, both bounded). The rows of
-            # the others are computed row by row with no Python step per block: a long list
-            # of scattered positions would otherwise spend its time in that Python loop.
-            order = np.argsort(block_ids, kind="stable")
-            distinct_blocks, starts = np.unique(block_ids[order], return_index=True)
-            sizes = np.diff(np.append(starts, positions.size))
-            cached_ids = [block for serial, block in self.cache.cached_keys() if serial == spec_id]
-            looked = np.isin(distinct_blocks, np.array(cached_ids, dtype=np.int64))
-            looked[:_SEEN_BLOCKS] = True
-            groups: list[npt.NDArray[np.intp]] = [order[np.repeat(~looked, sizes)]]
-            for index in np.flatnonzero(looked).tolist():
-                group = order[starts[index] : starts[index] + sizes[index]]
-                block = cached_block(int(distinct_blocks[index]))
-                if block is None:
-                    groups.append(group)
-                else:
-                    out[group] = block[offsets[group]]
-            uncached = np.concatenate(groups)
+            uncached = self._copy_by_block(spec, cached_block, block_ids, offsets, out)
         if len(uncached):
             self._count_rows(len(uncached))
             # In slices: the engine's working memory is many times its output's.
@@ -511,6 +465,56 @@ class EncodingService:
                 part = uncached[first : first + step]
                 out[part] = engine.encode_positions(spec.encoding, positions[part])
         return out
+
+    def _block_lookup(self, spec: Spec, allowance: _Allowance) -> Callable[[int], Table | None]:
+        """One gather's look-up of ``spec``'s blocks: a block from the cache, computed while
+        ``allowance`` allows new ones (and only for a block asked for before); else None.
+        Decided once per block for the gather."""
+        blocks: dict[int, Table | None] = {}
+
+        def cached_block(block_id: int) -> Table | None:
+            if block_id not in blocks:
+                key = (spec.serial, block_id)
+                new = key not in self.cache
+                if new and (allowance.blocks <= 0 or not self._seen_before(key)):
+                    blocks[block_id] = None
+                else:
+                    allowance.blocks -= new
+                    blocks[block_id] = self._block(spec, block_id).rows
+            return blocks[block_id]
+
+        return cached_block
+
+    def _copy_by_block(
+        self,
+        spec: Spec,
+        cached_block: Callable[[int], Table | None],
+        block_ids: npt.NDArray[np.int64],
+        offsets: npt.NDArray[np.int64],
+        out: Table,
+    ) -> npt.NDArray[np.intp]:
+        """Copy into ``out`` the rows of the blocks ``cached_block`` gives, one gather per
+        block; the rows left to compute.
+
+        The blocks looked at one by one are the cached ones and the first _SEEN_BLOCKS
+        others (where new blocks may be allowed and blocks asked for twice are noticed, both
+        bounded). The rows of the others are left to compute with no Python step per block:
+        a long list of scattered positions would otherwise spend its time in that loop."""
+        order = np.argsort(block_ids, kind="stable")
+        distinct_blocks, starts = np.unique(block_ids[order], return_index=True)
+        sizes = np.diff(np.append(starts, block_ids.size))
+        cached_ids = [block for serial, block in self.cache.cached_keys() if serial == spec.serial]
+        looked = np.isin(distinct_blocks, np.array(cached_ids, dtype=np.int64))
+        looked[:_SEEN_BLOCKS] = True
+        groups: list[npt.NDArray[np.intp]] = [order[np.repeat(~looked, sizes)]]
+        for index in np.flatnonzero(looked).tolist():
+            group = order[starts[index] : starts[index] + sizes[index]]
+            block = cached_block(int(distinct_blocks[index]))
+            if block is None:
+                groups.append(group)
+            else:
+                out[group] = block[offsets[group]]
+        return np.concatenate(groups)
 
     def _seen_before(self, key: BlockKey) -> bool:
         """Whether a position list asked for rows of block ``key`` before (and remember
@@ -573,6 +577,27 @@ def _response(spec: Spec, chunk: Chunk) -> bytes:
         # Bytes, whatever the dtype: memoryview cannot export bfloat16.
         rows.reshape(-1).view(np.uint8).data,
     )
+
+
+def _copy_row_by_row(
+    cached_block: Callable[[int], Table | None],
+    block_ids: npt.NDArray[np.int64],
+    offsets: npt.NDArray[np.int64],
+    out: Table,
+) -> list[int]:
+    """Copy into ``out``, row by row, the rows whose blocks ``cached_block`` gives; the rows
+    left to compute. For a decode step of many sequences, about one row per block: there a
+    row's copy is cheaper than a fancy-indexed gather per block."""
+    uncached = []
+    for row, (block_id, offset) in enumerate(
+        zip(block_ids.tolist(), offsets.tolist(), strict=True)
+    ):
+        block = cached_block(block_id)
+        if block is None:
+            uncached.append(row)
+        else:
+            out[row] = block[offset]
+    return uncached
 
 
 @dataclass
