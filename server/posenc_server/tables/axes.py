@@ -13,17 +13,14 @@ from dataclasses import dataclass
 from decimal import Decimal
 from typing import ClassVar
 
-import numpy as np
-
-from posenc_server import engine
 from posenc_server.errors import FieldViolation
 from posenc_server.tables.base import Checker, Doc, Limits
-from posenc_server.tables.multiaxis import MultiAxis
+from posenc_server.tables.multiaxis import RotaryMultiAxis
 from posenc_server.tables.rotary import LAYOUTS, Rotary
 
 
 @dataclass(frozen=True)
-class RotaryAxes(MultiAxis):
+class RotaryAxes(RotaryMultiAxis):
     """Rotary over three coordinate axes, each with its own width (``axes_dim``)."""
 
     NAME: ClassVar[str] = "rotary_axes"
@@ -72,14 +69,6 @@ class RotaryAxes(MultiAxis):
             first += count
         return out
 
-    def coordinates(self, positions: engine.Int64Array) -> engine.Int64Array:
-        """A one-axis position p is the coordinates (p, p, p)."""
-        return np.repeat(positions.reshape(-1, 1), self.AXES, axis=1)
-
-    def write_columns(self, target: engine.Rows, rows: engine.ComplexRows) -> None:
-        """cos and sin (``v = sin + i cos``) in the rotary layout's order."""
-        LAYOUTS[self.layout](target, rows.imag, rows.real)
-
     def validate(self, path: str, limits: Limits) -> list[FieldViolation]:
         """Three even widths, not all zero, the row within max_d_model; theta; layout."""
         check = Checker(path)
@@ -92,10 +81,6 @@ class RotaryAxes(MultiAxis):
                 "axes_dim",
                 f"each width must be even and at least one positive, got {list(self.axes_dim)}",
             )
-        elif self.width > limits.max_d_model:
-            check.add(
-                "axes_dim",
-                f"the row width {self.width} (layout {self.layout}) is over the server's "
-                f"max_d_model {limits.max_d_model}",
-            )
+        else:
+            self.check_width(check, limits, "axes_dim")
         return check.violations

@@ -95,6 +95,31 @@ class MultiAxis(TableKind):
         return out
 
 
+class RotaryMultiAxis(MultiAxis):
+    """A several-axis rotary kind (M-RoPE, ``axes.RotaryAxes``): a one-axis position is the
+    same coordinate on every axis, its columns a rotary ``layout``'s."""
+
+    layout: str
+
+    def coordinates(self, positions: engine.Int64Array) -> engine.Int64Array:
+        """A one-axis position p is the coordinates (p, p, p): a text token's."""
+        return np.repeat(positions.reshape(-1, 1), self.AXES, axis=1)
+
+    def write_columns(self, target: engine.Rows, rows: engine.ComplexRows) -> None:
+        """cos and sin (``v = sin + i cos``) in the rotary layout's order."""
+        LAYOUTS[self.layout](target, rows.imag, rows.real)
+
+    def check_width(self, check: Checker, limits: Limits, name: str) -> None:
+        """The row, in its layout, within the server's max_d_model (else a problem of
+        ``name``)."""
+        if self.width > limits.max_d_model:
+            check.add(
+                name,
+                f"the row width {self.width} (layout {self.layout}) is over the server's "
+                f"max_d_model {limits.max_d_model}",
+            )
+
+
 def _scaled(frequencies: Sequence[Decimal], scale: Decimal) -> list[Decimal]:
     return [frequency * scale for frequency in frequencies]
 
@@ -109,7 +134,7 @@ def _geometric(base: float, columns: int) -> list[Decimal]:
 
 
 @dataclass(frozen=True)
-class MRope(MultiAxis):
+class MRope(RotaryMultiAxis):
     """Multimodal rotary (Qwen2-VL, Qwen2.5-VL; Qwen3-VL interleaved)."""
 
     NAME: ClassVar[str] = "mrope"
@@ -167,14 +192,6 @@ class MRope(MultiAxis):
             out.append(([inv_freq[i] for i in filled], filled))
         return out
 
-    def coordinates(self, positions: engine.Int64Array) -> engine.Int64Array:
-        """A one-axis position is a text token's (p, p, p)."""
-        return np.repeat(positions.reshape(-1, 1), self.AXES, axis=1)
-
-    def write_columns(self, target: engine.Rows, rows: engine.ComplexRows) -> None:
-        """cos and sin (``v = sin + i cos``) in the rotary layout's order."""
-        LAYOUTS[self.layout](target, rows.imag, rows.real)
-
     def validate(self, path: str, limits: Limits) -> list[FieldViolation]:
         """theta, layout, head_dim, and sections that share out head_dim / 2."""
         check = Checker(path)
@@ -192,12 +209,8 @@ class MRope(MultiAxis):
                     else f"{len(self.mrope_section)} counts"
                 ),
             )
-        if not check.violations and self.width > limits.max_d_model:
-            check.add(
-                "head_dim",
-                f"the row width {self.width} (layout {self.layout}) is over the server's "
-                f"max_d_model {limits.max_d_model}",
-            )
+        if not check.violations:
+            self.check_width(check, limits, "head_dim")
         return check.violations
 
 

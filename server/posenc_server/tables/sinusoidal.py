@@ -87,6 +87,11 @@ class _Sinusoid(TableKind):
         """``d_model`` columns."""
         return self.d_model
 
+    def write_columns(self, target: engine.Rows, rows: engine.ComplexRows) -> None:
+        """``[sin | cos]`` of ``d_model // 2`` columns each, and a zero last column for odd
+        ``d_model`` (the families' layout; the classic table has its own)."""
+        _split(target, rows, self.d_model // 2, self.d_model // 2)
+
     def _check(self, check: Checker, limits: Limits, base_field: str, base: float) -> bool:
         """Check ``d_model`` and the base; returns whether ``d_model`` is in range."""
         in_range = check.between("d_model", self.d_model, 1, limits.max_d_model)
@@ -190,10 +195,6 @@ class Tensor2Tensor(_Sinusoid):
         """Shifted by ``start_index``."""
         return engine.PositionMap(offset=self.start_index)
 
-    def write_columns(self, target: engine.Rows, rows: engine.ComplexRows) -> None:
-        """``[sin | cos]``, and a zero last column for odd ``d_model``."""
-        _split(target, rows, self.d_model // 2, self.d_model // 2)
-
     def validate(self, path: str, limits: Limits) -> list[FieldViolation]:
         """d_model, the timescales and start_index."""
         check = Checker(path)
@@ -238,10 +239,6 @@ class Whisper(_Sinusoid):
             geometric_frequencies(self.max_timescale, self.d_model, "tensor2tensor")
         )
 
-    def write_columns(self, target: engine.Rows, rows: engine.ComplexRows) -> None:
-        """``[sin | cos]``."""
-        _split(target, rows, self.d_model // 2, self.d_model // 2)
-
     def validate(self, path: str, limits: Limits) -> list[FieldViolation]:
         """An even d_model >= 4 and max_timescale."""
         check = Checker(path)
@@ -278,10 +275,6 @@ class Fairseq(_Sinusoid):
     def position_map(self) -> engine.PositionMap:
         """Row ``padding_idx`` is zero."""
         return engine.PositionMap(zero_row=self.padding_idx)
-
-    def write_columns(self, target: engine.Rows, rows: engine.ComplexRows) -> None:
-        """``[sin | cos]``, and a zero last column for odd ``d_model``."""
-        _split(target, rows, self.d_model // 2, self.d_model // 2)
 
     def validate(self, path: str, limits: Limits) -> list[FieldViolation]:
         """d_model >= 4 (fairseq divides by half_dim - 1), base and padding_idx."""
@@ -323,10 +316,6 @@ class TransformerXl(_Sinusoid):
         if self.key_length is None:
             return engine.PositionMap(clamp=clamp)
         return engine.PositionMap(offset=self.key_length - 1, descending=True, clamp=clamp)
-
-    def write_columns(self, target: engine.Rows, rows: engine.ComplexRows) -> None:
-        """``[sin | cos]``."""
-        _split(target, rows, self.d_model // 2, self.d_model // 2)
 
     def validate(self, path: str, limits: Limits) -> list[FieldViolation]:
         """An even d_model, base and key_length."""
