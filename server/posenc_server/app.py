@@ -12,7 +12,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Coroutine, Iterator, Sequence
+from collections.abc import Callable, Coroutine, Iterator, Sequence
 from concurrent import futures
 from dataclasses import dataclass, field
 from types import FrameType
@@ -526,6 +526,33 @@ def raise_descriptor_limit(config: ServerConfig) -> None:
         resource.setrlimit(resource.RLIMIT_NOFILE, (needed, hard))
 
 
+def _bring_up(
+    config: ServerConfig,
+    worker: int | None,
+    serving: Callable[[], bool],
+    alive: Callable[[], bool],
+) -> tuple[RunningServer, int | None, int]:
+    """Check the ports, serve metrics (unless a supervisor does), warm up and start the
+    server: the running server, the metrics port (None for a worker) and the cache bytes
+    faulted in."""
+    metrics_port: int | None = None  # a worker's: its supervisor serves them
+    if worker is None:
+        # Both ports are checked before either listens: nothing serves half-started.
+        # (A supervisor's workers share its port, and it serves their metrics.)
+        supervisor.check_port_free(config.host, config.port, "--port (POSENC_PORT)")
+        supervisor.check_unix_socket_free(config)
+        metrics_port = supervisor.serve_metrics(config, serving, alive=alive)
+    # Every dtype, kind and layout runs once before the server listens (the kernels
+    # compiled or loaded from numba's cache, ml_dtypes imported), and the cache's memory
+    # is faulted in: no request waits for either; nor for the collector walking what
+    # start-up left alive.
+    with _said_when_slow(worker in (None, 0)):
+        warmup.warm_up()
+    prefaulted = heap.prefault(config.cache_bytes)
+    warmup.freeze()
+    return start_server(config, reuse_port=worker is not None), metrics_port, prefaulted
+
+
 def run(argv: Sequence[str] | None = None) -> int:
     """Serve until SIGTERM or SIGINT, then drain; the exit code of ``posenc serve``."""
     argv = list(argv or [])
@@ -547,6 +574,17 @@ def run(argv: Sequence[str] | None = None) -> int:
     stop = threading.Event()
     hurry = threading.Event()  # a second signal: stop now, cancelling the calls in flight
     signals: list[str] = []
+    _handle_signals(worker, stop, hurry, signals)
+    if worker is None and config.process_count > 1:
+        return supervisor.supervise(config, argv, stop, hurry, signals)
+    return _serve(config, worker, stop, hurry, signals)
+
+
+def _handle_signals(
+    worker: int | None, stop: threading.Event, hurry: threading.Event, signals: list[str]
+) -> None:
+    """Set ``stop`` on SIGTERM or SIGINT (and ``hurry`` too on a second one, or on a
+    worker's HURRY_SIGNAL), naming each signal in ``signals``."""
 
     def on_signal(signum: int, frame: FrameType | None) -> None:
         signals.append(signal.Signals(signum).name)
@@ -562,8 +600,17 @@ def run(argv: Sequence[str] | None = None) -> int:
     signal.signal(signal.SIGINT, on_signal if worker is None else signal.SIG_IGN)
     if worker is not None:
         signal.signal(supervisor.HURRY_SIGNAL, on_signal)
-    if worker is None and config.process_count > 1:
-        return supervisor.supervise(config, argv, stop, hurry, signals)
+
+
+def _serve(
+    config: ServerConfig,
+    worker: int | None,
+    stop: threading.Event,
+    hurry: threading.Event,
+    signals: list[str],
+) -> int:
+    """Serve in this process (alone, or as a supervisor's ``worker``) until ``stop``, then
+    drain; the exit code."""
     if worker is not None:
         supervisor.die_with_supervisor()
     started: list[RunningServer] = []  # the server, once it listens
@@ -578,22 +625,7 @@ def run(argv: Sequence[str] | None = None) -> int:
         return alive() and all(room.has_room(os.getpid()) for room in rooms)
 
     try:
-        metrics_port: int | None = None  # a worker's: its supervisor serves them
-        if worker is None:
-            # Both ports are checked before either listens: nothing serves half-started.
-            # (A supervisor's workers share its port, and it serves their metrics.)
-            supervisor.check_port_free(config.host, config.port, "--port (POSENC_PORT)")
-            supervisor.check_unix_socket_free(config)
-            metrics_port = supervisor.serve_metrics(config, serving, alive=alive)
-        # Every dtype, kind and layout runs once before the server listens (the kernels
-        # compiled or loaded from numba's cache, ml_dtypes imported), and the cache's memory
-        # is faulted in: no request waits for either; nor for the collector walking what
-        # start-up left alive.
-        with _said_when_slow(worker in (None, 0)):
-            warmup.warm_up()
-        prefaulted = heap.prefault(config.cache_bytes)
-        warmup.freeze()
-        running = start_server(config, reuse_port=worker is not None)
+        running, metrics_port, prefaulted = _bring_up(config, worker, serving, alive)
     except (OSError, RuntimeError, ValueError) as error:
         print(f"posenc serve: {error}", file=sys.stderr)
         return 1
