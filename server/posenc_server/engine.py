@@ -96,8 +96,8 @@ _ROTATION_ENTRIES: Final = 1 << 17
 # while the block's rotation table is not made yet.
 _FEW_ROTATIONS: Final = 8
 # Rows and elements of out per kernel call: its positions and index arrays take about 40
-# bytes a row, its bases up to 8 a column (a narrow table's 1 MiB block, 262,144 rows in one
-# call, held 10 MiB of them).
+# bytes a row, its bases up to 8 a column (a narrow table's 1 MiB block, 262,144 rows, in
+# one call would hold 10 MiB of them).
 _KERNEL_ROWS: Final = 1 << 14
 _KERNEL_ELEMENTS: Final = 1 << 20
 

@@ -6,14 +6,15 @@ that it always answers; what a caller can make it hold is bounded here instead:
 - a request is read only once admitted against a byte budget of its own, one largest request
   at a time (a probe's request is read in microseconds), within the read timeout, and a read
   stalled half a second gives its room up to a call that waits for it, as encoding calls'
-  reads do. Read as gRPC reads a unary request, 40 health calls naming 10 MB services held
-  1.2 GiB at once. A Check that finds the read slot busy does not wait for it: it answers
-  the whole server's status without reading its request (every service served shares that
-  status). Calls that send headers and never their request, 20 a second, queued the probes
-  behind them until they failed, and the supervisor's checks with them;
+  reads do. Read as gRPC reads a unary request, every health call could hold a request of
+  the largest size at once, outside any budget. A Check that finds the read slot busy does
+  not wait for it: it answers the whole server's status without reading its request (every
+  service served shares that status), so that calls which send headers and never their
+  request cannot queue the probes, and the supervisor's checks, behind them until they fail;
 - a service name is at most ``MAX_SERVICE_NAME`` characters (the names served are a few
   dozen), so a Watch stream, which keeps its name while it is open, keeps little;
-- at most ``MAX_WATCHES`` Watch streams are open at once (60,000 held 417 MiB).
+- at most ``MAX_WATCHES`` Watch streams are open at once: each holds its stream's state
+  for as long as the caller keeps it open.
 
 A Watch writes its status and then each change of it, as the reference servicer does, but
 never while holding the lock that setting a status takes: a watcher that does not read

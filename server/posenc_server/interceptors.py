@@ -154,8 +154,8 @@ def _serve(
             # Answered once the error is gone: its traceback holds the handler's frames, the
             # request among their locals, and gRPC keeps the abort's exception (and so any
             # exception it was raised during) in a reference cycle with the call, which only
-            # the cyclic collector frees. Raised in the except clause, every refused 10 MB
-            # request stayed in memory until that collector ran (64 calls: 370 MiB).
+            # the cyclic collector frees. Raised in the except clause, every refused request
+            # would stay in memory until that collector ran, outside the in-flight budget.
             await context.abort_with_status(failure)  # type: ignore[attr-defined]  # no stubs
 
     return serve

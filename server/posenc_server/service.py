@@ -69,8 +69,9 @@ class Block:
 
 # Bytes of a cached block (a 1 MiB chunk, 256 Ki float32 elements): a narrow table's block
 # is many rows, a wide one's few, and each costs a few milliseconds to compute. Bytes, not
-# elements: a bfloat16 or float16 block of as many elements was a 512 KiB message, and a
-# stream of them twice the messages (and their per-message costs) of the same bytes in float32.
+# elements: a block of as many bfloat16 or float16 elements would be half the message, and
+# a stream of them twice the messages (and their per-message costs) of the same bytes in
+# float32.
 _BLOCK_BYTES = 1 << 20
 # A unary position list computes new blocks (for the decode steps that follow) up to this
 # many times its own rows, at least one block and at most _MAX_NEW_BLOCKS_PER_LIST; the rows

@@ -60,8 +60,8 @@ T = TypeVar("T")
 _INLINE_REQUEST_BYTES = 4096
 _INLINE_RESULT_BYTES = 1 << 20
 # A range's stream step may run on the event loop while each takes at most this long
-# (see _computes_here): a block takes at most a few milliseconds in any dtype, and often
-# twice as long measured on the pool.
+# (see _computes_here): a block takes at most a few milliseconds in any dtype, less than
+# the hand-off to the pool and back adds to it.
 _INLINE_STEP_SECONDS = 0.005
 _QUIET_SECONDS = 0.1
 _GET_ENCODING = convert.tolerant_parser(pb.GetEncodingRequest)

@@ -44,7 +44,7 @@ SUPERVISOR_PID_ENV = "POSENC_SUPERVISOR_PID"
 # Set in a worker's environment: a unix socket where it serves health alone, so that the
 # supervisor can ask that one worker (the shared port reaches a worker the kernel picks). The
 # socket is a file in a directory only the server's user may enter (0700): an abstract socket
-# is open to every process of the network namespace, which then had a plaintext side door.
+# is open to every process of the network namespace: a plaintext side door.
 HEALTH_SOCKET_ENV = "POSENC_WORKER_HEALTH_SOCKET"
 #: What a supervisor sends a draining worker to stop it at once (a second SIGTERM, which a
 #: signal to the whole process group also delivers, changes nothing in a worker).
@@ -53,7 +53,7 @@ HURRY_SIGNAL: Final = signal.SIGUSR1
 _MAX_SOCKET_PATH = 100
 WORKER_READY = "worker listening"
 # Workers compile the engine's kernels before they report ready when numba's cache holds
-# none for this CPU: some 20 s of CPU each, several at once on few cores.
+# none for this CPU: many seconds of CPU each, several at once on few cores.
 _START_TIMEOUT = 180.0
 _RESTART_DELAY = 1.0
 # A worker that fails this many health checks in a row, one a second, each given a second

@@ -48,8 +48,8 @@ KERNEL_CACHE_SEED = "POSENC_KERNEL_CACHE_SEED"
 def seed_kernel_cache() -> None:
     """Fills an empty ``NUMBA_CACHE_DIR`` from ``POSENC_KERNEL_CACHE_SEED``.
 
-    Compiling the kernels takes a process some 20 s of CPU; numba loads compiled ones from
-    its cache in well under a second, but the cache must be writable, and a container's is
+    Compiling the kernels takes a process many seconds of CPU; numba loads compiled ones
+    from its cache in a fraction of that, but the cache must be writable, and a container's is
     an empty tmpfs at every start (its root filesystem read-only). The image carries kernels
     compiled when it was built: copied here before any process compiles, they are found
     wherever the CPU matches the one they were compiled for (elsewhere numba compiles and

@@ -58,7 +58,7 @@ def named(function: _G, name: str) -> _G:
 def helper(function: _G) -> _G:
     """A loop's helper, compiled once per argument types and inlined where it is called by
     LLVM: numba's own inlining (``inline="always"``) types and lowers it again at every call
-    site, which made the kernels take several times as long to compile.
+    site, which multiplies the kernels' compile time.
 
     Without numba's reference counting (a helper allocates nothing; its caller holds its
     arrays): where LLVM does not inline a helper (one that rounds half precision, with its

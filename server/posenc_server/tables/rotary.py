@@ -34,8 +34,8 @@ MAX_FACTOR = 2.0**64
 keeps 30 of its 50 digits, and no quotient leaves float64's range."""
 MAX_ATTENTION = 2.0
 """Largest attention factor (the scale of cos and sin): float64 rows stay within the
-contract's 2**-50: the worst error measured at 2.0 is 0.68 * 2**-50 over 102,400 sampled
-elements (tests/test_table_ranges.py checks 12,800 of them)."""
+contract's 2**-50 up to it, with room to spare (tests/test_table_ranges.py checks sampled
+elements at 2.0)."""
 
 
 def min_factor(limits: Limits) -> float:
