@@ -111,6 +111,100 @@ def own_frequencies(dim: int, inv_freq: torch.Tensor, attention: float = 1.0) ->
     return posenc.Spec("rotary", head_dim=dim, layout="vllm", scaling="frequencies", **fields)
 
 
+def yarn_mscale(scale: float, weight: float = 1.0) -> float:
+    """YaRN's ``yarn_get_mscale(scale, weight)``, the engines' cos/sin scale (in double)."""
+    return 1.0 if scale <= 1 else 0.1 * weight * math.log(scale) + 1.0
+
+
+def ntk_base(dim: int, theta: float, factor: float, length: float, trained: int) -> float:
+    """Dynamic NTK's base for ``length`` positions of a model trained on ``trained``, as
+    the engines compute it once at start-up (in double)."""
+    return float(theta * ((factor * length / trained) - (factor - 1)) ** (dim / (dim - 2)))
+
+
+def ntk_alpha_base(dim: int, theta: float, alpha: float) -> float:
+    """Dynamic NTK-alpha's base, ``theta * alpha ** (dim / (dim - 2))`` (in double)."""
+    return float(theta * alpha ** (dim / (dim - 2)))
+
+
+def llama3(
+    dim: int, theta: float, *, factor: float, original: int, low: float, high: float
+) -> posenc.Spec:
+    """Llama 3's rotary table (its frequency bands scaled by ``factor``)."""
+    return rotary(
+        dim,
+        theta,
+        scaling="llama3",
+        factor=factor,
+        original_max_position_embeddings=original,
+        low_freq_factor=low,
+        high_freq_factor=high,
+    )
+
+
+def longrope_runs(
+    dim: int,
+    theta: float,
+    original: int,
+    max_position: int,
+    factors: tuple[list[float], list[float]],
+    mscales: tuple[float | None, float | None],
+) -> tuple[Run, Run]:
+    """Phi-3's LongRoPE cache: the short table's ``original`` rows, then the long table's
+    ``max_position`` rows (its factors from position ``original + 1`` on); each scale is
+    the table's attention factor, or derived by the server when None."""
+    common: dict[str, Any] = {
+        "scaling": "longrope",
+        "original_max_position_embeddings": original,
+        "max_position_embeddings": max_position,
+        "short_factor": factors[0],
+        "long_factor": factors[1],
+    }
+    short, long = dict(common), dict(common, seq_len=original + 1)
+    for fields, mscale in ((short, mscales[0]), (long, mscales[1])):
+        if mscale is not None:
+            fields["attention_factor"] = mscale
+    return Run(rotary(dim, theta, **short), original), Run(rotary(dim, theta, **long), max_position)
+
+
+def fope_refused(field: str) -> posenc.InvalidArgumentError:
+    """FoPE from get_rope's arguments: its cache needs the loaded module's coefficients."""
+    return violation(
+        field,
+        "FourierRotaryEmbedding's cache mixes the model's learned coefficients: build "
+        "it from the loaded module, cos_sin_cache_of(client, module)",
+    )
+
+
+def served_reason(
+    module: object, kind: str, served: frozenset[str], other: tuple[str, str]
+) -> str | None:
+    """None when ``kind`` is served, else why not. ``other``: the other engine's name and
+    package, whose classes share names, not attributes or row counts, with this one's."""
+    engine, package = other
+    if type(module).__module__.startswith(f"{package}."):
+        return f"{kind} is {engine}'s class: install it with posenc.integrations.{package}"
+    if kind in served:
+        return None
+    return f"{kind} is not a rotary class posenc serves (served: {', '.join(sorted(served))})"
+
+
+def built_caches(client: posenc.Client, m: Any, kind: str) -> dict[str, torch.Tensor] | None:
+    """The caches of the classes the engines share whose cache is no run of tables
+    (dual-chunk attention's five, FoPE's, Llama 4 vision's), None for another class."""
+    if kind == "DualChunkRotaryEmbedding":
+        return dual_chunk_caches(client, m)
+    if kind == "FourierRotaryEmbedding":
+        return {"cos_sin_cache": fope_cache(client, m)}
+    if kind == "Llama4VisionRotaryEmbedding":
+        dim, patches = int(m.rotary_dim), int(m.max_position_embeddings)
+        double = m.cos_sin_cache.dtype == torch.complex128
+        return {
+            "cos_sin_cache": llama4_vision_cache(client, dim, patches, float(m.base), double, None)
+        }
+    return None
+
+
 @dataclass(frozen=True)
 class Run:
     """Rows of one posenc table: positions ``start`` to ``start + rows - 1``."""

@@ -35,7 +35,8 @@ from __future__ import annotations
 import logging
 import math
 import types
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any, Final
 
@@ -48,9 +49,6 @@ from posenc.integrations._caches import (
     Plan,
     Run,
     UntestedReleaseWarning,
-    dual_chunk_caches,
-    fope_cache,
-    llama4_vision_cache,
     rotary,
     violation,
 )
@@ -103,14 +101,8 @@ def _kind(rotary_emb: object) -> str:
 
 
 def _served(rotary_emb: torch.nn.Module) -> str | None:
-    kind = _kind(rotary_emb)
-    if type(rotary_emb).__module__.startswith("vllm."):
-        # The engines share class names, not attributes or row counts.
-        return f"{kind} is vLLM's class: install it with posenc.integrations.vllm"
-    if kind in _SERVED_CLASSES:
-        return None
-    served = ", ".join(sorted(_SERVED_CLASSES))
-    return f"{kind} is not a rotary class posenc serves (served: {served})"
+    """None for a module posenc serves, else why not."""
+    return _caches.served_reason(rotary_emb, _kind(rotary_emb), _SERVED_CLASSES, ("vLLM", "vllm"))
 
 
 def _yarn(m: Any, original: int) -> posenc.Spec:
@@ -144,77 +136,114 @@ def _yarn(m: Any, original: int) -> posenc.Spec:
     )
 
 
+@dataclass(frozen=True)
+class _Built:
+    """A served module, as its cache's plan reads it."""
+
+    m: Any
+    dim: int
+    theta: float
+    rows: int
+    start: int  # 0.5.23's Bailing video rope: negative
+
+    def one(
+        self, spec: posenc.Spec, count: int | None = None, kept: int | None = None
+    ) -> dict[str, Plan]:
+        """A ``cos_sin_cache`` of one table from ``start``, ``count`` rows (default all)."""
+        rows = self.rows if count is None else count
+        return {"cos_sin_cache": Plan((Run(spec, rows, self.start),), kept)}
+
+
+def _plain_plan(b: _Built) -> dict[str, Plan]:
+    return b.one(rotary(b.dim, b.theta))
+
+
+def _linear_plan(b: _Built) -> dict[str, Plan]:
+    runs = tuple(
+        Run(rotary(b.dim, b.theta, scaling="linear", factor=float(f)), _caches.rows_of(b.rows * f))
+        for f in b.m.scaling_factors
+    )
+    return {"cos_sin_cache": Plan(runs)}
+
+
+def _dynamic_plan(b: _Built) -> dict[str, Plan]:
+    # max_position * factor rows at the base of the older formula (in double, as the class
+    # computes it): the base rescaled for that length.
+    f = float(b.m.scaling_factor)
+    length = b.rows * f
+    base = _caches.ntk_base(b.dim, b.theta, f, length, b.rows)
+    return b.one(rotary(b.dim, base), _caches.rows_of(length))
+
+
+def _alpha_plan(b: _Built) -> dict[str, Plan]:
+    return b.one(rotary(b.dim, _caches.ntk_alpha_base(b.dim, b.theta, float(b.m.scaling_alpha))))
+
+
+def _yarn_plan(b: _Built) -> dict[str, Plan]:
+    return b.one(_yarn(b.m, b.rows), _caches.rows_of(b.rows * float(b.m.scaling_factor)))
+
+
+def _bailing_plan(b: _Built) -> dict[str, Plan]:
+    # Rows from position_start (-max_position with video rope); YaRN above factor 1.
+    if float(b.m.scaling_factor) > 1:
+        return b.one(_yarn(b.m, int(b.m.original_max_position_embeddings)))
+    return b.one(rotary(b.dim, b.theta))
+
+
+def _llama3_plan(b: _Built) -> dict[str, Plan]:
+    m = b.m
+    spec = _caches.llama3(
+        b.dim,
+        b.theta,
+        factor=float(m.scaling_factor),
+        original=int(m.orig_max_position),
+        low=float(m.low_freq_factor),
+        high=float(m.high_freq_factor),
+    )
+    return b.one(spec)
+
+
+def _gemma4_plan(b: _Built) -> dict[str, Plan]:
+    # The head's frequencies, zero past rope_angles (its rotary_dim is the head's).
+    return b.one(rotary(int(b.m.head_size), b.theta), kept=int(b.m.rope_angles))
+
+
+def _longrope_plan(b: _Built) -> dict[str, Plan]:
+    m = b.m
+    original = int(m.original_max_position_embeddings)
+    factors = [float(f) for f in m.short_factor], [float(f) for f in m.long_factor]
+    mscales = float(m.short_mscale), float(m.long_mscale)
+    short, long = _caches.longrope_runs(b.dim, b.theta, original, b.rows, factors, mscales)
+    return {
+        "short_cos_sin_cache": Plan((short,)),
+        "long_cos_sin_cache": Plan((long,)),
+        "long_short_cos_sin_cache": Plan((short, long)),
+    }
+
+
+# The plans of each served class whose caches are runs of tables, by buffer name.
+_PLANS: Final[Mapping[str, Callable[[_Built], dict[str, Plan]]]] = {
+    **dict.fromkeys(_PLAIN, _plain_plan),
+    **dict.fromkeys(_YARN, _yarn_plan),
+    "LinearScalingRotaryEmbedding": _linear_plan,
+    "DynamicNTKScalingRotaryEmbedding": _dynamic_plan,
+    "DynamicNTKAlphaRotaryEmbedding": _alpha_plan,
+    "BailingMRotaryEmbedding": _bailing_plan,
+    "Llama3RotaryEmbedding": _llama3_plan,
+    "Gemma4RotaryEmbedding": _gemma4_plan,
+    "Phi3LongRoPEScaledRotaryEmbedding": _longrope_plan,
+}
+
+
 def _plans(rotary_emb: torch.nn.Module) -> dict[str, Plan]:
     """The posenc tables of each cache buffer of a module served by a plan, by name."""
     m: Any = rotary_emb
     kind = _kind(m)
     dim, theta, rows = int(m.rotary_dim), float(m.base), int(m.max_position_embeddings)
-    start = int(getattr(m, "position_start", 0))  # 0.5.23's Bailing video rope: negative
-
-    def one(spec: posenc.Spec, count: int = rows, kept: int | None = None) -> dict[str, Plan]:
-        return {"cos_sin_cache": Plan((Run(spec, count, start),), kept)}
-
-    if kind in _PLAIN:
-        return one(rotary(dim, theta))
-    if kind == "LinearScalingRotaryEmbedding":
-        runs = tuple(
-            Run(rotary(dim, theta, scaling="linear", factor=float(f)), _caches.rows_of(rows * f))
-            for f in m.scaling_factors
-        )
-        return {"cos_sin_cache": Plan(runs)}
-    if kind == "DynamicNTKScalingRotaryEmbedding":
-        # max_position * factor rows at the base of the older formula (in double, as the
-        # class computes it): the base rescaled for that length.
-        f = float(m.scaling_factor)
-        length = rows * f
-        base = theta * ((f * length / rows) - (f - 1)) ** (dim / (dim - 2))
-        return one(rotary(dim, base), _caches.rows_of(length))
-    if kind == "DynamicNTKAlphaRotaryEmbedding":
-        return one(rotary(dim, theta * float(m.scaling_alpha) ** (dim / (dim - 2))))
-    if kind in _YARN:
-        return one(_yarn(m, rows), _caches.rows_of(rows * float(m.scaling_factor)))
-    if kind == "BailingMRotaryEmbedding":
-        # Rows from position_start (-max_position with video rope); YaRN above factor 1.
-        if float(m.scaling_factor) > 1:
-            return one(_yarn(m, int(m.original_max_position_embeddings)))
-        return one(rotary(dim, theta))
-    if kind == "Llama3RotaryEmbedding":
-        return one(
-            rotary(
-                dim,
-                theta,
-                scaling="llama3",
-                factor=float(m.scaling_factor),
-                original_max_position_embeddings=int(m.orig_max_position),
-                low_freq_factor=float(m.low_freq_factor),
-                high_freq_factor=float(m.high_freq_factor),
-            )
-        )
-    if kind == "Gemma4RotaryEmbedding":
-        # The head's frequencies, zero past rope_angles (its rotary_dim is the head's).
-        return one(rotary(int(m.head_size), theta), kept=int(m.rope_angles))
-    if kind == "Phi3LongRoPEScaledRotaryEmbedding":
-        original = int(m.original_max_position_embeddings)
-        common: dict[str, Any] = {
-            "scaling": "longrope",
-            "original_max_position_embeddings": original,
-            "max_position_embeddings": rows,
-            "short_factor": [float(f) for f in m.short_factor],
-            "long_factor": [float(f) for f in m.long_factor],
-        }
-        short = Run(rotary(dim, theta, **common, attention_factor=float(m.short_mscale)), original)
-        long = Run(
-            rotary(
-                dim, theta, **common, attention_factor=float(m.long_mscale), seq_len=original + 1
-            ),
-            rows,
-        )
-        return {
-            "short_cos_sin_cache": Plan((short,)),
-            "long_cos_sin_cache": Plan((long,)),
-            "long_short_cos_sin_cache": Plan((short, long)),
-        }
-    raise violation("rotary_emb", _served(m) or f"{kind} is built by caches_of")
+    plan = _PLANS.get(kind)
+    if plan is None:
+        raise violation("rotary_emb", _served(m) or f"{kind} is built by caches_of")
+    return plan(_Built(m, dim, theta, rows, int(getattr(m, "position_start", 0))))
 
 
 def _fitted(plan: Plan, buffer: torch.Tensor) -> Plan:
@@ -235,17 +264,9 @@ def caches_of(client: posenc.Client, rotary_emb: torch.nn.Module) -> dict[str, t
     reason = _served(m)
     if reason is not None:
         raise violation("rotary_emb", reason)
-    if kind == "DualChunkRotaryEmbedding":
-        return dual_chunk_caches(client, m)
-    if kind == "FourierRotaryEmbedding":
-        return {"cos_sin_cache": fope_cache(client, m)}
-    if kind == "Llama4VisionRotaryEmbedding":
-        buffer = m.cos_sin_cache
-        dim, patches = int(m.rotary_dim), int(m.max_position_embeddings)
-        double = buffer.dtype == torch.complex128
-        return {
-            "cos_sin_cache": llama4_vision_cache(client, dim, patches, float(m.base), double, None)
-        }
+    built = _caches.built_caches(client, m, kind)
+    if built is not None:
+        return built
     caches = {}
     for name, plan in _plans(m).items():
         buffer = getattr(m, name)
@@ -294,8 +315,123 @@ def _scaling_name(rope_scaling: Mapping[str, Any]) -> str:
     raise violation("rope_scaling", f"names no rope_type (or type): {dict(rope_scaling)}")
 
 
-def _mscale(scale: float, weight: float = 1.0) -> float:
-    return 1.0 if scale <= 1 else 0.1 * weight * math.log(scale) + 1.0
+@dataclass(frozen=True)
+class _Arguments:
+    """SGLang's ``get_rope`` arguments, as the module it builds from them reads them."""
+
+    attributes: Mapping[str, Any]  # head_size, rotary_dim, max_position_embeddings, base
+    rope: Mapping[str, Any]
+    original: int
+    factors: Any  # a list for linear (one cache per factor)
+    factor: float
+    yarn: Mapping[str, Any]  # YaRN's settings beyond the factor, with SGLang's defaults
+
+    def named(self, kind: str, **attributes: Any) -> Any:
+        """A stand-in for the module: the class's name, the attributes it sets."""
+        return type(kind, (SimpleNamespace,), {})(**{**self.attributes, **attributes})
+
+
+def _bailing_module(a: _Arguments) -> Any:
+    # BailingMRotaryEmbedding: from -max_position, max_position + original * factor rows.
+    max_position = int(a.attributes["max_position_embeddings"])
+    factor = a.factor
+    mscale = _caches.yarn_mscale(factor) * a.yarn["attn_factor"] if factor > 1 else 1.0
+    return a.named(
+        "BailingMRotaryEmbedding",
+        **a.yarn,
+        scaling_factor=factor,
+        original_max_position_embeddings=a.original,
+        mscale=mscale,
+        position_start=-max_position,
+        max_position_embeddings=max_position + int(a.original * factor),
+    )
+
+
+def _default_module(a: _Arguments) -> Any:
+    if a.rope.get("use_fope"):
+        raise _caches.fope_refused("rope_scaling.use_fope")
+    return a.named("MRotaryEmbedding" if "mrope_section" in a.rope else "RotaryEmbedding")
+
+
+def _llama3_module(a: _Arguments) -> Any:
+    return a.named(
+        "Llama3RotaryEmbedding",
+        scaling_factor=a.factor,
+        low_freq_factor=float(a.rope.get("low_freq_factor", 1.0)),
+        high_freq_factor=float(a.rope.get("high_freq_factor", 4.0)),
+        orig_max_position=a.original,
+    )
+
+
+def _linear_module(a: _Arguments) -> Any:
+    listed = list(a.factors) if isinstance(a.factors, list | tuple) else [a.factors]
+    return a.named("LinearScalingRotaryEmbedding", scaling_factors=listed)
+
+
+def _dynamic_module(a: _Arguments) -> Any:
+    if "alpha" in a.rope:
+        return a.named("DynamicNTKAlphaRotaryEmbedding", scaling_alpha=float(a.rope["alpha"]))
+    return a.named("DynamicNTKScalingRotaryEmbedding", scaling_factor=a.factor)
+
+
+def _yarn_module(a: _Arguments, cls: str, ratio: float) -> Any:
+    return a.named(
+        cls,
+        **a.yarn,
+        scaling_factor=a.factor,
+        max_position_embeddings=a.original,
+        mscale=float(ratio * a.yarn["attn_factor"]),
+    )
+
+
+def _mscale_ratio(a: _Arguments, mscale: float, mscale_all_dim: float) -> float:
+    return _caches.yarn_mscale(a.factor, mscale) / _caches.yarn_mscale(a.factor, mscale_all_dim)
+
+
+def _yarn_scaling_module(a: _Arguments) -> Any:
+    rope = a.rope
+    if "mrope_section" in rope:
+        return _yarn_module(a, "YaRNScalingMRotaryEmbedding", _caches.yarn_mscale(a.factor))
+    if rope.get("mscale") is not None and rope.get("mscale_all_dim") is not None:
+        ratio = _mscale_ratio(a, float(rope["mscale"]), float(rope["mscale_all_dim"]))
+        return _yarn_module(a, "YaRNScalingRotaryEmbedding", ratio)
+    return _yarn_module(a, "YaRNScalingRotaryEmbedding", _caches.yarn_mscale(a.factor))
+
+
+def _deepseek_module(a: _Arguments) -> Any:
+    ratio = _mscale_ratio(a, float(a.rope.get("mscale", 1)), float(a.rope.get("mscale_all_dim", 0)))
+    return _yarn_module(a, "DeepseekScalingRotaryEmbedding", ratio)
+
+
+def _longrope_module(a: _Arguments) -> Any:
+    scale = int(a.attributes["max_position_embeddings"]) / a.original
+    derived = 1.0 if scale <= 1 else math.sqrt(1 + math.log(scale) / math.log(a.original))
+    return a.named(
+        "Phi3LongRoPEScaledRotaryEmbedding",
+        original_max_position_embeddings=a.original,
+        short_factor=list(a.rope["short_factor"]),
+        long_factor=list(a.rope["long_factor"]),
+        short_mscale=a.rope.get("short_mscale", derived),
+        long_mscale=a.rope.get("long_mscale", derived),
+    )
+
+
+def _proportional_module(a: _Arguments) -> Any:
+    rotary_dim, head_size = a.attributes["rotary_dim"], a.attributes["head_size"]
+    return a.named("Gemma4RotaryEmbedding", rope_angles=rotary_dim // 2, rotary_dim=head_size)
+
+
+# The module get_rope builds for each rope type it is given.
+_MODULES: Final[Mapping[str, Callable[[_Arguments], Any]]] = {
+    "default": _default_module,
+    "llama3": _llama3_module,
+    "linear": _linear_module,
+    "dynamic": _dynamic_module,
+    "yarn": _yarn_scaling_module,
+    "deepseek_yarn": _deepseek_module,
+    "longrope": _longrope_module,
+    "proportional": _proportional_module,
+}
 
 
 def _module_of(
@@ -310,101 +446,34 @@ def _module_of(
     its classes set them (a stand-in with the class's name, for :func:`_plans`)."""
     if partial_rotary_factor < 1.0:
         rotary_dim = int(rotary_dim * partial_rotary_factor)
-    m = SimpleNamespace(
-        head_size=head_size, rotary_dim=rotary_dim, max_position_embeddings=max_position, base=base
-    )
-
-    def named(kind: str, **attributes: Any) -> Any:
-        m.__dict__.update(attributes)
-        return type(kind, (SimpleNamespace,), {})(**vars(m))
-
+    attributes = {
+        "head_size": head_size,
+        "rotary_dim": rotary_dim,
+        "max_position_embeddings": max_position,
+        "base": base,
+    }
     if rope_scaling is None:
-        return named("RotaryEmbedding")
+        return _Arguments(attributes, {}, max_position, 1.0, 1.0, {}).named("RotaryEmbedding")
     rope = dict(rope_scaling)
     kind = _scaling_name(rope)
-    extra = {
+    yarn = {
         "extrapolation_factor": rope.get("extrapolation_factor", 1),
         "attn_factor": float(rope.get("attn_factor", 1)),
         "beta_fast": rope.get("beta_fast", 32),
         "beta_slow": rope.get("beta_slow", 1),
+        "truncate": rope.get("truncate", True),
     }
     original = int(rope.get("original_max_position_embeddings", max_position))
-    factors = rope.get("factor", 1.0)  # a list for linear (one cache per factor)
+    factors = rope.get("factor", 1.0)
     factor = float(factors) if not isinstance(factors, list | tuple) else 1.0
+    a = _Arguments(attributes, rope, original, factors, factor, yarn)
     if "mrope_section" in rope and rope.get("video_rope") and kind in ("default", "yarn"):
-        # BailingMRotaryEmbedding: from -max_position, max_position + original * factor rows.
-        mscale = _mscale(factor) * extra["attn_factor"] if factor > 1 else 1.0
-        return named(
-            "BailingMRotaryEmbedding",
-            **extra,
-            truncate=rope.get("truncate", True),
-            scaling_factor=factor,
-            original_max_position_embeddings=original,
-            mscale=mscale,
-            position_start=-max_position,
-            max_position_embeddings=max_position + int(original * factor),
-        )
-    if kind == "default":
-        if rope.get("use_fope"):
-            raise violation(
-                "rope_scaling.use_fope",
-                "FourierRotaryEmbedding's cache mixes the model's learned coefficients: build "
-                "it from the loaded module, cos_sin_cache_of(client, module)",
-            )
-        return named("MRotaryEmbedding" if "mrope_section" in rope else "RotaryEmbedding")
-    if kind == "llama3":
-        return named(
-            "Llama3RotaryEmbedding",
-            scaling_factor=factor,
-            low_freq_factor=float(rope.get("low_freq_factor", 1.0)),
-            high_freq_factor=float(rope.get("high_freq_factor", 4.0)),
-            orig_max_position=original,
-        )
-    if kind == "linear":
-        listed = list(factors) if isinstance(factors, list | tuple) else [factors]
-        return named("LinearScalingRotaryEmbedding", scaling_factors=listed)
-    if kind == "dynamic":
-        if "alpha" in rope:
-            return named("DynamicNTKAlphaRotaryEmbedding", scaling_alpha=float(rope["alpha"]))
-        return named("DynamicNTKScalingRotaryEmbedding", scaling_factor=factor)
-    if kind in ("yarn", "deepseek_yarn"):
-        if kind == "deepseek_yarn":
-            ratio = _mscale(factor, float(rope.get("mscale", 1))) / _mscale(
-                factor, float(rope.get("mscale_all_dim", 0))
-            )
-            cls = "DeepseekScalingRotaryEmbedding"
-        elif "mrope_section" in rope:
-            ratio, cls = _mscale(factor), "YaRNScalingMRotaryEmbedding"
-        elif rope.get("mscale") is not None and rope.get("mscale_all_dim") is not None:
-            ratio = _mscale(factor, float(rope["mscale"])) / _mscale(
-                factor, float(rope["mscale_all_dim"])
-            )
-            cls = "YaRNScalingRotaryEmbedding"
-        else:
-            ratio, cls = _mscale(factor), "YaRNScalingRotaryEmbedding"
-        return named(
-            cls,
-            **extra,
-            truncate=rope.get("truncate", True),
-            scaling_factor=factor,
-            max_position_embeddings=original,
-            mscale=float(ratio * extra["attn_factor"]),
-        )
-    if kind == "longrope":
-        scale = max_position / original
-        derived = 1.0 if scale <= 1 else math.sqrt(1 + math.log(scale) / math.log(original))
-        return named(
-            "Phi3LongRoPEScaledRotaryEmbedding",
-            original_max_position_embeddings=original,
-            short_factor=list(rope["short_factor"]),
-            long_factor=list(rope["long_factor"]),
-            short_mscale=rope.get("short_mscale", derived),
-            long_mscale=rope.get("long_mscale", derived),
-        )
-    if kind == "proportional":
-        return named("Gemma4RotaryEmbedding", rope_angles=rotary_dim // 2, rotary_dim=head_size)
-    served = "default, llama3, linear, dynamic, yarn, deepseek_yarn, longrope, proportional"
-    raise violation("rope_scaling.rope_type", f"{kind!r} is not served (served: {served})")
+        return _bailing_module(a)
+    build = _MODULES.get(kind)
+    if build is None:
+        served = ", ".join(_MODULES)
+        raise violation("rope_scaling.rope_type", f"{kind!r} is not served (served: {served})")
+    return build(a)
 
 
 def cos_sin_cache(

@@ -36,8 +36,8 @@ inherits a served class's cache methods is served as that class.
 from __future__ import annotations
 
 import logging
-import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any, Final
 
 import grpc
@@ -49,8 +49,6 @@ from posenc.integrations._caches import (
     Plan,
     Run,
     UntestedReleaseWarning,
-    dual_chunk_caches,
-    fope_cache,
     llama4_vision_cache,
     rotary,
     violation,
@@ -112,11 +110,8 @@ def _deepseek_attention(factor: float, mscale: float, mscale_all_dim: float) -> 
     when both are non-zero (the same real number), else vLLM's value in double."""
     if mscale and mscale_all_dim:
         return {"mscale": mscale, "mscale_all_dim": mscale_all_dim}
-
-    def weighted(weight: float) -> float:
-        return 1.0 if factor <= 1 else 0.1 * weight * math.log(factor) + 1.0
-
-    return {"attention_factor": weighted(mscale) / weighted(mscale_all_dim)}
+    ratio = _caches.yarn_mscale(factor, mscale) / _caches.yarn_mscale(factor, mscale_all_dim)
+    return {"attention_factor": ratio}
 
 
 def _ntk_spec(dim: int, theta: float, factor: float, mixed_b: Any) -> posenc.Spec:
@@ -130,6 +125,152 @@ def _ntk_spec(dim: int, theta: float, factor: float, mixed_b: Any) -> posenc.Spe
             "served (cos_sin_cache_of(client, module))",
         )
     return rotary(dim, theta * factor, scaling="linear", factor=factor ** (2 / dim))
+
+
+@dataclass(frozen=True)
+class _Call:
+    """The ``get_rope`` arguments one rope type's plan reads."""
+
+    rope: Mapping[str, Any]
+    head_size: int
+    max_position: int
+    dim: int
+    theta: float
+    mrope: bool
+    # get_rope's mrope_positions_factor with mrope_section (M-RoPE), else 1.
+    positions_factor: int
+
+    def one(self, rows: int, spec: posenc.Spec | None = None, kept: int | None = None) -> Plan:
+        """A cache of one table (the default one unless ``spec``), ``rows`` long."""
+        return Plan((Run(spec or rotary(self.dim, self.theta), rows),), kept)
+
+
+def _default(c: _Call) -> Plan:
+    if c.rope.get("use_fope") and not c.mrope:
+        raise _caches.fope_refused("rope_parameters.use_fope")
+    # MRotaryEmbedding's cache is the plain one, over max_position * positions_factor.
+    return c.one(c.max_position * c.positions_factor)
+
+
+def _bailing_mrope(c: _Call) -> Plan:
+    # Its MRotaryEmbedding subclass keeps its default positions factor, 4.
+    return c.one(c.max_position * 4)
+
+
+def _openpangu(c: _Call) -> Plan:
+    if not (c.mrope and c.rope.get("mrope_interleaved")):
+        raise violation("rope_parameters", "openpangu needs mrope_section, interleaved")
+    return _bailing_mrope(c)
+
+
+def _proportional(c: _Call) -> Plan:
+    # Gemma 4: the frequencies of the whole head, zero past rotary_dim / 2.
+    return c.one(c.max_position, rotary(c.head_size, c.theta), c.dim // 2)
+
+
+def _linear(c: _Call) -> Plan:
+    factors = c.rope["factor"]
+    listed: Sequence[float] = factors if isinstance(factors, Sequence) else [factors]
+    return Plan(
+        tuple(
+            Run(
+                rotary(c.dim, c.theta, scaling="linear", factor=float(f)),
+                rows_of(c.max_position * f),
+            )
+            for f in listed
+        )
+    )
+
+
+def _ntk(c: _Call) -> Plan:
+    spec = _ntk_spec(c.dim, c.theta, float(c.rope["factor"]), c.rope.get("mixed_b"))
+    return c.one(c.max_position, spec)
+
+
+def _dynamic(c: _Call) -> Plan:
+    # The base once at start-up, as the class computes it (in double), then a plain table of
+    # max_position rows.
+    rope = c.rope
+    if "alpha" in rope:
+        return c.one(
+            c.max_position,
+            rotary(c.dim, _caches.ntk_alpha_base(c.dim, c.theta, float(rope["alpha"]))),
+        )
+    if "factor" in rope:
+        f = float(rope["factor"])
+        trained = int(rope.get("max_trained_positions", c.max_position))
+        base = _caches.ntk_base(c.dim, c.theta, f, c.max_position, trained)
+        return c.one(c.max_position, rotary(c.dim, base))
+    raise violation("rope_parameters", "dynamic scaling needs 'alpha' or 'factor'")
+
+
+def _llama3(c: _Call) -> Plan:
+    rope = c.rope
+    spec = _caches.llama3(
+        c.dim,
+        c.theta,
+        factor=float(rope["factor"]),
+        original=int(rope["original_max_position_embeddings"]),
+        low=float(rope["low_freq_factor"]),
+        high=float(rope["high_freq_factor"]),
+    )
+    return c.one(c.max_position, spec)
+
+
+def _yarn(c: _Call) -> Plan:
+    # With mrope_section, MRotaryEmbedding: YaRN over original * positions_factor.
+    rope = c.rope
+    original = int(rope["original_max_position_embeddings"]) * c.positions_factor
+    f = float(rope["factor"])
+    fields = _yarn_fields(rope, f, original)
+    if rope.get("attention_factor") is None and rope.get("mscale") and rope.get("mscale_all_dim"):
+        # vLLM takes the mscale ratio only when both are set and non-zero.
+        fields["mscale"] = float(rope["mscale"])
+        fields["mscale_all_dim"] = float(rope["mscale_all_dim"])
+    return c.one(rows_of(original * f), rotary(c.dim, c.theta, scaling="yarn", **fields))
+
+
+def _deepseek(c: _Call) -> Plan:
+    # DeepseekScalingRotaryEmbedding (and the V4 class): YaRN's frequencies over the original
+    # length, truncated range, the mscale ratio as the scale.
+    rope = c.rope
+    original = int(rope["original_max_position_embeddings"])
+    f = float(rope["factor"])
+    fields = {k: v for k, v in _yarn_fields(rope, f, original).items() if k != "truncate"}
+    if "attention_factor" not in fields:
+        fields.update(
+            _deepseek_attention(
+                f, float(rope.get("mscale", 1)), float(rope.get("mscale_all_dim", 0))
+            )
+        )
+    return c.one(rows_of(original * f), rotary(c.dim, c.theta, scaling="yarn", **fields))
+
+
+def _longrope(c: _Call) -> Plan:
+    rope = c.rope
+    original = int(rope["original_max_position_embeddings"])
+    # vLLM derives the scale from max_position / original, whatever rope["factor"] says.
+    factors = list(rope["short_factor"]), list(rope["long_factor"])
+    short, long = rope.get("short_mscale"), rope.get("long_mscale")
+    mscales = None if short is None else float(short), None if long is None else float(long)
+    return Plan(_caches.longrope_runs(c.dim, c.theta, original, c.max_position, factors, mscales))
+
+
+# One plan per rope type get_rope builds a cache of a concatenation of tables for.
+_PLANS: Final[Mapping[str, Callable[[_Call], Plan]]] = {
+    "default": _default,
+    "linear": _linear,
+    "dynamic": _dynamic,
+    "yarn": _yarn,
+    "deepseek_yarn": _deepseek,
+    "deepseek_llama_scaling": _deepseek,
+    "ntk": _ntk,
+    "proportional": _proportional,
+    "llama3": _llama3,
+    "longrope": _longrope,
+    "bailing_mrope": _bailing_mrope,
+    "openpangu": _openpangu,
+}
 
 
 def _plan(
@@ -156,121 +297,13 @@ def _plan(
     kind = str(rope.get("rope_type", "default"))
     theta = float(rope["rope_theta"])
     dim = _rotary_dim(head_size, rope)
-
-    def one(rows: int, spec: posenc.Spec | None = None, kept: int | None = None) -> Plan:
-        return Plan((Run(spec or rotary(dim, theta), rows),), kept)
-
+    plan = _PLANS.get(kind)
+    if plan is None:
+        served = ", ".join([*_PLANS, "mllama4"])
+        raise violation("rope_parameters.rope_type", f"{kind!r} is not served (served: {served})")
     mrope = "mrope_section" in rope
-    if kind == "default" and rope.get("use_fope") and not mrope:
-        raise violation(
-            "rope_parameters.use_fope",
-            "FourierRotaryEmbedding's cache mixes the model's learned coefficients: build "
-            "it from the loaded module, cos_sin_cache_of(client, module)",
-        )
-    if kind == "default":
-        # MRotaryEmbedding's cache is the plain one, over max_position * positions_factor.
-        return one(max_position * (mrope_positions_factor if mrope else 1))
-    if kind in ("bailing_mrope", "openpangu"):
-        # Their MRotaryEmbedding subclasses keep its default positions factor, 4.
-        if kind == "openpangu" and not (mrope and rope.get("mrope_interleaved")):
-            raise violation("rope_parameters", "openpangu needs mrope_section, interleaved")
-        return one(max_position * 4)
-    if kind == "proportional":
-        # Gemma 4: the frequencies of the whole head, zero past rotary_dim / 2.
-        return one(max_position, rotary(head_size, theta), dim // 2)
-    if kind == "linear":
-        factors = rope["factor"]
-        listed: Sequence[float] = factors if isinstance(factors, Sequence) else [factors]
-        return Plan(
-            tuple(
-                Run(
-                    rotary(dim, theta, scaling="linear", factor=float(f)),
-                    rows_of(max_position * f),
-                )
-                for f in listed
-            )
-        )
-    if kind == "ntk":
-        return one(max_position, _ntk_spec(dim, theta, float(rope["factor"]), rope.get("mixed_b")))
-    if kind == "dynamic":
-        # The base once at start-up, as the class computes it (in double), then a plain table
-        # of max_position rows.
-        exponent = dim / (dim - 2)
-        if "alpha" in rope:
-            return one(max_position, rotary(dim, theta * float(rope["alpha"]) ** exponent))
-        if "factor" in rope:
-            f = float(rope["factor"])
-            trained = int(rope.get("max_trained_positions", max_position))
-            base = theta * ((f * max_position / trained) - (f - 1)) ** exponent
-            return one(max_position, rotary(dim, base))
-        raise violation("rope_parameters", "dynamic scaling needs 'alpha' or 'factor'")
-    if kind == "llama3":
-        return one(
-            max_position,
-            rotary(
-                dim,
-                theta,
-                scaling="llama3",
-                factor=float(rope["factor"]),
-                original_max_position_embeddings=int(rope["original_max_position_embeddings"]),
-                low_freq_factor=float(rope["low_freq_factor"]),
-                high_freq_factor=float(rope["high_freq_factor"]),
-            ),
-        )
-    if kind == "yarn":
-        # With mrope_section, MRotaryEmbedding: YaRN over original * positions_factor.
-        original = int(rope["original_max_position_embeddings"])
-        original *= mrope_positions_factor if mrope else 1
-        f = float(rope["factor"])
-        fields = _yarn_fields(rope, f, original)
-        if (
-            rope.get("attention_factor") is None
-            and rope.get("mscale")
-            and rope.get("mscale_all_dim")
-        ):
-            # vLLM takes the mscale ratio only when both are set and non-zero.
-            fields["mscale"] = float(rope["mscale"])
-            fields["mscale_all_dim"] = float(rope["mscale_all_dim"])
-        return one(rows_of(original * f), rotary(dim, theta, scaling="yarn", **fields))
-    if kind in ("deepseek_yarn", "deepseek_llama_scaling"):
-        # DeepseekScalingRotaryEmbedding (and the V4 class): YaRN's frequencies over the
-        # original length, truncated range, the mscale ratio as the scale.
-        original = int(rope["original_max_position_embeddings"])
-        f = float(rope["factor"])
-        fields = {k: v for k, v in _yarn_fields(rope, f, original).items() if k != "truncate"}
-        if "attention_factor" not in fields:
-            fields.update(
-                _deepseek_attention(
-                    f, float(rope.get("mscale", 1)), float(rope.get("mscale_all_dim", 0))
-                )
-            )
-        return one(rows_of(original * f), rotary(dim, theta, scaling="yarn", **fields))
-    if kind == "longrope":
-        original = int(rope["original_max_position_embeddings"])
-        common: dict[str, Any] = {
-            "scaling": "longrope",
-            "original_max_position_embeddings": original,
-            # vLLM derives the scale from max_position / original, whatever rope["factor"] says.
-            "max_position_embeddings": max_position,
-            "short_factor": list(rope["short_factor"]),
-            "long_factor": list(rope["long_factor"]),
-        }
-        short, long = dict(common), dict(common, seq_len=original + 1)
-        if rope.get("short_mscale") is not None:
-            short["attention_factor"] = float(rope["short_mscale"])
-        if rope.get("long_mscale") is not None:
-            long["attention_factor"] = float(rope["long_mscale"])
-        return Plan(
-            (
-                Run(rotary(dim, theta, **short), original),
-                Run(rotary(dim, theta, **long), max_position),
-            )
-        )
-    served = (
-        "default, linear, dynamic, yarn, deepseek_yarn, deepseek_llama_scaling, ntk, "
-        "proportional, llama3, longrope, bailing_mrope, openpangu, mllama4"
-    )
-    raise violation("rope_parameters.rope_type", f"{kind!r} is not served (served: {served})")
+    factor = mrope_positions_factor if mrope else 1
+    return plan(_Call(rope, head_size, max_position, dim, theta, mrope, factor))
 
 
 def specs(
@@ -341,15 +374,87 @@ def _kind(rotary_emb: torch.nn.Module) -> str:
 
 
 def _served(rotary_emb: torch.nn.Module) -> str | None:
-    kind = _kind(rotary_emb)
-    if type(rotary_emb).__module__.startswith("sglang."):
-        # The engines share class names, not attributes or row counts.
-        return f"{kind} is SGLang's class: install it with posenc.integrations.sglang"
-    if kind in _SERVED_CLASSES:
-        return None
-    return (
-        f"{kind} is not a rotary class posenc serves (served: {', '.join(sorted(_SERVED_CLASSES))})"
+    """None for a module posenc serves, else why not."""
+    return _caches.served_reason(
+        rotary_emb, _kind(rotary_emb), _SERVED_CLASSES, ("SGLang", "sglang")
     )
+
+
+def _yarn_arguments(m: Any, yarn: bool) -> dict[str, Any]:
+    # DeepSeek's ramp is YaRN's; only plain YaRN holds a truncate flag.
+    rope = {
+        "rope_type": "yarn" if yarn else "deepseek_yarn",
+        "factor": float(m.scaling_factor),
+        "original_max_position_embeddings": int(m.max_position_embeddings),
+        "beta_fast": m.beta_fast,
+        "beta_slow": m.beta_slow,
+        "attention_factor": float(m.mscale),
+    }
+    if yarn:
+        rope["truncate"] = bool(m.truncate)
+    return rope
+
+
+def _mrope_arguments(m: Any) -> dict[str, Any]:
+    # MRotaryEmbedding with a scaling factor is YaRN's.
+    return {} if m.scaling_factor is None else _yarn_arguments(m, True)
+
+
+def _llama3_arguments(m: Any) -> dict[str, Any]:
+    return {
+        "rope_type": "llama3",
+        "factor": float(m.scaling_factor),
+        "low_freq_factor": float(m.low_freq_factor),
+        "high_freq_factor": float(m.high_freq_factor),
+        "original_max_position_embeddings": int(m.orig_max_position),
+    }
+
+
+def _longrope_arguments(m: Any) -> dict[str, Any]:
+    return {
+        "rope_type": "longrope",
+        "original_max_position_embeddings": int(m.original_max_position_embeddings),
+        "short_factor": [float(f) for f in m.short_factor],
+        "long_factor": [float(f) for f in m.long_factor],
+        "short_mscale": float(m.short_mscale),
+        "long_mscale": float(m.long_mscale),
+    }
+
+
+# The rope_parameters beyond rope_theta of each served class whose cache get_rope arguments
+# describe (the plain classes need none).
+_ARGUMENTS: Final[Mapping[str, Callable[[Any], dict[str, Any]]]] = {
+    "MRotaryEmbedding": _mrope_arguments,
+    "YaRNScalingRotaryEmbedding": lambda m: _yarn_arguments(m, True),
+    "DeepseekScalingRotaryEmbedding": lambda m: _yarn_arguments(m, False),
+    "DeepseekV4ScalingRotaryEmbedding": lambda m: _yarn_arguments(m, False),
+    "LinearScalingRotaryEmbedding": lambda m: {
+        "rope_type": "linear",
+        "factor": [float(f) for f in m.scaling_factors],
+    },
+    "NTKScalingRotaryEmbedding": lambda m: {
+        "rope_type": "ntk",
+        "factor": float(m.scaling_factor),
+        "mixed_b": m.mixed_b,
+    },
+    # Its rotary_dim is the head's; get_rope's was twice its rope_angles.
+    "Gemma4RotaryEmbedding": lambda m: {
+        "rope_type": "proportional",
+        "rope_dim": 2 * int(m.rope_angles),
+    },
+    "Llama4VisionRotaryEmbedding": lambda m: {"rope_type": "mllama4"},
+    "DynamicNTKScalingRotaryEmbedding": lambda m: {
+        "rope_type": "dynamic",
+        "factor": float(m.scaling_factor),
+        "max_trained_positions": int(m.max_trained_positions),
+    },
+    "DynamicNTKAlphaRotaryEmbedding": lambda m: {
+        "rope_type": "dynamic",
+        "alpha": float(m.scaling_alpha),
+    },
+    "Llama3RotaryEmbedding": _llama3_arguments,
+    "Phi3LongRoPEScaledRotaryEmbedding": _longrope_arguments,
+}
 
 
 @_caches.reads_attributes
@@ -371,59 +476,10 @@ def get_rope_arguments(rotary_emb: torch.nn.Module) -> tuple[int, int, dict[str,
             "rotary_emb", reason or f"{kind}'s caches are built by caches_of(client, module)"
         )
     rows = int(m.max_position_embeddings)
-    rope: dict[str, Any] = {"rope_theta": float(m.base)}
-    yarn = kind == "YaRNScalingRotaryEmbedding" or (
-        kind == "MRotaryEmbedding" and m.scaling_factor is not None
-    )
-    deepseek = kind in ("DeepseekScalingRotaryEmbedding", "DeepseekV4ScalingRotaryEmbedding")
-    if yarn or deepseek:
-        # DeepSeek's ramp is YaRN's; only plain YaRN holds a truncate flag.
-        rope.update(
-            rope_type="yarn" if yarn else "deepseek_yarn",
-            factor=float(m.scaling_factor),
-            original_max_position_embeddings=rows,
-            beta_fast=m.beta_fast,
-            beta_slow=m.beta_slow,
-            attention_factor=float(m.mscale),
-        )
-        if yarn:
-            rope["truncate"] = bool(m.truncate)
-    elif kind == "LinearScalingRotaryEmbedding":
-        rope.update(rope_type="linear", factor=[float(f) for f in m.scaling_factors])
-    elif kind == "NTKScalingRotaryEmbedding":
-        rope.update(rope_type="ntk", factor=float(m.scaling_factor), mixed_b=m.mixed_b)
-    elif kind == "Gemma4RotaryEmbedding":
-        # Its rotary_dim is the head's; get_rope's was twice its rope_angles.
-        rope.update(rope_type="proportional", rope_dim=2 * int(m.rope_angles))
-        return int(m.head_size), rows, rope
-    elif kind == "Llama4VisionRotaryEmbedding":
-        rope.update(rope_type="mllama4")
-    elif kind == "DynamicNTKScalingRotaryEmbedding":
-        rope.update(
-            rope_type="dynamic",
-            factor=float(m.scaling_factor),
-            max_trained_positions=int(m.max_trained_positions),
-        )
-    elif kind == "DynamicNTKAlphaRotaryEmbedding":
-        rope.update(rope_type="dynamic", alpha=float(m.scaling_alpha))
-    elif kind == "Llama3RotaryEmbedding":
-        rope.update(
-            rope_type="llama3",
-            factor=float(m.scaling_factor),
-            low_freq_factor=float(m.low_freq_factor),
-            high_freq_factor=float(m.high_freq_factor),
-            original_max_position_embeddings=int(m.orig_max_position),
-        )
-    elif kind == "Phi3LongRoPEScaledRotaryEmbedding":
-        rope.update(
-            rope_type="longrope",
-            original_max_position_embeddings=int(m.original_max_position_embeddings),
-            short_factor=[float(f) for f in m.short_factor],
-            long_factor=[float(f) for f in m.long_factor],
-            short_mscale=float(m.short_mscale),
-            long_mscale=float(m.long_mscale),
-        )
-    return int(m.rotary_dim), rows, rope
+    arguments = _ARGUMENTS.get(kind)
+    rope: dict[str, Any] = {"rope_theta": float(m.base), **(arguments(m) if arguments else {})}
+    head_size = m.head_size if kind == "Gemma4RotaryEmbedding" else m.rotary_dim
+    return int(head_size), rows, rope
 
 
 def _buffer(rotary_emb: torch.nn.Module) -> tuple[str, torch.Tensor]:
@@ -496,15 +552,10 @@ def caches_of(client: posenc.Client, rotary_emb: torch.nn.Module) -> dict[str, t
     reason = _served(m)
     if reason is not None:
         raise violation("rotary_emb", reason)
-    if kind == "DualChunkRotaryEmbedding":
-        return dual_chunk_caches(client, m)
-    if kind == "FourierRotaryEmbedding":
-        return {"cos_sin_cache": fope_cache(client, m)}
+    built = _caches.built_caches(client, m, kind)
+    if built is not None:
+        return built
     name, buffer = _buffer(m)
-    if kind == "Llama4VisionRotaryEmbedding":
-        dim, patches = int(m.rotary_dim), int(m.max_position_embeddings)
-        double = buffer.dtype == torch.complex128
-        return {name: llama4_vision_cache(client, dim, patches, float(m.base), double, None)}
     if kind == "NTKScalingRotaryEmbedding" and m.mixed_b is not None:
         # Mixed NTK has no closed form: the module's own float32 frequencies, exact angles.
         dim = int(m.rotary_dim)
