@@ -225,29 +225,8 @@ class ByteBudget:
         self._waiters.append(entry)
         self._chosen = None
         self._waiting_bytes += nbytes if holding else 0
-        deadline = loop.time() + self.wait_seconds
         try:
-            while True:
-                remaining = deadline - loop.time()
-                if remaining <= 0:
-                    raise TimeoutError
-                try:
-                    # Shielded: a wait that runs out just as the bytes are granted keeps them.
-                    await asyncio.wait_for(asyncio.shield(waiter), min(remaining, self._stale_in()))
-                    return
-                except TimeoutError:
-                    if waiter.done():
-                        return  # granted (_wake took the bytes for this call)
-                # A read went stale: a waiter takes it over, the one whose connection has
-                # the fewest calls reading or waiting, the newest of those: calls that never
-                # send their request, however many queued first and however fast they come,
-                # cannot starve a call of another connection.
-                if self._next_taker() is entry and self._preempt(reservation, nbytes):
-                    self._waiters.remove(entry)
-                    self._chosen = None
-                    self._take(reservation, nbytes)
-                    waiter.set_result(None)
-                    return
+            await self._wait(entry, loop.time() + self.wait_seconds)
         except (TimeoutError, asyncio.CancelledError) as error:
             if waiter.done() and not waiter.cancelled():
                 if isinstance(error, asyncio.CancelledError):
@@ -262,6 +241,33 @@ class ByteBudget:
             raise self._refusal() from None
         finally:
             self._waiting_bytes -= nbytes if holding else 0
+
+    async def _wait(self, entry: _Waiter, deadline: float) -> None:
+        """Wait, queued as ``entry``, until its bytes are granted (by ``_wake``, or by taking
+        a stale read's room over); TimeoutError at ``deadline`` (the loop's time)."""
+        reservation, nbytes, waiter = entry
+        loop = asyncio.get_running_loop()
+        while True:
+            remaining = deadline - loop.time()
+            if remaining <= 0:
+                raise TimeoutError
+            try:
+                # Shielded: a wait that runs out just as the bytes are granted keeps them.
+                await asyncio.wait_for(asyncio.shield(waiter), min(remaining, self._stale_in()))
+                return
+            except TimeoutError:
+                if waiter.done():
+                    return  # granted (_wake took the bytes for this call)
+            # A read went stale: a waiter takes it over, the one whose connection has the
+            # fewest calls reading or waiting, the newest of those: calls that never send
+            # their request, however many queued first and however fast they come, cannot
+            # starve a call of another connection.
+            if self._next_taker() is entry and self._preempt(reservation, nbytes):
+                self._waiters.remove(entry)
+                self._chosen = None
+                self._take(reservation, nbytes)
+                waiter.set_result(None)
+                return
 
     def _next_taker(self) -> _Waiter | None:
         """The waiter that takes a stale read's room over (see ``acquire``)."""

@@ -308,16 +308,7 @@ async def _start(
     server = grpc.aio.server(
         interceptors=[_interceptor(config)], options=_server_options(config, reuse_port)
     )
-    add_to_server(servicer, server)
-    health_servicer = health.Health(
-        config.max_receive_message_bytes,
-        config.read_timeout_seconds,
-        config.admission_wait_seconds,
-    )
-    health.add_to_server(health_servicer, server)
-    reflection.enable_server_reflection(
-        (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server
-    )
+    health_servicer = _add_services(server, servicer, config)
     port, private = await _listen(server, config, health_servicer)
     await server.start()
     regions = await _serve_regions(server, config, shared)
@@ -338,6 +329,23 @@ async def _start(
     )
     running.publish_metrics()
     return running
+
+
+def _add_services(
+    server: grpc.aio.Server, servicer: PositionalEncodingServicer, config: ServerConfig
+) -> health.Health:
+    """Serve ``servicer``, health (returned) and reflection on ``server``."""
+    add_to_server(servicer, server)
+    health_servicer = health.Health(
+        config.max_receive_message_bytes,
+        config.read_timeout_seconds,
+        config.admission_wait_seconds,
+    )
+    health.add_to_server(health_servicer, server)
+    reflection.enable_server_reflection(
+        (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server
+    )
+    return health_servicer
 
 
 def _interceptor(config: ServerConfig) -> ServingInterceptor:

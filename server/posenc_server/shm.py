@@ -200,23 +200,36 @@ class SharedPool:
                 self._tables.move_to_end(key)
             lease = self._lease(session, region)
         if owner:
-            try:
-                with memoryview(self._map) as pool:
-                    fill(pool[region.offset : region.offset + nbytes])
-            except BaseException:
-                region.failed = True
-                with self._lock:
-                    self._drop(region)
-                    self._release_locked(session, lease)
-                region.ready.set()
-                raise
-            region.ready.set()
+            self._fill(region, session, lease, nbytes, fill)
         else:
             region.ready.wait()
             if region.failed:
                 self.release(token, (lease,))
                 return None
         return region.offset, lease
+
+    def _fill(
+        self,
+        region: _Region,
+        session: _Session,
+        lease: int,
+        nbytes: int,
+        fill: Callable[[memoryview], None],
+    ) -> None:
+        """Have ``fill`` write the first ``nbytes`` of the new ``region``, then mark it
+        ready; if ``fill`` raises, drop the region and ``session``'s ``lease`` of it (the
+        callers waiting on it see it failed) and raise."""
+        try:
+            with memoryview(self._map) as pool:
+                fill(pool[region.offset : region.offset + nbytes])
+        except BaseException:
+            region.failed = True
+            with self._lock:
+                self._drop(region)
+                self._release_locked(session, lease)
+            region.ready.set()
+            raise
+        region.ready.set()
 
     def _release_locked(self, session: _Session, lease: int) -> None:
         region = session.leases.pop(lease, None)

@@ -327,6 +327,17 @@ def _reserve_port(config: ServerConfig) -> socket.socket:
     return sock
 
 
+def _hold_port(config: ServerConfig) -> socket.socket | None:
+    """The socket holding the port (``_reserve_port``), once the unix socket is free too;
+    None, said on stderr, when either is taken."""
+    try:
+        check_unix_socket_free(config)
+        return _reserve_port(config)
+    except OSError as error:
+        print(f"posenc serve: cannot listen on {config.address}: {error}", file=sys.stderr)
+        return None
+
+
 def _forward_logs(worker: _Worker) -> None:
     assert worker.process.stderr is not None
     for line in worker.process.stderr:
@@ -414,8 +425,19 @@ class _Pool:
                     return 0
         return None
 
-    def replace_exited(self, stop: threading.Event) -> None:
-        """Until ``stop``, replace each worker that exits (after ``_RESTART_DELAY``)."""
+    def serve_metrics(self, stop: threading.Event) -> int:
+        """Serve the workers' summed metrics, /healthz and /livez (``serve_metrics``)."""
+        return serve_metrics(
+            self.config, lambda: self.serving(stop), self.metrics_dir.name, lambda: self.alive(stop)
+        )
+
+    def watch(self, stop: threading.Event) -> None:
+        """Until ``stop``, replace each worker that exits (after ``_RESTART_DELAY``) or that
+        the watchdog kills for failing its health checks."""
+        watchdog = threading.Thread(
+            target=_watch_health, args=(self.workers, stop), name="posenc-watchdog", daemon=True
+        )
+        watchdog.start()
         while not stop.wait(0.2):
             for position, worker in enumerate(self.workers):
                 if worker.process.poll() is not None and not stop.is_set():
@@ -445,20 +467,15 @@ def supervise(
 ) -> int:
     """Run ``config.process_count`` workers until ``stop`` is set, then drain them (at once
     when ``hurry`` is set too: a second signal)."""
-    try:
-        check_unix_socket_free(config)
-        port_holder = _reserve_port(config)
-    except OSError as error:
-        print(f"posenc serve: cannot listen on {config.address}: {error}", file=sys.stderr)
+    port_holder = _hold_port(config)
+    if port_holder is None:
         return 1
     port = int(port_holder.getsockname()[1])
     pool = _Pool(config, argv, port)
     # Metrics listen before any worker does: a busy metrics port fails the start while
     # nothing serves yet.
     try:
-        metrics_port = serve_metrics(
-            config, lambda: pool.serving(stop), pool.metrics_dir.name, lambda: pool.alive(stop)
-        )
+        metrics_port = pool.serve_metrics(stop)
     except OSError as error:
         port_holder.close()
         pool.cleanup()
@@ -471,11 +488,7 @@ def supervise(
             return failed
         fields = startup_fields(config, port, metrics_port)
         log.info("listening", extra={"fields": {**fields, "processes": config.process_count}})
-        watchdog = threading.Thread(
-            target=_watch_health, args=(pool.workers, stop), name="posenc-watchdog", daemon=True
-        )
-        watchdog.start()
-        pool.replace_exited(stop)
+        pool.watch(stop)
         log.info(
             "draining",
             extra={
