@@ -50,6 +50,13 @@ _FACTOR = Doc(
 )
 _DERIVED_FACTOR = Doc(_FACTOR.description, "max_position_embeddings / original")
 _CONFIG_LENGTH = Doc("the config's context length, only used to derive factor", "none")
+# The parameters of a scaling whose factor may be derived from the two lengths (YaRN,
+# LongRoPE: ``_check_derived_factor``).
+_DERIVED_LENGTHS = {
+    "factor": _DERIVED_FACTOR,
+    "original_max_position_embeddings": _ORIGINAL,
+    "max_position_embeddings": _CONFIG_LENGTH,
+}
 
 
 @dataclass(frozen=True)
@@ -228,9 +235,7 @@ class Yarn(Scaling):
         "YaRN: interpolation ramp between beta_fast and beta_slow, attention factor"
     )
     PARAMETERS: ClassVar = {
-        "factor": _DERIVED_FACTOR,
-        "original_max_position_embeddings": _ORIGINAL,
-        "max_position_embeddings": _CONFIG_LENGTH,
+        **_DERIVED_LENGTHS,
         "beta_fast": Doc("YaRN beta_fast, > 0", "32"),
         "beta_slow": Doc("YaRN beta_slow, > 0", "1"),
         "mscale": Doc("YaRN mscale, >= 0", "none"),
@@ -316,9 +321,7 @@ class LongRope(Scaling):
         "LongRoPE (Phi-3): short or long factors by seq_len, attention factor"
     )
     PARAMETERS: ClassVar = {
-        "factor": _DERIVED_FACTOR,
-        "original_max_position_embeddings": _ORIGINAL,
-        "max_position_embeddings": _CONFIG_LENGTH,
+        **_DERIVED_LENGTHS,
         "short_factor": Doc("rotary_dim / 2 factors, each in [2**-10, 2**64] (docs: table kinds)"),
         "long_factor": Doc("rotary_dim / 2 factors, each in [2**-10, 2**64] (docs: table kinds)"),
         "attention_factor": Doc(
