@@ -326,17 +326,19 @@ class Releases:
             return None
         return version
 
-    def warn(self, what: str) -> str | None:
-        """Warns (once per call site) when the running release is outside the window;
-        returns it, else None."""
+    def warn(self, what: str | None = None, stacklevel: int = 3) -> str | None:
+        """Warns (once per call site of the caller ``stacklevel - 2`` frames up) when the
+        running release is outside the window; returns it, else None. ``what``: the part
+        of posenc that is untested there (default the engine's integration)."""
         version = self.untested()
         if version is not None:
             warnings.warn(
-                f"{self.engine} {version} is outside the releases posenc's {what} is tested "
+                f"{self.engine} {version} is outside the releases posenc's "
+                f"{what or self.engine + ' integration'} is tested "
                 f"against ({self}); each cache is still compared with the module's own rows "
                 "when installed, and refused if one differs",
                 UntestedReleaseWarning,
-                stacklevel=3,
+                stacklevel=stacklevel,
             )
         return version
 
@@ -417,24 +419,51 @@ def check_shapes(module: torch.nn.Module, caches: Mapping[str, torch.Tensor]) ->
             )
 
 
+_Check = Callable[[str, torch.nn.Module, Mapping[str, torch.Tensor]], None]
+_Write = Callable[[torch.nn.Module, Mapping[str, torch.Tensor]], None]
+
+
+def install_checked(
+    releases: Releases,
+    rotary_emb: torch.nn.Module,
+    caches: Mapping[str, torch.Tensor],
+    *,
+    check: _Check,
+    install: _Write,
+    verify: bool,
+) -> None:
+    """Writes ``caches`` into a module with ``install`` once ``check`` (``verify``) or the
+    shapes alone accept them (an integration's ``install``)."""
+    # Outside the tested releases the check is the guard: it runs whatever verify says.
+    if verify or releases.warn(stacklevel=4) is not None:
+        check("", rotary_emb, caches)
+    else:
+        check_shapes(rotary_emb, caches)
+    install(rotary_emb, caches)
+
+
 def install_modules(
     client: posenc.Client,
     model: torch.nn.Module,
     *,
+    releases: Releases,
     build: Callable[[posenc.Client, torch.nn.Module], dict[str, torch.Tensor]],
     served: Callable[[torch.nn.Module], str | None],
-    check: Callable[[str, torch.nn.Module, Mapping[str, torch.Tensor]], None] | None,
-    install: Callable[[torch.nn.Module, Mapping[str, torch.Tensor]], None],
+    check: _Check,
+    verify: bool,
+    install: _Write,
     caches: Iterable[str],
     log: logging.Logger,
 ) -> list[str]:
-    """Installs posenc's caches into every rotary module of ``model`` it serves.
+    """Installs posenc's caches into every rotary module of ``model`` it serves (an
+    integration's ``install_model``).
 
     ``served(module)`` is None for a module posenc serves, else why not; ``build`` makes its
-    caches (buffer name -> tensor), ``check`` (unless None) refuses ones that differ from the
-    module's own, ``install`` writes them. Every cache is built and checked before any is
-    written: a refusal leaves the model as it was. Modules holding a buffer named in
-    ``caches`` that are not served are left alone and logged with the reason.
+    caches (buffer name -> tensor), ``check`` refuses ones that differ from the module's own
+    (when ``verify``, and always outside the tested ``releases``), ``install`` writes them.
+    Every cache is built and checked before any is written: a refusal leaves the model as it
+    was. Modules holding a buffer named in ``caches`` that are not served are left alone and
+    logged with the reason.
 
     Returns:
         The name of each module installed (the first, for a module shared by several).
@@ -442,6 +471,8 @@ def install_modules(
     Raises:
         posenc.InvalidArgumentError: No served rotary module, or a cache that differs.
     """
+    # Outside the tested releases the check is the guard: it runs whatever verify says.
+    verify = releases.warn(stacklevel=4) is not None or verify
     pending: list[tuple[str, torch.nn.Module, dict[str, torch.Tensor]]] = []
     left: list[tuple[str, list[torch.Tensor]]] = []
     seen: set[int] = set()
@@ -460,7 +491,7 @@ def install_modules(
                 # A class or a setting posenc has no table for: the module keeps its own.
                 reason = error.field_violations[0][1] if error.field_violations else str(error)
             else:
-                if check is not None:
+                if verify:
                     check(name, module, built)
                 pending.append((name, module, built))
                 continue

@@ -630,12 +630,14 @@ def install(
         caches = {"cos_sin_cache": cache}
     else:
         caches = dict(cache)
-    # Outside the tested releases the check is the guard: it runs whatever verify says.
-    if verify or _RELEASES.warn("SGLang integration") is not None:
-        _check("", rotary_emb, caches)
-    else:
-        _caches.check_shapes(rotary_emb, caches)
-    _write(rotary_emb, caches, client)
+    _caches.install_checked(
+        _RELEASES,
+        rotary_emb,
+        caches,
+        check=_check,
+        install=lambda module, caches: _write(module, caches, client),
+        verify=verify,
+    )
 
 
 def install_model(
@@ -657,14 +659,14 @@ def install_model(
         posenc.InvalidArgumentError: The model holds no served rotary module, or
             (``verify``) a cache differs from a module's own.
     """
-    # Outside the tested releases the check is the guard: it runs whatever verify says.
-    verify = _RELEASES.warn("SGLang integration") is not None or verify
     return _caches.install_modules(
         client,
         model,
+        releases=_RELEASES,
         build=caches_of,
         served=_served,
-        check=_check if verify else None,
+        check=_check,
+        verify=verify,
         install=lambda module, caches: _write(module, caches, client),
         caches=("cos_sin_cache", *_PHI3_BUFFERS, "cos_sin_q_cache"),
         log=_log,

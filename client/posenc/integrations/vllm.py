@@ -654,12 +654,9 @@ def install(
             table: one line naming the module, the buffer and the row that differs.
     """
     caches = {_buffer(rotary_emb)[0]: cache} if isinstance(cache, torch.Tensor) else dict(cache)
-    # Outside the tested releases the check is the guard: it runs whatever verify says.
-    if verify or _RELEASES.warn("vLLM integration") is not None:
-        _check("", rotary_emb, caches)
-    else:
-        _caches.check_shapes(rotary_emb, caches)
-    _write(rotary_emb, caches)
+    _caches.install_checked(
+        _RELEASES, rotary_emb, caches, check=_check, install=_write, verify=verify
+    )
 
 
 def install_model(
@@ -681,14 +678,14 @@ def install_model(
         posenc.InvalidArgumentError: The model holds no served rotary module, or
             (``verify``) a cache differs from a module's own.
     """
-    # Outside the tested releases the check is the guard: it runs whatever verify says.
-    verify = _RELEASES.warn("vLLM integration") is not None or verify
     return _caches.install_modules(
         client,
         model,
+        releases=_RELEASES,
         build=caches_of,
         served=_served,
-        check=_check if verify else None,
+        check=_check,
+        verify=verify,
         install=_write,
         caches=("cos_sin_cache", "long_short_cos_sin_cache", "cos_sin_q_cache"),
         log=_log,
