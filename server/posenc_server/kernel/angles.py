@@ -52,35 +52,9 @@ def angles_into(
     2**-53 (the steps: ``engine``'s docstring)."""
     for r in range(positions.size):
         position = float(positions[r])
-        pos_high, pos_low = _split(position)
         for i in range(freq_hi.size):
-            frequency = freq_hi[i]
-            freq_high, freq_low = _split(frequency)
-            # Exact two-product position * freq_hi = product + product_error (Dekker).
-            product = position * frequency
-            product_error = pos_high * freq_high - product
-            product_error += pos_high * freq_low
-            product_error += pos_low * freq_high
-            product_error += pos_low * freq_low
-            # Dropping whole turns is exact; what is left lies in [-0.5, 0.5].
-            turns = product - np.rint(product)
-            correction = product_error + position * freq_lo[i]
-            # Two-sum: turns + correction == turns_hi + turns_lo exactly.
-            turns_hi = turns + correction
-            virtual = turns_hi - turns
-            turns_lo = (turns - (turns_hi - virtual)) + (correction - virtual)
-            # Less the nearest quarter turn (exact: both are multiples of turns_hi's ulp),
-            # within [-1/8, 1/8] turn.
-            quarter = np.rint(turns_hi * 4.0)
-            turns_hi -= quarter * 0.25
-            # angle = (turns_hi + turns_lo) * 2pi as double-double, in [-pi/4, pi/4].
-            angle = turns_hi * _TWO_PI_HI
-            high, low = _split(turns_hi)
-            angle_lo = high * _TWO_PI_SPLIT[0] - angle
-            angle_lo += high * _TWO_PI_SPLIT[1]
-            angle_lo += low * _TWO_PI_SPLIT[0]
-            angle_lo += low * _TWO_PI_SPLIT[1]
-            angle_lo += turns_hi * _TWO_PI_LO + turns_lo * _TWO_PI_HI
+            turns_hi, turns_lo, quarter = _turns(position, freq_hi[i], freq_lo[i])
+            angle, angle_lo = _angle(turns_hi, turns_lo)
             sin, cos = _sin_cos_small(angle)
             # First-order correction for the low part of the angle (|angle_lo| < 2**-50).
             sin_exact = sin + cos * angle_lo
@@ -95,6 +69,47 @@ def angles_into(
             cos *= float(1 - 2 * ((q ^ (q >> 1)) & 1))
             out[r, 0, i] = sin
             out[r, 1, i] = cos
+
+
+@numba.njit(inline="always")
+def _turns(position: float, frequency: float, frequency_lo: float) -> tuple[float, float, float]:
+    """``position * (frequency + frequency_lo)`` in turns, less whole turns and the nearest
+    quarter turn: a double-double ``(turns_hi, turns_lo)`` within [-1/8, 1/8] turn, and
+    that quarter turn."""
+    pos_high, pos_low = _split(position)
+    freq_high, freq_low = _split(frequency)
+    # Exact two-product position * frequency = product + product_error (Dekker).
+    product = position * frequency
+    product_error = pos_high * freq_high - product
+    product_error += pos_high * freq_low
+    product_error += pos_low * freq_high
+    product_error += pos_low * freq_low
+    # Dropping whole turns is exact; what is left lies in [-0.5, 0.5].
+    turns = product - np.rint(product)
+    correction = product_error + position * frequency_lo
+    # Two-sum: turns + correction == turns_hi + turns_lo exactly.
+    turns_hi = turns + correction
+    virtual = turns_hi - turns
+    turns_lo = (turns - (turns_hi - virtual)) + (correction - virtual)
+    # Less the nearest quarter turn (exact: both are multiples of turns_hi's ulp), within
+    # [-1/8, 1/8] turn.
+    quarter = np.rint(turns_hi * 4.0)
+    turns_hi -= quarter * 0.25
+    return turns_hi, turns_lo, quarter
+
+
+@numba.njit(inline="always")
+def _angle(turns_hi: float, turns_lo: float) -> tuple[float, float]:
+    """``(turns_hi + turns_lo) * 2pi`` as a double-double ``(angle, angle_lo)``, in
+    [-pi/4, pi/4] for turns within [-1/8, 1/8]."""
+    angle = turns_hi * _TWO_PI_HI
+    high, low = _split(turns_hi)
+    angle_lo = high * _TWO_PI_SPLIT[0] - angle
+    angle_lo += high * _TWO_PI_SPLIT[1]
+    angle_lo += low * _TWO_PI_SPLIT[0]
+    angle_lo += low * _TWO_PI_SPLIT[1]
+    angle_lo += turns_hi * _TWO_PI_LO + turns_lo * _TWO_PI_HI
+    return angle, angle_lo
 
 
 @numba.njit(inline="always")
