@@ -141,6 +141,20 @@ def _new_figure() -> Figure:
     return Figure(figsize=SIZE, dpi=DPI, layout="constrained")
 
 
+def _labelled(
+    ax: Any, x: str, y: str, title: str, *, legend_size: int = 8, columns: int = 1
+) -> Figure:
+    """The axes' labels, title, grid and legend, as every line figure here sets them; the
+    axes' figure."""
+    ax.set_xlabel(x)
+    ax.set_ylabel(y)
+    ax.set_title(title, fontsize=10)
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=legend_size, ncol=columns)
+    figure: Figure = ax.figure
+    return figure
+
+
 # -- precision drift ---------------------------------------------------------------------
 
 
@@ -338,12 +352,9 @@ def draw_drift(data: Drift) -> Figure:
     if data.dtype == "float32":
         ax.axhline(2.0**-24, color="grey", ls=":", lw=1, label="1 ulp of float32 in [0.5, 1)")
     ax.set_xscale("log", base=2)
-    ax.set_xlabel("position")
-    ax.set_ylabel("largest |value - exact| in the row")
-    ax.set_title(f"Precision drift: {data.title}", fontsize=10)
-    ax.grid(True, which="major", alpha=0.3)
-    ax.legend(fontsize=8)
-    return fig
+    return _labelled(
+        ax, "position", "largest |value - exact| in the row", f"Precision drift: {data.title}"
+    )
 
 
 # -- rotary scaling ----------------------------------------------------------------------
@@ -605,16 +616,13 @@ def draw_rotation(data: Rotation) -> Figure:
         )
     ax.axhline(2.0**-50, color="grey", ls=":", lw=1, label="2^-50 (float64 contract)")
     ax.set_xscale("log", base=2)
-    ax.set_xlabel("position p")
-    ax.set_ylabel("max |PE(p+k) - R(k) PE(p)|")
-    ax.set_title(
+    title = (
         f"Relative positions are rotations: d_model {data.d_model}, base {data.base:g}, "
-        f"R(k) from the row at k (0 drawn at {_FLOOR:g})",
-        fontsize=10,
+        f"R(k) from the row at k (0 drawn at {_FLOOR:g})"
     )
-    ax.grid(True, alpha=0.3)
-    ax.legend(fontsize=7, ncol=2)
-    return fig
+    return _labelled(
+        ax, "position p", "max |PE(p+k) - R(k) PE(p)|", title, legend_size=7, columns=2
+    )
 
 
 @dataclass(frozen=True)
@@ -654,14 +662,8 @@ def draw_similarity(data: Similarity) -> Figure:
     for base, values in data.similarity.items():
         ax.semilogx(data.shifts, values, lw=1, label=f"base {base:g}")
     ax.axhline(0, color="grey", lw=0.8)
-    ax.set_xlabel("distance k")
-    ax.set_ylabel("cos similarity of PE(p) and PE(p+k)")
-    ax.set_title(
-        f"Similarity decays with distance: d_model {data.d_model}, p = {data.start}", fontsize=10
-    )
-    ax.grid(True, alpha=0.3)
-    ax.legend(fontsize=8)
-    return fig
+    title = f"Similarity decays with distance: d_model {data.d_model}, p = {data.start}"
+    return _labelled(ax, "distance k", "cos similarity of PE(p) and PE(p+k)", title)
 
 
 @dataclass(frozen=True)
@@ -691,14 +693,8 @@ def draw_wavelengths(data: Wavelengths) -> Figure:
         )
         ax.axhline(2 * math.pi * base, color=f"C{index}", ls=":", lw=1)
     ax.axhline(2 * math.pi, color="grey", ls=":", lw=1, label="2 pi and 2 pi base (dotted)")
-    ax.set_xlabel("pair i (columns 2i, 2i+1)")
-    ax.set_ylabel("wavelength (positions)")
-    ax.set_title(
-        f"The base trade-off: wavelength per dimension, d_model {data.d_model}", fontsize=10
-    )
-    ax.grid(True, alpha=0.3)
-    ax.legend(fontsize=8)
-    return fig
+    title = f"The base trade-off: wavelength per dimension, d_model {data.d_model}"
+    return _labelled(ax, "pair i (columns 2i, 2i+1)", "wavelength (positions)", title)
 
 
 @dataclass(frozen=True)
@@ -834,18 +830,13 @@ def draw_grid_drift(data: GridDrift) -> Figure:
     ax.semilogy(data.sides, np.maximum(data.posenc, _FLOOR), "o-", ms=3, label="posenc float32")
     ax.axhline(2.0**-24, color="grey", ls=":", lw=1, label="1 ulp of float32 in [0.5, 1)")
     ax.set_xscale("log", base=2)
-    ax.set_xlabel("grid side (patches)")
-    ax.set_ylabel("largest |value - exact| in the grid")
     parameters = data.spec.parameters
-    ax.set_title(
+    title = (
         f"Sin-cos grids at other sizes: embed_dim {parameters['embed_dim']}, base_size "
         f"{parameters['base_size']:g}, interpolation_scale "
-        f"{parameters.get('interpolation_scale', 1.0):g}",
-        fontsize=10,
+        f"{parameters.get('interpolation_scale', 1.0):g}"
     )
-    ax.grid(True, which="major", alpha=0.3)
-    ax.legend(fontsize=8)
-    return fig
+    return _labelled(ax, "grid side (patches)", "largest |value - exact| in the grid", title)
 
 
 # -- figures by name ---------------------------------------------------------------------
