@@ -81,12 +81,8 @@ def _copy_runs(
             target[j] = values[j]
 
 
-def _row_loops(stored: int, name: str) -> tuple[Callable[..., None], Callable[..., None]]:
-    """The loops over rows of ``rotate_into`` and ``range_into`` in the format ``stored``,
-    named after ``name`` (see ``jit.named``), helpers like the rows' own (see
-    ``jit.helper``): in a compiled entry point each view a row takes (its factors, its
-    columns) would count a reference, atomically, in and out, a fixed cost per row that
-    short rows (a rotary head's) pay in full."""
+def _row_writer(stored: int) -> Callable[[Planes, Planes, Target, int], None]:
+    """The writer of one row in the format ``stored``, inlined into its loops."""
     straight, planar = _WRITERS[stored]
 
     @numba.njit(inline="always")
@@ -101,6 +97,17 @@ def _row_loops(stored: int, name: str) -> tuple[Callable[..., None], Callable[..
         else:
             planar(factors, amplitude, scratch)
             _copy_runs(scratch, runs, out[r])
+
+    return write_row
+
+
+def _row_loops(stored: int, name: str) -> tuple[Callable[..., None], Callable[..., None]]:
+    """The loops over rows of ``rotate_into`` and ``range_into`` in the format ``stored``,
+    named after ``name`` (see ``jit.named``), helpers like the rows' own (see
+    ``jit.helper``): in a compiled entry point each view a row takes (its factors, its
+    columns) would count a reference, atomically, in and out, a fixed cost per row that
+    short rows (a rotary head's) pay in full."""
+    write_row = _row_writer(stored)
 
     def rotated(
         bases: Planes,
