@@ -407,21 +407,20 @@ class _TableBase(Generic[ClientT]):
     """What both tables share: construction and the read-only accessors (arguments as
     described in :class:`GrowingTable`)."""
 
-    def __init__(
-        self,
-        client: ClientT,
-        table: Table,
-        *,
-        dtype: DTypeArg = "float32",
-        min_rows: int = DEFAULT_MIN_ROWS,
-        max_bytes: int = DEFAULT_MAX_BYTES,
-        max_step_bytes: int = DEFAULT_MAX_STEP_BYTES,
-        timeout: Timeout = DEFAULT,
-        views: bool = False,
-    ) -> None:
+    def __init__(self, client: ClientT, table: Table, **options: Unpack[TableOptions]) -> None:
+        unknown = sorted(options.keys() - TableOptions.__annotations__.keys())
+        if unknown:
+            raise TypeError(f"{type(self).__name__}() got unexpected keyword arguments {unknown}")
         self._client: ClientT = client
         self._plan = _Plan(
-            client._core, timeout, table, dtype, min_rows, max_bytes, max_step_bytes, views
+            client._core,
+            options.get("timeout", DEFAULT),
+            table,
+            options.get("dtype", "float32"),
+            options.get("min_rows", DEFAULT_MIN_ROWS),
+            options.get("max_bytes", DEFAULT_MAX_BYTES),
+            options.get("max_step_bytes", DEFAULT_MAX_STEP_BYTES),
+            options.get("views", False),
         )
 
     @property
@@ -446,6 +445,22 @@ class _TableBase(Generic[ClientT]):
 
     def __len__(self) -> int:
         return self._plan.held
+
+    def _held(self, positions: npt.ArrayLike, out: Any, device: Any, cos_sin: bool) -> Any:
+        """The rows of ``positions`` from memory, or None when the table must fetch."""
+        held = self._plan.held_view(positions, out, device, cos_sin)
+        return (
+            held if held is not None else self._plan.held_tensors(positions, out, device, cos_sin)
+        )
+
+    def _gather(
+        self, positions: npt.ArrayLike, out: Any, device: Any, cos_sin: bool
+    ) -> tuple[Any, Callable[[], Steps[Any]], bool]:
+        """The output of a fetch for ``positions``, the steps filling it and whether they
+        grow the table."""
+        output, flat = self._plan.output(positions, out, device, cos_sin)
+        grows = self._plan.grows(positions=flat)
+        return output, partial(self._plan.gather, flat, output.host, grows), grows
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.table!r}, dtype={self.dtype.name}, rows={len(self)})"
@@ -511,14 +526,10 @@ class GrowingTable(_TableBase["Client"]):
         gives a rotary table's ``(cos, sin)`` halves. A table made with ``views=True``
         returns a view of its rows where it can (see the class doc), else a copy.
         """
-        held = self._plan.held_view(positions, out, device, cos_sin)
-        if held is None:
-            held = self._plan.held_tensors(positions, out, device, cos_sin)
+        held = self._held(positions, out, device, cos_sin)
         if held is not None:
             return held
-        output, flat = self._plan.output(positions, out, device, cos_sin)
-        grows = self._plan.grows(positions=flat)
-        steps = partial(self._plan.gather, flat, output.host, grows)
+        output, steps, grows = self._gather(positions, out, device, cos_sin)
         return output.finish(self._run(steps, grows))
 
     def _run(self, plan: Callable[[], Steps[T]], grows: bool) -> T:
@@ -560,14 +571,10 @@ class AsyncGrowingTable(_TableBase["AsyncClient"]):
         cos_sin: bool = False,
     ) -> Any:
         """The rows of ``positions`` (see :meth:`GrowingTable.get`)."""
-        held = self._plan.held_view(positions, out, device, cos_sin)
-        if held is None:
-            held = self._plan.held_tensors(positions, out, device, cos_sin)
+        held = self._held(positions, out, device, cos_sin)
         if held is not None:
             return held
-        output, flat = self._plan.output(positions, out, device, cos_sin)
-        grows = self._plan.grows(positions=flat)
-        steps = partial(self._plan.gather, flat, output.host, grows)
+        output, steps, grows = self._gather(positions, out, device, cos_sin)
         return output.finish(await self._run(steps, grows))
 
     async def _run(self, plan: Callable[[], Steps[T]], grows: bool) -> T:
