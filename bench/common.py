@@ -9,8 +9,7 @@ import platform
 import statistics
 import subprocess
 import sys
-import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from importlib import metadata
 from pathlib import Path
@@ -93,13 +92,6 @@ def ratio(numerator: float, denominator: float) -> float:
 
 def mib_per_s(nbytes: float, seconds: float) -> float:
     return nbytes / MIB / seconds if seconds > 0 else float("nan")
-
-
-def timed(function: Callable[[], object]) -> float:
-    """Seconds one call of ``function`` takes (its result is dropped before returning)."""
-    start = time.perf_counter()
-    function()
-    return time.perf_counter() - start
 
 
 def runs_target(

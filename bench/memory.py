@@ -3,15 +3,13 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 import threading
 import time
 from typing import Any
 
 import posenc
-from bench.common import GIB, MIB, REPO, Section, Sizes, Table, Target, median, ratio
+from bench.common import GIB, MIB, Section, Sizes, Table, Target, median, ratio
+from bench.harness import run_python
 from bench.procs import ServerProcess
 
 STREAM_D_MODEL = 1024
@@ -20,26 +18,8 @@ STREAM_D_MODEL = 1024
 def _client(
     target: str, mode: str, start: int, rows: int, d_model: int, timeout: float
 ) -> dict[str, Any]:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
-    out = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "bench.memory_client",
-            target,
-            mode,
-            str(start),
-            str(rows),
-            str(d_model),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        cwd=REPO,
-        env=env,
-        check=False,
-    )
+    arguments = ["-m", "bench.memory_client", target, mode, str(start), str(rows), str(d_model)]
+    out = run_python(arguments, timeout, check=False)
     if out.returncode != 0:
         raise RuntimeError(f"memory client {mode} failed: {out.stderr[-2000:]}")
     result: dict[str, Any] = json.loads(out.stdout.strip().splitlines()[-1])

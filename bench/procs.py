@@ -20,6 +20,7 @@ import time
 from collections.abc import Sequence
 
 from bench.common import REPO, process_tree, tree_kib
+from bench.harness import child_env
 
 _started: list[ServerProcess] = []
 _lock = threading.Lock()
@@ -31,9 +32,7 @@ class ServerProcess:
     def __init__(self, name: str, argv: Sequence[str]) -> None:
         self.name = name
         self.argv = list(argv)
-        env = dict(os.environ)
-        # The harness runs from the checkout; `bench` must import in the children too.
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+        env = child_env()  # the harness runs from the checkout: `bench` imports in children
         self.process = subprocess.Popen(
             self.argv,
             stdin=subprocess.DEVNULL,

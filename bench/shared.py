@@ -12,8 +12,9 @@ from pathlib import Path
 
 import posenc
 from bench import procs
-from bench.common import MIB, REPO, Section, Sizes, Table, median, ratio, runs_target
+from bench.common import MIB, Section, Sizes, Table, median, ratio, runs_target
 from bench.floor import FloorClient
+from bench.harness import child_env
 
 TIMEOUT = 600.0
 # The processes holding one table, and the table: 1 GiB of float32 rows of d_model 4096.
@@ -185,7 +186,6 @@ def _holders(target: str, held_rows: int, server: list[int]) -> int:
     it."""
     # A table the server has not computed before: its memory is part of what is measured.
     code = _HOLDER.format(start=10**7, rows=held_rows, d_model=HELD_D_MODEL, target=repr(target))
-    path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
     holders: list[subprocess.Popen[str]] = []
     try:
         for _ in range(HOLDERS):
@@ -195,7 +195,7 @@ def _holders(target: str, held_rows: int, server: list[int]) -> int:
                     stdin=subprocess.PIPE,
                     stdout=subprocess.PIPE,
                     text=True,
-                    env={**os.environ, "PYTHONPATH": path},
+                    env=child_env(),
                 )
             )
         _read_all(holders, "ready")

@@ -3,9 +3,6 @@ every dtype on a freshly started server against the floor."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Sequence
@@ -15,8 +12,9 @@ import numpy as np
 
 import posenc
 from bench import procs
-from bench.common import MIB, REPO, Section, Sizes, Table, median, ratio, rotated, runs_target
+from bench.common import MIB, Section, Sizes, Table, median, ratio, rotated, runs_target
 from bench.floor import FloorClient
+from bench.harness import child_env, run_python
 
 TIMEOUT = 600.0
 DTYPES = ("float32", "bfloat16", "float16", "float64")
@@ -35,19 +33,8 @@ def _warm_up_seconds(cache_dir: str | None) -> float:
     """Seconds of the warm-up in a new process: with numba's cache as the harness finds it,
     or (``cache_dir``: an empty directory) compiling every kernel, as a new container's
     first process does."""
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
-    if cache_dir is not None:
-        env["NUMBA_CACHE_DIR"] = cache_dir
-    out = subprocess.run(
-        [sys.executable, "-c", _WARM_UP],
-        capture_output=True,
-        text=True,
-        check=True,
-        timeout=TIMEOUT,
-        cwd=REPO,
-        env=env,
-    )
+    env = child_env({"NUMBA_CACHE_DIR": cache_dir} if cache_dir is not None else None)
+    out = run_python(["-c", _WARM_UP], TIMEOUT, env)
     return float(out.stdout.strip().splitlines()[-1])
 
 
@@ -213,19 +200,11 @@ _IMPORT_RUNS = 10
 def _fresh(mode: str, *arguments: str) -> list[float]:
     """The figures a fresh client process (bench/fresh_client.py) prints. Its bytecode is
     compiled (in a cache directory of its own), as an installed package's is."""
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
-    env.pop("PYTHONDONTWRITEBYTECODE", None)
-    env["PYTHONPYCACHEPREFIX"] = str(Path(tempfile.gettempdir()) / "posenc-bench-pycache")
-    out = subprocess.run(
-        [sys.executable, "-m", "bench.fresh_client", mode, *arguments],
-        capture_output=True,
-        text=True,
-        check=True,
-        timeout=TIMEOUT,
-        cwd=REPO,
-        env=env,
+    env = child_env(
+        {"PYTHONPYCACHEPREFIX": str(Path(tempfile.gettempdir()) / "posenc-bench-pycache")},
+        drop=["PYTHONDONTWRITEBYTECODE"],
     )
+    out = run_python(["-m", "bench.fresh_client", mode, *arguments], TIMEOUT, env)
     return [float(value) for value in out.stdout.split()]
 
 
