@@ -18,6 +18,7 @@ import sys
 import threading
 import time
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 
 import grpc
@@ -158,6 +159,15 @@ def unread() -> None:
     server.close()
 
 
+def _at_once(call: Callable[[], None], clients: int) -> None:
+    """``clients`` threads each making ``call`` at the same time; returns when all are done."""
+    threads = [threading.Thread(target=call) for _ in range(clients)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+
+
 def million() -> None:
     server = Server()
     positions = -np.arange(1, (1 << 20) + 1, dtype=np.int64)
@@ -172,11 +182,7 @@ def million() -> None:
             outcomes.append(error.code.name)
 
     started = time.monotonic()
-    threads = [threading.Thread(target=fetch) for _ in range(64)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
+    _at_once(fetch, 64)
     print(
         f"million: 64 clients x 1,048,576 positions (10.5 MB requests): "
         f"{outcomes.count('ok')} ok, others {sorted(set(outcomes) - {'ok'})}, "
@@ -205,11 +211,7 @@ def raw_million() -> None:
             except grpc.RpcError as error:
                 codes.append(error.code().name)
 
-    threads = [threading.Thread(target=fetch) for _ in range(64)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
+    _at_once(fetch, 64)
     print(
         f"raw_million: 64 raw calls of 1,048,576 positions at once: "
         f"{ {code: codes.count(code) for code in set(codes)} }, "
