@@ -364,3 +364,25 @@ def test_a_call_moves_through_the_phases_of_the_core_s_table(
         core.Phase.STREAMING,
     ]
     assert set(core.MOVES) == set(core.Phase)
+
+
+def test_a_claim_of_several_windows_is_one_stream_whose_windows_land_one_by_one() -> None:
+    # Steps too large for more than a row a window: the claim's windows go as one stream,
+    # and each joins the cache as its rows arrive, even when the stream then fails.
+    c = make_core(row_cache_bytes=1 << 20, readahead_bytes=8 * ROW_BYTES)
+    fake = Fake(chunk_rows=8, stream_failures=[(16, UNAVAILABLE)])
+    starts = np.arange(8, dtype=np.int64) * 1000 + 5000
+    for t in range(2):
+        run(fake, c.get_positions(starts + t, WIDTH, None, {}, -1, DEFAULT))
+    (job,) = fake.ahead
+    aheads = c.aheads(job)
+    assert len(aheads) > 2 and all(ahead.query.rows == 8 for ahead in aheads)
+    fake.log.clear()
+    result, _ = run(fake, c.fetch_aheads(aheads))
+    assert result is None and [kind for kind, _ in fake.log] == ["stream"]
+    assert [ahead.token.done() for ahead in aheads] == [True] * len(aheads)
+    assert c.rows.in_flight == 0
+    # The two windows that arrived before the failure are cached; the rest are not.
+    for ahead, held in zip(aheads, [True, True] + [False] * (len(aheads) - 2), strict=True):
+        assert ahead.query.positions is not None
+        assert (c.rows.lookup(job.query.spec_key, ahead.query.positions) is not None) == held

@@ -340,21 +340,26 @@ def test_background_read_ahead_of_large_steps_leads_by_several_steps() -> None:
     cache.plan(query(starts))
     assert cache.claim_ahead(query(starts), object) == []  # not moving yet
     assert cache.plan(query(starts + 1)) is None
-    # The next LEAD_STEPS steps, a step (the window: 1 MiB) a fetch, the nearest first.
+    # Twice LEAD_STEPS steps, a step (the window: 1 MiB) a fetch, the nearest first: a lead
+    # of one window refills a lead's worth at once.
     aheads = cache.claim_ahead(query(starts + 1), object)
     assert [a.query.positions.tolist() for a in aheads if a.query.positions is not None] == [
-        sorted((starts + 1 + step).tolist()) for step in range(1, LEAD_STEPS + 1)
+        sorted((starts + 1 + step).tolist()) for step in range(1, 2 * LEAD_STEPS + 1)
     ]
-    assert len({id(a.token) for a in aheads}) == LEAD_STEPS
+    assert len({id(a.token) for a in aheads}) == 2 * LEAD_STEPS
     for ahead in aheads[1:]:
         cache.finish_ahead(ahead, fake_rows(ahead.query))
     cache.finish_ahead(aheads[0], None)  # failed: nothing cached, nothing in flight
     assert cache.in_flight == 0 and cache.plan(query(starts + 2)) is None
-    # Once the lead is there, each step fetches one step more: LEAD_STEPS ahead of it.
-    (ahead,) = cache.claim_ahead(query(starts + 2), object)
-    assert ahead.query.positions is not None
-    assert ahead.query.positions.tolist() == sorted((starts + 2 + LEAD_STEPS).tolist())
-    assert cache.claim_ahead(query(starts + 2), object) == []  # on its way
+    assert cache.claim_ahead(query(starts + 2), object) == []  # the lead is there
+    # A step whose lead runs short fetches the next lead's worth: from LEAD_STEPS ahead of
+    # it to twice that.
+    step = starts + 2 + LEAD_STEPS
+    aheads = cache.claim_ahead(query(step), object)
+    assert [a.query.positions.tolist() for a in aheads if a.query.positions is not None] == [
+        sorted((step + ahead).tolist()) for ahead in range(LEAD_STEPS, 2 * LEAD_STEPS + 1)
+    ]
+    assert cache.claim_ahead(query(step), object) == []  # on its way
 
 
 def test_the_lead_of_huge_steps_stays_within_a_quarter_of_the_cache() -> None:

@@ -10,7 +10,6 @@ from typing import Any, assert_never
 
 import grpc
 import grpc.aio
-import numpy.typing as npt
 
 from posenc import _core as core
 from posenc._base import BaseClient
@@ -199,21 +198,30 @@ class AsyncClient(
         if isinstance(ahead, AheadClaim):
             asyncio.get_running_loop().call_soon(self._claim, ahead)
             return
-        if self._core.closed:
-            self._core.finish_ahead(ahead, None)
-            return
-        task = asyncio.create_task(self._run(self._core.fetch_ahead(ahead)), name=READ_AHEAD_TASK)
-        self._ahead_tasks.add(task)  # a strong reference until it ends
-
-        def landed(task: asyncio.Task[npt.NDArray[Any] | None]) -> None:
-            # Here rather than in the task: a task cancelled before it starts runs nothing.
-            self._ahead_tasks.discard(task)
-            failed = task.cancelled() or task.exception() is not None
-            self._core.finish_ahead(ahead, None if failed else task.result())
-
-        task.add_done_callback(landed)
+        self._fetch_ahead([ahead])
 
     def _claim(self, claim: AheadClaim) -> None:
         if not self._core.closed:
-            for ahead in self._core.aheads(claim):
-                self._read_ahead(ahead)
+            aheads = self._core.aheads(claim)
+            if aheads:
+                self._fetch_ahead(aheads)
+
+    def _fetch_ahead(self, aheads: list[AheadFetch]) -> None:
+        """Start a task fetching ``aheads`` (see ``Core.fetch_aheads``)."""
+        if self._core.closed:
+            for ahead in aheads:
+                self._core.finish_ahead(ahead, None)
+            return
+        task = asyncio.create_task(self._run(self._core.fetch_aheads(aheads)), name=READ_AHEAD_TASK)
+        self._ahead_tasks.add(task)  # a strong reference until it ends
+
+        def ended(task: asyncio.Task[None]) -> None:
+            # Here too: a task cancelled before it starts runs nothing. (A fetch finished
+            # already is not changed by finishing it again.)
+            self._ahead_tasks.discard(task)
+            if not task.cancelled():
+                task.exception()  # retrieved: a client closed under it is no error here
+            for ahead in aheads:
+                self._core.finish_ahead(ahead, None)
+
+        task.add_done_callback(ended)

@@ -41,24 +41,20 @@ def _affinity(table: int | None) -> int | None:
 def _run_ahead(
     client_ref: weakref.ref[Client], work: queue.SimpleQueue[AheadFetch | AheadClaim | None]
 ) -> None:
-    """A read-ahead thread of a client: background fetches, one at a time, until the client
-    closes or is collected. A claim's fetches beyond its first go back to the queue, for the
-    other thread. A daemon, so that it never holds up interpreter exit."""
+    """A read-ahead thread of a client: background jobs, one at a time, until the client
+    closes or is collected (a claim's fetches in one go: see ``Core.fetch_aheads``; the
+    other thread takes the next job). A daemon, so that it never holds up interpreter
+    exit."""
     while (job := work.get()) is not None:
         client = client_ref()
         if client is None:
             return
         aheads = client._core.aheads(job)
-        for later in aheads[1:]:
-            work.put(later)
-        for ahead in aheads[:1]:
-            rows = None
-            try:
-                rows = client._run(client._core.fetch_ahead(ahead))
-            except Exception:
-                pass  # the channel closed under it: the caller's own call reports that
-            finally:
-                client._core.finish_ahead(ahead, rows)
+        try:
+            if aheads:
+                client._run(client._core.fetch_aheads(aheads))
+        except Exception:
+            pass  # closed under it (its steps finished every fetch): the caller's call says so
         del client
 
 

@@ -38,6 +38,7 @@ from posenc._query import (
     check_chunk_bytes,
     grid_plan,
     grid_query,
+    join_positions,
     parts,
     positions_plan,
     positions_query,
@@ -688,6 +689,44 @@ class Core:
             # reports its own errors.
             return None
 
+    def fetch_aheads(self, aheads: list[AheadFetch]) -> Steps[None]:
+        """The steps of a read-ahead job's fetches (:meth:`aheads`, nearest rows first), each
+        finished (:meth:`finish_ahead`) as soon as its rows land, and the rest when the steps
+        end however they end (failed, or closed by a closing client).
+
+        Several fetches go as one stream of their positions, one after the other, chunked
+        at the first's size: the nearest window joins the cache, and wakes the step waiting
+        for it, while the next ones are still on the wire. A loop that steps faster than the
+        wire then waits for one window's rows at a time, not for a call's, and the call's
+        fixed cost is paid once for the whole lead.
+        """
+        finished = 0
+        try:
+            if len(aheads) == 1:
+                rows = yield from self.fetch_ahead(aheads[0])
+                finished = 1
+                self.finish_ahead(aheads[0], rows)
+                return
+            ends = np.cumsum([ahead.query.rows for ahead in aheads]).tolist()
+            joined = join_positions([ahead.query for ahead in aheads])
+            assert joined.row_bytes is not None  # a claim's queries know their width
+            cursor = self._cursor(joined, aheads[0].query.rows * joined.row_bytes, collect=True)
+
+            def landed() -> None:
+                nonlocal finished
+                while finished < len(aheads) and ends[finished] <= cursor.received:
+                    start = ends[finished] - aheads[finished].query.rows
+                    finished += 1
+                    rows = cursor.result()[start : ends[finished - 1]]
+                    self.finish_ahead(aheads[finished - 1], rows)
+
+            yield from self._stream(cursor, self.budget(DEFAULT, retry=False), landed=landed)
+        except Exception:
+            pass  # nothing is lost: a step that needs these rows fetches them itself
+        finally:
+            for ahead in aheads[finished:]:
+                self.finish_ahead(ahead, None)
+
     def finish_ahead(self, ahead: AheadFetch, rows: Rows | None) -> None:
         """A read-ahead ended (``rows`` None: it failed, or never ran): its rows join the
         cache, and whoever waits for its token is woken."""
@@ -871,9 +910,10 @@ class Core:
         cursor: StreamCursor,
         budget: CallBudget,
         output: Output | None = None,
+        landed: Callable[[], None] | None = None,
     ) -> Steps[None]:
-        """The cursor's chunks (delivered unless it collects them); an interrupted call
-        resumes with the missing rows."""
+        """The cursor's chunks (delivered unless it collects them; ``landed`` is called after
+        each collected one); an interrupted call resumes with the missing rows."""
         collect = cursor.collect
         calls = affinity(cursor.query)
         while True:
@@ -888,6 +928,8 @@ class Core:
                     if not collect:
                         assert output is not None, "an iterator's slices have an output"
                         yield Deliver((label, output.slice(rows)))
+                    elif landed is not None:
+                        landed()
                     budget.progress()
                 if cursor.more:
                     continue  # the next part of a long position list

@@ -18,7 +18,7 @@ import math
 import operator
 import time
 import zlib
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Final, Protocol
 
@@ -202,6 +202,14 @@ def distinct(positions: npt.NDArray[np.int64]) -> npt.NDArray[np.int64]:
     keep[:1] = True
     np.not_equal(ordered[1:], ordered[:-1], out=keep[1:])
     return ordered[keep]
+
+
+def join_positions(queries: Sequence[Query]) -> Query:
+    """One query of the position lists of ``queries`` (of one spec), one after the other:
+    the rows of ``queries[i]`` follow those of ``queries[i - 1]`` in its result."""
+    assert all(query.positions is not None for query in queries)
+    positions = np.concatenate([query.positions for query in queries])
+    return dataclasses.replace(queries[0], rows=positions.size, positions=positions, out=None)
 
 
 def check_chunk_bytes(chunk_bytes: object) -> int | None:

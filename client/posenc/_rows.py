@@ -334,6 +334,10 @@ class RowCache:
             window, lead = self._lead(len(moving), query.row_bytes)
             # Per position to fetch, the window it falls in (0: the nearest rows).
             layer_of: dict[int, int] = {}
+            # Steps too large for a lead of one window refill a lead's worth at once, so
+            # that the fetch's fixed cost is paid once for several windows (see
+            # Core.fetch_aheads: they land one by one).
+            refill = lead if window < lead else 0
             for p in moving:
                 probe = p + lead
                 if probe in index or probe in in_flight:
@@ -341,7 +345,7 @@ class RowCache:
                 start = p + 1
                 while start < probe and (start in index or start in in_flight):
                     start += 1
-                for offset in range(max(window, probe + 1 - start)):
+                for offset in range(max(window, probe + refill + 1 - start)):
                     position = start + offset
                     # Windows of nearby sequences overlap: each row once, in its nearest.
                     layer = min(offset // window, layer_of.get(position, offset // window))
