@@ -6,11 +6,11 @@ import contextlib
 import multiprocessing
 import os
 import time
-from collections.abc import Callable
 from multiprocessing.connection import Connection
 from typing import Any
 
 from bench.common import MIB, Section, Sizes, Table, Target, cpu_seconds, median, ratio
+from bench.harness import Servers
 
 D_MODEL = 1024
 _REPLY_GRACE = 120.0
@@ -112,15 +112,7 @@ class ClientPool:
                 process.join(5)
 
 
-def run(
-    sizes: Sizes,
-    posenc_target: str,
-    floor_target: str,
-    posenc_pids: Callable[[], list[int]],
-    floor_pids: Callable[[], list[int]],
-    server_processes: int,
-) -> Section:
-    """``posenc_pids`` / ``floor_pids`` return the servers' current pids (for their CPU)."""
+def run(sizes: Sizes, servers: Servers) -> Section:
     levels = sizes.concurrency_levels
     window = sizes.concurrency_window
     stream_mib = sizes.concurrency_stream_bytes // MIB
@@ -134,7 +126,7 @@ def run(
             f"warm: served from the cache) again and again; floor = {stream_mib} MiB of 1 MiB "
             "messages again and again, each message copied into a new numpy array as "
             "iter_range does. Aggregate = bytes received in the window / window. Server "
-            f"processes: posenc {server_processes}, floor {server_processes} (SO_REUSEPORT). "
+            f"processes: posenc {servers.processes}, floor {servers.processes} (SO_REUSEPORT). "
             f"Levels and servers interleaved, {sizes.concurrency_repeats} repetitions; medians. "
             "Server CPU = CPU seconds of the server's processes per second of window "
             f"({os.cpu_count()} CPUs on this machine, shared with the clients)."
@@ -142,8 +134,10 @@ def run(
     )
     samples: dict[str, dict[int, list[float]]] = {"posenc": {}, "floor": {}}
     server_cpu: dict[str, dict[int, list[float]]] = {"posenc": {}, "floor": {}}
-    pids = {"posenc": posenc_pids, "floor": floor_pids}
-    pool = ClientPool(max(levels), posenc_target, floor_target, sizes.concurrency_stream_bytes)
+    pids = {"posenc": servers.posenc_pids, "floor": servers.floor_pids}
+    pool = ClientPool(
+        max(levels), servers.posenc_target, servers.floor_target, sizes.concurrency_stream_bytes
+    )
     try:
         for kind in ("posenc", "floor"):  # warm-up: connections, caches of every server process
             pool.run(max(levels), kind, 0.5)
@@ -200,6 +194,6 @@ def run(
             kind: {str(n): v for n, v in by_n.items()} for kind, by_n in server_cpu.items()
         },
         "window_s": window,
-        "server_processes": server_processes,
+        "servers.processes": servers.processes,
     }
     return section

@@ -12,6 +12,7 @@ import posenc
 from bench import decode
 from bench.common import Section, Sizes, Table, cpu_seconds, median, percentile, ratio, runs_target
 from bench.floor import FloorClient
+from bench.harness import Servers
 from posenc._rows import LEAD_STEPS
 
 D_MODEL = 4096
@@ -31,13 +32,7 @@ def _settle(client: posenc.Client) -> None:
         time.sleep(0.0005)
 
 
-def run(
-    sizes: Sizes,
-    posenc_target: str,
-    floor_target: str,
-    posenc_pids: Callable[[], list[int]],
-    floor_pids: Callable[[], list[int]],
-) -> Section:
+def run(sizes: Sizes, servers: Servers) -> Section:
     one_bytes = D_MODEL * 4
     batch_bytes = BATCH * D_MODEL * 4
     runs = sizes.latency_runs
@@ -113,11 +108,11 @@ def run(
     # Each client walks positions of its own: the server computes its blocks too.
     direct_offset, back_to_back_offset = 7_000_000, 14_000_000
     with (
-        posenc.Client(posenc_target, timeout=30.0) as client,
-        posenc.Client(posenc_target, timeout=30.0) as hurried,
-        posenc.Client(posenc_target, timeout=30.0, row_cache_bytes=0) as direct,
+        posenc.Client(servers.posenc_target, timeout=30.0) as client,
+        posenc.Client(servers.posenc_target, timeout=30.0) as hurried,
+        posenc.Client(servers.posenc_target, timeout=30.0, row_cache_bytes=0) as direct,
     ):
-        floor = FloorClient(floor_target)
+        floor = FloorClient(servers.floor_target)
         try:
             floor.wait_ready()
             step = [0]
@@ -166,8 +161,8 @@ def run(
             # measured beside an empty unary call made just before it.
             loop_offset = 21_000_000
             with (
-                posenc.Client(posenc_target, timeout=30.0) as loop_one,
-                posenc.Client(posenc_target, timeout=30.0) as loop_batch,
+                posenc.Client(servers.posenc_target, timeout=30.0) as loop_one,
+                posenc.Client(servers.posenc_target, timeout=30.0) as loop_batch,
             ):
                 for round_index in range(total):
                     position = loop_offset + round_index
@@ -187,7 +182,7 @@ def run(
             # Where the time goes: CPU per call, server and client, in a separate
             # sequential pass (reading /proc between timed calls would disturb them).
             for kind in kinds:
-                pids = posenc_pids if kind.startswith("posenc") else floor_pids
+                pids = servers.posenc_pids if kind.startswith("posenc") else servers.floor_pids
                 server_before, client_before = cpu_seconds(pids()), time.process_time()
                 for _ in range(sizes.latency_cpu_calls):
                     step[0] += 1
@@ -368,5 +363,5 @@ def run(
     }
     # Cached steps against a numpy gather, and 64 sequences back to back against the gather
     # plus the wire (bench/decode.py): after the phases above, on positions of their own.
-    decode.add_to(section, sizes, posenc_target, floor_target)
+    decode.add_to(section, sizes, servers.posenc_target, servers.floor_target)
     return section

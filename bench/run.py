@@ -18,7 +18,7 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as a script: make `bench` importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench import procs
+from bench import harness, procs
 from bench.common import REPO, Section, Sizes, cpu_ticks, load_average, machine, steal_share
 
 SECTIONS = "abcdefghps"
@@ -68,9 +68,13 @@ def main(argv: list[str] | None = None) -> int:
         server = procs.start_posenc(extra)
         floor = procs.FloorServer(server_processes)
 
-        def floor_pids() -> list[int]:
-            return [pid for member in floor.members for pid in member.pids()]
-
+        servers = harness.Servers(
+            server.target,
+            floor.target,
+            server.pids,
+            lambda: [pid for member in floor.members for pid in member.pids()],
+            server_processes,
+        )
         server.wait_ready()
         procs.wait_serving(server.target)
         if "a" in wanted:  # in-process, once the servers are up and idle
@@ -98,9 +102,7 @@ def main(argv: list[str] | None = None) -> int:
                 _guarded(
                     "c",
                     "Decode-step latency",
-                    lambda: latency.run(
-                        sizes, server.target, floor.target, server.pids, floor_pids
-                    ),
+                    lambda: latency.run(sizes, servers),
                 )
             )
         if "d" in wanted:
@@ -108,14 +110,7 @@ def main(argv: list[str] | None = None) -> int:
                 _guarded(
                     "d",
                     "Concurrency",
-                    lambda: concurrency.run(
-                        sizes,
-                        server.target,
-                        floor.target,
-                        server.pids,
-                        floor_pids,
-                        server_processes,
-                    ),
+                    lambda: concurrency.run(sizes, servers),
                 )
             )
         if "g" in wanted:
