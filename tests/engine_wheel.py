@@ -66,6 +66,13 @@ class Engine:
         return match[1]
 
 
+def engine(package: str, platform: str, keep: tuple[str, ...]) -> Engine:
+    """The :class:`Engine` for ``package``, skipped by ``POSENC_SKIP_<PACKAGE>=1`` and
+    pointed at another "newest" release by ``POSENC_<PACKAGE>_VERSION``."""
+    upper = package.upper()
+    return Engine(package, platform, keep, f"POSENC_SKIP_{upper}", f"POSENC_{upper}_VERSION")
+
+
 @dataclass(frozen=True)
 class Release:
     """One release of an engine; ``sha256`` pins the oldest's wheel (None: not pinned)."""
@@ -147,6 +154,19 @@ def stub_module(name: str, path: Path | None = None, **attributes: Any) -> Modul
     module.__dict__.update(attributes)
     sys.modules[name] = module
     return module
+
+
+def stub_packages(root: Path, *names: str) -> ModuleType:
+    """A package module over ``root``'s folder of each dotted name in ``names`` (their files
+    import as usual, their ``__init__`` files do not run); the first is returned."""
+    modules = [stub_module(name, root.joinpath(*name.split("."))) for name in names]
+    return modules[0]
+
+
+def unload(package: str) -> None:
+    """Takes ``package`` and every module under it out of ``sys.modules``."""
+    for name in [n for n in sys.modules if n == package or n.startswith(package + ".")]:
+        del sys.modules[name]
 
 
 @contextmanager

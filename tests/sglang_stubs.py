@@ -17,8 +17,10 @@ from pathlib import Path
 from types import ModuleType, SimpleNamespace
 from typing import Any
 
+import engine_wheel
 import torch
 from engine_wheel import stub_module as _module
+from engine_wheel import stub_packages
 
 # envs: SGLang's defaults (SGLANG_ROPE_CACHE_ALIGN is what the cache grows by).
 env_values: dict[str, Any] = {"SGLANG_ROPE_CACHE_FP32": False, "SGLANG_ROPE_CACHE_ALIGN": 128}
@@ -43,22 +45,18 @@ def _never(*args: Any, **kwargs: Any) -> Any:
 
 def load(root: Path) -> ModuleType:
     """``sglang.srt.layers.rotary_embedding`` from the wheel's files under ``root``."""
-    name = "sglang.srt.layers.rotary_embedding"
-    if name in sys.modules:
-        return sys.modules[name]
-    sglang = _module("sglang", root / "sglang")
-    _module("sglang.srt", root / "sglang" / "srt")
-    _module("sglang.srt.layers", root / "sglang" / "srt" / "layers")
-    _module("sglang.kernels", root / "sglang" / "kernels")
-    _module("sglang.kernels.fused_op", BaseFusedOp=BaseFusedOp)
-    _module("sglang.kernels.ops", root / "sglang" / "kernels" / "ops")
-    _module("sglang.kernels.ops.attention", root / "sglang" / "kernels" / "ops" / "attention")
+    rotary = "sglang.srt.layers.rotary_embedding"
+    if rotary in sys.modules:
+        return sys.modules[rotary]
+    sglang = stub_packages(root, "sglang", "sglang.srt", "sglang.srt.layers", "sglang.kernels")
+    stub_packages(root, "sglang.kernels.ops", "sglang.kernels.ops.attention")
     _module(
         "sglang.kernels.ops.attention.rotary_triton",
         triton_ernie45_rope_fused_inplace=_never,
         triton_mrope_fused=_never,
     )
     _module("sglang.kernels.ops.attention.mrope", apply_interleaved_rope_triton=_never)
+    _module("sglang.kernels.fused_op", BaseFusedOp=BaseFusedOp)
     _module("sglang.srt.environ", envs=_Envs())
     _module("sglang.srt.platforms", current_platform=SimpleNamespace(is_out_of_tree=lambda: False))
     _module(
@@ -81,10 +79,9 @@ def load(root: Path) -> ModuleType:
         support_triton=lambda *args: False,
     )
     sglang.__version__ = importlib.import_module("sglang.version").__version__
-    return importlib.import_module(name)
+    return importlib.import_module(rotary)
 
 
 def unload() -> None:
     """Takes every ``sglang`` module out of ``sys.modules``: later tests see no SGLang."""
-    for name in [n for n in sys.modules if n == "sglang" or n.startswith("sglang.")]:
-        del sys.modules[name]
+    engine_wheel.unload("sglang")

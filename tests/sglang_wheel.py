@@ -7,16 +7,11 @@ SHA-256, and the newest, resolved at test time (``POSENC_SGLANG_VERSION`` names 
 
 from __future__ import annotations
 
-from engine_wheel import Engine, Release
+from engine_wheel import Release, engine
 
-ENGINE = Engine(
-    package="sglang",
-    platform="manylinux_2_34_x86_64",
-    # The rotary package and the version modules (sglang.version.__version__).
-    keep=("sglang/srt/layers/rotary_embedding/", "sglang/version.py", "sglang/_version.py"),
-    skip_env="POSENC_SKIP_SGLANG",
-    version_env="POSENC_SGLANG_VERSION",
-)
+# The rotary package and the version modules (sglang.version.__version__).
+KEEP = ("sglang/srt/layers/rotary_embedding/", "sglang/version.py", "sglang/_version.py")
+ENGINE = engine("sglang", "manylinux_2_34_x86_64", KEEP)
 OLDEST = Release(
     ENGINE, "0.5.20", "1573527042f4f6b4ead838302818595fc77fdc611dbcc2e40cd150fbc8f8513c"
 )

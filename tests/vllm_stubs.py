@@ -20,8 +20,10 @@ from pathlib import Path
 from types import ModuleType, SimpleNamespace
 from typing import Any
 
+import engine_wheel
 import torch
 from engine_wheel import stub_module as _module
+from engine_wheel import stub_packages
 
 # get_current_vllm_config(): Phi3LongRoPEScaledRotaryEmbedding reads max_model_len from it.
 current_config = SimpleNamespace(model_config=SimpleNamespace(max_model_len=4096))
@@ -80,9 +82,7 @@ def load(root: Path) -> ModuleType:
     name = "vllm.model_executor.layers.rotary_embedding"
     if name in sys.modules:
         return sys.modules[name]
-    vllm = _module("vllm", root / "vllm")
-    _module("vllm.model_executor", root / "vllm" / "model_executor")
-    _module("vllm.model_executor.layers", root / "vllm" / "model_executor" / "layers")
+    vllm = stub_packages(root, "vllm", "vllm.model_executor", "vllm.model_executor.layers")
     _module("vllm.model_executor.custom_op", CustomOp=CustomOp)
     _module(
         "vllm._aiter_ops",
@@ -94,7 +94,7 @@ def load(root: Path) -> ModuleType:
     _module("vllm.logger", init_logger=_init_logger)
     _module("vllm.platforms", current_platform=_Platform())
     _module("vllm.config", get_current_vllm_config=lambda: current_config)
-    _module("vllm.utils", root / "vllm" / "utils")
+    stub_packages(root, "vllm.utils")
     _module("vllm.utils.torch_utils", direct_register_custom_op=lambda **kwargs: None)
     _module("vllm.utils.flashinfer", has_flashinfer=lambda: False)
     _module(
@@ -111,5 +111,4 @@ def load(root: Path) -> ModuleType:
 
 def unload() -> None:
     """Takes every ``vllm`` module out of ``sys.modules``: later tests see no vLLM."""
-    for name in [n for n in sys.modules if n == "vllm" or n.startswith("vllm.")]:
-        del sys.modules[name]
+    engine_wheel.unload("vllm")

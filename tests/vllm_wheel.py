@@ -1,22 +1,17 @@
-"""vLLM's rotary-embedding package from its published wheels, for the vLLM tests.
+"""The vLLM tests' wheels: vLLM's rotary-embedding package, as published.
 
-Two releases (tests/engine_wheel.py): the oldest supported, 0.33.0, pinned with its
-SHA-256, and the newest, resolved at test time (``POSENC_VLLM_VERSION`` names another).
-``POSENC_SKIP_VLLM=1`` skips the tests that need them.
+Of two releases (tests/engine_wheel.py): 0.33.0, the oldest supported, pinned with its
+SHA-256; and the newest, resolved when the tests run (``POSENC_VLLM_VERSION`` names
+another). The tests that need them skip under ``POSENC_SKIP_VLLM=1``.
 """
 
 from __future__ import annotations
 
-from engine_wheel import Engine, Release
+from engine_wheel import Release, engine
 
-ENGINE = Engine(
-    package="vllm",
-    platform="manylinux_2_28_x86_64",
-    # What the tests import: the rotary package and the version module (vllm.__version__).
-    keep=("vllm/model_executor/layers/rotary_embedding/", "vllm/_version.py"),
-    skip_env="POSENC_SKIP_VLLM",
-    version_env="POSENC_VLLM_VERSION",
-)
+# What the tests import: the rotary package and the version module (vllm.__version__).
+KEEP = ("vllm/model_executor/layers/rotary_embedding/", "vllm/_version.py")
+ENGINE = engine("vllm", "manylinux_2_28_x86_64", KEEP)
 OLDEST = Release(
     ENGINE, "0.33.0", "4b6bdec4ab269990bf70d45a3c1e94c3760a27064513760193b26d6f0da883aa"
 )
