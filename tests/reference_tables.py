@@ -151,6 +151,18 @@ class Rope:
         return cls(rope_type=parameters.pop("scaling", "default"), **parameters)
 
 
+# Llama 3.1's published scaling (rope_scaling of its config.json), a case several tests share.
+LLAMA3 = Rope(
+    128,
+    "llama3",
+    500000.0,
+    factor=8.0,
+    original_max_position_embeddings=8192,
+    low_freq_factor=1.0,
+    high_freq_factor=4.0,
+)
+
+
 def rope_frequencies(rope: Rope) -> tuple[list[mpmath.mpf], mpmath.mpf]:
     """inv_freq and the attention factor of modeling_rope_utils, as real numbers."""
     dim, theta = rope.dim, mpmath.mpf(rope.rope_theta)

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 from google.protobuf.descriptor import Descriptor
 from reference import engine_positions, engine_range, within_contract
-from reference_tables import Rope, Sin, columns_of, rope_exact, sinusoidal_exact
+from reference_tables import LLAMA3, Rope, Sin, columns_of, rope_exact, sinusoidal_exact
 
 import posenc
 from posenc_protocol.v1 import posenc_pb2 as pb
@@ -64,21 +64,24 @@ SINUSOIDAL_CASES = [
     Sin("transformer_xl", 16, key_length=150),
 ]
 
+DYNAMIC = Rope(128, "dynamic", 10000.0, factor=2.0, max_position_embeddings=4096)
+# Phi-3's shape of longrope: a short and a long factor per frequency.
+LONGROPE = Rope(
+    96,
+    "longrope",
+    10000.0,
+    original_max_position_embeddings=4096,
+    max_position_embeddings=131072,
+    short_factor=tuple(1.0 + i / 48 for i in range(48)),
+    long_factor=tuple(1.0 + i for i in range(48)),
+)
 ROTARY_CASES = [
     Rope(128, "default", 500000.0),
     Rope(64, "default", 10000.0, layout="vllm", partial_rotary_factor=0.5),
     Rope(80, "default", 10000.0, layout="gptj", partial_rotary_factor=0.4),
     Rope(128, "linear", 10000.0, factor=4.0, layout="gptj"),
-    Rope(128, "dynamic", 10000.0, factor=2.0, max_position_embeddings=4096),
-    Rope(
-        128,
-        "dynamic",
-        10000.0,
-        factor=2.0,
-        max_position_embeddings=4096,
-        seq_len=20000,
-        layout="vllm",
-    ),
+    DYNAMIC,
+    dataclasses.replace(DYNAMIC, seq_len=20000, layout="vllm"),  # grown past its length
     Rope(128, "yarn", 1000000.0, factor=4.0, original_max_position_embeddings=32768),
     Rope(
         64,
@@ -102,35 +105,12 @@ ROTARY_CASES = [
         attention_factor=1.25,
         layout="gptj",
     ),
-    Rope(
-        96,
-        "longrope",
-        10000.0,
-        original_max_position_embeddings=4096,
-        max_position_embeddings=131072,
-        short_factor=tuple(1.0 + i / 48 for i in range(48)),
-        long_factor=tuple(1.0 + i for i in range(48)),
+    LONGROPE,
+    # The same factors, scaled by ``factor`` instead, at a sequence length past the original.
+    dataclasses.replace(
+        LONGROPE, max_position_embeddings=None, factor=32.0, seq_len=5000, layout="vllm"
     ),
-    Rope(
-        96,
-        "longrope",
-        10000.0,
-        original_max_position_embeddings=4096,
-        factor=32.0,
-        short_factor=tuple(1.0 + i / 48 for i in range(48)),
-        long_factor=tuple(1.0 + i for i in range(48)),
-        seq_len=5000,
-        layout="vllm",
-    ),
-    Rope(
-        128,
-        "llama3",
-        500000.0,
-        factor=8.0,
-        original_max_position_embeddings=8192,
-        low_freq_factor=1.0,
-        high_freq_factor=4.0,
-    ),
+    LLAMA3,
     Rope(
         64,
         "llama3",

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import mpmath
-from reference_tables import Rope, Sin, rope_frequencies, sinusoidal_exact
+from reference_tables import LLAMA3, Rope, Sin, rope_frequencies, sinusoidal_exact
 
 
 def test_vaswani_reference_is_the_paper() -> None:
@@ -20,16 +20,7 @@ def test_fairseq_reference_has_a_zero_padding_row_and_a_zero_last_column() -> No
 
 
 def test_llama3_reference_bands() -> None:
-    rope = Rope(
-        128,
-        "llama3",
-        500000.0,
-        factor=8.0,
-        original_max_position_embeddings=8192,
-        low_freq_factor=1.0,
-        high_freq_factor=4.0,
-    )
-    inv, attention = rope_frequencies(rope)
+    inv, attention = rope_frequencies(LLAMA3)
     assert attention == 1
     assert inv[0] == 1  # the highest frequency is kept
     assert abs(inv[-1] - mpmath.mpf(500000) ** (-mpmath.mpf(126) / 128) / 8) < mpmath.mpf(10) ** -45

@@ -129,12 +129,27 @@ def _check_sampled(table: np.ndarray, exact: Any, seed: int) -> None:
             )
 
 
+def _check_if_served(client: posenc.Client, spec_of: Sin | Rope, dtype: str, exact: Any) -> None:
+    """Sampled elements of ``spec_of``'s rows within the contract, unless it was refused."""
+    table = _served_or_refused(client, spec_of, dtype)
+    if table is not None:
+        _check_sampled(table, exact, hash(spec_of) & 0xFFFF)
+
+
 def usually(
     ordinary: st.SearchStrategy[Any], extreme: st.SearchStrategy[Any]
 ) -> st.SearchStrategy[Any]:
     """``ordinary`` two times in three, else ``extreme``: each spec has a few extreme fields,
     and enough specs are served to check their values."""
     return st.integers(0, 2).flatmap(lambda pick: extreme if pick == 0 else ordinary)
+
+
+# How hard each search looks; the client fixture is shared between examples, by design.
+SEARCH = settings(
+    max_examples=EXAMPLES,
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
 
 
 @st.composite
@@ -204,11 +219,7 @@ def ropes(draw: st.DrawFn) -> Rope:
 
 
 @pytest.mark.slow
-@settings(
-    max_examples=EXAMPLES,
-    deadline=None,
-    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
-)
+@SEARCH
 @given(rope=ropes(), dtype=st.sampled_from(["float32", "float64", "float16", "bfloat16"]))
 # A ramp whose far end (beta_slow at the largest float) lies below column 0: the reference
 # once turned beta_slow * 2 into infinity and disagreed with the (correct) server.
@@ -227,11 +238,8 @@ def ropes(draw: st.DrawFn) -> Rope:
 def test_every_rotary_spec_is_served_within_contract_or_refused(
     client: posenc.Client, rope: Rope, dtype: str
 ) -> None:
-    table = _served_or_refused(client, rope, dtype)
-    if table is None:
-        return
     cache: dict[Rope, Any] = {}
-    _check_sampled(table, lambda p, c: rope_exact(rope, p, c, cache), hash(rope) & 0xFFFF)
+    _check_if_served(client, rope, dtype, lambda p, c: rope_exact(rope, p, c, cache))
 
 
 @st.composite
@@ -257,19 +265,12 @@ def sinusoids(draw: st.DrawFn) -> Sin:
 
 
 @pytest.mark.slow
-@settings(
-    max_examples=EXAMPLES,
-    deadline=None,
-    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
-)
+@SEARCH
 @given(table=sinusoids(), dtype=st.sampled_from(["float32", "float64", "float16", "bfloat16"]))
 def test_every_sinusoidal_spec_is_served_within_contract_or_refused(
     client: posenc.Client, table: Sin, dtype: str
 ) -> None:
-    rows = _served_or_refused(client, table, dtype)
-    if rows is None:
-        return
-    _check_sampled(rows, lambda p, c: sinusoidal_exact(table, p, c), hash(table) & 0xFFFF)
+    _check_if_served(client, table, dtype, lambda p, c: sinusoidal_exact(table, p, c))
 
 
 @pytest.mark.parametrize(
@@ -421,11 +422,7 @@ def several_axis_specs(draw: st.DrawFn) -> tuple[str, dict[str, Any]]:
 
 
 @pytest.mark.slow
-@settings(
-    max_examples=EXAMPLES,
-    deadline=None,
-    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
-)
+@SEARCH
 @given(spec=several_axis_specs(), dtype=st.sampled_from(["float32", "float64", "bfloat16"]))
 def test_every_several_axis_spec_is_served_finite_or_refused(
     client: posenc.Client, spec: tuple[str, dict[str, Any]], dtype: str
