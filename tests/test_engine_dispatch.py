@@ -23,7 +23,8 @@ _SCRIPT = r"""
 import hashlib, json
 import numpy as np
 from posenc_server import engine
-from posenc_server.tables.rotary import Rotary, Yarn
+from posenc_server.tables.rotary import Rotary
+from posenc_server.tables.scalings import Yarn
 from posenc_server.tables.sinusoidal import Sinusoidal, Tensor2Tensor
 
 tables = [

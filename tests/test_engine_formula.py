@@ -12,7 +12,8 @@ import pytest
 from reference import LAYOUTS, SCHEDULES, classic, exact
 
 from posenc_server import admission, engine
-from posenc_server.tables.rotary import Rotary, Yarn
+from posenc_server.tables.rotary import Rotary
+from posenc_server.tables.scalings import Yarn
 from posenc_server.tables.sinusoidal import Sinusoidal
 
 

@@ -23,7 +23,8 @@ from posenc_server import engine
 from posenc_server.tables.axes import RotaryAxes
 from posenc_server.tables.base import TableKind
 from posenc_server.tables.multiaxis import MRope, SinCosGrid2d, SinCosGrid3d
-from posenc_server.tables.rotary import LAYOUTS, Rotary, Yarn
+from posenc_server.tables.rotary import LAYOUTS, Rotary
+from posenc_server.tables.scalings import Yarn
 from posenc_server.tables.sinusoidal import LAYOUTS as SINUSOIDAL_LAYOUTS
 from posenc_server.tables.sinusoidal import (
     SCHEDULES,
