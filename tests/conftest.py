@@ -14,9 +14,10 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, Protocol, TypeVar
 
 import grpc
 import numpy as np
@@ -95,13 +96,55 @@ def sizing_rule_mib(cache_mib: float, processes: int) -> float:
     return cache_mib + 310 * processes + (64 if processes > 1 else 0)
 
 
-def peak_rss_mib(pid: int) -> float:
-    """The peak resident memory of process ``pid`` (VmHWM), in MiB."""
+def start_threads(run: Callable[[int], object], count: int) -> list[threading.Thread]:
+    """``count`` daemon threads, started, running ``run(0)`` to ``run(count - 1)``."""
+    threads = [threading.Thread(target=run, args=(index,), daemon=True) for index in range(count)]
+    for thread in threads:
+        thread.start()
+    return threads
+
+
+def token_file(folder: Path, token: str) -> Path:
+    """A file ``token`` in ``folder`` holding ``token``: what --auth-token-file reads."""
+    path = folder / "token"
+    path.write_text(token)
+    return path
+
+
+class _Closable(Protocol):
+    def close(self) -> None: ...
+
+
+_C = TypeVar("_C", bound=_Closable)
+
+
+@contextmanager
+def closing_all(things: list[_C]) -> Iterator[list[_C]]:
+    """``things``, each closed when the block ends, however it ends."""
+    try:
+        yield things
+    finally:
+        for thing in things:
+            thing.close()
+
+
+def _status_mib(pid: int, field: str) -> float:
+    """Process ``pid``'s ``field`` line of /proc/<pid>/status (a size in KiB), in MiB."""
     with open(f"/proc/{pid}/status") as status:
         for line in status:
-            if line.startswith("VmHWM:"):
+            if line.startswith(f"{field}:"):
                 return int(line.split()[1]) / 1024
-    raise AssertionError("no VmHWM")
+    raise AssertionError(f"no {field}")
+
+
+def peak_rss_mib(pid: int) -> float:
+    """The peak resident memory of process ``pid`` (VmHWM), in MiB."""
+    return _status_mib(pid, "VmHWM")
+
+
+def current_rss_mib(pid: int) -> float:
+    """The resident memory of process ``pid`` now (VmRSS), in MiB."""
+    return _status_mib(pid, "VmRSS")
 
 
 class Recorder(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor):
@@ -186,6 +229,11 @@ class ServerProcess:
         return [json.loads(line) for line in list(self.log_lines) if line.startswith("{")]
 
 
+# The type of the spawn_server fixture: spawn_server(*args) starts a server with those
+# command-line arguments and returns once it serves.
+Spawn = Callable[..., ServerProcess]
+
+
 def _collect(stream: IO[str], lines: list[str]) -> None:
     for line in stream:
         lines.append(line)
@@ -236,7 +284,7 @@ def wait_for_start(
 
 
 @pytest.fixture
-def spawn_server() -> Iterator[Callable[..., ServerProcess]]:
+def spawn_server() -> Iterator[Spawn]:
     """Start ``python -m posenc_server`` subprocesses; returns once each one serves.
 
     One server process unless ``args`` say otherwise (``--processes N``), so that tests can

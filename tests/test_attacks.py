@@ -31,7 +31,9 @@ import numpy as np
 import pytest
 from conftest import (
     SERVER_HEADROOM_MIB,
-    ServerProcess,
+    Spawn,
+    closing_all,
+    current_rss_mib,
     fresh_probe,
     peak_rss_mib,
     sizing_rule_mib,
@@ -57,15 +59,6 @@ REFLECTION = "/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo"
 UNAUTHENTICATED, RESOURCE_EXHAUSTED, DEADLINE_EXCEEDED = 16, 8, 4
 # What a memory test allows above the process's own memory at its start.
 HEADROOM_MIB = 128
-
-
-def current_rss_mib(pid: int) -> float:
-    """The resident memory of process ``pid`` now (VmRSS), in MiB."""
-    with open(f"/proc/{pid}/status") as status:
-        for line in status:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    raise AssertionError("no VmRSS")
 
 
 def settled_rss_mib(pid: int, bound: float, seconds: float = 3.0) -> float:
@@ -150,9 +143,7 @@ def _flood(port: int, count: int, open_at_most: int) -> list[RawConnection]:
 
 @pytest.mark.slow
 @pytest.mark.timeout(60)
-def test_connections_past_the_limit_are_closed_as_they_come(
-    spawn_server: Callable[..., ServerProcess],
-) -> None:
+def test_connections_past_the_limit_are_closed_as_they_come(spawn_server: Spawn) -> None:
     """Each connection holds memory that no budget counts (about 17 KiB idle): 900 of them
     grew a server without a limit by 15 MiB. Past ``--max-connections`` they are closed at
     once, and when the flood ends, clients connect again."""
@@ -174,9 +165,7 @@ def test_connections_past_the_limit_are_closed_as_they_come(
 
 @pytest.mark.slow
 @pytest.mark.timeout(60)
-def test_a_connection_flood_leaves_the_supervisor_its_health_line(
-    spawn_server: Callable[..., ServerProcess],
-) -> None:
+def test_a_connection_flood_leaves_the_supervisor_its_health_line(spawn_server: Spawn) -> None:
     """The supervisor checks its workers over a line of their own, which the connection
     limit does not count: a flood that fills the limit restarts no worker."""
     server = spawn_server(0, "--processes", "2", "--max-connections", "16")
@@ -196,7 +185,7 @@ def test_a_connection_flood_leaves_the_supervisor_its_health_line(
 @pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_a_connection_that_never_speaks_is_closed_by_the_handshake_timeout(
-    spawn_server: Callable[..., ServerProcess],
+    spawn_server: Spawn,
 ) -> None:
     """A TCP connection that sends nothing would hold one of the limited places for as long
     as the attacker likes: one whose handshakes are not over within 10 s is closed, with a
@@ -241,7 +230,7 @@ def _open_files_limit(pid: int) -> int:
 @pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_a_connection_flood_under_a_low_soft_limit_takes_no_descriptor_calls_need(
-    spawn_server: Callable[..., ServerProcess],
+    spawn_server: Spawn,
 ) -> None:
     """Started with a soft RLIMIT_NOFILE of 1,024 (a common default) under the default
     --max-connections of 4,096, the server raises the soft limit to what that needs, so
@@ -286,19 +275,40 @@ def test_a_hard_limit_below_the_connection_limit_refuses_to_start() -> None:
     assert "at most 1024" in lines[0] and "RLIMIT_NOFILE" in lines[0], lines
 
 
+def flood_stalled_calls(
+    port: int,
+    method: str,
+    stop: threading.Event,
+    opened: list[int],
+    pause: float,
+    flooding: threading.Event | None = None,
+) -> int:
+    """Opens calls of ``method`` that send their headers and never their request, over 8
+    connections to ``port``, one per open connection a round with ``pause`` seconds between
+    them, until ``stop`` is set; ``opened[0]`` counts them, and ``flooding`` is set once 200
+    are open. Returns how many of the connections were still open at the end."""
+    with closing_all([RawConnection("127.0.0.1", port) for _ in range(8)]) as connections:
+        while not stop.is_set():
+            for connection in connections:
+                if not connection.closed:
+                    connection.call(method, None, end=False)
+                    opened[0] += 1
+                connection.pump(pause)
+            if flooding is not None and opened[0] >= 200:
+                flooding.set()
+        return sum(not connection.closed for connection in connections)
+
+
 # -- 1: stalled calls ------------------------------------------------------------------------
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(120)
-def test_512_stalled_calls_starve_neither_health_nor_real_calls(
-    spawn_server: Callable[..., ServerProcess],
-) -> None:
+def test_512_stalled_calls_starve_neither_health_nor_real_calls(spawn_server: Spawn) -> None:
     """8 connections carry 64 GetEncoding calls each that send headers and never a message
     (the threaded server gave each one of its 64 threads: everything else timed out)."""
     server = spawn_server()
-    connections = [RawConnection("127.0.0.1", server.port) for _ in range(8)]
-    try:
+    with closing_all([RawConnection("127.0.0.1", server.port) for _ in range(8)]) as connections:
         streams = [
             (connection, connection.call(GET_ENCODING, None, end=False))
             for connection in connections
@@ -326,16 +336,11 @@ def test_512_stalled_calls_starve_neither_health_nor_real_calls(
         ended = [connection.replies[stream] for connection, stream in streams]
         assert {reply.status for reply in ended if reply.ended} <= {RESOURCE_EXHAUSTED}
         assert sum(not reply.ended for reply in ended) >= 4
-    finally:
-        for connection in connections:
-            connection.close()
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(120)
-def test_a_request_that_never_arrives_is_cancelled(
-    spawn_server: Callable[..., ServerProcess],
-) -> None:
+def test_a_request_that_never_arrives_is_cancelled(spawn_server: Spawn) -> None:
     """A call whose request message does not come (none of it, or half of it) is ended by
     the server's read timeout: DEADLINE_EXCEEDED with a message naming
     --read-timeout-seconds, counted under that code, and nothing stays in flight."""
@@ -474,7 +479,7 @@ def _invent_methods(target: str, count: int) -> None:
 @pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_made_up_methods_do_not_grow_the_metrics(
-    spawn_server: Callable[..., ServerProcess],
+    spawn_server: Spawn,
     tmp_path: Path,
     processes: int,
 ) -> None:
@@ -512,9 +517,7 @@ def test_made_up_methods_do_not_grow_the_metrics(
 
 @pytest.mark.slow
 @pytest.mark.timeout(60)
-def test_metrics_listen_on_their_own_host_and_serve_only_metrics(
-    spawn_server: Callable[..., ServerProcess],
-) -> None:
+def test_metrics_listen_on_their_own_host_and_serve_only_metrics(spawn_server: Spawn) -> None:
     server = spawn_server(0, "--host", "0.0.0.0")
     port = metrics_port(server)
     startup = next(entry for entry in server.logs() if entry["message"] == "listening")
@@ -542,9 +545,7 @@ def thread_count(pid: int) -> int:
 
 
 @pytest.mark.slow
-def test_silent_metrics_connections_are_bounded_and_closed(
-    spawn_server: Callable[..., ServerProcess],
-) -> None:
+def test_silent_metrics_connections_are_bounded_and_closed(spawn_server: Spawn) -> None:
     """Connections to the metrics port that never finish a request took a thread each, for
     as long as they stayed open (2,000 connections: 2,000 threads): at most 32 are served
     at once (the others are closed as they come), and a silent one is closed after 5 s."""
@@ -558,8 +559,9 @@ def test_silent_metrics_connections_are_bounded_and_closed(
     while baseline != previous:  # the pytest timeout is the hang guard
         time.sleep(0.5)
         previous, baseline = baseline, thread_count(pid)
-    silent = [socket.create_connection(("127.0.0.1", port), timeout=10) for _ in range(200)]
-    try:
+    with closing_all(
+        [socket.create_connection(("127.0.0.1", port), timeout=10) for _ in range(200)]
+    ) as silent:
         for connection in silent:
             connection.sendall(b"GET /metrics HTTP/1.1\r\nHost: x\r\n")  # never ended
         time.sleep(1)
@@ -579,9 +581,6 @@ def test_silent_metrics_connections_are_bounded_and_closed(
             readable, _, _ = select.select(open_ones, [], [], 0.5)
             open_ones = [c for c in open_ones if c not in readable or not _closed(c)]
         assert not open_ones, f"{len(open_ones)} silent connections still open"
-    finally:
-        for connection in silent:
-            connection.close()
     deadline = time.monotonic() + 10
     while thread_count(pid) > baseline + 2 and time.monotonic() < deadline:
         time.sleep(0.2)
@@ -590,9 +589,7 @@ def test_silent_metrics_connections_are_bounded_and_closed(
 
 @pytest.mark.slow
 @pytest.mark.timeout(120)
-def test_health_calls_cannot_make_the_server_hold_memory(
-    spawn_server: Callable[..., ServerProcess],
-) -> None:
+def test_health_calls_cannot_make_the_server_hold_memory(spawn_server: Spawn) -> None:
     """Health answers everyone, outside admission: 40 Check calls naming 10 MB services at
     once held 1.2 GiB, 20 such Watch calls (a Watch keeps its request while it is open) 840
     MiB, and 60,000 small Watch calls 417 MiB. Health reads one request at a time, a service
@@ -655,9 +652,7 @@ def test_health_calls_cannot_make_the_server_hold_memory(
 
 @pytest.mark.slow
 @pytest.mark.timeout(60)
-def test_a_health_watcher_that_never_reads_cannot_hold_up_the_drain(
-    spawn_server: Callable[..., ServerProcess],
-) -> None:
+def test_a_health_watcher_that_never_reads_cannot_hold_up_the_drain(spawn_server: Spawn) -> None:
     """A Watch whose client announces a zero window: gRPC's own health servicer wrote the
     status while holding the lock that setting a status takes, so the drain's NOT_SERVING
     waited on that write forever (health stayed SERVING and the process never exited)."""
@@ -675,9 +670,7 @@ def test_a_health_watcher_that_never_reads_cannot_hold_up_the_drain(
 
 
 @pytest.mark.slow
-def test_a_reflection_call_whose_request_never_comes_ends(
-    spawn_server: Callable[..., ServerProcess],
-) -> None:
+def test_a_reflection_call_whose_request_never_comes_ends(spawn_server: Spawn) -> None:
     """Reflection's calls lasted as long as their connection when no request came; each
     request message is now due within --read-timeout-seconds, and reflection still works."""
     from grpc_reflection.v1alpha import reflection_pb2
@@ -715,9 +708,7 @@ def in_flight_bytes(port: int) -> float:
 
 @pytest.mark.slow
 @pytest.mark.timeout(180)
-def test_responses_nobody_reads_stay_within_the_budget(
-    spawn_server: Callable[..., ServerProcess],
-) -> None:
+def test_responses_nobody_reads_stay_within_the_budget(spawn_server: Spawn) -> None:
     """A client announces a zero flow-control window and asks for 250 unary results of
     4,177,920 bytes (the threaded server held all of them: 2.2 GiB). Calls beyond the
     in-flight budget get RESOURCE_EXHAUSTED with RetryInfo; the memory is given back when the
@@ -761,7 +752,7 @@ def test_responses_nobody_reads_stay_within_the_budget(
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_64_clients_with_a_million_positions_each_all_succeed_within_the_budget(
-    spawn_server: Callable[..., ServerProcess],
+    spawn_server: Spawn,
 ) -> None:
     """64 default SDK clients at once, each with 1,048,576 positions (10.5 MB requests: the
     threaded server reached 2.3 GiB). Every client gets its exact rows: calls beyond the
@@ -798,7 +789,7 @@ def test_64_clients_with_a_million_positions_each_all_succeed_within_the_budget(
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_connections_that_sent_large_requests_do_not_keep_large_read_buffers(
-    spawn_server: Callable[..., ServerProcess],
+    spawn_server: Spawn,
 ) -> None:
     """64 clients of 4 connections each send a million positions (the SDK sends them as 16
     requests of 650 KB over its connections), one client after the other, and stay open.
@@ -808,8 +799,9 @@ def test_connections_that_sent_large_requests_do_not_keep_large_read_buffers(
     own state."""
     server = spawn_server(0)
     positions = np.arange(1 << 20, dtype=np.int64)
-    clients = [posenc.Client(server.target, timeout=60, connections=4) for _ in range(64)]
-    try:
+    with closing_all(
+        [posenc.Client(server.target, timeout=60, connections=4) for _ in range(64)]
+    ) as clients:
         for client in clients:  # one connection of each open before
             client.get_range(0, 1, 8)
         before = current_rss_mib(server.process.pid)
@@ -817,16 +809,11 @@ def test_connections_that_sent_large_requests_do_not_keep_large_read_buffers(
             assert client.get_positions(positions, 1, dtype="float16").shape == (1 << 20, 1)
         # One call's own memory is given back when it ends (and the heap trimmed after).
         assert settled_rss_mib(server.process.pid, before + 40) <= before + 40
-    finally:
-        for client in clients:
-            client.close()
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_64_raw_calls_of_a_million_positions_stay_within_the_budget(
-    spawn_server: Callable[..., ServerProcess],
-) -> None:
+def test_64_raw_calls_of_a_million_positions_stay_within_the_budget(spawn_server: Spawn) -> None:
     """The same lists from raw clients, one 10.5 MB request each (the SDK would split them):
     every call gets its exact rows or RESOURCE_EXHAUSTED with RetryInfo, and the requests of
     refused calls do not linger (they once did, in a reference cycle with the call, until
@@ -903,7 +890,7 @@ class Watched:
 @pytest.mark.soak
 @pytest.mark.timeout(900)
 def test_every_attack_at_once_leaves_the_clients_served_and_memory_bounded(
-    spawn_server: Callable[..., ServerProcess],
+    spawn_server: Spawn,
 ) -> None:
     """The attacks of this file together, in rounds on new connections dropped at each
     round's end, against a 2-process server: 256 stalled GetEncoding calls, 64 stalled
@@ -1051,7 +1038,7 @@ def replica_mib(pids: list[int]) -> float:
 @pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_a_flood_of_stalled_health_checks_starves_no_probe_and_kills_no_worker(
-    spawn_server: Callable[..., ServerProcess],
+    spawn_server: Spawn,
 ) -> None:
     """Health Checks that send their headers and never their request, 50 a second: they
     held health's one read at a time in turn, so outside probes failed (RESOURCE_EXHAUSTED)
@@ -1063,20 +1050,9 @@ def test_a_flood_of_stalled_health_checks_starves_no_probe_and_kills_no_worker(
     stop = threading.Event()
     opened = [0]
 
-    def flood() -> None:
-        connections = [RawConnection("127.0.0.1", server.port) for _ in range(8)]
-        try:
-            while not stop.is_set():
-                for connection in connections:
-                    if not connection.closed:
-                        connection.call("/grpc.health.v1.Health/Check", None, end=False)
-                        opened[0] += 1
-                    connection.pump(0.02)
-        finally:
-            for connection in connections:
-                connection.close()
-
-    flooder = threading.Thread(target=flood, daemon=True)
+    health_check = "/grpc.health.v1.Health/Check"
+    flood = (server.port, health_check, stop, opened, 0.02)
+    flooder = threading.Thread(target=flood_stalled_calls, args=flood, daemon=True)
     flooder.start()
     statuses = []
     try:
@@ -1097,9 +1073,7 @@ def test_a_flood_of_stalled_health_checks_starves_no_probe_and_kills_no_worker(
 
 @pytest.mark.slow
 @pytest.mark.timeout(120)
-def test_refused_lists_cost_no_more_than_they_brought(
-    spawn_server: Callable[..., ServerProcess],
-) -> None:
+def test_refused_lists_cost_no_more_than_they_brought(spawn_server: Spawn) -> None:
     """16 clients at once sending 10 MB lists a spec cannot hold (an M-RoPE section of
     10**7 counts): converted before their length was checked, each refusal cost a tuple of
     every value and a message listing them, and the process peaked at +182 to +292 MiB
@@ -1129,9 +1103,7 @@ def test_refused_lists_cost_no_more_than_they_brought(
 
 @pytest.mark.slow
 @pytest.mark.timeout(120)
-def test_a_client_holding_metrics_connections_fails_no_scrape(
-    spawn_server: Callable[..., ServerProcess],
-) -> None:
+def test_a_client_holding_metrics_connections_fails_no_scrape(spawn_server: Spawn) -> None:
     """One client holding 40 connections to /metrics open and silent, reopening each one
     the server closes: with every place taken, new connections were closed as they came,
     and 23 of 40 scrapes failed. A new connection now takes the place of the oldest silent
@@ -1186,9 +1158,7 @@ def _get(port: int) -> bytes:
 
 @pytest.mark.slow
 @pytest.mark.timeout(60)
-def test_an_upper_case_header_is_answered_by_grpc_and_harms_nothing(
-    spawn_server: Callable[..., ServerProcess],
-) -> None:
+def test_an_upper_case_header_is_answered_by_grpc_and_harms_nothing(spawn_server: Spawn) -> None:
     """HTTP/2 forbids upper-case header names: gRPC's core refuses such a call itself
     (INTERNAL, or a reset stream) before posenc sees it, so posenc's metrics cannot count it
     (deploy/prometheus/rules.yml says so and where to look instead). What posenc promises:
@@ -1221,9 +1191,7 @@ def test_an_upper_case_header_is_answered_by_grpc_and_harms_nothing(
 
 @pytest.mark.slow
 @pytest.mark.timeout(120)
-def test_a_stalled_call_flood_lets_every_sdk_call_through(
-    spawn_server: Callable[..., ServerProcess],
-) -> None:
+def test_a_stalled_call_flood_lets_every_sdk_call_through(spawn_server: Spawn) -> None:
     """8 connections opening GetEncoding calls that never send their request, without end:
     each holds a read's room until a waiting call takes it over, and the takeover went to the
     newest waiter, which under a flood is nearly always another stalled call (5 SDK calls
@@ -1236,20 +1204,8 @@ def test_a_stalled_call_flood_lets_every_sdk_call_through(
     open_at_the_end: list[int] = []
 
     def flood() -> None:
-        connections = [RawConnection("127.0.0.1", server.port) for _ in range(8)]
-        try:
-            while not stop.is_set():
-                for connection in connections:
-                    if not connection.closed:
-                        connection.call(GET_ENCODING, None, end=False)
-                        opened[0] += 1
-                    connection.pump(0.01)
-                if opened[0] >= 200:
-                    flooding.set()
-            open_at_the_end.append(sum(not connection.closed for connection in connections))
-        finally:
-            for connection in connections:
-                connection.close()
+        flooded = flood_stalled_calls(server.port, GET_ENCODING, stop, opened, 0.01, flooding)
+        open_at_the_end.append(flooded)
 
     flooder = threading.Thread(target=flood, daemon=True)
     flooder.start()

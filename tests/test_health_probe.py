@@ -14,11 +14,11 @@ import os
 import signal
 import socket
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from conftest import ServerProcess, fresh_probe, worker_pids
+from conftest import ServerProcess, Spawn, closing_all, fresh_probe, worker_pids
 from grpc_health.v1 import health_pb2
 from rawh2 import RawConnection
 from test_cli import posenc_cli
@@ -41,7 +41,7 @@ def healthz(port: int, path: str = "/healthz") -> tuple[int, bytes]:
 
 
 @pytest.fixture
-def flooded(spawn_server: Callable[..., ServerProcess]) -> Iterator[ServerProcess]:
+def flooded(spawn_server: Spawn) -> Iterator[ServerProcess]:
     """A 2-process server whose gRPC port holds all the connections it allows (16 each),
     all idle HTTP/2 connections of one client, and whose metrics port has 200 connections
     that never send a request."""
@@ -88,12 +88,8 @@ def test_a_connection_flood_fails_readiness_not_liveness(flooded: ServerProcess)
     # Longer than the supervisor takes to replace a worker that fails its checks (3, each
     # up to 2 s); the metrics port's silent connections are closed after 5 s: open them anew.
     time.sleep(8)
-    again = [socket.create_connection(("127.0.0.1", port)) for _ in range(200)]
-    try:
+    with closing_all([socket.create_connection(("127.0.0.1", port)) for _ in range(200)]):
         answers += [(healthz(port, LIVEZ), healthz(port)) for _ in range(50)]
-    finally:
-        for sock in again:
-            sock.close()
     assert set(answers) == {((200, b"SERVING\n"), (503, b"NOT_SERVING\n"))}
     assert worker_pids(flooded.process.pid) == before
     # The containers' liveness check, `posenc health --http` of /livez, passes the same way.
@@ -103,20 +99,16 @@ def test_a_connection_flood_fails_readiness_not_liveness(flooded: ServerProcess)
 
 @pytest.mark.slow
 @pytest.mark.timeout(120)
-def test_healthz_serves_again_once_a_flood_ends(spawn_server: Callable[..., ServerProcess]) -> None:
+def test_healthz_serves_again_once_a_flood_ends(spawn_server: Spawn) -> None:
     """One process at --max-connections 8: /healthz turns NOT_SERVING under 50 idle
     connections, whose probe of gRPC health fails too, and SERVING once they close."""
     server = spawn_server(0, "--max-connections", "8")
     port = metrics_port(server)
     assert healthz(port) == (200, b"SERVING\n")
-    flood = [RawConnection("127.0.0.1", server.port) for _ in range(50)]
-    try:
+    with closing_all([RawConnection("127.0.0.1", server.port) for _ in range(50)]):
         _until(HEALTHZ, port, (503, b"NOT_SERVING\n"))
         assert fresh_probe(server.target, timeout=10) != health_pb2.HealthCheckResponse.SERVING
         assert healthz(port, LIVEZ) == (200, b"SERVING\n")
-    finally:
-        for connection in flood:
-            connection.close()
     _until(HEALTHZ, port, (200, b"SERVING\n"))
     assert fresh_probe(server.target) == health_pb2.HealthCheckResponse.SERVING
 
@@ -124,7 +116,7 @@ def test_healthz_serves_again_once_a_flood_ends(spawn_server: Callable[..., Serv
 @pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_healthz_fails_while_the_unix_sockets_worker_is_stopped(
-    spawn_server: Callable[..., ServerProcess], tmp_path: Path
+    spawn_server: Spawn, tmp_path: Path
 ) -> None:
     """The first of two workers serves the unix socket alone: stopped, its clients get
     nothing, so /healthz says NOT_SERVING within a health check (not 200 while the other
@@ -149,7 +141,7 @@ def test_healthz_fails_while_the_unix_sockets_worker_is_stopped(
 @pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_healthz_turns_503_while_no_worker_answers_and_200_once_replaced(
-    spawn_server: Callable[..., ServerProcess],
+    spawn_server: Spawn,
 ) -> None:
     server = spawn_server(0, "--processes", "2")
     port = metrics_port(server)
@@ -167,9 +159,7 @@ def test_healthz_turns_503_while_no_worker_answers_and_200_once_replaced(
 
 
 @pytest.mark.timeout(60)
-def test_healthz_turns_503_when_the_drain_starts(
-    spawn_server: Callable[..., ServerProcess],
-) -> None:
+def test_healthz_turns_503_when_the_drain_starts(spawn_server: Spawn) -> None:
     server = spawn_server(0, "--grace-seconds", "60")
     port = metrics_port(server)
     assert healthz(port) == (200, b"SERVING\n")

@@ -16,13 +16,12 @@ import subprocess
 import time
 import urllib.parse
 import urllib.request
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
-from conftest import ROOT, ServerProcess, apt_install, free_port
+from conftest import ROOT, Spawn, apt_install, free_port
 from prometheus_client import REGISTRY
 from test_operations import metrics_port
 
@@ -51,22 +50,15 @@ def promtool() -> str:
 
 
 def test_the_rules_are_valid_and_pass_their_unit_tests(promtool: str) -> None:
-    checked = subprocess.run(
-        [promtool, "check", "rules", "rules.yml"],
-        cwd=RULES,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert checked.returncode == 0, checked.stdout + checked.stderr
-    tested = subprocess.run(
-        [promtool, "test", "rules", "rules_test.yml"],
-        cwd=RULES,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert tested.returncode == 0, tested.stdout + tested.stderr
+    for command, path in (("check", "rules.yml"), ("test", "rules_test.yml")):
+        done = subprocess.run(
+            [promtool, command, "rules", path],
+            cwd=RULES,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert done.returncode == 0, done.stdout + done.stderr
 
 
 def _rules() -> list[dict[str, str]]:
@@ -122,7 +114,7 @@ def _query(port: int, expr: str) -> list[dict[str, Any]]:
 @pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_a_real_prometheus_scrapes_the_server_and_runs_the_rules(
-    promtool: str, spawn_server: Callable[..., ServerProcess], tmp_path: Path
+    promtool: str, spawn_server: Spawn, tmp_path: Path
 ) -> None:
     """Debian's Prometheus scrapes a 2-process server (the supervisor's sum of its workers)
     and a replica that is gone, with the rules loaded: the live one is up with its calls

@@ -15,7 +15,7 @@ import grpc
 import numpy as np
 import pytest
 import trustme
-from conftest import ServerProcess
+from conftest import Spawn, token_file
 
 import posenc
 from posenc.cli import main
@@ -93,9 +93,7 @@ def test_mutual_tls_requires_a_client_certificate(
 def test_bearer_token_is_required_except_for_health(
     server_factory: Callable[..., RunningServer], tmp_path: Path
 ) -> None:
-    token_file = tmp_path / "token"
-    token_file.write_text("s3cret-token\n")
-    server = server_factory(auth_token_file=str(token_file))
+    server = server_factory(auth_token_file=str(token_file(tmp_path, "s3cret-token\n")))
     # Local credentials: plaintext to this machine, where gRPC sends call credentials.
     local = grpc.local_channel_credentials()
     with posenc.Client(server.target, token="s3cret-token", credentials=local) as client:
@@ -114,20 +112,19 @@ def test_bearer_token_is_required_except_for_health(
 
 @pytest.mark.slow
 def test_cli_sends_token_and_tls_settings(
-    spawn_server: Callable[..., ServerProcess], authority: trustme.CA, tmp_path: Path
+    spawn_server: Spawn, authority: trustme.CA, tmp_path: Path
 ) -> None:
     files = pem_files(authority, tmp_path)
-    token_file = tmp_path / "token"
-    token_file.write_text("cli-token")
+    tokens = token_file(tmp_path, "cli-token")
     process = spawn_server(
         0,
         *("--tls-cert-file", str(files["server_cert"]), "--tls-key-file", str(files["server_key"])),
-        *("--tls-client-ca-file", str(files["ca"]), "--auth-token-file", str(token_file)),
+        *("--tls-client-ca-file", str(files["ca"]), "--auth-token-file", str(tokens)),
     )
     tls = ["--tls-ca", str(files["ca"]), "--tls-cert", str(files["client_cert"])]
     tls += ["--tls-key", str(files["client_key"])]
     base = [POSENC, "info", "--target", process.target, *tls]
-    ok = subprocess.run([*base, "--token-file", str(token_file)], capture_output=True, timeout=30)
+    ok = subprocess.run([*base, "--token-file", str(tokens)], capture_output=True, timeout=30)
     assert ok.returncode == 0, ok.stderr
     refused = subprocess.run(base, capture_output=True, text=True, timeout=30)
     assert refused.returncode != 0 and "UNAUTHENTICATED" in refused.stderr
@@ -256,7 +253,7 @@ def test_a_number_for_a_target_says_what_a_target_is() -> None:
 
 
 def test_clients_tls_mistakes_leave_the_servers_log_one_json_object_a_line(
-    spawn_server: Callable[..., ServerProcess], authority: trustme.CA, tmp_path: Path
+    spawn_server: Spawn, authority: trustme.CA, tmp_path: Path
 ) -> None:
     """A plaintext client retrying against a TLS server adds no line of gRPC's core to the
     server's log, which stays JSON; a client expecting another name adds at most the core's

@@ -9,7 +9,7 @@ from collections.abc import Callable
 import grpc
 import numpy as np
 import pytest
-from conftest import ServerProcess, peak_rss_mib
+from conftest import Spawn, peak_rss_mib
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from reference import engine_range
@@ -177,7 +177,7 @@ def test_health_and_reflection_are_served(server: RunningServer) -> None:
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("with_decode_steps", [False, True])
 def test_calls_are_answered_between_the_steps_of_a_cold_stream(
-    spawn_server: Callable[..., ServerProcess], with_decode_steps: bool
+    spawn_server: Spawn, with_decode_steps: bool
 ) -> None:
     """Health checks alone leave a lone stream computing its blocks on the event loop, a
     block a step: each of their turns on the loop waits for a step at most, never for the
@@ -231,7 +231,7 @@ def test_calls_are_answered_between_the_steps_of_a_cold_stream(
 @pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_a_stream_larger_than_the_cache_budget_keeps_server_memory_bounded(
-    spawn_server: Callable[..., ServerProcess],
+    spawn_server: Spawn,
 ) -> None:
     budget = 32 * MIB
     process = spawn_server(0, "--cache-bytes", str(budget))
@@ -253,9 +253,7 @@ def test_a_stream_larger_than_the_cache_budget_keeps_server_memory_bounded(
 
 @pytest.mark.slow
 @pytest.mark.timeout(120)
-def test_sigterm_drains_streams_in_flight_and_refuses_new_calls(
-    spawn_server: Callable[..., ServerProcess],
-) -> None:
+def test_sigterm_drains_streams_in_flight_and_refuses_new_calls(spawn_server: Spawn) -> None:
     process = spawn_server(0, "--grace-seconds", "20")
     with grpc.insecure_channel(process.target) as channel:
         stub = posenc_pb2_grpc.PositionalEncodingServiceStub(channel)
@@ -291,9 +289,7 @@ def test_sigterm_drains_streams_in_flight_and_refuses_new_calls(
 
 
 @pytest.mark.slow
-def test_startup_logs_one_line_with_address_version_and_limits(
-    spawn_server: Callable[..., ServerProcess],
-) -> None:
+def test_startup_logs_one_line_with_address_version_and_limits(spawn_server: Spawn) -> None:
     process = spawn_server(0, env={"POSENC_MAX_D_MODEL": "1024"})
     startup = [entry for entry in process.logs() if entry["message"] == "listening"]
     assert len(startup) == 1
@@ -302,8 +298,6 @@ def test_startup_logs_one_line_with_address_version_and_limits(
     assert startup[0]["limits"]["max_d_model"] == 1024  # type: ignore[index]
 
 
-def test_serve_refuses_bad_configuration_with_a_message(
-    spawn_server: Callable[..., ServerProcess],
-) -> None:
+def test_serve_refuses_bad_configuration_with_a_message(spawn_server: Spawn) -> None:
     with pytest.raises(RuntimeError, match="max-chunk-bytes"):
         spawn_server(0, "--max-chunk-bytes", str(64 * MIB))

@@ -10,12 +10,11 @@ from __future__ import annotations
 
 import concurrent.futures
 import os
-from collections.abc import Callable
 
 import grpc
 import numpy as np
 import pytest
-from conftest import SERVER_HEADROOM_MIB, ServerProcess, peak_rss_mib, sizing_rule_mib
+from conftest import SERVER_HEADROOM_MIB, Spawn, peak_rss_mib, sizing_rule_mib
 
 from posenc_protocol.v1 import posenc_pb2 as pb
 from posenc_protocol.v1 import posenc_pb2_grpc
@@ -44,7 +43,7 @@ def longrope(serial: int) -> pb.EncodingSpec:
 @pytest.mark.slow
 @pytest.mark.timeout(1800)
 def test_distinct_longrope_specs_keep_rss_within_the_cache_budget_plus_headroom(
-    spawn_server: Callable[..., ServerProcess],
+    spawn_server: Spawn,
 ) -> None:
     requests = 600 if SOAK else 32
     budget = 16 * MIB
@@ -74,9 +73,7 @@ def _tree_peak_mib(supervisor_pid: int) -> tuple[float, list[float]]:
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-def test_spec_churn_with_2_processes_stays_within_the_sizing_rule(
-    spawn_server: Callable[..., ServerProcess],
-) -> None:
+def test_spec_churn_with_2_processes_stays_within_the_sizing_rule(spawn_server: Spawn) -> None:
     keys = 5000 if SOAK else 1200
     budget, processes = 128 * MIB, 2
     process = spawn_server(0, "--processes", str(processes), "--cache-bytes", str(budget))

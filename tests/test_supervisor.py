@@ -8,13 +8,12 @@ import signal
 import socket
 import time
 import urllib.request
-from collections.abc import Callable
 from pathlib import Path
 
 import grpc
 import numpy as np
 import pytest
-from conftest import ServerProcess, worker_pids
+from conftest import ServerProcess, Spawn, worker_pids
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from reference import classic
 
@@ -36,9 +35,7 @@ def alive(pid: int) -> bool:
 
 
 @pytest.mark.timeout(120)
-def test_workers_share_the_port_and_each_serves(
-    spawn_server: Callable[..., ServerProcess],
-) -> None:
+def test_workers_share_the_port_and_each_serves(spawn_server: Spawn) -> None:
     process = spawn_server(0, "--processes", "2", "--cache-bytes", str(64 << 20))
     assert len(worker_pids(process.process.pid)) == 2
     startup = [entry for entry in process.logs() if entry["message"] == "listening"]
@@ -59,9 +56,7 @@ def test_workers_share_the_port_and_each_serves(
 
 
 @pytest.mark.timeout(120)
-def test_sigterm_drains_every_worker_and_exits_zero(
-    spawn_server: Callable[..., ServerProcess],
-) -> None:
+def test_sigterm_drains_every_worker_and_exits_zero(spawn_server: Spawn) -> None:
     process = spawn_server(0, "--processes", "2", "--grace-seconds", "10")
     workers = worker_pids(process.process.pid)
     with posenc.Client(process.target) as client:
@@ -92,7 +87,7 @@ def wait_for_log(process: ServerProcess, message: str, count: int) -> None:
 @pytest.mark.parametrize("processes", [1, 2])
 @pytest.mark.timeout(180)
 def test_ctrl_c_drains_and_a_second_ctrl_c_stops_without_waiting_for_the_grace(
-    spawn_server: Callable[..., ServerProcess], processes: int
+    spawn_server: Spawn, processes: int
 ) -> None:
     """Ctrl-C signals every process of the terminal's group: once, the server drains (a
     stream in flight goes on); twice, it stops, cutting the stream instead of giving it the
@@ -128,9 +123,7 @@ def test_ctrl_c_drains_and_a_second_ctrl_c_stops_without_waiting_for_the_grace(
 
 
 @pytest.mark.timeout(120)
-def test_workers_die_with_a_killed_supervisor_and_free_the_port(
-    spawn_server: Callable[..., ServerProcess],
-) -> None:
+def test_workers_die_with_a_killed_supervisor_and_free_the_port(spawn_server: Spawn) -> None:
     process = spawn_server(0, "--processes", "2")
     workers = worker_pids(process.process.pid)
     process.kill()
@@ -154,7 +147,7 @@ def test_workers_die_with_a_killed_supervisor_and_free_the_port(
 
 
 def test_a_killed_supervisors_metrics_directory_is_removed_at_the_next_start(
-    spawn_server: Callable[..., ServerProcess], tmp_path: Path
+    spawn_server: Spawn, tmp_path: Path
 ) -> None:
     env = {"TMPDIR": str(tmp_path)}
     first = spawn_server(0, "--processes", "2", env=env)
@@ -169,7 +162,7 @@ def test_a_killed_supervisors_metrics_directory_is_removed_at_the_next_start(
 
 
 @pytest.mark.timeout(120)
-def test_a_dead_worker_is_replaced(spawn_server: Callable[..., ServerProcess]) -> None:
+def test_a_dead_worker_is_replaced(spawn_server: Spawn) -> None:
     process = spawn_server(0, "--processes", "2")
     victim = min(worker_pids(process.process.pid))
     os.kill(victim, signal.SIGKILL)
@@ -186,9 +179,7 @@ def test_a_dead_worker_is_replaced(spawn_server: Callable[..., ServerProcess]) -
 
 
 @pytest.mark.parametrize("processes", ["1", "2"])
-def test_a_busy_port_is_an_error(
-    spawn_server: Callable[..., ServerProcess], processes: str
-) -> None:
+def test_a_busy_port_is_an_error(spawn_server: Spawn, processes: str) -> None:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         sock.listen()
@@ -197,9 +188,7 @@ def test_a_busy_port_is_an_error(
 
 
 @pytest.mark.timeout(120)
-def test_a_second_server_never_joins_a_running_one(
-    spawn_server: Callable[..., ServerProcess],
-) -> None:
+def test_a_second_server_never_joins_a_running_one(spawn_server: Spawn) -> None:
     # The first server shares its port between its workers (SO_REUSEPORT); a second one
     # with the same port must not slip in beside them.
     first = spawn_server(0, "--processes", "2")
@@ -210,7 +199,7 @@ def test_a_second_server_never_joins_a_running_one(
 
 @pytest.mark.parametrize("processes", ["1", "2"])
 def test_a_busy_metrics_port_fails_before_anything_listens(
-    spawn_server: Callable[..., ServerProcess], processes: str
+    spawn_server: Spawn, processes: str
 ) -> None:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -224,9 +213,7 @@ def test_a_busy_metrics_port_fails_before_anything_listens(
 
 
 @pytest.mark.parametrize("processes", ["1", "2"])
-def test_the_default_metrics_port_yields_when_busy(
-    spawn_server: Callable[..., ServerProcess], processes: str
-) -> None:
+def test_the_default_metrics_port_yields_when_busy(spawn_server: Spawn, processes: str) -> None:
     # A second server on a developer's machine, where `make run` holds 9464: it serves its
     # metrics on a free port and says which. (If 9464 is already taken, so much the better.)
     with contextlib.ExitStack() as stack:
@@ -244,9 +231,7 @@ def test_the_default_metrics_port_yields_when_busy(
             assert b"# HELP posenc_" in response.read()
 
 
-def test_healthy_workers_pass_the_supervisors_health_checks(
-    spawn_server: Callable[..., ServerProcess],
-) -> None:
+def test_healthy_workers_pass_the_supervisors_health_checks(spawn_server: Spawn) -> None:
     # Three failed checks, one a second, replace a worker: a check that cannot reach healthy
     # workers would replace them every few seconds.
     process = spawn_server(0, "--processes", "2")
@@ -256,7 +241,7 @@ def test_healthy_workers_pass_the_supervisors_health_checks(
 
 
 @pytest.mark.timeout(180)
-def test_a_hung_worker_is_replaced(spawn_server: Callable[..., ServerProcess]) -> None:
+def test_a_hung_worker_is_replaced(spawn_server: Spawn) -> None:
     """A worker that stops answering (SIGSTOP: alive, its port open, silent) fails the
     supervisor's health checks and is killed and replaced for it."""
     process = spawn_server(0, "--processes", "2")
@@ -299,7 +284,7 @@ def _worker_environ(pid: int) -> dict[str, str]:
 
 @pytest.mark.timeout(120)
 def test_the_workers_private_line_serves_health_alone_to_the_servers_user(
-    spawn_server: Callable[..., ServerProcess],
+    spawn_server: Spawn,
 ) -> None:
     """Each worker's line to its supervisor is a socket file in a directory only the
     server's user may enter, and serves health alone: an abstract socket, which any process
@@ -332,9 +317,7 @@ def test_the_workers_private_line_serves_health_alone_to_the_servers_user(
 
 
 @pytest.mark.timeout(120)
-def test_sigterm_to_the_process_group_drains(
-    spawn_server: Callable[..., ServerProcess],
-) -> None:
+def test_sigterm_to_the_process_group_drains(spawn_server: Spawn) -> None:
     """SIGTERM to the whole process group (a shell's, CI's or `timeout`'s way) reaches each
     worker twice: from the group and from the supervisor. The second must not be taken for
     a second signal: a stream in flight goes on to its end, and the server says it drained."""
