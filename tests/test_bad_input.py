@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import grpc
 import numpy as np
@@ -29,6 +29,14 @@ def sinusoidal(d_model: int, dtype: int = 0, **table: object) -> pb.EncodingSpec
         dtype=dtype,  # type: ignore[arg-type]
         sinusoidal=pb.SinusoidalTable(d_model=d_model, **table),  # type: ignore[arg-type]
     )
+
+
+def refused(code: grpc.StatusCode, call: Callable[[], object]) -> grpc.RpcError:
+    """The error that ``call()`` raises, which must carry ``code``."""
+    with pytest.raises(grpc.RpcError) as raised:
+        call()
+    assert raised.value.code() == code
+    return raised.value
 
 
 def request(
@@ -91,11 +99,9 @@ def test_invalid_argument_names_the_field(
     case: str, stub: posenc_pb2_grpc.PositionalEncodingServiceStub
 ) -> None:
     message, field = INVALID_UNARY[case]
-    with pytest.raises(grpc.RpcError) as raised:
-        stub.GetEncoding(message)
-    assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert field in raised.value.details()
-    assert field in field_violations(raised.value)
+    error = refused(grpc.StatusCode.INVALID_ARGUMENT, lambda: stub.GetEncoding(message))
+    assert field in error.details()
+    assert field in field_violations(error)
     assert_still_serves(stub)
 
 
@@ -136,11 +142,12 @@ def test_oversized_position_list_is_refused(
     stub: posenc_pb2_grpc.PositionalEncodingServiceStub,
 ) -> None:
     positions = pb.PositionList(positions=range(1_048_577))
-    with pytest.raises(grpc.RpcError) as raised:
-        stub.GetEncoding(pb.GetEncodingRequest(spec=sinusoidal(1), positions=positions))
-    assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert "positions.positions" in field_violations(raised.value)
-    assert "1048576" in raised.value.details()
+    error = refused(
+        grpc.StatusCode.INVALID_ARGUMENT,
+        lambda: stub.GetEncoding(pb.GetEncodingRequest(spec=sinusoidal(1), positions=positions)),
+    )
+    assert "positions.positions" in field_violations(error)
+    assert "1048576" in error.details()
     assert_still_serves(stub)
 
 
@@ -156,11 +163,12 @@ def test_largest_position_list_is_received(
 def test_unary_result_over_its_limit_says_to_stream(
     stub: posenc_pb2_grpc.PositionalEncodingServiceStub,
 ) -> None:
-    with pytest.raises(grpc.RpcError) as raised:
-        stub.GetEncoding(request(d_model=1024, start=0, stop=1025))
-    assert raised.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-    assert "StreamEncoding" in raised.value.details()
-    assert "unary limit" in raised.value.details()
+    error = refused(
+        grpc.StatusCode.RESOURCE_EXHAUSTED,
+        lambda: stub.GetEncoding(request(d_model=1024, start=0, stop=1025)),
+    )
+    assert "StreamEncoding" in error.details()
+    assert "unary limit" in error.details()
     assert_still_serves(stub)
 
 
@@ -170,10 +178,10 @@ def test_stream_over_its_limit_is_refused_before_computing(
     huge = pb.StreamEncodingRequest(
         spec=sinusoidal(4096), range=pb.PositionRange(start=0, stop=2**20 + 1)
     )
-    with pytest.raises(grpc.RpcError) as raised:
-        next(iter(stub.StreamEncoding(huge)))
-    assert raised.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-    assert "stream limit" in raised.value.details()
+    error = refused(
+        grpc.StatusCode.RESOURCE_EXHAUSTED, lambda: next(iter(stub.StreamEncoding(huge)))
+    )
+    assert "stream limit" in error.details()
     assert_still_serves(stub)
 
 
@@ -184,10 +192,8 @@ def test_chunk_smaller_than_a_row_is_refused(
         spec=sinusoidal(1024), range=pb.PositionRange(start=0, stop=10)
     )
     message.max_chunk_bytes = 4095
-    with pytest.raises(grpc.RpcError) as raised:
-        list(stub.StreamEncoding(message))
-    assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert "max_chunk_bytes" in field_violations(raised.value)
+    error = refused(grpc.StatusCode.INVALID_ARGUMENT, lambda: list(stub.StreamEncoding(message)))
+    assert "max_chunk_bytes" in field_violations(error)
 
 
 @pytest.mark.parametrize(
@@ -301,13 +307,13 @@ def test_errors_stay_small_whatever_the_request(
 ) -> None:
     """An error's message and details are bounded: nothing a request holds comes back
     whole, however large the request."""
-    with pytest.raises(grpc.RpcError) as raised:
-        stub.GetEncoding(HOSTILE[name], timeout=60)
-    assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert len(raised.value.details()) <= 4096
-    status = rpc_status.from_call(raised.value)  # type: ignore[arg-type]
+    error = refused(
+        grpc.StatusCode.INVALID_ARGUMENT, lambda: stub.GetEncoding(HOSTILE[name], timeout=60)
+    )
+    assert len(error.details()) <= 4096
+    status = rpc_status.from_call(error)  # type: ignore[arg-type]
     assert status is not None and status.ByteSize() <= 16384
-    assert field_violations(raised.value)
+    assert field_violations(error)
     assert_still_serves(stub)
 
 
