@@ -27,6 +27,7 @@ from typing import Any
 import numpy as np
 import pytest
 from conftest import ROOT
+from model_configs import DEEPSEEK_V3_YARN
 from reference import within_contract
 from reference_tables import Rope, Sin, rope_exact, sinusoidal_exact
 
@@ -111,10 +112,7 @@ def _rotary_cases() -> list[tuple[str, Any, posenc.Spec]]:
             head_dim=64,
             max_position_embeddings=163840,
             rope_parameters={
-                "rope_type": "yarn",
-                "rope_theta": 10000.0,
-                "factor": 40.0,
-                "original_max_position_embeddings": 4096,
+                **DEEPSEEK_V3_YARN,
                 "beta_fast": 32.0,
                 "beta_slow": 1.0,
                 "mscale": 0.707,

@@ -40,6 +40,7 @@ from typing import Any
 import grpc
 import numpy as np
 import pytest
+from model_configs import DEEPSEEK_V3_YARN, QWEN2_5_VL_VISION, QWEN2_VL_MROPE, QWEN2_VL_VISION
 
 torch = pytest.importorskip("torch", reason="the conformance extra (make test installs it)")
 transformers = pytest.importorskip("transformers")
@@ -372,10 +373,7 @@ def _deepseek(config: Any, mscale: float) -> Any:
         initializer_range=0.3,
         max_position_embeddings=163840,
         rope_parameters={
-            "rope_type": "yarn",
-            "rope_theta": 10000.0,
-            "factor": 40.0,
-            "original_max_position_embeddings": 4096,
+            **DEEPSEEK_V3_YARN,
             "beta_fast": 32,
             "beta_slow": 1,
             "mscale": mscale,
@@ -977,13 +975,9 @@ def _qwen2_vl() -> Any:  # Qwen2-VL 7B: head 128, sections 16 / 24 / 24
             text_config={
                 **_VL_TEXT,
                 "hidden_size": 256,
-                "rope_parameters": {
-                    "rope_type": "default",
-                    "rope_theta": 1000000.0,
-                    "mrope_section": [16, 24, 24],
-                },
+                "rope_parameters": QWEN2_VL_MROPE,
             },
-            vision_config={"depth": 1, "embed_dim": 32, "hidden_size": 256, "num_heads": 2},
+            vision_config=QWEN2_VL_VISION,
             **_VL_TOKENS,
         )
     )
@@ -995,19 +989,9 @@ def _qwen2_5_vl() -> Any:  # Qwen2.5-VL 7B
             text_config={
                 **_VL_TEXT,
                 "hidden_size": 256,
-                "rope_parameters": {
-                    "rope_type": "default",
-                    "rope_theta": 1000000.0,
-                    "mrope_section": [16, 24, 24],
-                },
+                "rope_parameters": QWEN2_VL_MROPE,
             },
-            vision_config={
-                "depth": 1,
-                "hidden_size": 32,
-                "out_hidden_size": 256,
-                "num_heads": 2,
-                "intermediate_size": 32,
-            },
+            vision_config=QWEN2_5_VL_VISION,
             **_VL_TOKENS,
         )
     )

@@ -20,6 +20,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from model_configs import QWEN2_5_VL_VISION, QWEN2_VL_MROPE, QWEN2_VL_VISION
 
 import posenc
 from posenc_server.app import RunningServer
@@ -68,13 +69,9 @@ def _qwen2_vl() -> Any:
     config = Qwen2VLConfig(
         text_config={
             **_TEXT,
-            "rope_parameters": {
-                "rope_type": "default",
-                "rope_theta": 1e6,
-                "mrope_section": [16, 24, 24],
-            },
+            "rope_parameters": QWEN2_VL_MROPE,
         },
-        vision_config={"depth": 1, "embed_dim": 32, "hidden_size": 256, "num_heads": 2},
+        vision_config=QWEN2_VL_VISION,
     )
     return Qwen2VLModel(config)
 
@@ -85,19 +82,9 @@ def _qwen2_5_vl() -> Any:
     config = Qwen2_5_VLConfig(
         text_config={
             **_TEXT,
-            "rope_parameters": {
-                "rope_type": "default",
-                "rope_theta": 1e6,
-                "mrope_section": [16, 24, 24],
-            },
+            "rope_parameters": QWEN2_VL_MROPE,
         },
-        vision_config={
-            "depth": 1,
-            "hidden_size": 32,
-            "out_hidden_size": 256,
-            "num_heads": 2,
-            "intermediate_size": 32,
-        },
+        vision_config=QWEN2_5_VL_VISION,
     )
     return Qwen2_5_VLModel(config)
 
