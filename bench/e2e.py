@@ -6,7 +6,7 @@ import contextlib
 import functools
 import random
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -27,6 +27,7 @@ from bench.common import (
 )
 from bench.engine_bench import plain_numpy
 from bench.floor import FloorClient
+from bench.harness import Servers
 
 TIMEOUT = 600.0
 # The local computation runs in slices of this many rows (its float64 temporaries stay small).
@@ -40,9 +41,9 @@ _HALF_FLOOR = "floor, half the bytes"
 _DTYPES = ("float32", "bfloat16", "float16")
 
 
-def run(sizes: Sizes, posenc_flags: Sequence[str], processes: int) -> Section:
-    """Section b, each run on a posenc server (``posenc_flags``) and a floor server of
-    ``processes`` processes started for it."""
+def run(sizes: Sizes, servers: Servers) -> Section:
+    """Section b, each run on a posenc server (``servers.flags``) and a floor server of
+    ``servers.processes`` processes started for it, beside the idle ``servers``."""
     rows, d_model = sizes.e2e_rows, sizes.e2e_d_model
     f32_bytes = rows * d_model * 4
     runs = sizes.e2e_runs
@@ -67,7 +68,8 @@ def run(sizes: Sizes, posenc_flags: Sequence[str], processes: int) -> Section:
             "row: floor, half the bytes). local numpy = the same "
             "table computed in the harness with plain accurate numpy (float64 angles, np.sin, "
             f"np.cos; slices of {_LOCAL_SLICE_ROWS} rows into one array). Each run has a posenc "
-            f"server and a floor server of {processes} processes started for it (how fast a "
+            f"server and a floor server of {servers.processes} processes started for it (how "
+            "fast a "
             "server process streams differs from one process to the next more than between "
             "runs on one process). After one repetition of every unit that is not counted "
             "(the server processes' heaps grow while their caches first fill), units run "
@@ -128,9 +130,7 @@ def run(sizes: Sizes, posenc_flags: Sequence[str], processes: int) -> Section:
     ) -> None:
         nonlocal counting
         posenc_pids = server.pids
-
-        def floor_pids() -> list[int]:
-            return [pid for member in floor_server.members for pid in member.pids()]
+        floor_pids = floor_server.pids
 
         with (
             posenc.Client(server.target, timeout=TIMEOUT) as client,
@@ -210,15 +210,8 @@ def run(sizes: Sizes, posenc_flags: Sequence[str], processes: int) -> Section:
                 local_unit(repeat)
 
     for index in range(runs):
-        server = procs.start_posenc(posenc_flags)
-        floor_server = procs.FloorServer(processes)
-        try:
-            server.wait_ready()
-            procs.wait_serving(server.target)
+        with procs.serving_pair(servers.flags, servers.processes) as (server, floor_server):
             measure_run(index, server, floor_server)
-        finally:
-            server.stop()
-            floor_server.stop()
 
     speeds = {name: mib_per_s(nbytes[name], median(s)) for name, s in samples.items()}
     # Each row against the floor of its bytes.

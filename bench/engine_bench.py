@@ -11,6 +11,7 @@ import numpy as np
 import numpy.typing as npt
 
 from bench.common import MIB, Section, Sizes, Table, Target, median, ratio, rotated
+from bench.harness import Servers
 
 Array = npt.NDArray[Any]
 
@@ -58,7 +59,8 @@ def naive_float32(start: int, rows: int, d_model: int, base: float = 10000.0) ->
     return out
 
 
-def run(sizes: Sizes) -> Section:
+def run(sizes: Sizes, servers: Servers) -> Section:
+    """Section a, in-process: the idle servers are not called (``servers`` unused)."""
     section = Section(
         "a",
         "Engine, cold",

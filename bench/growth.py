@@ -8,6 +8,7 @@ from typing import Any
 import posenc
 from bench.common import MIB, Section, Sizes, Table, median, mib_per_s, ratio, rotated
 from bench.floor import FloorClient
+from bench.harness import Servers
 
 TIMEOUT = 600.0
 
@@ -65,7 +66,7 @@ def _measure(
     return samples
 
 
-def run(sizes: Sizes, posenc_target: str, floor_target: str) -> Section:
+def run(sizes: Sizes, servers: Servers) -> Section:
     d_model = sizes.growth_d_model
     width_bytes = sizes.growth_width_bytes
     section = Section(
@@ -83,8 +84,8 @@ def run(sizes: Sizes, posenc_target: str, floor_target: str) -> Section:
             "4 MiB); medians."
         ),
     )
-    with posenc.Client(posenc_target, timeout=TIMEOUT) as client:
-        floor = FloorClient(floor_target)
+    with posenc.Client(servers.posenc_target, timeout=TIMEOUT) as client:
+        floor = FloorClient(servers.floor_target)
         try:
             floor.wait_ready()
             client.get_range(0, 1, d_model)

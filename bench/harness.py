@@ -30,6 +30,9 @@ class Servers:
     floor_pids: Callable[[], list[int]]
     processes: int
     """How many processes each of the two servers has."""
+    flags: tuple[str, ...] = ()
+    """The posenc server's flags beyond its defaults: a section starting servers of its own
+    starts them alike."""
 
 
 def timed(function: Callable[[], object]) -> float:

@@ -11,12 +11,12 @@ from __future__ import annotations
 import os
 import time
 import types
-from collections.abc import Callable
 from typing import Any
 
 import posenc
 from bench.common import Section, Sizes, Table, Target, median, percentile, ratio, runs_target
 from bench.floor import FloorClient
+from bench.harness import Servers, interleaved, step_times
 
 BATCH = 8
 NEW_TOKENS = 64
@@ -56,30 +56,14 @@ def _step_times(steps: list[float]) -> str:
     return f"{median(steps) * 1e3:.2f} ms (p90 {percentile(steps, 90) * 1e3:.2f})"
 
 
-def _interleaved(
-    first: Callable[[], float], second: Callable[[], float], repeats: int
-) -> tuple[list[float], list[float]]:
-    """``repeats`` timings of each, alternating which goes first."""
-    a: list[float] = []
-    b: list[float] = []
-    for i in range(repeats):
-        if i % 2:
-            b.append(second())
-            a.append(first())
-        else:
-            a.append(first())
-            b.append(second())
-    return a, b
-
-
-def run(sizes: Sizes, posenc_target: str, floor_target: str) -> Section:
+def run(sizes: Sizes, servers: Servers) -> Section:
     section = Section("g", "Inference integration (torch, transformers)")
     try:
         import torch
         import transformers
         from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
     except ImportError as error:
-        section.error = f"needs the conformance extra (torch, transformers): {error}"
+        section.error = f"needs the conformance servers.flags (torch, transformers): {error}"
         return section
     from posenc.integrations.transformers import patch
 
@@ -111,9 +95,9 @@ def run(sizes: Sizes, posenc_target: str, floor_target: str) -> Section:
         f"(4) A dynamic-NTK model past max_position_embeddings: every step grows seq_len, so "
         f"every step is a new table; the patched module's step against the empty call."
     )
-    floor = FloorClient(floor_target)
+    floor = FloorClient(servers.floor_target)
     floor.wait_ready()
-    client = posenc.Client(posenc_target)
+    client = posenc.Client(servers.posenc_target)
     targets: list[Target] = []
     rows: list[list[Any]] = []
     try:
@@ -202,24 +186,16 @@ def run(sizes: Sizes, posenc_target: str, floor_target: str) -> Section:
         lengths = torch.tensor([1_000_003 + 9_973 * i for i in range(BATCH)])[:, None]
 
         def steps(module: Any, offset: int) -> list[float]:
-            times = []
-            for step in range(rounds):
-                ids = lengths + offset + step
-                start = time.perf_counter()
+            ids = [lengths + offset + index for index in range(rounds)]  # made untimed
+
+            def step(index: int) -> None:
                 with torch.no_grad():
-                    module(x, ids)
-                times.append(time.perf_counter() - start)
-                time.sleep(MODEL_SECONDS)
-            return times
+                    module(x, ids[index])
+
+            return step_times(step, rounds, MODEL_SECONDS)
 
         def empties() -> list[float]:
-            times = []
-            for _ in range(rounds):
-                start = time.perf_counter()
-                floor.empty()
-                times.append(time.perf_counter() - start)
-                time.sleep(MODEL_SECONDS)
-            return times
+            return step_times(lambda _: floor.empty(), rounds, MODEL_SECONDS)
 
         steps(ours_module, 0)  # warm-up: the read-ahead starts
         ours = steps(ours_module, rounds)
@@ -302,9 +278,9 @@ def run(sizes: Sizes, posenc_target: str, floor_target: str) -> Section:
                 native_module(x, positions)
             return time.perf_counter() - start
 
-        native_times, warm_times = _interleaved(computed, warm, repeats)
-        native_times2, cold_times = _interleaved(computed, cold, repeats)
-        native_times3, view_times = _interleaved(computed, viewed, repeats)
+        native_times, warm_times = interleaved(computed, warm, repeats)
+        native_times2, cold_times = interleaved(computed, cold, repeats)
+        native_times3, view_times = interleaved(computed, viewed, repeats)
         warm_ratios = [n / w for n, w in zip(native_times, warm_times, strict=True)]
         view_ratios = [n / v for n, v in zip(native_times3, view_times, strict=True)]
         cold_ratios = [n / c for n, c in zip(native_times2, cold_times, strict=True)]
@@ -357,15 +333,13 @@ def run(sizes: Sizes, posenc_target: str, floor_target: str) -> Section:
         start_length = 5000
 
         def dynamic_steps(offset: int) -> list[float]:
-            times = []
-            for step in range(rounds):
-                ids = torch.full((BATCH, 1), start_length + offset + step)
-                begin = time.perf_counter()
+            ids = [torch.full((BATCH, 1), start_length + offset + i) for i in range(rounds)]
+
+            def step(index: int) -> None:
                 with torch.no_grad():
-                    module(x, ids)
-                times.append(time.perf_counter() - begin)
-                time.sleep(MODEL_SECONDS)
-            return times
+                    module(x, ids[index])
+
+            return step_times(step, rounds, MODEL_SECONDS)
 
         dynamic_steps(0)
         # Three runs, each its steps then as many empty calls: the target is the median

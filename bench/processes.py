@@ -24,6 +24,7 @@ from bench.common import (
     ratio,
     runs_target,
 )
+from bench.harness import Servers
 
 D_MODEL = 1024
 # 256 rows of 1024 float32 columns: 1 MiB, one unary call, one block computed per call.
@@ -104,7 +105,8 @@ def _throughput(
     return sum(done) / (time.monotonic() - t0)
 
 
-def run(sizes: Sizes) -> Section:
+def run(sizes: Sizes, idle: Servers) -> Section:
+    """Section p, on servers of 1 and 2 processes of its own (the ``idle`` ones unused)."""
     window = WINDOW[sizes.quick]
     cores = len(os.sched_getaffinity(0))
     section = Section(

@@ -17,7 +17,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 from bench.common import REPO, process_tree, tree_kib
 from bench.harness import child_env
@@ -187,6 +187,10 @@ class FloorServer:
     def rss_kib(self) -> int:
         return sum(member.rss_kib() for member in self.members)
 
+    def pids(self) -> list[int]:
+        """Every floor process's pid (for their CPU)."""
+        return [pid for member in self.members for pid in member.pids()]
+
     def stop(self) -> None:
         for member in self.members:
             member.stop()
@@ -194,6 +198,25 @@ class FloorServer:
 
 def _floor_argv(port: int) -> list[str]:
     return [sys.executable, "-m", "bench.floor", "--port", str(port)]
+
+
+@contextlib.contextmanager
+def serving_pair(
+    flags: Sequence[str], processes: int
+) -> Iterator[tuple[ServerProcess, FloorServer]]:
+    """A posenc server (``flags``) answering calls and a floor of ``processes`` processes,
+    both stopped on leaving, whatever happens."""
+    server = start_posenc(flags)
+    try:
+        floor = FloorServer(processes)
+        try:
+            server.wait_ready()
+            wait_serving(server.target)
+            yield server, floor
+        finally:
+            floor.stop()
+    finally:
+        server.stop()
 
 
 def wait_serving(target: str, timeout: float = 30.0) -> None:

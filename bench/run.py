@@ -8,6 +8,8 @@ stops every process it started, whatever happens.
 from __future__ import annotations
 
 import argparse
+import functools
+import importlib
 import os
 import sys
 import time
@@ -18,8 +20,9 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as a script: make `bench` importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench import harness, procs
+from bench import procs
 from bench.common import REPO, Section, Sizes, cpu_ticks, load_average, machine, steal_share
+from bench.harness import Servers
 
 SECTIONS = "abcdefghps"
 
@@ -38,7 +41,23 @@ def _guarded(key: str, title: str, body: Callable[[], Section]) -> Section:
     return section
 
 
-def main(argv: list[str] | None = None) -> int:
+# The sections run beside the idle servers, in this order: (key, title, module). Section a
+# runs in-process once the servers are up and idle; b, s, h and p start servers of their
+# own beside the idle ones.
+_BESIDE_IDLE = (
+    ("a", "Engine, cold", "engine_bench"),
+    ("b", "End to end through the SDK", "e2e"),
+    ("s", "Start-up and the first call", "startup"),
+    ("c", "Decode-step latency", "latency"),
+    ("d", "Concurrency", "concurrency"),
+    ("g", "Inference integration", "integrations"),
+    ("h", "Same host: the unix socket and shared memory", "shared"),
+    ("p", "One client, several server processes", "processes"),
+    ("e", "Growth", "growth"),
+)
+
+
+def _parse(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__)
     parser.add_argument("--quick", action="store_true", help="smaller sizes, fewer repetitions")
     parser.add_argument(
@@ -48,10 +67,63 @@ def main(argv: list[str] | None = None) -> int:
         "--out", type=Path, default=REPO / "bench" / "results", help="output directory"
     )
     parser.add_argument("--name", default="latest", help="output file stem (default latest)")
-    args = parser.parse_args(argv)
-    wanted = set(args.sections)
+    return parser.parse_args(argv)
 
-    from bench import concurrency, e2e, engine_bench, growth, integrations, latency, memory, report
+
+def _beside_idle(sizes: Sizes, wanted: set[str], flags: list[str], processes: int) -> list[Section]:
+    """The sections measured against the suite's idle posenc and floor servers."""
+    sections: list[Section] = []
+    with procs.serving_pair(flags, processes) as (server, floor):
+        servers = Servers(
+            server.target, floor.target, server.pids, floor.pids, processes, tuple(flags)
+        )
+        for key, title, name in _BESIDE_IDLE:
+            if key in wanted:
+                module = importlib.import_module(f"bench.{name}")
+                sections.append(_guarded(key, title, functools.partial(module.run, sizes, servers)))
+    return sections
+
+
+def _memory(sizes: Sizes, wanted: set[str], flags: list[str], sections: list[Section]) -> None:
+    """Sections e (server RSS while streaming) and f, on a fresh posenc server of their own,
+    once the idle servers are stopped: section e's figures join its growth figures."""
+    from bench import memory
+
+    growth_section = next((s for s in sections if s.key == "e"), None)
+    fresh = procs.start_posenc(flags).wait_ready()
+    try:
+        procs.wait_serving(fresh.target)
+        stream: dict[str, object] = {}
+
+        def server_rss() -> Section:
+            stream.update(memory.stream_with_server_rss(sizes, fresh))
+            target = growth_section or Section("e", "Growth")
+            memory.add_server_rss(target, stream)
+            return target
+
+        rss = _guarded("e", "Growth: server RSS while streaming", server_rss)
+        if growth_section is None:
+            sections.append(rss)
+        elif rss.error:
+            growth_section.error = rss.error
+        else:
+            growth_section.seconds += rss.seconds
+        if "f" in wanted:
+            sections.append(
+                _guarded(
+                    "f",
+                    "Client memory",
+                    lambda: memory.client_memory(sizes, fresh.target, stream),
+                )
+            )
+    finally:
+        fresh.stop()
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parse(argv)
+    wanted = set(args.sections)
+    from bench import report
 
     procs.install_cleanup()
     sizes = Sizes.for_mode(args.quick)
@@ -63,115 +135,10 @@ def main(argv: list[str] | None = None) -> int:
     extra = [flag, str(server_processes)] if flag else []
     about["posenc_server_flags"] = " ".join(extra) or "(defaults)"
     about["server_processes"] = server_processes
-    sections: list[Section] = []
     try:
-        server = procs.start_posenc(extra)
-        floor = procs.FloorServer(server_processes)
-
-        servers = harness.Servers(
-            server.target,
-            floor.target,
-            server.pids,
-            lambda: [pid for member in floor.members for pid in member.pids()],
-            server_processes,
-        )
-        server.wait_ready()
-        procs.wait_serving(server.target)
-        if "a" in wanted:  # in-process, once the servers are up and idle
-            sections.append(_guarded("a", "Engine, cold", lambda: engine_bench.run(sizes)))
-        if "b" in wanted:  # fresh servers of its own for each run, beside the idle ones
-            sections.append(
-                _guarded(
-                    "b",
-                    "End to end through the SDK",
-                    lambda: e2e.run(sizes, extra, server_processes),
-                )
-            )
-        if "s" in wanted:  # fresh servers of its own, beside the idle ones
-            from bench import startup
-
-            sections.append(
-                _guarded(
-                    "s",
-                    "Start-up and the first call",
-                    lambda: startup.run(sizes, server.target, floor.target, extra),
-                )
-            )
-        if "c" in wanted:
-            sections.append(
-                _guarded(
-                    "c",
-                    "Decode-step latency",
-                    lambda: latency.run(sizes, servers),
-                )
-            )
-        if "d" in wanted:
-            sections.append(
-                _guarded(
-                    "d",
-                    "Concurrency",
-                    lambda: concurrency.run(sizes, servers),
-                )
-            )
-        if "g" in wanted:
-            sections.append(
-                _guarded(
-                    "g",
-                    "Inference integration",
-                    lambda: integrations.run(sizes, server.target, floor.target),
-                )
-            )
-        if "h" in wanted:  # its own server, on a unix socket
-            from bench import shared
-
-            sections.append(
-                _guarded(
-                    "h",
-                    "Same host: the unix socket and shared memory",
-                    lambda: shared.run(sizes, floor.target),
-                )
-            )
-        if "p" in wanted:  # its own servers of 1 and 2 processes
-            from bench import processes
-
-            sections.append(
-                _guarded("p", "One client, several server processes", lambda: processes.run(sizes))
-            )
-        growth_section: Section | None = None
-        if "e" in wanted:
-            growth_section = _guarded(
-                "e", "Growth", lambda: growth.run(sizes, server.target, floor.target)
-            )
-            sections.append(growth_section)
-        server.stop()
-        floor.stop()
+        sections = _beside_idle(sizes, wanted, extra, server_processes)
         if "e" in wanted or "f" in wanted:
-            fresh = procs.start_posenc(extra).wait_ready()
-            procs.wait_serving(fresh.target)
-            stream: dict[str, object] = {}
-
-            def server_rss() -> Section:
-                stream.update(memory.stream_with_server_rss(sizes, fresh))
-                target = growth_section or Section("e", "Growth")
-                memory.add_server_rss(target, stream)
-                return target
-
-            rss = _guarded("e", "Growth: server RSS while streaming", server_rss)
-            if growth_section is None:
-                sections.append(rss)
-            elif rss.error:
-                growth_section.error = rss.error
-            else:
-                growth_section.seconds += rss.seconds
-            if "f" in wanted:
-                sections.append(
-                    _guarded(
-                        "f",
-                        "Client memory",
-                        lambda: memory.client_memory(sizes, fresh.target, stream),
-                    )
-                )
-            fresh.stop()
+            _memory(sizes, wanted, extra, sections)
     finally:
         procs.stop_all()
     sections.sort(key=lambda s: s.key)

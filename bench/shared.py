@@ -14,7 +14,7 @@ import posenc
 from bench import procs
 from bench.common import MIB, Section, Sizes, Table, median, ratio, runs_target
 from bench.floor import FloorClient
-from bench.harness import child_env
+from bench.harness import Servers, child_env
 
 TIMEOUT = 600.0
 # The processes holding one table, and the table: 1 GiB of float32 rows of d_model 4096.
@@ -48,7 +48,7 @@ def _pss(pids: list[int]) -> int:
     return total
 
 
-def run(sizes: Sizes, floor_target: str) -> Section:
+def run(sizes: Sizes, servers: Servers) -> Section:
     rows, d_model = sizes.e2e_rows, sizes.e2e_d_model
     nbytes = rows * d_model * 4
     runs, repeats = sizes.e2e_runs, max(sizes.e2e_repeats // sizes.e2e_runs, 2)
@@ -86,7 +86,7 @@ def run(sizes: Sizes, floor_target: str) -> Section:
             copied_times: list[float] = []
             view_times: list[float] = []
             floor_times: list[float] = []
-            floor = FloorClient(floor_target)
+            floor = FloorClient(servers.floor_target)
             try:
                 floor.wait_ready()
                 floor.get(nbytes, TIMEOUT)

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import tempfile
 import time
-from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
@@ -14,7 +13,7 @@ import posenc
 from bench import procs
 from bench.common import MIB, Section, Sizes, Table, median, ratio, rotated, runs_target
 from bench.floor import FloorClient
-from bench.harness import child_env, run_python
+from bench.harness import Servers, child_env, run_python
 
 TIMEOUT = 600.0
 DTYPES = ("float32", "bfloat16", "float16", "float64")
@@ -38,7 +37,7 @@ def _warm_up_seconds(cache_dir: str | None) -> float:
     return float(out.stdout.strip().splitlines()[-1])
 
 
-def run(sizes: Sizes, posenc_target: str, floor_target: str, extra: Sequence[str]) -> Section:
+def run(sizes: Sizes, servers: Servers) -> Section:
     rows, d_model = sizes.e2e_rows, sizes.e2e_d_model
     runs = 3
     section = Section(
@@ -46,7 +45,7 @@ def run(sizes: Sizes, posenc_target: str, floor_target: str, extra: Sequence[str
         "Start-up and the first call",
         method=(
             "For each dtype, in each of "
-            f"{runs} runs: a fresh posenc server (`{' '.join(extra) or 'defaults'}`) is "
+            f"{runs} runs: a fresh posenc server (`{' '.join(servers.flags) or 'defaults'}`) is "
             "started and timed until it logs `listening` and until it answers "
             "GetServerInfo (SERVING); then a new client connects (GetServerInfo) and makes "
             f"the first table call the server ever serves, `get_range` of {rows} x {d_model} "
@@ -82,7 +81,7 @@ def run(sizes: Sizes, posenc_target: str, floor_target: str, extra: Sequence[str
     serving: list[float] = []
     first: dict[str, list[float]] = {dtype: [] for dtype in DTYPES}
     floor_times: dict[str, list[float]] = {dtype: [] for dtype in DTYPES}
-    with posenc.Client(posenc_target, timeout=TIMEOUT) as client:
+    with posenc.Client(servers.posenc_target, timeout=TIMEOUT) as client:
         # The harness's lazy imports (ml_dtypes), paid here; and the arrays the first calls
         # fill, touched (as the floor's).
         touched = {
@@ -91,7 +90,7 @@ def run(sizes: Sizes, posenc_target: str, floor_target: str, extra: Sequence[str
     # Each floor process builds a size's payload when first asked for it: every size is
     # asked for first on a few connections, which reach both processes.
     for _ in range(4):
-        warming = FloorClient(floor_target)
+        warming = FloorClient(servers.floor_target)
         try:
             warming.wait_ready()
             for size in sorted(set(nbytes.values())):
@@ -101,7 +100,7 @@ def run(sizes: Sizes, posenc_target: str, floor_target: str, extra: Sequence[str
     for index in range(runs):
         for dtype in DTYPES[index % len(DTYPES) :] + DTYPES[: index % len(DTYPES)]:
             started = time.perf_counter()
-            server = procs.start_posenc(extra).wait_ready()
+            server = procs.start_posenc(servers.flags).wait_ready()
             listening.append(time.perf_counter() - started)
             try:
                 procs.wait_serving(server.target)
@@ -113,7 +112,7 @@ def run(sizes: Sizes, posenc_target: str, floor_target: str, extra: Sequence[str
                     first[dtype].append(time.perf_counter() - t0)
             finally:
                 server.stop()
-            new_floor = FloorClient(floor_target)
+            new_floor = FloorClient(servers.floor_target)
             try:
                 new_floor.wait_ready()
                 new_floor.touch(nbytes[dtype])
@@ -172,7 +171,9 @@ def run(sizes: Sizes, posenc_target: str, floor_target: str, extra: Sequence[str
                 0.5,
             )
         )
-    new_clients = _fresh_clients(section, posenc_target, floor_target, rows, d_model, runs)
+    new_clients = _fresh_clients(
+        section, servers.posenc_target, servers.floor_target, rows, d_model, runs
+    )
     section.targets.append(runs_target("warm-up before SERVING (s)", warm, "", 0.0, " s"))
     if compiled is not None:
         section.targets.append(
