@@ -506,9 +506,10 @@ def test_positions_take_the_forms_sizes_take(server: RunningServer, tmp_path: Pa
 
 
 def test_serve_names_the_missing_module_and_the_matching_install_command() -> None:
+    # `posenc serve` hands over to the server's own command, which says what it misses.
     code = (
         "import sys; sys.modules['grpc_reflection'] = None; "
-        "from posenc.cli import main; raise SystemExit(main(['serve', '--port', '0']))"
+        "from posenc_server.cli import main; raise SystemExit(main(['--port', '0']))"
     )
     result = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=60

@@ -8,7 +8,12 @@ load instead. Exact versions belong to the test-only extras (``dev``, ``conforma
 
 from __future__ import annotations
 
+import ast
+import subprocess
+import sys
 import tomllib
+from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 from conftest import ROOT
@@ -61,3 +66,32 @@ def test_every_integration_has_an_extra_and_a_tested_pin() -> None:
     pinned = {Requirement(r).name: Requirement(r) for r in extras["conformance"]}
     for name in ("torch", "transformers", "diffusers"):
         assert [spec.operator for spec in pinned[name].specifier] == ["=="], name
+
+
+def _imported_names(tree: ast.AST) -> Iterator[str]:
+    """Every module an import statement of ``tree`` names, late imports included."""
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            yield from (alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            yield node.module
+
+
+def test_the_sdk_imports_nothing_of_the_server() -> None:
+    # `posenc serve` looks for the server and hands the process over to it: the SDK and its
+    # CLI install and import without it.
+    wrong = [
+        f"{path.relative_to(ROOT)}: {name}"
+        for path in sorted((ROOT / "client" / "posenc").rglob("*.py"))
+        for name in _imported_names(ast.parse(path.read_text(encoding="utf-8")))
+        if name.partition(".")[0] == "posenc_server"
+    ]
+    assert wrong == []
+
+
+def test_posenc_serve_hands_over_to_the_servers_own_command() -> None:
+    bin_dir = Path(sys.executable).parent
+    for argv in ([bin_dir / "posenc", "serve", "--help"], [bin_dir / "posenc-server", "--help"]):
+        result = subprocess.run(argv, capture_output=True, text=True, timeout=120)
+        assert result.returncode == 0, result.stderr
+        assert "--processes" in result.stdout and "POSENC_PORT" in result.stdout

@@ -11,6 +11,7 @@ import argparse
 import contextlib
 import errno
 import http.client
+import importlib.util
 import io
 import itertools
 import json
@@ -618,21 +619,19 @@ def _given_parameters(args: argparse.Namespace) -> set[str]:
 
 
 def _serve(argv: list[str]) -> int:
-    try:
-        from posenc_server.app import run
-    except ImportError as error:
-        missing = error.name or str(error)
-        what = (
-            "the server is not installed"
-            if missing.partition(".")[0] == "posenc_server"
-            else f"the server needs the module {missing}, which is not installed"
-        )
+    """Hands the process over to the server's own command (``python -m posenc_server``),
+    which parses its flags: the same process, so its signals, output and exit code are the
+    server's. The SDK imports nothing of the server; it only looks for it."""
+    if importlib.util.find_spec("posenc_server") is None:
         print(
-            f"posenc serve: {what}.\nInstall it with: {_install_command('server')}",
+            "posenc serve: the server is not installed.\n"
+            f"Install it with: {_install_command('server')}",
             file=sys.stderr,
         )
         return EXIT_USAGE
-    return run(argv)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execv(sys.executable, [sys.executable, "-m", "posenc_server", *argv])
 
 
 def _install_command(extra: str) -> str:

@@ -1,7 +1,7 @@
-"""``python -m posenc_server``: the same as ``posenc serve``."""
+"""``python -m posenc_server``: the ``posenc-server`` command (and ``posenc serve``)."""
 
 import sys
 
-from posenc_server.app import run
+from posenc_server.cli import main
 
-sys.exit(run(sys.argv[1:]))
+sys.exit(main())
