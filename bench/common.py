@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import operator
 import os
@@ -140,15 +141,8 @@ class Target:
         return {True: "PASS", False: "FAIL", None: "info"}[self.passed]
 
     def to_json(self) -> dict[str, Any]:
-        return {
-            "name": self.name,
-            "value": self.value,
-            "op": self.op,
-            "threshold": self.threshold,
-            "unit": self.unit,
-            "spread": list(self.spread) if self.spread else None,
-            "verdict": self.verdict(),
-        }
+        # Every field as it is (the spread a JSON list), and the verdict they give.
+        return {**dataclasses.asdict(self), "verdict": self.verdict()}
 
 
 @dataclass
