@@ -34,7 +34,7 @@ from typing import Any
 import grpc
 import numpy as np
 import pytest
-from conftest import ROOT, ServerProcess, apt_install, free_port, wait_until
+from conftest import ROOT, ServerProcess, apt_install, free_port, start_threads, wait_until
 from reference import classic
 
 import posenc
@@ -265,10 +265,7 @@ class Load:
     _workers: list[threading.Thread] = field(default_factory=list)
 
     def start(self) -> Load:
-        for seed in range(self.threads):
-            worker = threading.Thread(target=self._run, args=(seed,), daemon=True)
-            worker.start()
-            self._workers.append(worker)
+        self._workers += start_threads(self._run, self.threads)  # a seed each
         return self
 
     def finish(self) -> None:
