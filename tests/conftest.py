@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any, Protocol, TypeVar
+from typing import IO, TYPE_CHECKING, Any, Protocol, TypeVar
 
 import grpc
 import numpy as np
@@ -28,6 +28,9 @@ from hypothesis import settings
 from posenc_protocol.v1 import posenc_pb2_grpc
 from posenc_server.app import RunningServer, start_server
 from posenc_server.config import ServerConfig
+
+if TYPE_CHECKING:
+    import posenc
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -192,6 +195,15 @@ def server_factory() -> Iterator[Callable[..., RunningServer]]:
 def server(server_factory: Callable[..., RunningServer]) -> RunningServer:
     """A server with the default limits on an ephemeral loopback port."""
     return server_factory()
+
+
+@pytest.fixture
+def client(server: RunningServer) -> Iterator[posenc.Client]:
+    """An SDK client of :func:`server`, closed after the test."""
+    import posenc  # here, not at the top: a test may set the SDK's environment first
+
+    with posenc.Client(server.target) as client:
+        yield client
 
 
 @pytest.fixture

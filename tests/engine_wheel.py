@@ -32,6 +32,18 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+# DeepSeek-V3's rotary scaling (rope_scaling of its config.json), which both engines' suites
+# build: 163840 rows of head 64, at theta 10000.
+DEEPSEEK_V3_YARN: dict[str, Any] = {
+    "rope_type": "deepseek_yarn",
+    "factor": 40.0,
+    "original_max_position_embeddings": 4096,
+    "beta_fast": 32,
+    "beta_slow": 1,
+    "mscale": 1.0,
+    "mscale_all_dim": 1.0,
+}
+
 
 @dataclass(frozen=True)
 class Engine:
@@ -213,3 +225,47 @@ def loaded(request: Any, wheel: Any, stubs: Any) -> Iterator[ModuleType]:
         yield stubs.load(root)
     finally:
         stubs.unload()
+
+
+def exact_table(rows: int, dim: int, theta: float) -> Any:
+    """The cos | sin cache of a default rotary table, in float64: what the engines hold."""
+    import torch
+
+    frequencies = theta ** (-torch.arange(0, dim, 2, dtype=torch.float64) / dim)
+    angles = torch.outer(torch.arange(rows, dtype=torch.float64), frequencies)
+    return torch.cat((angles.cos(), angles.sin()), dim=-1)
+
+
+def model_of_subclasses(base: Any) -> Any:
+    """Two models' own subclasses of the engine's rotary class ``base``: ``fixed`` only fixes
+    the constructor's arguments (head 128, 2048 rows, theta 500000), ``other`` also computes
+    its frequencies otherwise."""
+    import torch
+
+    class FixedRotaryEmbedding(base):  # type: ignore[misc, valid-type]
+        def __init__(self) -> None:
+            super().__init__(128, 128, 2048, 500000.0, True, torch.float32)
+
+    class OtherRotaryEmbedding(base):  # type: ignore[misc, valid-type]
+        def __init__(self) -> None:
+            super().__init__(128, 128, 2048, 500000.0, True, torch.float32)
+
+        def _compute_inv_freq(self, base: float) -> Any:
+            return super()._compute_inv_freq(base) / 2
+
+    return torch.nn.ModuleDict({"fixed": FixedRotaryEmbedding(), "other": OtherRotaryEmbedding()})
+
+
+def assert_fixed_served_alone(model: Any, install: Any, bound: float) -> None:
+    """``install(model)`` (an integration's install_model) serves :func:`model_of_subclasses`'
+    ``fixed`` module alone, within ``bound`` of the exact table, and leaves ``other`` as it
+    was."""
+    import torch
+
+    other = model["other"].cos_sin_cache.clone()
+    assert install(model) == ["fixed"]
+    assert torch.equal(model["other"].cos_sin_cache, other)
+    error = float(
+        (model["fixed"].cos_sin_cache.double() - exact_table(2048, 128, 500000.0)).abs().max()
+    )
+    assert error <= bound

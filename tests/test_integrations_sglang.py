@@ -19,7 +19,6 @@ import logging
 import sys
 import types
 from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +30,7 @@ torch = pytest.importorskip("torch", reason="the conformance extra (make test in
 import engine_wheel  # noqa: E402
 import sglang_stubs  # noqa: E402
 import sglang_wheel  # noqa: E402
+from engine_wheel import exact_table  # noqa: E402
 
 import posenc  # noqa: E402
 from posenc.integrations import sglang as ps  # noqa: E402
@@ -47,19 +47,6 @@ def rope(request: pytest.FixtureRequest) -> Iterator[types.ModuleType]:
         yield package
 
 
-@pytest.fixture
-def client(server: Any) -> Iterator[posenc.Client]:
-    with posenc.Client(server.target) as client:
-        yield client
-
-
-@contextmanager
-def float64_arithmetic() -> Iterator[None]:
-    """The engine's rotary modules compute in float64 (tests/engine_wheel.py)."""
-    with engine_wheel.float64_arithmetic(ROPE):
-        yield
-
-
 def has(rope: types.ModuleType, submodule: str) -> bool:
     return (Path(rope.__path__[0]) / f"{submodule}.py").exists()
 
@@ -69,7 +56,7 @@ def build(rope: types.ModuleType, args: dict[str, Any], dtype: Any = None) -> An
     factory = sys.modules[f"{ROPE}.factory"]
     factory._ROPE_DICT.clear()
     if dtype is torch.float64:
-        with float64_arithmetic():
+        with engine_wheel.float64_arithmetic(ROPE):
             return rope.get_rope(**args, dtype=dtype)
     return rope.get_rope(**args, dtype=dtype or torch.float32)
 
@@ -157,15 +144,7 @@ CASES: dict[str, tuple[dict[str, Any], str]] = {
             64,
             163840,
             10000.0,
-            {
-                "rope_type": "deepseek_yarn",
-                "factor": 40.0,
-                "original_max_position_embeddings": 4096,
-                "beta_fast": 32,
-                "beta_slow": 1,
-                "mscale": 1.0,
-                "mscale_all_dim": 1.0,
-            },
+            engine_wheel.DEEPSEEK_V3_YARN,
         ),
         "DeepseekScalingRotaryEmbedding",
     ),
@@ -310,7 +289,7 @@ def test_bailing_negative_positions(rope: types.ModuleType, client: posenc.Clien
 def _reference_rows(module64: Any, rows: int) -> Any:
     """The float64 rows 0 .. rows - 1 of a float64 module's table, from its own frequencies
     and scale (the table SGLang's growth continues)."""
-    with float64_arithmetic():
+    with engine_wheel.float64_arithmetic(ROPE):
         if hasattr(module64, "mscale"):  # the YaRN classes take their factor
             inv_freq = module64._compute_inv_freq(module64.scaling_factor)
         else:
@@ -588,33 +567,10 @@ def test_model_subclasses(rope: types.ModuleType, client: posenc.Client) -> None
     """A model's own subclass that only fixes the constructor's arguments holds its base
     class's cache and is served; one that computes its frequencies otherwise is left,
     named with the reason."""
-    base = rope.RotaryEmbedding
-
-    class FixedRotaryEmbedding(base):  # type: ignore[misc, valid-type]
-        def __init__(self) -> None:
-            super().__init__(128, 128, 2048, 500000.0, True, torch.float32)
-
-    class OtherRotaryEmbedding(base):  # type: ignore[misc, valid-type]
-        def __init__(self) -> None:
-            super().__init__(128, 128, 2048, 500000.0, True, torch.float32)
-
-        def _compute_inv_freq(self, base: float) -> Any:
-            return super()._compute_inv_freq(base) / 2
-
-    model = torch.nn.ModuleDict({"fixed": FixedRotaryEmbedding(), "other": OtherRotaryEmbedding()})
-    other = model["other"].cos_sin_cache.clone()
-    assert ps.install_model(model, client) == ["fixed"]
-    assert torch.equal(model["other"].cos_sin_cache, other)
-    error = float(
-        (model["fixed"].cos_sin_cache.double() - exact_table(2048, 128, 500000.0)).abs().max()
+    model = engine_wheel.model_of_subclasses(rope.RotaryEmbedding)
+    engine_wheel.assert_fixed_served_alone(
+        model, lambda model: ps.install_model(model, client), EPS32
     )
-    assert error <= EPS32
-
-
-def exact_table(rows: int, dim: int, theta: float) -> Any:
-    frequencies = theta ** (-torch.arange(0, dim, 2, dtype=torch.float64) / dim)
-    angles = torch.outer(torch.arange(rows, dtype=torch.float64), frequencies)
-    return torch.cat((angles.cos(), angles.sin()), dim=-1)
 
 
 def test_tested_window_is_the_extras_and_the_releases_run() -> None:

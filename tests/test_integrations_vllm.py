@@ -50,19 +50,6 @@ def rope(request: pytest.FixtureRequest) -> Iterator[types.ModuleType]:
         yield package
 
 
-@pytest.fixture
-def client(server: Any) -> Iterator[posenc.Client]:
-    with posenc.Client(server.target) as client:
-        yield client
-
-
-@contextmanager
-def float64_arithmetic() -> Iterator[None]:
-    """The engine's rotary modules compute in float64 (tests/engine_wheel.py)."""
-    with engine_wheel.float64_arithmetic(ROPE):
-        yield
-
-
 def build(
     rope: types.ModuleType,
     head_size: int,
@@ -73,7 +60,7 @@ def build(
     """vLLM's module from its ``get_rope``: in float32, or with ``float64`` its arithmetic."""
     rope._ROPE_DICT.clear()
     if dtype is torch.float64:
-        with float64_arithmetic():
+        with engine_wheel.float64_arithmetic(ROPE):
             return rope.get_rope(head_size, max_position, rope_parameters=parameters, dtype=dtype)
     dtype = dtype or torch.float32
     return rope.get_rope(head_size, max_position, rope_parameters=parameters, dtype=dtype)
@@ -232,16 +219,7 @@ CASES: dict[str, tuple[int, int, dict[str, Any], str]] = {
     "deepseek_yarn": (
         64,
         163840,
-        {
-            "rope_type": "deepseek_yarn",
-            "rope_theta": 10000.0,
-            "factor": 40.0,
-            "original_max_position_embeddings": 4096,
-            "beta_fast": 32,
-            "beta_slow": 1,
-            "mscale": 1.0,
-            "mscale_all_dim": 1.0,
-        },
+        {**engine_wheel.DEEPSEEK_V3_YARN, "rope_theta": 10000.0},
         "DeepseekScalingRotaryEmbedding",
     ),
     # mscale alone: the scale is 0.1 * mscale * ln(factor) + 1 (no ratio).
@@ -536,7 +514,7 @@ def test_dual_chunk(rope: types.ModuleType, client: posenc.Client) -> None:
 
     with cpu_for_cuda(dual):
         module = make(torch.float32)
-    with float64_arithmetic(), cpu_for_cuda(dual):
+    with engine_wheel.float64_arithmetic(ROPE), cpu_for_cuda(dual):
         exact = make(torch.float64)
     caches = pv.caches_of(client, module)
     assert sorted(caches) == sorted(n for n, _ in module.named_buffers())
@@ -688,30 +666,7 @@ def test_model_subclasses(rope: types.ModuleType, client: posenc.Client) -> None
     """A model's own subclass that only fixes the constructor's arguments holds its base
     class's cache and is served; one that computes its frequencies otherwise is left,
     named with the reason."""
-    base = rope.RotaryEmbedding
-
-    class FixedRotaryEmbedding(base):  # type: ignore[misc, valid-type]
-        def __init__(self) -> None:
-            super().__init__(128, 128, 2048, 500000.0, True, torch.float32)
-
-    class OtherRotaryEmbedding(base):  # type: ignore[misc, valid-type]
-        def __init__(self) -> None:
-            super().__init__(128, 128, 2048, 500000.0, True, torch.float32)
-
-        def _compute_inv_freq(self, base: float) -> Any:
-            return super()._compute_inv_freq(base) / 2
-
-    model = torch.nn.ModuleDict({"fixed": FixedRotaryEmbedding(), "other": OtherRotaryEmbedding()})
-    other = model["other"].cos_sin_cache.clone()
-    assert pv.install_model(client, model) == ["fixed"]
-    assert torch.equal(model["other"].cos_sin_cache, other)
-    error = float(
-        (model["fixed"].cos_sin_cache.double() - exact_table(2048, 128, 500000.0)).abs().max()
+    model = engine_wheel.model_of_subclasses(rope.RotaryEmbedding)
+    engine_wheel.assert_fixed_served_alone(
+        model, lambda model: pv.install_model(client, model), EPS32
     )
-    assert error <= EPS32
-
-
-def exact_table(rows: int, dim: int, theta: float) -> Any:
-    frequencies = theta ** (-torch.arange(0, dim, 2, dtype=torch.float64) / dim)
-    angles = torch.outer(torch.arange(rows, dtype=torch.float64), frequencies)
-    return torch.cat((angles.cos(), angles.sin()), dim=-1)
