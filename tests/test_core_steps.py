@@ -386,3 +386,21 @@ def test_a_claim_of_several_windows_is_one_stream_whose_windows_land_one_by_one(
     for ahead, held in zip(aheads, [True, True] + [False] * (len(aheads) - 2), strict=True):
         assert ahead.query.positions is not None
         assert (c.rows.lookup(job.query.spec_key, ahead.query.positions) is not None) == held
+
+
+def test_an_iterator_is_planned_when_made_and_streams_its_plan() -> None:
+    # Its arguments and chunk size are checked when it is made, before any operation; its
+    # steps then open the stream its plan describes.
+    c = make_core()
+    with pytest.raises(posenc.InvalidArgumentError):
+        c.iter_range(0, 8, WIDTH, None, {}, 0, DEFAULT, None)
+    steps = c.iter_range(0, 8, WIDTH, None, {}, 4096, DEFAULT, None)
+    operation = next(steps)
+    assert isinstance(operation, core.OpenStream)
+    assert operation.request.max_chunk_bytes == 4096
+    assert operation.request.range.start == 0 and operation.request.range.stop == 8
+    steps.close()
+    _, slices = run(Fake(), c.iter_range(0, 8, WIDTH, None, {}, None, DEFAULT, None))
+    np.testing.assert_array_equal(
+        np.concatenate([rows for _, rows in slices]), expected(list(range(8)))
+    )

@@ -35,7 +35,6 @@ from posenc._query import (
     Query,
     Widths,
     affinity,
-    check_chunk_bytes,
     grid_plan,
     grid_query,
     join_positions,
@@ -44,6 +43,7 @@ from posenc._query import (
     positions_query,
     range_plan,
     range_query,
+    stream_plan,
     unary_request,
 )
 from posenc._retry import (
@@ -545,14 +545,18 @@ class Core:
         """The steps of a planned call that makes no call first (``plan.request`` None)."""
         return self._planned(plan, _NOT_MADE)
 
-    def _planned(self, plan: Plan, outcome: object) -> Steps[Result]:
-        budget = CallBudget(
+    def _plan_budget(self, plan: Plan) -> CallBudget:
+        """The retry budget of a planned call, within the timeout and deadline its plan set."""
+        return CallBudget(
             plan.timeout,
             self.settings.max_retries,
             self.settings.retry_backoff,
             self._contact,
             plan.deadline,
         )
+
+    def _planned(self, plan: Plan, outcome: object) -> Steps[Result]:
+        budget = self._plan_budget(plan)
         if outcome is not _NOT_MADE:
             budget.move(Phase.CALLING)  # the driver made the plan's call
             rows = yield from self._fetch(plan.query, budget, planned=plan, outcome=outcome)
@@ -620,8 +624,10 @@ class Core:
         device: Any,
     ) -> Steps[None]:
         """Rows ``[start, stop)`` slice by slice; arguments are checked now."""
-        query, result = range_query(start, stop, table, dtype, classic, self.widths, device=device)
-        return self._stream(self._cursor(query, chunk_bytes), self.budget(timeout), result)
+        arguments = (start, stop, table, dtype, classic)
+        return self.streamed(
+            stream_plan(self, range_query, arguments, chunk_bytes, timeout, device)
+        )
 
     def iter_positions(
         self,
@@ -634,10 +640,9 @@ class Core:
         device: Any,
     ) -> Steps[None]:
         """The rows of positions (read flat) slice by slice; arguments are checked now."""
-        query, result = positions_query(
-            positions, table, dtype, classic, self.widths, device=device
-        )
-        return self._stream(self._cursor(query, chunk_bytes), self.budget(timeout), result)
+        arguments = (positions, table, dtype, classic)
+        plan = stream_plan(self, positions_query, arguments, chunk_bytes, timeout, device)
+        return self.streamed(plan)
 
     def iter_grid(
         self,
@@ -648,8 +653,14 @@ class Core:
         device: Any,
     ) -> Steps[None]:
         """A grid kind's grid, row-major, slice by slice; arguments are checked now."""
-        query, result = grid_query(table, dtype, self.widths, device=device)
-        return self._stream(self._cursor(query, chunk_bytes), self.budget(timeout), result)
+        arguments = (table, dtype)
+        plan = stream_plan(self, grid_query, arguments, chunk_bytes, timeout, device)
+        return self.streamed(plan)
+
+    def streamed(self, plan: Plan) -> Steps[None]:
+        """The steps of an iterator's plan (:func:`posenc._query.stream_plan`): its slices."""
+        cursor = self._cursor(plan.query, plan.chunk_bytes)
+        yield from self._stream(cursor, self._plan_budget(plan), plan.output)
 
     def server_info(self, timeout: Timeout) -> Steps[ServerInfo]:
         return self._server_info(self.budget(timeout))
@@ -743,9 +754,11 @@ class Core:
     # -- the steps
 
     def _cursor(
-        self, query: Query, chunk_bytes: object = None, *, collect: bool = False
+        self, query: Query, chunk_bytes: int | None = None, *, collect: bool = False
     ) -> StreamCursor:
-        chunk = self.settings.chunk_bytes if chunk_bytes is None else check_chunk_bytes(chunk_bytes)
+        """The stream cursor of ``query``, in chunks of ``chunk_bytes`` (checked: a plan's, or
+        the core's own; None: the client's setting)."""
+        chunk = self.settings.chunk_bytes if chunk_bytes is None else chunk_bytes
         cursor = StreamCursor(query, chunk, collect=collect)
 
         def into(columns: int) -> Rows:

@@ -18,7 +18,7 @@ import math
 import operator
 import time
 import zlib
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Final, Protocol
 
@@ -564,6 +564,8 @@ class Plan:
     deadline: float | None
     request: pb.GetEncodingRequest | None
     affinity: int | None
+    #: An iterator's chunk size (checked; None: the server's), which its stream asks for.
+    chunk_bytes: int | None = None
 
 
 def range_plan(
@@ -608,6 +610,23 @@ def positions_plan(
         positions, table, dtype, classic, context.widths, coordinate_axis, **output
     )
     return Plan(query, result, seconds, deadline, None, None)
+
+
+def stream_plan(
+    context: Context,
+    made_by: Callable[..., tuple[Query, Output]],
+    arguments: tuple[object, ...],
+    chunk_bytes: object,
+    timeout: Timeout,
+    device: Any,
+) -> Plan:
+    """The plan of an iterator (``iter_range``, ``iter_positions``, ``iter_grid``): its query
+    and slices' form made by ``made_by`` (:func:`range_query`, ...) of ``arguments``, then
+    its chunk size checked, then its budget started; no call first: the core streams it."""
+    query, result = made_by(*arguments, context.widths, device=device)
+    chunk = context.settings.chunk_bytes if chunk_bytes is None else check_chunk_bytes(chunk_bytes)
+    seconds, deadline = _budget(context, timeout)
+    return Plan(query, result, seconds, deadline, None, None, chunk)
 
 
 def _budget(context: Context, timeout: Timeout) -> tuple[float | None, float | None]:
