@@ -33,3 +33,14 @@ DEEPSEEK_V3_YARN: dict[str, Any] = {
     "factor": 40.0,
     "original_max_position_embeddings": 4096,
 }
+
+# Qwen3-VL 8B: head 128, interleaved sections 24 / 20 / 20, theta 5e6.
+QWEN3_VL_MROPE: dict[str, Any] = {
+    "rope_type": "default",
+    "rope_theta": 5e6,
+    "mrope_section": [24, 20, 20],
+    "mrope_interleaved": True,
+}
+
+# Qwen3-VL's tower is Qwen2.5-VL's with no deepstack layers.
+QWEN3_VL_VISION: dict[str, Any] = {**QWEN2_5_VL_VISION, "deepstack_visual_indexes": []}

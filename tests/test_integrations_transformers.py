@@ -40,7 +40,14 @@ from typing import Any
 import grpc
 import numpy as np
 import pytest
-from model_configs import DEEPSEEK_V3_YARN, QWEN2_5_VL_VISION, QWEN2_VL_MROPE, QWEN2_VL_VISION
+from model_configs import (
+    DEEPSEEK_V3_YARN,
+    QWEN2_5_VL_VISION,
+    QWEN2_VL_MROPE,
+    QWEN2_VL_VISION,
+    QWEN3_VL_MROPE,
+    QWEN3_VL_VISION,
+)
 
 torch = pytest.importorskip("torch", reason="the conformance extra (make test installs it)")
 transformers = pytest.importorskip("transformers")
@@ -1003,21 +1010,9 @@ def _qwen3_vl() -> Any:  # Qwen3-VL 8B: head 128, interleaved 24 / 20 / 20
             text_config={
                 **_VL_TEXT,
                 "head_dim": 128,
-                "rope_parameters": {
-                    "rope_type": "default",
-                    "rope_theta": 5000000.0,
-                    "mrope_section": [24, 20, 20],
-                    "mrope_interleaved": True,
-                },
+                "rope_parameters": QWEN3_VL_MROPE,
             },
-            vision_config={
-                "depth": 1,
-                "hidden_size": 32,
-                "out_hidden_size": 64,
-                "num_heads": 2,
-                "intermediate_size": 32,
-                "deepstack_visual_indexes": [],
-            },
+            vision_config={**QWEN3_VL_VISION, "out_hidden_size": 64},
             **_VL_TOKENS,
         )
     )

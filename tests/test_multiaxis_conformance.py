@@ -18,9 +18,9 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
+import model_configs
 import numpy as np
 import pytest
-from model_configs import QWEN2_5_VL_VISION, QWEN2_VL_MROPE, QWEN2_VL_VISION
 
 import posenc
 from posenc_server.app import RunningServer
@@ -63,56 +63,36 @@ _TEXT = {
 }
 
 
-def _qwen2_vl() -> Any:
-    from transformers import Qwen2VLConfig, Qwen2VLModel
+def _vl_model(name: str, vision: dict[str, Any], **text: Any) -> Any:
+    """transformers' ``{name}Model`` with the tiny text model and the vision tower given."""
+    import transformers
 
-    config = Qwen2VLConfig(
-        text_config={
-            **_TEXT,
-            "rope_parameters": QWEN2_VL_MROPE,
-        },
-        vision_config=QWEN2_VL_VISION,
+    config = getattr(transformers, f"{name}Config")(
+        text_config={**_TEXT, **text}, vision_config=vision
     )
-    return Qwen2VLModel(config)
+    return getattr(transformers, f"{name}Model")(config)
+
+
+def _qwen2_vl() -> Any:
+    return _vl_model(
+        "Qwen2VL", model_configs.QWEN2_VL_VISION, rope_parameters=model_configs.QWEN2_VL_MROPE
+    )
 
 
 def _qwen2_5_vl() -> Any:
-    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLModel
-
-    config = Qwen2_5_VLConfig(
-        text_config={
-            **_TEXT,
-            "rope_parameters": QWEN2_VL_MROPE,
-        },
-        vision_config=QWEN2_5_VL_VISION,
+    return _vl_model(
+        "Qwen2_5_VL", model_configs.QWEN2_5_VL_VISION, rope_parameters=model_configs.QWEN2_VL_MROPE
     )
-    return Qwen2_5_VLModel(config)
 
 
 def _qwen3_vl() -> Any:
-    from transformers import Qwen3VLConfig, Qwen3VLModel
-
-    config = Qwen3VLConfig(
-        text_config={
-            **_TEXT,
-            "head_dim": 128,
-            "rope_parameters": {
-                "rope_type": "default",
-                "rope_theta": 5e5,
-                "mrope_section": [24, 20, 20],
-                "mrope_interleaved": True,
-            },
-        },
-        vision_config={
-            "depth": 1,
-            "hidden_size": 32,
-            "out_hidden_size": 256,
-            "num_heads": 2,
-            "intermediate_size": 32,
-            "deepstack_visual_indexes": [],
-        },
+    # Qwen3-VL's sections at a tenth of its theta.
+    return _vl_model(
+        "Qwen3VL",
+        model_configs.QWEN3_VL_VISION,
+        head_dim=128,
+        rope_parameters={**model_configs.QWEN3_VL_MROPE, "rope_theta": 5e5},
     )
-    return Qwen3VLModel(config)
 
 
 # Token types: text 0, image 1, video 2; grids (t, h, w) before the 2x2 spatial merge.
