@@ -32,6 +32,53 @@ def _settle(client: posenc.Client) -> None:
         time.sleep(0.0005)
 
 
+def _method(sizes: Sizes) -> str:
+    """Section c's method, as latest.md prints it above its tables."""
+    one_bytes = D_MODEL * 4
+    batch_bytes = BATCH * D_MODEL * 4
+    runs = sizes.latency_runs
+    per_run = max(1, sizes.latency_rounds // runs)
+    measured = runs * per_run
+    return (
+        f"A decode loop at d_model {D_MODEL}, float32: step t calls "
+        f"`get_positions([L + t], {D_MODEL})` for one sequence, and "
+        f"`get_positions([L_i + t for i in range({BATCH})], {D_MODEL})` for {BATCH} "
+        f"sequences of distinct lengths L_i = {FIRST_LENGTH} + {LENGTH_STRIDE} i (L = "
+        f"L_{BATCH}; no position is cached by the server before the loop reaches it). "
+        "Three clients, each on positions of its own. The SDK's default client reads "
+        "ahead: in the call, up to 64 rows per sequence moving forward and 1 MiB per call; "
+        "after the call, in the background, the next window of each sequence whose rows "
+        f"run short, {LEAD_STEPS} steps ahead at least (for the 1 MiB steps of {BATCH} "
+        "sequences, a step a call). In a "
+        f"decode loop the model runs between steps: {MODEL_SECONDS * 1e3:.0f} ms here, "
+        "then (untimed) until the client's background fetch has landed, so that it "
+        "overlaps no other measured call. The same default client back to back, with "
+        "nothing between steps, is measured in a phase of its own; so are two decode loops "
+        "as a model runs them (model not waiting): each step, an empty unary call, the "
+        f"step, then {MODEL_SECONDS * 1e3:.0f} ms of model time without waiting for the "
+        "background fetches, which overlap the model (and a late one the next step); each "
+        "step against the empty calls made beside it. `row_cache_bytes=0`: "
+        "every step is a call of its own. Against unary calls to the trivial server: "
+        f"empty (b'' -> b''), and pre-built payloads of the results' sizes ({one_bytes // 1024}"
+        f" KiB, {batch_bytes // 1024} KiB) copied into a numpy array. One call of each kind "
+        f"per round, in a random order each round; {sizes.latency_warmup} warm-up rounds, then "
+        f"{measured} measured rounds. In each phase the measured rounds form {runs} "
+        f"consecutive runs of {per_run} rounds each: the table gives figures over all "
+        "measured rounds, the targets the median run (min - max of the runs), each run's "
+        "ratio one of its own p50s or p99s. Client in the harness process. CPU per "
+        "call: user + system CPU of the server's processes and of the harness process "
+        f"(all its threads) over {sizes.latency_cpu_calls} further calls of each kind, run "
+        "one kind after the other. Then, against memory (bench/decode.py): cached "
+        "steps (the rows in the row cache before each step, waited for untimed) of 1 and "
+        "64 sequences at d_model 128 and 4096, blocking and asyncio clients, back to back "
+        f"and after {MODEL_SECONDS * 1e3:.0f} ms of model time, each beside a numpy "
+        "gather of as many rows of a float32 table in memory (after the same pause): "
+        "step / gather per run (its p50s); and 64 sequences x 4096 advancing back to "
+        "back with nothing waited for, against the gather plus the step's bytes at the "
+        "floor's stream bandwidth measured in the same run."
+    )
+
+
 def run(sizes: Sizes, servers: Servers) -> Section:
     one_bytes = D_MODEL * 4
     batch_bytes = BATCH * D_MODEL * 4
@@ -41,44 +88,7 @@ def run(sizes: Sizes, servers: Servers) -> Section:
     section = Section(
         "c",
         "Decode-step latency",
-        method=(
-            f"A decode loop at d_model {D_MODEL}, float32: step t calls "
-            f"`get_positions([L + t], {D_MODEL})` for one sequence, and "
-            f"`get_positions([L_i + t for i in range({BATCH})], {D_MODEL})` for {BATCH} "
-            f"sequences of distinct lengths L_i = {FIRST_LENGTH} + {LENGTH_STRIDE} i (L = "
-            f"L_{BATCH}; no position is cached by the server before the loop reaches it). "
-            "Three clients, each on positions of its own. The SDK's default client reads "
-            "ahead: in the call, up to 64 rows per sequence moving forward and 1 MiB per call; "
-            "after the call, in the background, the next window of each sequence whose rows "
-            f"run short, {LEAD_STEPS} steps ahead at least (for the 1 MiB steps of {BATCH} "
-            "sequences, a step a call). In a "
-            f"decode loop the model runs between steps: {MODEL_SECONDS * 1e3:.0f} ms here, "
-            "then (untimed) until the client's background fetch has landed, so that it "
-            "overlaps no other measured call. The same default client back to back, with "
-            "nothing between steps, is measured in a phase of its own; so are two decode loops "
-            "as a model runs them (model not waiting): each step, an empty unary call, the "
-            f"step, then {MODEL_SECONDS * 1e3:.0f} ms of model time without waiting for the "
-            "background fetches, which overlap the model (and a late one the next step); each "
-            "step against the empty calls made beside it. `row_cache_bytes=0`: "
-            "every step is a call of its own. Against unary calls to the trivial server: "
-            f"empty (b'' -> b''), and pre-built payloads of the results' sizes ({one_bytes // 1024}"
-            f" KiB, {batch_bytes // 1024} KiB) copied into a numpy array. One call of each kind "
-            f"per round, in a random order each round; {sizes.latency_warmup} warm-up rounds, then "
-            f"{measured} measured rounds. In each phase the measured rounds form {runs} "
-            f"consecutive runs of {per_run} rounds each: the table gives figures over all "
-            "measured rounds, the targets the median run (min - max of the runs), each run's "
-            "ratio one of its own p50s or p99s. Client in the harness process. CPU per "
-            "call: user + system CPU of the server's processes and of the harness process "
-            f"(all its threads) over {sizes.latency_cpu_calls} further calls of each kind, run "
-            "one kind after the other. Then, against memory (bench/decode.py): cached "
-            "steps (the rows in the row cache before each step, waited for untimed) of 1 and "
-            "64 sequences at d_model 128 and 4096, blocking and asyncio clients, back to back "
-            f"and after {MODEL_SECONDS * 1e3:.0f} ms of model time, each beside a numpy "
-            "gather of as many rows of a float32 table in memory (after the same pause): "
-            "step / gather per run (its p50s); and 64 sequences x 4096 advancing back to "
-            "back with nothing waited for, against the gather plus the step's bytes at the "
-            "floor's stream bandwidth measured in the same run."
-        ),
+        method=_method(sizes),
     )
     kinds = [
         "posenc 1 position",
