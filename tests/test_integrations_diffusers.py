@@ -23,6 +23,7 @@ import copy
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import grid_specs
 import numpy as np
 import pytest
 
@@ -423,14 +424,7 @@ def test_published_2d_grids_drift_where_posenc_does_not(client: posenc.Client, c
         embed_dim, size, base_size=base_size, interpolation_scale=scale
     ).float()
     exact = _exact_2d(embed_dim, size, base_size=base_size, interpolation_scale=scale)
-    spec = posenc.Spec(
-        "sincos_grid_2d",
-        embed_dim=embed_dim,
-        grid_height=size[0],
-        grid_width=size[1],
-        base_size=base_size,
-        interpolation_scale=scale,
-    )
+    spec = grid_specs.sincos_grid_2d(embed_dim, size, base_size, scale)
     ours = torch.from_numpy(client.get_grid(spec, dtype="float32").reshape(-1, embed_dim))
     if crop:
         native, exact, ours = (_cropped(g, crop, height, width) for g in (native, exact, ours))
@@ -446,14 +440,7 @@ def test_published_3d_grid_drifts_where_posenc_does_not(
     grid_w, grid_h, grid_t = width // 16, height // 16, (frames - 1) // 4 + 1
     native = embeddings.get_3d_sincos_pos_embed(64, (grid_w, grid_h), grid_t, 1.875, 1.0)
     exact = _exact_3d(64, (grid_w, grid_h), grid_t, 1.875, 1.0)
-    spec = posenc.Spec(
-        "sincos_grid_3d",
-        embed_dim=64,
-        grid_frames=grid_t,
-        grid_height=grid_h,
-        grid_width=grid_w,
-        spatial_interpolation_scale=1.875,
-    )
+    spec = grid_specs.sincos_grid_3d(64, (grid_w, grid_h), grid_t, 1.875)
     ours = torch.from_numpy(client.get_grid(spec, dtype="float32").reshape(-1, 64))
     _assert_drift(native.reshape(-1, 64).float(), ours, exact.reshape(-1, 64))
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
+import grid_specs
 import model_configs
 import numpy as np
 import pytest
@@ -184,14 +185,7 @@ def test_grid_2d_matches_diffusers(client: Any, case: str) -> None:
     theirs = embeddings.get_2d_sincos_pos_embed(
         embed_dim, (height, width), base_size=base_size, interpolation_scale=scale
     ).numpy()
-    spec = posenc.Spec(
-        "sincos_grid_2d",
-        embed_dim=embed_dim,
-        grid_height=height,
-        grid_width=width,
-        base_size=base_size,
-        interpolation_scale=scale,
-    )
+    spec = grid_specs.sincos_grid_2d(embed_dim, (height, width), base_size, scale)
     grid = client.get_grid(spec, dtype="float64").reshape(-1, embed_dim)
     cells = np.indices((height, width)).reshape(2, -1).T
     assert_close(grid, theirs, cells.max(axis=1) * base_size / min(height, width) / scale)
@@ -209,15 +203,7 @@ def test_grid_3d_matches_diffusers(
     theirs = embeddings.get_3d_sincos_pos_embed(
         64, (width, height), frames, spatial_scale, temporal_scale
     ).numpy()
-    spec = posenc.Spec(
-        "sincos_grid_3d",
-        embed_dim=64,
-        grid_frames=frames,
-        grid_height=height,
-        grid_width=width,
-        spatial_interpolation_scale=spatial_scale,
-        temporal_interpolation_scale=temporal_scale,
-    )
+    spec = grid_specs.sincos_grid_3d(64, (width, height), frames, spatial_scale, temporal_scale)
     grid = client.get_grid(spec, dtype="float64")
     assert grid.shape == (frames, height, width, 64)
     cells = np.indices((frames, height, width)).reshape(3, frames, -1)
