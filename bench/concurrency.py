@@ -194,6 +194,6 @@ def run(sizes: Sizes, servers: Servers) -> Section:
             kind: {str(n): v for n, v in by_n.items()} for kind, by_n in server_cpu.items()
         },
         "window_s": window,
-        "servers.processes": servers.processes,
+        "server_processes": servers.processes,
     }
     return section

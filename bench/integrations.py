@@ -63,7 +63,7 @@ def run(sizes: Sizes, servers: Servers) -> Section:
         import transformers
         from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
     except ImportError as error:
-        section.error = f"needs the conformance servers.flags (torch, transformers): {error}"
+        section.error = f"needs the conformance extra (torch, transformers): {error}"
         return section
     from posenc.integrations.transformers import patch
 
