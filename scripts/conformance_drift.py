@@ -17,15 +17,19 @@ real function on every row of a 2^16-row table.
 
 from __future__ import annotations
 
+import importlib.util
 import math
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 import torch
+import transformers
 
 import posenc
 from posenc_server import convert, engine
@@ -35,6 +39,20 @@ from posenc_server.errors import FieldViolation
 POSITIONS = (2**12, 2**16, 2**20, 2**24)
 WINDOW = 16
 Array = npt.NDArray[Any]
+
+
+def _load_configs() -> ModuleType:
+    """tests/model_configs.py: the published models' settings, which the test suites build
+    the same models from."""
+    path = Path(__file__).resolve().parents[1] / "tests" / "model_configs.py"
+    spec = importlib.util.spec_from_file_location("model_configs", path)
+    assert spec is not None and spec.loader is not None, path
+    configs = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(configs)
+    return configs
+
+
+_CONFIGS = _load_configs()
 
 
 def exact(spec: posenc.Spec) -> engine.Encoding:
@@ -62,59 +80,50 @@ def rotary_module(module: torch.nn.Module, positions: Array) -> Array:
     return np.concatenate([cos[0].numpy(), sin[0].numpy()], axis=1)
 
 
+def _rotary(name: str, model: str, **config: Any) -> tuple[torch.nn.Module, posenc.Spec]:
+    """transformers' ``{model}RotaryEmbedding`` (from ``models.{name}``) and its table, both
+    from one ``{model}Config(**config)``."""
+    modeling = importlib.import_module(f"transformers.models.{name}.modeling_{name}")
+    configuration = getattr(transformers, f"{model}Config")(**config)
+    module = getattr(modeling, f"{model}RotaryEmbedding")(configuration)
+    return module, posenc.Spec.from_config(configuration.to_dict())
+
+
 def llama3_module() -> tuple[torch.nn.Module, posenc.Spec]:
     """Llama 3.1 8B's rotary embedding and its table (from the same config)."""
-    from transformers import LlamaConfig
-    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
-
-    config = LlamaConfig(
+    return _rotary(
+        "llama",
+        "Llama",
         hidden_size=4096,
         num_attention_heads=32,
         num_key_value_heads=8,
         max_position_embeddings=131072,
-        rope_parameters={
-            "rope_type": "llama3",
-            "rope_theta": 500000.0,
-            "factor": 8.0,
-            "original_max_position_embeddings": 8192,
-            "low_freq_factor": 1.0,
-            "high_freq_factor": 4.0,
-        },
+        rope_parameters=dict(_CONFIGS.LLAMA3_1_ROPE),
     )
-    return LlamaRotaryEmbedding(config), posenc.Spec.from_config(config.to_dict())
 
 
 def mistral_module() -> tuple[torch.nn.Module, posenc.Spec]:
     """Mistral 7B v0.2's rotary embedding (default rope, theta 1e6)."""
-    from transformers import MistralConfig
-    from transformers.models.mistral.modeling_mistral import MistralRotaryEmbedding
-
-    config = MistralConfig(
+    return _rotary(
+        "mistral",
+        "Mistral",
         hidden_size=4096,
         num_attention_heads=32,
         max_position_embeddings=32768,
         rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
     )
-    return MistralRotaryEmbedding(config), posenc.Spec.from_config(config.to_dict())
 
 
 def qwen2_yarn_module() -> tuple[torch.nn.Module, posenc.Spec]:
     """Qwen2.5 7B with its documented YaRN (factor 4 over 32768) rotary embedding."""
-    from transformers import Qwen2Config
-    from transformers.models.qwen2.modeling_qwen2 import Qwen2RotaryEmbedding
-
-    config = Qwen2Config(
+    return _rotary(
+        "qwen2",
+        "Qwen2",
         hidden_size=3584,
         num_attention_heads=28,
         max_position_embeddings=131072,
-        rope_parameters={
-            "rope_type": "yarn",
-            "rope_theta": 1000000.0,
-            "factor": 4.0,
-            "original_max_position_embeddings": 32768,
-        },
+        rope_parameters=dict(_CONFIGS.QWEN2_5_YARN),
     )
-    return Qwen2RotaryEmbedding(config), posenc.Spec.from_config(config.to_dict())
 
 
 # Phi-3's real factors ship with its checkpoint; these have the same shape (48 each,

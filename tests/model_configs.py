@@ -44,3 +44,21 @@ QWEN3_VL_MROPE: dict[str, Any] = {
 
 # Qwen3-VL's tower is Qwen2.5-VL's with no deepstack layers.
 QWEN3_VL_VISION: dict[str, Any] = {**QWEN2_5_VL_VISION, "deepstack_visual_indexes": []}
+
+# Llama 3.1 8B: theta 5e5, llama3 scaling by 8 over 8192 training positions.
+LLAMA3_1_ROPE: dict[str, Any] = {
+    "rope_type": "llama3",
+    "rope_theta": 500000.0,
+    "factor": 8.0,
+    "original_max_position_embeddings": 8192,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+}
+
+# Qwen2.5 7B's documented YaRN: factor 4 over 32768 positions, theta 1e6.
+QWEN2_5_YARN: dict[str, Any] = {
+    "rope_type": "yarn",
+    "rope_theta": 1000000.0,
+    "factor": 4.0,
+    "original_max_position_embeddings": 32768,
+}

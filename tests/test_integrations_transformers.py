@@ -42,7 +42,9 @@ import numpy as np
 import pytest
 from model_configs import (
     DEEPSEEK_V3_YARN,
+    LLAMA3_1_ROPE,
     QWEN2_5_VL_VISION,
+    QWEN2_5_YARN,
     QWEN2_VL_MROPE,
     QWEN2_VL_VISION,
     QWEN3_VL_MROPE,
@@ -103,14 +105,7 @@ def _llama3() -> Any:  # Llama 3.1 8B
         **TINY,
         head_dim=128,
         max_position_embeddings=131072,
-        rope_parameters={
-            "rope_type": "llama3",
-            "rope_theta": 500000.0,
-            "factor": 8.0,
-            "original_max_position_embeddings": 8192,
-            "low_freq_factor": 1.0,
-            "high_freq_factor": 4.0,
-        },
+        rope_parameters=dict(LLAMA3_1_ROPE),
     )
 
 
@@ -119,12 +114,7 @@ def _qwen2_yarn() -> Any:  # Qwen2.5 7B with its YaRN recipe
         **TINY,
         head_dim=128,
         max_position_embeddings=131072,
-        rope_parameters={
-            "rope_type": "yarn",
-            "rope_theta": 1000000.0,
-            "factor": 4.0,
-            "original_max_position_embeddings": 32768,
-        },
+        rope_parameters=dict(QWEN2_5_YARN),
     )
 
 
@@ -982,9 +972,9 @@ def _qwen2_vl() -> Any:  # Qwen2-VL 7B: head 128, sections 16 / 24 / 24
             text_config={
                 **_VL_TEXT,
                 "hidden_size": 256,
-                "rope_parameters": QWEN2_VL_MROPE,
+                "rope_parameters": dict(QWEN2_VL_MROPE),
             },
-            vision_config=QWEN2_VL_VISION,
+            vision_config=dict(QWEN2_VL_VISION),
             **_VL_TOKENS,
         )
     )
@@ -996,9 +986,9 @@ def _qwen2_5_vl() -> Any:  # Qwen2.5-VL 7B
             text_config={
                 **_VL_TEXT,
                 "hidden_size": 256,
-                "rope_parameters": QWEN2_VL_MROPE,
+                "rope_parameters": dict(QWEN2_VL_MROPE),
             },
-            vision_config=QWEN2_5_VL_VISION,
+            vision_config=dict(QWEN2_5_VL_VISION),
             **_VL_TOKENS,
         )
     )
@@ -1010,7 +1000,7 @@ def _qwen3_vl() -> Any:  # Qwen3-VL 8B: head 128, interleaved 24 / 20 / 20
             text_config={
                 **_VL_TEXT,
                 "head_dim": 128,
-                "rope_parameters": QWEN3_VL_MROPE,
+                "rope_parameters": dict(QWEN3_VL_MROPE),
             },
             vision_config={**QWEN3_VL_VISION, "out_hidden_size": 64},
             **_VL_TOKENS,

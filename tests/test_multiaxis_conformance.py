@@ -15,6 +15,7 @@ worst element.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Iterator
 from typing import Any
 
@@ -68,8 +69,9 @@ def _vl_model(name: str, vision: dict[str, Any], **text: Any) -> Any:
     """transformers' ``{name}Model`` with the tiny text model and the vision tower given."""
     import transformers
 
+    # Copies: a config may rewrite the dicts it is given, and the settings are shared.
     config = getattr(transformers, f"{name}Config")(
-        text_config={**_TEXT, **text}, vision_config=vision
+        text_config=copy.deepcopy({**_TEXT, **text}), vision_config=copy.deepcopy(vision)
     )
     return getattr(transformers, f"{name}Model")(config)
 
