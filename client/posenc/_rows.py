@@ -172,6 +172,12 @@ class RowCache:
         between wake no thread.
         """
         newest = self._newest.get(key, ())
+        # First the batch holding the first position (a dict read: atomic under the GIL), so
+        # that a step whose window is not among the newest (a lead of several windows,
+        # landed ahead of it) is still a lookup.
+        first = self._index.get(key, {}).get(positions.item(0))
+        if first is not None:
+            newest = (first[0], *newest)
         if positions.size == 1:  # one sequence: a bisection of the list, no array calls
             position = positions.item()
             for batch in newest:
