@@ -25,8 +25,8 @@ import pytest
 from conftest import ServerProcess, free_port
 
 import posenc
-from posenc import cli
 from posenc.cli import main
+from posenc.cli.health import _default_health_url
 from posenc_server import config, metrics
 from posenc_server.app import RunningServer
 
@@ -311,11 +311,11 @@ def test_health_http_takes_its_port_from_the_servers_variable(
 ) -> None:
     # The default URL is the server's own: its default metrics port and health path.
     monkeypatch.delenv("POSENC_METRICS_PORT", raising=False)
-    assert cli._default_health_url() == (
+    assert _default_health_url() == (
         f"http://127.0.0.1:{config.DEFAULT_METRICS_PORT}{metrics.HEALTH_PATH}"
     )
     monkeypatch.setenv("POSENC_METRICS_PORT", "9100")
-    assert cli._default_health_url() == "http://127.0.0.1:9100/healthz"
+    assert _default_health_url() == "http://127.0.0.1:9100/healthz"
     # A port the server picks (0), metrics off (-1), or no number: a usage error, no probe.
     for value in ("0", "-1", "65536", "9464x", "1e3"):
         monkeypatch.setenv("POSENC_METRICS_PORT", value)
