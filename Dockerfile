@@ -19,8 +19,9 @@ COPY pyproject.toml README.md ./
 COPY protocol ./protocol
 COPY client ./client
 COPY server ./server
-# The installer is not needed at run time: it leaves the image with the build stage.
-RUN /opt/posenc/bin/pip install ${WHEELHOUSE:+--no-index --find-links "$WHEELHOUSE"} '.[server]' \
+# The SDK's distribution (the CLI, and posenc_protocol) and the server's, side by side. The
+# installer is not needed at run time: it leaves the image with the build stage.
+RUN /opt/posenc/bin/pip install ${WHEELHOUSE:+--no-index --find-links "$WHEELHOUSE"} . ./server \
     && /opt/posenc/bin/pip uninstall --yes --quiet pip setuptools \
     && /opt/posenc/bin/posenc serve --help >/dev/null
 # The engine's kernels, compiled now into a cache a new container copies at start

@@ -1,6 +1,7 @@
 # Two entry points: `make run` serves on 127.0.0.1:50051, `make test` runs the suite.
-# Both create .venv and install into it on first use: the server alone for `run`, the test
-# tools (and a CPU torch with transformers, for the presets' conformance tests) for `test`.
+# Both create .venv and install into it on first use: the SDK and the server (two
+# distributions: this directory and ./server) for `run`, with the test tools (and a CPU torch
+# with transformers, for the presets' conformance tests) for `test`.
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
@@ -13,16 +14,16 @@ $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 
-$(SERVER_STAMP): pyproject.toml | $(BIN)/python
-	$(BIN)/python -m pip install --quiet -e '.[server]'
+$(SERVER_STAMP): pyproject.toml server/pyproject.toml | $(BIN)/python
+	$(BIN)/python -m pip install --quiet -e . -e ./server
 	touch $@
 
-$(STAMP): pyproject.toml | $(BIN)/python
-	$(BIN)/python -m pip install --quiet -e '.[dev,conformance]'
+$(STAMP): pyproject.toml server/pyproject.toml | $(BIN)/python
+	$(BIN)/python -m pip install --quiet -e '.[dev,conformance]' -e ./server
 	touch $@
 
 run: $(SERVER_STAMP)
-	$(BIN)/posenc serve
+	$(BIN)/posenc-server
 
 # Two pytest workers, each module's tests in one of them (see tests/conftest.py).
 test: $(STAMP)
@@ -42,7 +43,7 @@ test-newest: $(STAMP)
 	rm -rf $(NEWEST)
 	$(PYTHON) -m venv $(NEWEST)
 	$(NEWEST)/bin/python -m pip install --quiet --upgrade pip
-	$(NEWEST)/bin/python -m pip install --quiet -e '.[dev]' 'torch==2.13.0'
+	$(NEWEST)/bin/python -m pip install --quiet -e '.[dev]' -e ./server 'torch==2.13.0'
 	$(NEWEST)/bin/python -m pip install --quiet --upgrade --upgrade-strategy only-if-needed transformers diffusers 'torch==2.13.0'
 	$(NEWEST)/bin/python -c 'import importlib.metadata as m; print("newest:", ", ".join(f"{n} {m.version(n)}" for n in ("transformers", "diffusers", "torch")))'
 	POSENC_NEWEST=1 $(NEWEST)/bin/python -m pytest -n 2 $(NEWEST_TESTS)

@@ -308,10 +308,12 @@ def wheelhouse() -> Path:
     """Wheels of the image's dependencies and build backend, built on the host with its pip
     (the index is reached through the host's trust store) and cached by the list."""
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    server = tomllib.loads((ROOT / "server" / "pyproject.toml").read_text())
     requirements = [
         *project["build-system"]["requires"],
         *project["project"]["dependencies"],
-        *(r for r in project["project"]["optional-dependencies"]["server"] if "posenc" not in r),
+        # The server's own, less posenc (the image installs it from the checkout).
+        *(r for r in server["project"]["dependencies"] if not r.startswith("posenc")),
     ]
     recipe = json.dumps([requirements, sys.version_info[:2], sys.platform])
     directory = CACHE / f"wheels-{hashlib.sha256(recipe.encode()).hexdigest()[:16]}"

@@ -1,9 +1,13 @@
-"""What installing posenc asks of a user's environment.
+"""What installing posenc asks of a user's environment, and what each distribution ships.
 
-Installing posenc (or one of its user-facing extras) must never downgrade or replace the
-transformers, torch, vLLM, SGLang or diffusers a user already runs: those requirements carry
-lower bounds only, and an integration verifies each table against the module's own rows at
-load instead. Exact versions belong to the test-only extras (``dev``, ``conformance``).
+Installing posenc or posenc-server (or one of their user-facing extras) must never downgrade
+or replace the transformers, torch, vLLM, SGLang or diffusers a user already runs: those
+requirements carry lower bounds only, and an integration verifies each table against the
+module's own rows at load instead. Exact versions belong to the test-only extras (``dev``,
+``conformance``), and to the server's requirement of the SDK's distribution of its release.
+
+The SDK's distribution (``posenc``: ``posenc_protocol`` and ``posenc``) ships no server code,
+and the server's (``posenc-server``) ships only ``posenc_server``.
 """
 
 from __future__ import annotations
@@ -12,8 +16,10 @@ import ast
 import subprocess
 import sys
 import tomllib
+import zipfile
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from conftest import ROOT
@@ -24,20 +30,28 @@ from packaging.requirements import Requirement
 _TEST_ONLY = {"dev", "conformance", "docs"}
 
 
-def _project() -> dict[str, object]:
-    with open(ROOT / "pyproject.toml", "rb") as file:
-        project: dict[str, object] = tomllib.load(file)["project"]
+# The two distributions' project files: the SDK's, and the server's.
+_PROJECTS = (ROOT / "pyproject.toml", ROOT / "server" / "pyproject.toml")
+
+
+def _project(path: Path = _PROJECTS[0]) -> dict[str, Any]:
+    with open(path, "rb") as file:
+        project: dict[str, Any] = tomllib.load(file)["project"]
     return project
 
 
 def _user_requirements() -> list[tuple[str, Requirement]]:
-    project = _project()
-    extras = project["optional-dependencies"]
-    assert isinstance(extras, dict)
-    found = [("dependencies", Requirement(r)) for r in project["dependencies"]]  # type: ignore[attr-defined]
-    for extra, requirements in extras.items():
-        if extra not in _TEST_ONLY:
-            found += [(extra, Requirement(r)) for r in requirements]
+    found = []
+    for path in _PROJECTS:
+        project = _project(path)
+        where = f"{path.relative_to(ROOT)}"
+        for text in project["dependencies"]:
+            requirement = Requirement(text)
+            if requirement.name != "posenc":  # the server's SDK release: test_the_server_...
+                found.append((f"{where} dependencies", requirement))
+        for extra, requirements in project.get("optional-dependencies", {}).items():
+            if extra not in _TEST_ONLY:
+                found += [(f"{where} [{extra}]", Requirement(r)) for r in requirements]
     return found
 
 
@@ -58,7 +72,6 @@ def test_a_user_facing_requirement_has_a_lower_bound_only(
 
 def test_every_integration_has_an_extra_and_a_tested_pin() -> None:
     extras = _project()["optional-dependencies"]
-    assert isinstance(extras, dict)
     named = {
         Requirement(r).name for extra in ("transformers", "vllm", "sglang") for r in extras[extra]
     }
@@ -95,3 +108,32 @@ def test_posenc_serve_hands_over_to_the_servers_own_command() -> None:
         result = subprocess.run(argv, capture_output=True, text=True, timeout=120)
         assert result.returncode == 0, result.stderr
         assert "--processes" in result.stdout and "POSENC_PORT" in result.stdout
+
+
+def test_the_server_requires_the_sdk_of_its_own_release() -> None:
+    # posenc_protocol comes with the SDK's distribution: the server is built against the
+    # stubs and the codec of its own release, whatever the SDK's lower bounds allow.
+    versions = (ROOT / "client" / "posenc" / "_version.py").read_text()
+    version = versions.split("__version__ = ", 1)[1].split()[0].strip("\"'")
+    requirements = [Requirement(r) for r in _project(_PROJECTS[1])["dependencies"]]
+    (sdk,) = [r for r in requirements if r.name == "posenc"]
+    assert str(sdk.specifier) == f"=={version}"
+
+
+def _wheel_packages(directory: Path, tmp_path: Path) -> set[str]:
+    """The top-level names in the wheel built from ``directory`` (its .dist-info aside)."""
+    argv = [sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "-w", str(tmp_path)]
+    result = subprocess.run([*argv, str(directory)], capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr
+    (wheel,) = tmp_path.glob("*.whl")
+    with zipfile.ZipFile(wheel) as archive:
+        names = {name.split("/")[0] for name in archive.namelist()}
+    return {name for name in names if not name.endswith(".dist-info")}
+
+
+@pytest.mark.slow  # builds two wheels
+def test_the_sdk_wheel_ships_no_server_code_and_the_servers_only_the_server(
+    tmp_path: Path,
+) -> None:
+    assert _wheel_packages(ROOT, tmp_path / "sdk") == {"posenc", "posenc_protocol"}
+    assert _wheel_packages(ROOT / "server", tmp_path / "server") == {"posenc_server"}

@@ -35,15 +35,15 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def install_command() -> str:
-    """The pip command that installs the server the way it was installed itself."""
+    """The pip command that installs the server again the way it was installed: from its
+    checkout's directory (editable if it was), or from the package index."""
     try:
-        direct_url = metadata.distribution("posenc").read_text("direct_url.json")
+        direct_url = metadata.distribution("posenc-server").read_text("direct_url.json")
         origin = json.loads(direct_url or "{}")
     except (metadata.PackageNotFoundError, ValueError):
         origin = {}
     url = str(origin.get("url", ""))
-    if url.startswith("file://") and "dir_info" in origin:  # from a checkout
-        path = url.removeprefix("file://")
-        editable = "-e " if origin["dir_info"].get("editable") else ""
-        return f"pip install {editable}'{path}[server]'"
-    return "pip install 'posenc[server]'"
+    if not url.startswith("file://") or "dir_info" not in origin:
+        return "pip install posenc-server"
+    editable = "-e " if origin["dir_info"].get("editable") else ""
+    return f"pip install {editable}'{url.removeprefix('file://')}'"

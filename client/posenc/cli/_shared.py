@@ -147,16 +147,24 @@ def _usage_error(message: str, command: str = "fetch") -> SystemExit:
     return SystemExit(EXIT_USAGE)
 
 
-def _install_command(extra: str) -> str:
-    """The pip command that adds ``extra`` the way posenc itself was installed."""
+def _checkout() -> tuple[str, str] | None:
+    """Where posenc was installed from, when from a checkout: its directory and ``"-e "``
+    if editable (else ``""``); None when from a package index."""
     try:
         direct_url = metadata.distribution("posenc").read_text("direct_url.json")
         origin = json.loads(direct_url or "{}")
     except (metadata.PackageNotFoundError, ValueError):
-        origin = {}
+        return None
     url = str(origin.get("url", ""))
-    if url.startswith("file://") and "dir_info" in origin:  # from a checkout
-        path = url.removeprefix("file://")
-        editable = "-e " if origin["dir_info"].get("editable") else ""
-        return f"pip install {editable}'{path}[{extra}]'"
-    return f"pip install 'posenc[{extra}]'"
+    if not url.startswith("file://") or "dir_info" not in origin:
+        return None
+    return url.removeprefix("file://"), "-e " if origin["dir_info"].get("editable") else ""
+
+
+def _install_command(extra: str) -> str:
+    """The pip command that adds ``extra`` the way posenc itself was installed."""
+    checkout = _checkout()
+    if checkout is None:
+        return f"pip install 'posenc[{extra}]'"
+    path, editable = checkout
+    return f"pip install {editable}'{path}[{extra}]'"

@@ -6,8 +6,9 @@ import argparse
 import importlib.util
 import os
 import sys
+from pathlib import Path
 
-from posenc.cli._shared import EXIT_USAGE, _install_command
+from posenc.cli._shared import EXIT_USAGE, _checkout
 
 
 def run(argv: list[str]) -> int:
@@ -16,8 +17,7 @@ def run(argv: list[str]) -> int:
     server's. The SDK imports nothing of the server; it only looks for it."""
     if importlib.util.find_spec("posenc_server") is None:
         print(
-            "posenc serve: the server is not installed.\n"
-            f"Install it with: {_install_command('server')}",
+            f"posenc serve: the server is not installed.\nInstall it with: {_install_command()}",
             file=sys.stderr,
         )
         return EXIT_USAGE
@@ -26,10 +26,20 @@ def run(argv: list[str]) -> int:
     os.execv(sys.executable, [sys.executable, "-m", "posenc_server", *argv])
 
 
+def _install_command() -> str:
+    """The pip command that adds the server (the distribution ``posenc-server``) the way
+    posenc was installed: from the same checkout's ``server/`` directory, or the index."""
+    checkout = _checkout()
+    if checkout is None or not Path(checkout[0], "server", "pyproject.toml").is_file():
+        return "pip install posenc-server"
+    path, editable = checkout
+    return f"pip install {editable}'{Path(path, 'server')}'"
+
+
 def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """The ``serve`` command: its flags are the server's, handed over untouched."""
     commands.add_parser(
         "serve",
-        help="run a server (needs the [server] extra; `posenc serve --help` for its flags)",
+        help="run a server (needs posenc-server installed; `posenc serve --help` for its flags)",
         add_help=False,
     )
