@@ -87,6 +87,21 @@ def _parameters_of(kind: str) -> dict[str, FieldDescriptor | None]:
     return known
 
 
+def _classic_options(field: FieldDescriptor) -> dict[str, Any]:
+    """The argparse options of the classic table's flag for ``field``."""
+    options: dict[str, Any] = {"default": None, "help": f"the table's {field.name}"}
+    if field.cpp_type == FieldDescriptor.CPPTYPE_ENUM:
+        assert field.enum_type is not None
+        options["choices"] = tuple(enum_names(field.enum_type))
+        options["help"] += f" (default: {options['choices'][0]})"
+    else:
+        options["type"] = _FlagValue(field)
+        options["metavar"] = "N" if field.cpp_type in INTEGER_RANGES else "X"
+        if field.has_presence:
+            options["help"] += " (default: the server's)"
+    return options
+
+
 def _add_table_arguments(fetch: argparse.ArgumentParser) -> None:
     """The table flags of ``fetch``, from the descriptors of the table kinds."""
     table = fetch.add_argument_group(
@@ -102,17 +117,7 @@ def _add_table_arguments(fetch: argparse.ArgumentParser) -> None:
         help=f"the table kind: {', '.join(kind_names())} (default: {_CLASSIC_KIND})",
     )
     for field in parameter_fields(kind_message(_CLASSIC_KIND)):
-        options: dict[str, Any] = {"default": None, "help": f"the table's {field.name}"}
-        if field.cpp_type == FieldDescriptor.CPPTYPE_ENUM:
-            assert field.enum_type is not None
-            options["choices"] = tuple(enum_names(field.enum_type))
-            options["help"] += f" (default: {options['choices'][0]})"
-        else:
-            options["type"] = _FlagValue(field)
-            options["metavar"] = "N" if field.cpp_type in INTEGER_RANGES else "X"
-            if field.has_presence:
-                options["help"] += " (default: the server's)"
-        table.add_argument(_flag(field), dest=f"classic_{field.name}", **options)
+        table.add_argument(_flag(field), dest=f"classic_{field.name}", **_classic_options(field))
     table.add_argument(
         "--param",
         action="append",

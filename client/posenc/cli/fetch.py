@@ -14,6 +14,7 @@ import numpy as np
 import numpy.typing as npt
 
 from posenc._channel import DEFAULT_TARGET
+from posenc._client import Client
 from posenc._query import as_positions, named_dtype
 from posenc.cli._shared import (
     _TARGET_ENV,
@@ -27,9 +28,7 @@ from posenc.cli._shared import (
 )
 from posenc.cli._tables import _add_table_arguments, _table
 from posenc.cli._writer import _FORMATS, _check_output, _human_bytes, _write
-from posenc.spec import (
-    position_axes,
-)
+from posenc.spec import Spec, position_axes
 from posenc_protocol.numbers import exact_integer, integer
 
 _FETCH_EPILOG = f"""\
@@ -105,30 +104,46 @@ def _load_positions(path: Path, axes: int) -> npt.NDArray[np.int64]:
     return np.stack([as_positions(column) for column in data.T], axis=1)
 
 
+def _slices(
+    client: Client, args: argparse.Namespace, table: Spec, options: dict[str, Any]
+) -> tuple[int, int, Iterator[tuple[int, npt.NDArray[Any]]]]:
+    """The table's row count, the position of its first row, and its slices.
+
+    Slices arrive labelled by position (range) or by index (list): the origin maps either to
+    the row of the output array.
+    """
+    if args.positions_file is not None:
+        if args.start is not None:
+            raise _usage_error("give either START STOP or --positions-file, not both")
+        positions = _load_positions(args.positions_file, position_axes(table.kind))
+        return len(positions), 0, client.iter_positions(positions, table, **options)
+    if args.start is None and args.stop is None and table.grid_shape is not None:
+        # A grid kind without a range: the whole grid, written with its shape.
+        return math.prod(table.grid_shape), 0, client.iter_grid(table, **options)
+    if args.start is None or args.stop is None:
+        raise _usage_error("START and STOP are required (or --positions-file)")
+    slices = client.iter_range(args.start, args.stop, table, **options)
+    return args.stop - args.start, args.start, slices
+
+
+def _check_disk(output: Path, needed: int) -> None:
+    """A table past the server's stream limit travels in several streams, so only the disk
+    bounds what fetch can write: checked before the file is made."""
+    free = shutil.disk_usage(output.parent).free
+    if needed > free:
+        raise OSError(
+            f"cannot write {output}: the table takes {_human_bytes(needed)}, "
+            f"and {output.parent} has {_human_bytes(free)} free"
+        )
+
+
 def run(args: argparse.Namespace) -> int:
+    """``posenc fetch``: the table's rows into the output file."""
     table = _table(args)
     _check_output(args.output)
     options: dict[str, Any] = {"dtype": args.dtype, "chunk_bytes": args.chunk_bytes}
     with _client(args, _targets(args)) as client:
-        # Slices arrive labelled by position (range) or by index (list): `origin` maps
-        # either to the row of the output array.
-        slices: Iterator[tuple[int, npt.NDArray[Any]]]
-        if args.positions_file is not None:
-            if args.start is not None:
-                raise _usage_error("give either START STOP or --positions-file, not both")
-            positions = _load_positions(args.positions_file, position_axes(table.kind))
-            rows, origin = len(positions), 0
-            slices = client.iter_positions(positions, table, **options)
-        elif args.start is None and args.stop is None and table.grid_shape is not None:
-            # A grid kind without a range: the whole grid, written with its shape.
-            grid = table.grid_shape
-            rows, origin = math.prod(grid), 0
-            slices = client.iter_grid(table, **options)
-        else:
-            if args.start is None or args.stop is None:
-                raise _usage_error("START and STOP are required (or --positions-file)")
-            rows, origin = args.stop - args.start, args.start
-            slices = client.iter_range(args.start, args.stop, table, **options)
+        rows, origin, slices = _slices(client, args, table, options)
         # A server that does not answer at all is given --connect-timeout, not --timeout
         # (none by default: a table may take hours).
         connect = args.connect_timeout
@@ -142,14 +157,7 @@ def run(args: argparse.Namespace) -> int:
             width = first[1].shape[1]
             slices = itertools.chain([first], slices)
         dtype = named_dtype(args.dtype)
-        # A table past the server's stream limit travels in several streams, so only the
-        # disk bounds what fetch can write: check it before the file is made.
-        needed, free = rows * width * dtype.itemsize, shutil.disk_usage(args.output.parent).free
-        if needed > free:
-            raise OSError(
-                f"cannot write {args.output}: the table takes {_human_bytes(needed)}, "
-                f"and {args.output.parent} has {_human_bytes(free)} free"
-            )
+        _check_disk(args.output, rows * width * dtype.itemsize)
         grid_shape = table.grid_shape if args.start is None and not args.positions_file else None
         file_shape = None if grid_shape is None else (*grid_shape, width)
         _write(
