@@ -8,7 +8,7 @@ import itertools
 import math
 import operator
 import socket
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Final
 
@@ -35,10 +35,10 @@ _MAX_RECEIVE_BYTES: Final = 64 << 20
 # 1,048,576 positions at up to 10 varint bytes each (negative int64) is ~10.5 MB.
 _MAX_SEND_BYTES: Final = 32 << 20
 # gRPC reconnects to a failed server with 1 s initial, 120 s max backoff by default, and
-# while it waits, calls fail at once without trying: a replica back after 2 s could stay
-# unreachable for the channel well past our retry budget. Reconnecting at least every
-# 0.5 s means the channel sees a restarted server within ~0.6 s, so the default budget
-# (about 5 s of sleeps) rides out some 4.5 s of downtime.
+# while it waits, calls fail at once without trying: a restarted replica could stay
+# unreachable for the channel well past the retry budget. Reconnecting at least every
+# 0.5 s lets the channel see a restarted server within a second, so the retries ride out
+# a restart that ends before their sleeps do.
 _RECONNECT_OPTIONS: Final = (
     ("grpc.initial_reconnect_backoff_ms", 100),
     ("grpc.max_reconnect_backoff_ms", 500),
@@ -57,11 +57,10 @@ KEEPALIVE_OPTIONS: Final = (
     ("grpc.http2.max_pings_without_data", 0),
 )
 #: Connections a client opens to each server address. A server's worker processes share its
-#: port (SO_REUSEPORT), and the kernel hands each *connection* to one of them, so a client
-#: on one connection reaches one process however many the server runs. The kernel spreads
-#: connections over the processes at random: with 8, all on one of 2 processes with
-#: probability 1/128 (with 4 it was 1/8, and a benchmark run drew it), 3.6 of 4 processes
-#: reached on average, 5.3 of 8.
+#: port (SO_REUSEPORT), and the kernel hands each *connection* to one of them at random, so
+#: a client reaches only the processes its connections landed on. Eight make it unlikely
+#: that a client's calls crowd onto few of a server's processes (all onto one of two:
+#: 2 ** -7) while keeping the connections per client few.
 DEFAULT_CONNECTIONS: Final = 8
 #: The most a connection holds to read into (the server caps its own the same way).
 READ_BUFFER_BYTES: Final = 64 << 10
@@ -177,8 +176,8 @@ def channel_options(
         # pool); each of a client's channels has its own, so that each is a connection.
         "grpc.use_local_subchannel_pool": 1,
         # gRPC grows a connection's read buffer with its largest reads (megabytes while a
-        # stream arrives) and keeps it: capped, a warm 256 MiB stream arrived 10-20% faster
-        # in A/B runs, and the client keeps no megabytes per connection afterwards.
+        # stream arrives) and keeps it: capped, a client holds no megabytes per idle
+        # connection, and large streams arrive no slower for it.
         "grpc.experimental.tcp_max_read_buffer_size": READ_BUFFER_BYTES,
         **dict(_RECONNECT_OPTIONS),
         **dict(KEEPALIVE_OPTIONS),
@@ -217,14 +216,10 @@ class Settings:
         options: Iterable[tuple[str, Any]] | None,
         shared_memory: bool | None = None,
     ) -> Settings:
-        retries = operator.index(max_retries)
-        if retries < 0:
-            raise ValueError(f"max_retries must be >= 0, got {max_retries}")
+        retries = _at_least_zero("max_retries", max_retries)
         if not (math.isfinite(retry_backoff) and retry_backoff >= 0):
             raise ValueError(f"retry_backoff must be >= 0, got {retry_backoff}")
-        unary_max = operator.index(unary_max_bytes)
-        if unary_max < 0:
-            raise ValueError(f"unary_max_bytes must be >= 0, got {unary_max_bytes}")
+        unary_max = _at_least_zero("unary_max_bytes", unary_max_bytes)
         pool = operator.index(connections)
         if not 1 <= pool <= _MAX_CONNECTIONS:
             raise ValueError(f"connections must be in 1..{_MAX_CONNECTIONS}, got {connections}")
@@ -246,6 +241,14 @@ class Settings:
             options=channel_options(options, user_agent()),
             shared_memory=regions if shared_memory is not False else None,
         )
+
+
+def _at_least_zero(name: str, value: int) -> int:
+    """``value`` as an int, refused when negative."""
+    number = operator.index(value)
+    if number < 0:
+        raise ValueError(f"{name} must be >= 0, got {value}")
+    return number
 
 
 def channel_credentials(
@@ -279,32 +282,43 @@ class Calls:
 
     def __init__(self, channel: grpc.Channel | grpc.aio.Channel) -> None:
         service = "/posenc.v1.PositionalEncodingService/"
-        self.get_encoding: Any = channel.unary_unary(
-            service + "GetEncoding",
-            request_serializer=pb.GetEncodingRequest.SerializeToString,
-            response_deserializer=wire.decode_tensor_response,
+        request = pb.GetEncodingRequest.SerializeToString
+        self.get_encoding: Any = _rpc(
+            channel.unary_unary, service + "GetEncoding", request, wire.decode_tensor_response
         )
         # The same, for requests that may have their rows placed in shared memory.
-        self.get_encoding_shared: Any = channel.unary_unary(
-            service + "GetEncoding",
-            request_serializer=pb.GetEncodingRequest.SerializeToString,
-            response_deserializer=wire.decode_unary_response,
+        self.get_encoding_shared: Any = _rpc(
+            channel.unary_unary, service + "GetEncoding", request, wire.decode_unary_response
         )
-        self.stream_encoding: Any = channel.unary_stream(
+        self.stream_encoding: Any = _rpc(
+            channel.unary_stream,
             service + "StreamEncoding",
-            request_serializer=pb.StreamEncodingRequest.SerializeToString,
-            response_deserializer=wire.decode_tensor_response,
+            pb.StreamEncodingRequest.SerializeToString,
+            wire.decode_tensor_response,
         )
-        self.get_server_info: Any = channel.unary_unary(
+        self.get_server_info: Any = _rpc(
+            channel.unary_unary,
             service + "GetServerInfo",
-            request_serializer=pb.GetServerInfoRequest.SerializeToString,
-            response_deserializer=pb.GetServerInfoResponse.FromString,
+            pb.GetServerInfoRequest.SerializeToString,
+            pb.GetServerInfoResponse.FromString,
         )
-        self.health_check: Any = channel.unary_unary(
+        self.health_check: Any = _rpc(
+            channel.unary_unary,
             "/grpc.health.v1.Health/Check",
-            request_serializer=health_pb2.HealthCheckRequest.SerializeToString,
-            response_deserializer=health_pb2.HealthCheckResponse.FromString,
+            health_pb2.HealthCheckRequest.SerializeToString,
+            health_pb2.HealthCheckResponse.FromString,
         )
+
+
+def _rpc(
+    kind: Callable[..., Any],
+    method: str,
+    serialize: Callable[[Any], bytes],
+    deserialize: Callable[[bytes], Any],
+) -> Any:
+    """The channel's callable of ``method`` (``kind``: its ``unary_unary`` or
+    ``unary_stream``), requests serialised and responses parsed as given."""
+    return kind(method, request_serializer=serialize, response_deserializer=deserialize)
 
 
 class Pool:

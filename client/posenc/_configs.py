@@ -190,6 +190,30 @@ def table_from_config(
         raise bad_argument("config", f"cannot be read ({type(error).__name__}: {error})") from None
 
 
+def _partial(
+    values: Mapping[str, Any], rope: Mapping[str, Any], model_type: str, head_dim: int
+) -> dict[str, Any]:
+    """The partial rotary factor of a config, when it rotates part of the head (and the
+    head_dim it is a part of, when that is not ``head_dim``)."""
+    factor = _first(rope, ("partial_rotary_factor",))
+    if factor is None:
+        factor = _first(values, ("partial_rotary_factor", "rotary_pct"))
+    if factor is None and values.get("rotary_dim"):
+        rotary_dim = _integer(values["rotary_dim"], "config.rotary_dim")
+        factor = _partial_factor(rotary_dim, head_dim)
+    if factor is None and model_type == "gpt_neox":
+        factor = _GPT_NEOX_ROTARY_PCT
+    if factor is None or (factor := _real(factor, "config.partial_rotary_factor")) == 1.0:
+        return {}
+    own = values.get("head_dim")
+    rotated = values.get("qk_rope_head_dim")
+    if rotated and isinstance(own, int) and int(own * factor) == rotated:
+        # DeepSeek-V4: qk_rope_head_dim is the rotated part of head_dim, which the partial
+        # factor is of (DeepSeek-V2/V3 rotate all of qk_rope_head_dim).
+        return {"partial_rotary_factor": factor, "head_dim": own}
+    return {"partial_rotary_factor": factor}
+
+
 def _spec_from_config(
     config: object,
     *,
@@ -213,27 +237,7 @@ def _spec_from_config(
     theta = _first(rope, ("rope_theta",)) or _first(values, ("rope_theta", "rotary_emb_base"))
     if theta is not None:
         parameters["rope_theta"] = _real(theta, "config.rope_theta")
-    factor = _first(rope, ("partial_rotary_factor",))
-    if factor is None:
-        factor = _first(values, ("partial_rotary_factor", "rotary_pct"))
-    if factor is None and values.get("rotary_dim"):
-        rotary_dim = _integer(values["rotary_dim"], "config.rotary_dim")
-        factor = _partial_factor(rotary_dim, head_dim)
-    if factor is None and model_type == "gpt_neox":
-        factor = _GPT_NEOX_ROTARY_PCT
-    if factor is not None:
-        factor = _real(factor, "config.partial_rotary_factor")
-        if factor != 1.0:
-            parameters["partial_rotary_factor"] = factor
-            own = values.get("head_dim")
-            if (
-                values.get("qk_rope_head_dim")
-                and isinstance(own, int)
-                and int(own * factor) == values["qk_rope_head_dim"]
-            ):
-                # DeepSeek-V4: qk_rope_head_dim is the rotated part of head_dim, which the
-                # partial factor is of (DeepSeek-V2/V3 rotate all of qk_rope_head_dim).
-                parameters["head_dim"] = own
+    parameters.update(_partial(values, rope, model_type, head_dim))
 
     rope_type = str(rope.get("rope_type") or rope.get("type") or "default")
     family = model_type.removesuffix("_text")
