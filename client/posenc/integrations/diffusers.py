@@ -45,9 +45,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import warnings
-from collections.abc import Callable
 from importlib import metadata
-from types import TracebackType
 from typing import Any, Final
 
 import numpy as np
@@ -56,6 +54,7 @@ from torch import nn
 
 import posenc
 from posenc._output import as_tensor
+from posenc.integrations._patch import Patched
 
 __all__ = ["SUPPORTED_DIFFUSERS", "Patch", "UntestedReleaseWarning", "patch"]
 
@@ -77,7 +76,7 @@ _VERIFY_TOLERANCE: Final = 1e-4
 _ROTARY_KEPT: Final = 16
 
 
-class Patch:
+class Patch(Patched):
     """What :func:`patch` changed in a model: undone by :meth:`undo` or on leaving a ``with``.
 
     Attributes:
@@ -88,13 +87,10 @@ class Patch:
     """
 
     def __init__(self, client: posenc.Client) -> None:
-        self.client = client
-        self.specs: dict[str, posenc.Spec] = {}
-        self.skipped: dict[str, str] = {}
+        super().__init__(client)
         self.fetches = 0
         self._grids: dict[posenc.Spec, torch.Tensor] = {}
         self._rotary: dict[tuple[Any, ...], torch.Tensor] = {}
-        self._undo: list[Callable[[], None]] = []
 
     def rotary(
         self, spec: posenc.Spec, coordinates: torch.Tensor, dtype: str = "float32"
@@ -124,37 +120,9 @@ class Patch:
             self.fetches += 1
         return rows
 
-    def undo(self) -> None:
-        """Restores every patched module as it was."""
-        while self._undo:
-            self._undo.pop()()
+    def _forget(self) -> None:
         self._grids.clear()
         self._rotary.clear()
-
-    def __enter__(self) -> Patch:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        traceback: TracebackType | None,
-    ) -> None:
-        self.undo()
-
-    def __repr__(self) -> str:
-        return f"Patch({', '.join(self.specs) or 'nothing'})"
-
-    def _override(self, module: nn.Module, name: str, value: Any) -> None:
-        """Sets an instance attribute that shadows the class's method."""
-        object.__setattr__(module, name, value)
-        self._undo.append(lambda: module.__dict__.pop(name, None))
-
-    def _set(self, module: nn.Module, name: str, value: Any) -> None:
-        """Sets a buffer or plain attribute, restoring the original on undo."""
-        original = getattr(module, name)
-        setattr(module, name, value)
-        self._undo.append(lambda: setattr(module, name, original))
 
 
 def patch(model: Any, client: posenc.Client, *, verify: bool = True) -> Patch:
@@ -328,9 +296,9 @@ class _PatchEmbed:
         # forward uses the pos_embed buffer when the latent's grid is (height, width), and
         # rebuilds the grid in float32 otherwise: before each forward, the buffer becomes
         # posenc's grid of the latent's size, and (height, width) that size.
-        self.handle._set(module, "pos_embed", module.pos_embed)
-        self.handle._set(module, "height", module.height)
-        self.handle._set(module, "width", module.width)
+        self.handle._replace(module, "pos_embed", module.pos_embed)
+        self.handle._replace(module, "height", module.height)
+        self.handle._replace(module, "width", module.width)
         hook = module.register_forward_pre_hook(self.before_forward)
         self.handle._undo.append(hook.remove)
 
@@ -384,7 +352,7 @@ class _CogVideoXEmbed:
         if verify:
             _check(self.name, spec, ours, module.pos_embedding)
         self.handle.specs[self.name] = spec
-        self.handle._set(module, "pos_embedding", ours.to(module.pos_embedding.device))
+        self.handle._replace(module, "pos_embedding", ours.to(module.pos_embedding.device))
         self.handle._override(module, "_get_positional_embeddings", self.joint)
 
     def joint(

@@ -69,7 +69,6 @@ import warnings
 import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from types import TracebackType
 from typing import Any, Final
 
 import torch
@@ -78,6 +77,7 @@ from torch import nn
 import posenc
 from posenc._configs import config_dict, table_from_config
 from posenc._output import as_tensor
+from posenc.integrations._patch import Patched
 from posenc.table import DEFAULT_MAX_BYTES, DEFAULT_MIN_ROWS, GrowingTable
 
 __all__ = [
@@ -159,8 +159,10 @@ class ModuleFrequenciesWarning(UserWarning):
     message) is one posenc does not compute, or its config could not be matched."""
 
 
-class Patch:
+class Patch(Patched):
     """What :func:`patch` changed in a model: undone by :meth:`undo` or on leaving a ``with``.
+
+    Deep copies of the model made while patched stay patched (they share this patch).
 
     Attributes:
         specs: The spec of each replaced table, by module name (``""`` is the model;
@@ -170,13 +172,10 @@ class Patch:
     """
 
     def __init__(self, client: posenc.Client, *, min_rows: int, max_table_bytes: int) -> None:
-        self.client = client
-        self.specs: dict[str, posenc.Spec] = {}
-        self.skipped: dict[str, str] = {}
+        super().__init__(client)
         self._min_rows = min_rows
         self._max_table_bytes = max_table_bytes
         self._tables: dict[tuple[posenc.Spec, torch.dtype], GrowingTable] = {}
-        self._undo: list[Callable[[], None]] = []
 
     def table(self, spec: posenc.Spec, dtype: torch.dtype) -> GrowingTable:
         """The growing table of ``spec`` in ``dtype``, one per pair, shared by every module
@@ -199,26 +198,8 @@ class Patch:
         """The growing tables the patched modules read from."""
         return list(self._tables.values())
 
-    def undo(self) -> None:
-        """Restores every patched module as it was (its own tables and methods). Deep
-        copies made while patched stay patched."""
-        while self._undo:
-            self._undo.pop()()
+    def _forget(self) -> None:
         self._tables.clear()
-
-    def __enter__(self) -> Patch:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        traceback: TracebackType | None,
-    ) -> None:
-        self.undo()
-
-    def __repr__(self) -> str:
-        return f"Patch({', '.join(self.specs) or 'nothing'})"
 
     def __deepcopy__(self, memo: dict[int, Any]) -> Patch:
         return self  # a deep copy of a patched model shares the patch (and its client)
@@ -228,21 +209,10 @@ class Patch:
 
     # -- replacing attributes, undoably -------------------------------------------------------
 
-    def _override(self, module: nn.Module, name: str, value: Any) -> None:
-        """Sets an instance attribute (e.g. ``forward``) that shadows the class's."""
-        object.__setattr__(module, name, value)
-        self._undo.append(lambda: module.__dict__.pop(name, None))
-
     def _bind(self, module: nn.Module, name: str, function: Callable[..., Any]) -> None:
         """Makes ``function(module, ...)`` the module's method ``name``: bound to the module,
         so that a deep copy of the model binds it to the copy."""
         self._override(module, name, types.MethodType(function, module))
-
-    def _replace(self, module: nn.Module, name: str, value: Any) -> None:
-        """Replaces a buffer or parameter, restoring the original on undo."""
-        original = getattr(module, name)
-        setattr(module, name, value)
-        self._undo.append(lambda: setattr(module, name, original))
 
 
 class _State:
@@ -1120,17 +1090,19 @@ def _gptj_attention_forward(module: nn.Module, *args: Any, **kwargs: Any) -> Any
     return _state(module).forward(module, *args, **kwargs)
 
 
-class _GPTJRotary(_State):
-    """GPT-J's rotary module (transformers 5.24): ``(sin, cos)`` of ``position_ids``, one
-    half of ``rotary_dim`` each, from posenc at any position (the module's own buffer stops
-    at ``n_positions``)."""
+class _GPTJ(_State):
+    """A GPT-J module whose ``[sin | cos]`` rows come from posenc: installed once the table
+    is checked against the leading rows of its ``embed_positions`` buffer, its forward
+    replaced by ``FORWARD``."""
 
-    def __init__(self, handle: Patch, name: str, module: Any, config: Any) -> None:
-        self.handle = handle
-        self.name = name
-        # The module keeps no config: the model's.
-        self.spec = posenc.Spec.from_config(config, layout="vllm")
-        self.module = module
+    FORWARD: Callable[..., Any]
+    # Whether the state is registered in _LIVE, for the compiled forward's custom op.
+    REGISTERED: bool = False
+
+    handle: Patch
+    name: str
+    spec: posenc.Spec
+    module: Any
 
     def install(self, verify: bool) -> None:
         module = self.module
@@ -1142,9 +1114,26 @@ class _GPTJRotary(_State):
             )
             native = module.embed_positions[:_VERIFY_ROWS].cpu()
             _check(self.name, self.spec, torch.cat([sin, cos], -1), native)
-        self._register()
+        if self.REGISTERED:
+            self._register()
         self.handle._override(module, _STATE, self)
-        self.handle._bind(module, "forward", _gptj_rotary_forward)
+        self.handle._bind(module, "forward", type(self).FORWARD)
+
+
+class _GPTJRotary(_GPTJ):
+    """GPT-J's rotary module (transformers 5.24): ``(sin, cos)`` of ``position_ids``, one
+    half of ``rotary_dim`` each, from posenc at any position (the module's own buffer stops
+    at ``n_positions``)."""
+
+    def __init__(self, handle: Patch, name: str, module: Any, config: Any) -> None:
+        self.handle = handle
+        self.name = name
+        # The module keeps no config: the model's.
+        self.spec = posenc.Spec.from_config(config, layout="vllm")
+        self.module = module
+
+    FORWARD = staticmethod(_gptj_rotary_forward)
+    REGISTERED = True
 
     complex: Final = False
 
@@ -1163,7 +1152,7 @@ class _GPTJRotary(_State):
         return cos.to(x.dtype), sin.to(x.dtype)
 
 
-class _GPTJAttention(_State):
+class _GPTJAttention(_GPTJ):
     """GPT-J's attention (transformers before 5.24) with its ``embed_positions`` rows from
     posenc.
 
@@ -1181,19 +1170,7 @@ class _GPTJAttention(_State):
         self.spec = posenc.Spec.from_config(module.config, layout="vllm")
         self.module = module
 
-    def install(self, verify: bool) -> None:
-        module = self.module
-        del self.module
-        self.handle.specs[self.name] = self.spec
-        if verify:
-            positions = torch.arange(_VERIFY_ROWS)
-            cos, sin = self.handle.client.get_positions(
-                positions, self.spec, dtype=torch.float32, cos_sin=True
-            )
-            native = module.embed_positions[:_VERIFY_ROWS].cpu()
-            _check(self.name, self.spec, torch.cat([sin, cos], -1), native)
-        self.handle._override(module, _STATE, self)
-        self.handle._bind(module, "forward", _gptj_attention_forward)
+    FORWARD = staticmethod(_gptj_attention_forward)
 
     def forward(self, module: Any, *args: Any, **kwargs: Any) -> Any:
         bound = self.signature.bind(module, *args, **kwargs)
