@@ -400,34 +400,24 @@ def rope_scaling_specs(
         "short_factor": short,
         "long_factor": long,
     }
-    specs = {
-        "default": Spec("rotary", **base),
-        f"linear x{factor:g}": Spec("rotary", **base, scaling="linear", factor=factor),
+    scaled = {"factor": factor}
+    extended = {"factor": factor, "original_max_position_embeddings": original}
+    dynamic = {"scaling": "dynamic", "factor": factor, "max_position_embeddings": original}
+    parameters: dict[str, dict[str, Any]] = {
+        "default": {},
+        f"linear x{factor:g}": {"scaling": "linear", **scaled},
+        **{f"dynamic, seq_len {n}": {**dynamic, "seq_len": n} for n in seq_lens},
+        f"yarn x{factor:g}": {"scaling": "yarn", **extended},
+        f"llama3 x{factor:g}": {
+            "scaling": "llama3",
+            **extended,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+        },
+        "longrope short": {**longrope, "seq_len": original},
+        "longrope long": {**longrope, "seq_len": int(original * factor)},
     }
-    for seq_len in seq_lens:
-        specs[f"dynamic, seq_len {seq_len}"] = Spec(
-            "rotary",
-            **base,
-            scaling="dynamic",
-            factor=factor,
-            max_position_embeddings=original,
-            seq_len=seq_len,
-        )
-    specs[f"yarn x{factor:g}"] = Spec(
-        "rotary", **base, scaling="yarn", factor=factor, original_max_position_embeddings=original
-    )
-    specs[f"llama3 x{factor:g}"] = Spec(
-        "rotary",
-        **base,
-        scaling="llama3",
-        factor=factor,
-        original_max_position_embeddings=original,
-        low_freq_factor=1.0,
-        high_freq_factor=4.0,
-    )
-    specs["longrope short"] = Spec("rotary", **base, **longrope, seq_len=original)
-    specs["longrope long"] = Spec("rotary", **base, **longrope, seq_len=int(original * factor))
-    return specs
+    return {name: Spec("rotary", **base, **own) for name, own in parameters.items()}
 
 
 def rope_scalings(

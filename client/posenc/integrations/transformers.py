@@ -243,6 +243,34 @@ class _State:
         raise TypeError(_NOT_PICKLED)
 
 
+def _patch_module(handle: Patch, name: str, module: nn.Module, config: Any, verify: bool) -> bool:
+    """Patches ``module`` if it holds a table posenc serves (or says in ``handle.skipped``
+    why not); True when it was replaced whole, children included."""
+    model_type = str(getattr(config, "model_type", "") or "")
+    if _is_rotary(module):
+        reason = _vision_reason(module) or _Rotary(handle, name, module).install(verify)
+        if reason:
+            handle.skipped[name] = reason
+    elif _is_gptj_rotary(module):
+        _GPTJRotary(handle, name, module, config).install(verify)
+    elif _is_gptj_attention(module):
+        _GPTJAttention(handle, name, module).install(verify)
+        return True
+    elif _is_fairseq(module):
+        _patch_fairseq(handle, name, module, verify)
+    elif _is_split_embedding(module):
+        _patch_split(handle, name, module, verify)
+    elif model_type == "whisper" and type(module).__name__.endswith("WhisperEncoder"):
+        _patch_whisper(handle, name, module, verify)
+        return True
+    elif _is_xlm(module):
+        _patch_xlm(handle, name, module, verify)
+        return True
+    elif name and _POSITIONAL.search(f"{type(module).__name__} {name.rsplit('.', 1)[-1]}"):
+        handle.skipped[name] = _other_reason(module)
+    return False
+
+
 def _state(module: nn.Module) -> Any:
     return module.__dict__[_STATE]
 
@@ -292,37 +320,13 @@ def patch(
     verify = _check_release(verify)
     handle = Patch(client, min_rows=min_rows, max_table_bytes=max_table_bytes)
     config = getattr(model, "config", None)
-    model_type = str(getattr(config, "model_type", "") or "")
     inside: list[str] = []  # modules replaced whole: their children are theirs
     try:
         for name, module in model.named_modules():
             if any(name.startswith(f"{outer}.") for outer in inside):
                 continue
-            if _is_rotary(module):
-                reason = _vision_reason(module)
-                if reason:
-                    handle.skipped[name] = reason
-                    continue
-                reason = _Rotary(handle, name, module).install(verify)
-                if reason:
-                    handle.skipped[name] = reason
-            elif _is_gptj_rotary(module):
-                _GPTJRotary(handle, name, module, config).install(verify)
-            elif _is_gptj_attention(module):
-                _GPTJAttention(handle, name, module).install(verify)
+            if _patch_module(handle, name, module, config, verify):
                 inside.append(name)
-            elif _is_fairseq(module):
-                _patch_fairseq(handle, name, module, verify)
-            elif _is_split_embedding(module):
-                _patch_split(handle, name, module, verify)
-            elif model_type == "whisper" and type(module).__name__.endswith("WhisperEncoder"):
-                _patch_whisper(handle, name, module, verify)
-                inside.append(name)
-            elif _is_xlm(module):
-                _patch_xlm(handle, name, module, verify)
-                inside.append(name)
-            elif name and _POSITIONAL.search(f"{type(module).__name__} {name.rsplit('.', 1)[-1]}"):
-                handle.skipped[name] = _other_reason(module)
     except BaseException:
         handle.undo()
         raise
@@ -524,12 +528,7 @@ class _Rotary(_State):
         inv_freq = _inv_freq(module)
         assert inv_freq is not None
         probe = torch.zeros(1, device=inv_freq.device)
-        try:
-            # A fresh module: float32 frequencies (a model cast to bfloat16 rounded its
-            # inv_freq buffer too), initial dynamic state, and the model's own untouched.
-            reference = type(module)(self.config).to(probe.device)
-        except Exception:  # a module whose class takes more: its own state
-            reference = module
+        reference = _fresh(module, self.config, probe.device)
         try:
             self.values = config_dict(self.config)
         except posenc.InvalidArgumentError:
@@ -635,39 +634,22 @@ class _Rotary(_State):
             if not isinstance(candidate, posenc.Spec):
                 first = first or f"its config gives no table ({candidate})"
                 continue
-            spec = candidate
-            if spec.kind == "mrope":
+            if candidate.kind == "mrope":
                 if call.axes != 3:
                     continue
-                for layout in _LAYOUTS:
-                    spec = posenc.Spec("mrope", **(candidate.parameters | {"layout": layout}))
-                    try:
-                        difference = self._check_mrope(call, layer_type, spec)
-                    except posenc.InvalidArgumentError as error:
-                        difference = f"(refused: {error})"
-                    if not difference:
-                        self.mrope = True
-                        return spec, layout
-                first = first or f"posenc's table for {spec} {difference}"
+                found, difference = self._match_mrope(call, layer_type, candidate)
+                if found is not None:
+                    return found
+                first = first or difference
                 continue
-            try:
-                cos, sin = self.handle.client.get_positions(
-                    call.positions, spec, dtype=torch.float32, cos_sin=True
-                )
-            except posenc.InvalidArgumentError as error:
-                first = first or f"posenc's table for {spec} is refused ({error})"
-                continue
-            layout, difference = _match_layout(cos, sin, native)
-            if layout and call.axes:
-                self.column_axes[layer_type] = call.column_axes(layer_type)
-                difference = self._check_axes(call, layer_type, spec, layout)
+            layout, difference = self._match_rotary(call, native, layer_type, candidate)
             if layout and not difference:
                 if source == "frequencies":
                     self._warn_frequencies(rope_type, first)
-                return spec, layout
+                return candidate, layout
             if layout and fallback is None:
-                fallback = (spec, layout)
-            first = first or f"posenc's table for {spec} {difference}"
+                fallback = (candidate, layout)
+            first = first or f"posenc's table for {candidate} {difference}"
         if not verify and fallback is not None:
             return fallback
         what = first or "its output is not cos and sin of position x its inv_freq"
@@ -676,13 +658,47 @@ class _Rotary(_State):
             f"{'' if layer_type is None else f', layer type {layer_type!r}'}): {what}"
         )
 
+    def _match_mrope(
+        self, call: _Call, layer_type: str | None, candidate: posenc.Spec
+    ) -> tuple[tuple[posenc.Spec, str] | None, str]:
+        """The M-RoPE spec and layout whose rows equal the module's, or where the last
+        layout tried differs."""
+        difference = ""
+        for layout in _LAYOUTS:
+            spec = posenc.Spec("mrope", **(candidate.parameters | {"layout": layout}))
+            try:
+                difference = self._check_mrope(call, layer_type, spec)
+            except posenc.InvalidArgumentError as error:
+                difference = f"(refused: {error})"
+            if not difference:
+                self.mrope = True
+                return (spec, layout), ""
+        return None, f"posenc's table for {spec} {difference}"
+
+    def _match_rotary(
+        self, call: _Call, native: Any, layer_type: str | None, spec: posenc.Spec
+    ) -> tuple[str, str]:
+        """The layout in which the spec's rows are the module's ("" if none), and where
+        they differ ("" where they do not)."""
+        try:
+            cos, sin = self.handle.client.get_positions(
+                call.positions, spec, dtype=torch.float32, cos_sin=True
+            )
+        except posenc.InvalidArgumentError as error:
+            return "", f"is refused ({error})"
+        layout, difference = _match_layout(cos, sin, native)
+        if layout and call.axes:
+            self.column_axes[layer_type] = call.column_axes(layer_type)
+            difference = self._check_axes(call, layer_type, spec, layout)
+        return layout, difference
+
     def _warn_frequencies(self, rope_type: str, why: str) -> None:
         warnings.warn(
             f"{self.name or 'model'}: rope type {rope_type!r} is served for the float32 "
             f"frequencies its module holds (exact angles of those values), not computed from "
             f"its config ({why or 'a rope type posenc does not compute'})",
             ModuleFrequenciesWarning,
-            stacklevel=5,  # patch()'s caller
+            stacklevel=6,  # patch()'s caller
         )
 
     def _check_mrope(self, call: _Call, layer_type: str | None, spec: posenc.Spec) -> str:
@@ -983,6 +999,16 @@ class _Call:
             axes = flags.float().argmax(dim=0)
             result.append(axes.view(1, 1, 1, -1))
         return result[0], result[1]
+
+
+def _fresh(module: nn.Module, config: Any, device: torch.device) -> nn.Module:
+    """A fresh module of ``module``'s class: float32 frequencies (a model cast to bfloat16
+    rounded its inv_freq buffer too), initial dynamic state, and the model's own untouched;
+    ``module`` itself when its class takes more than the config."""
+    try:
+        return type(module)(config).to(device)
+    except Exception:
+        return module
 
 
 def _match_layout(
