@@ -69,17 +69,37 @@ class _Gather:
         return time.perf_counter() - t0
 
 
+class _Phase:
+    """One phase's steps of ``n`` sequences, each beside a gather of as many rows; the
+    first ``warmup`` steps are made but not kept."""
+
+    def __init__(self, n: int, width: int, warmup: int, measured: int, offset: int) -> None:
+        self.gather = _Gather(n, width, warmup + measured)
+        self.starts = FIRST_POSITION + offset + STRIDE * np.arange(n, dtype=np.int64)
+        self.warmup = warmup
+        self.rounds = warmup + measured
+        self.steps: list[float] = []
+        self.gathers: list[float] = []
+
+    def record(self, t: int, elapsed: float) -> None:
+        """Step ``t`` took ``elapsed`` seconds: its gather is made now, after it."""
+        floor = self.gather(t)
+        if t >= self.warmup:
+            self.steps.append(elapsed)
+            self.gathers.append(floor)
+
+    def result(self) -> tuple[list[float], list[float]]:
+        return self.steps, self.gathers
+
+
 def _phase_sync(
     target: str, n: int, width: int, pause: float, warmup: int, measured: int, offset: int
 ) -> tuple[list[float], list[float]]:
     """Cached steps of a blocking client, each beside a gather: (steps, gathers) seconds."""
-    gather = _Gather(n, width, warmup + measured)
-    starts = FIRST_POSITION + offset + STRIDE * np.arange(n, dtype=np.int64)
-    steps: list[float] = []
-    gathers: list[float] = []
+    phase = _Phase(n, width, warmup, measured, offset)
     with posenc.Client(target, timeout=30.0) as client:
-        for t in range(warmup + measured):
-            positions = starts + t
+        for t in range(phase.rounds):
+            positions = phase.starts + t
             if t >= 2:  # the first steps teach the client the width and the sequences
                 _until_cached(client, positions, width)
             if pause:
@@ -89,26 +109,20 @@ def _phase_sync(
             elapsed = time.perf_counter() - t0
             if pause:
                 time.sleep(pause)
-            floor = gather(t)
-            if t >= warmup:
-                steps.append(elapsed)
-                gathers.append(floor)
-    return steps, gathers
+            phase.record(t, elapsed)
+    return phase.result()
 
 
 def _phase_async(
     target: str, n: int, width: int, pause: float, warmup: int, measured: int, offset: int
 ) -> tuple[list[float], list[float]]:
     """The same with an asyncio client (its own event loop)."""
-    gather = _Gather(n, width, warmup + measured)
-    starts = FIRST_POSITION + offset + STRIDE * np.arange(n, dtype=np.int64)
-    steps: list[float] = []
-    gathers: list[float] = []
+    phase = _Phase(n, width, warmup, measured, offset)
 
     async def main() -> None:
         async with posenc.AsyncClient(target, timeout=30.0) as client:
-            for t in range(warmup + measured):
-                positions = starts + t
+            for t in range(phase.rounds):
+                positions = phase.starts + t
                 if t >= 2:
                     deadline = time.monotonic() + 10.0
                     while not _cached(client, positions, width) and time.monotonic() < deadline:
@@ -120,14 +134,11 @@ def _phase_async(
                 elapsed = time.perf_counter() - t0
                 if pause:
                     time.sleep(pause)
-                floor = gather(t)
-                if t >= warmup:
-                    steps.append(elapsed)
-                    gathers.append(floor)
+                phase.record(t, elapsed)
                 await asyncio.sleep(0)  # read-ahead claims and tasks run between steps
 
     asyncio.run(main())
-    return steps, gathers
+    return phase.result()
 
 
 def _free_running(
@@ -135,20 +146,13 @@ def _free_running(
 ) -> tuple[list[float], list[float]]:
     """Steps advancing back to back with nothing waited for (read-ahead must keep up),
     each beside a gather: (steps, gathers)."""
-    gather = _Gather(n, width, warmup + measured)
-    starts = FIRST_POSITION + offset + STRIDE * np.arange(n, dtype=np.int64)
-    steps: list[float] = []
-    gathers: list[float] = []
+    phase = _Phase(n, width, warmup, measured, offset)
     with posenc.Client(target, timeout=30.0) as client:
-        for t in range(warmup + measured):
+        for t in range(phase.rounds):
             t0 = time.perf_counter()
-            client.get_positions(starts + t, width)
-            elapsed = time.perf_counter() - t0
-            floor = gather(t)
-            if t >= warmup:
-                steps.append(elapsed)
-                gathers.append(floor)
-    return steps, gathers
+            client.get_positions(phase.starts + t, width)
+            phase.record(t, time.perf_counter() - t0)
+    return phase.result()
 
 
 def _wire_seconds_per_byte(floor_target: str) -> list[float]:
