@@ -10,12 +10,11 @@ from collections.abc import Callable
 import grpc
 import pytest
 from conftest import ServerProcess, wait_until
-from google.rpc import error_details_pb2
-from grpc_status import rpc_status
 from prometheus_client import REGISTRY
 from prometheus_client.parser import text_string_to_metric_families
 
 import posenc
+from posenc._retry import map_rpc_error
 from posenc_protocol.v1 import posenc_pb2 as pb
 from posenc_protocol.v1 import posenc_pb2_grpc
 from posenc_server.app import RunningServer
@@ -95,17 +94,6 @@ def test_metrics_move_with_traffic(
     assert metric(after, "posenc_streams_in_flight") == 0
 
 
-def retry_delay(error: grpc.RpcError) -> float | None:
-    """The delay of the status's google.rpc.RetryInfo detail, read as any client would."""
-    status = rpc_status.from_call(error)  # type: ignore[arg-type]
-    for detail in status.details if status is not None else ():
-        if detail.Is(error_details_pb2.RetryInfo.DESCRIPTOR):
-            info = error_details_pb2.RetryInfo()
-            detail.Unpack(info)
-            return float(info.retry_delay.ToTimedelta().total_seconds())
-    return None
-
-
 def stream_request(rows: int, chunk: int = 64 * 1024) -> pb.StreamEncodingRequest:
     return pb.StreamEncodingRequest(
         spec=pb.EncodingSpec(sinusoidal=pb.SinusoidalTable(d_model=1024)),
@@ -172,7 +160,8 @@ def test_the_sdk_waits_at_the_stream_cap_as_the_server_asks(
         next(held)
         with pytest.raises(grpc.RpcError) as raised:
             next(stub.StreamEncoding(stream_request(16)))
-        retry_after = retry_delay(raised.value)
+        # The RetryInfo delay the server sent, read by the SDK's own mapping of the status.
+        retry_after = map_rpc_error(raised.value).retry_after
         assert retry_after is not None and retry_after > 0
 
         class ReleaseOnRetry(logging.Handler):
