@@ -24,7 +24,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import numpy.typing as npt
@@ -80,50 +80,46 @@ def rotary_module(module: torch.nn.Module, positions: Array) -> Array:
     return np.concatenate([cos[0].numpy(), sin[0].numpy()], axis=1)
 
 
-def _rotary(name: str, model: str, **config: Any) -> tuple[torch.nn.Module, posenc.Spec]:
-    """transformers' ``{model}RotaryEmbedding`` (from ``models.{name}``) and its table, both
-    from one ``{model}Config(**config)``."""
+class Published(NamedTuple):
+    """A published model's rotary settings, as its released config holds them."""
+
+    model: str  # transformers' {model}Config and {model}RotaryEmbedding
+    name: str
+    hidden_size: int
+    attention_heads: int
+    key_value_heads: int
+    max_positions: int
+    rope_parameters: dict[str, Any]
+
+
+# Mistral 7B v0.2: default rope, theta 1e6.
+MISTRAL_ROPE: dict[str, Any] = {"rope_type": "default", "rope_theta": 1000000.0}
+
+# The drift table's published rotary models, by the name the conformance tests give them.
+ROTARY_MODELS: dict[str, Published] = {
+    "llama3": Published("Llama", "Llama 3.1 8B", 4096, 32, 8, 131072, _CONFIGS.LLAMA3_1_ROPE),
+    "mistral": Published("Mistral", "Mistral 7B v0.2", 4096, 32, 8, 32768, MISTRAL_ROPE),
+    "qwen2-yarn": Published(
+        "Qwen2", "Qwen2.5 7B YaRN x4", 3584, 28, 4, 131072, _CONFIGS.QWEN2_5_YARN
+    ),
+}
+
+
+def rotary_model(key: str) -> tuple[torch.nn.Module, posenc.Spec]:
+    """transformers' rotary embedding of ``ROTARY_MODELS[key]`` and its table, both from one
+    config."""
+    published = ROTARY_MODELS[key]
+    configuration = getattr(transformers, f"{published.model}Config")(
+        hidden_size=published.hidden_size,
+        num_attention_heads=published.attention_heads,
+        num_key_value_heads=published.key_value_heads,
+        max_position_embeddings=published.max_positions,
+        rope_parameters=dict(published.rope_parameters),
+    )
+    name = configuration.model_type
     modeling = importlib.import_module(f"transformers.models.{name}.modeling_{name}")
-    configuration = getattr(transformers, f"{model}Config")(**config)
-    module = getattr(modeling, f"{model}RotaryEmbedding")(configuration)
+    module = getattr(modeling, f"{published.model}RotaryEmbedding")(configuration)
     return module, posenc.Spec.from_config(configuration.to_dict())
-
-
-def llama3_module() -> tuple[torch.nn.Module, posenc.Spec]:
-    """Llama 3.1 8B's rotary embedding and its table (from the same config)."""
-    return _rotary(
-        "llama",
-        "Llama",
-        hidden_size=4096,
-        num_attention_heads=32,
-        num_key_value_heads=8,
-        max_position_embeddings=131072,
-        rope_parameters=dict(_CONFIGS.LLAMA3_1_ROPE),
-    )
-
-
-def mistral_module() -> tuple[torch.nn.Module, posenc.Spec]:
-    """Mistral 7B v0.2's rotary embedding (default rope, theta 1e6)."""
-    return _rotary(
-        "mistral",
-        "Mistral",
-        hidden_size=4096,
-        num_attention_heads=32,
-        max_position_embeddings=32768,
-        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
-    )
-
-
-def qwen2_yarn_module() -> tuple[torch.nn.Module, posenc.Spec]:
-    """Qwen2.5 7B with its documented YaRN (factor 4 over 32768) rotary embedding."""
-    return _rotary(
-        "qwen2",
-        "Qwen2",
-        hidden_size=3584,
-        num_attention_heads=28,
-        max_position_embeddings=131072,
-        rope_parameters=dict(_CONFIGS.QWEN2_5_YARN),
-    )
 
 
 # Phi-3's real factors ship with its checkpoint; these have the same shape (48 each,
@@ -223,17 +219,13 @@ class Reference:
 def references() -> list[Reference]:
     """Every reference of the drift table."""
     out: list[Reference] = []
-    for label, build in (
-        ("`LlamaRotaryEmbedding`, Llama 3.1 8B", llama3_module),
-        ("`MistralRotaryEmbedding`, Mistral 7B v0.2", mistral_module),
-        ("`Qwen2RotaryEmbedding`, Qwen2.5 7B YaRN x4", qwen2_yarn_module),
-    ):
-        module, spec = build()
+    for key, published in ROTARY_MODELS.items():
+        module, spec = rotary_model(key)
         encoding = exact(spec)
         scaling = spec.parameters.get("scaling")
         out.append(
             Reference(
-                label,
+                f"`{published.model}RotaryEmbedding`, {published.name}",
                 "`rotary`" + (f", scaling `{scaling}`" if scaling else ""),
                 lambda p, m=module: rotary_module(m, p),  # type: ignore[misc]
                 lambda p, e=encoding: engine.encode_positions(e, p),  # type: ignore[misc]

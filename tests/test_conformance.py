@@ -93,12 +93,8 @@ def _rotary_cases() -> list[tuple[str, Any, posenc.Spec]]:
     from transformers.models.phi3.modeling_phi3 import Phi3RotaryEmbedding
 
     cases: list[tuple[str, Any, posenc.Spec]] = []
-    for name, build in (
-        ("llama3", drift.llama3_module),
-        ("mistral", drift.mistral_module),
-        ("qwen2-yarn", drift.qwen2_yarn_module),
-    ):
-        module, spec = build()
+    for name in drift.ROTARY_MODELS:
+        module, spec = drift.rotary_model(name)
         cases.append((name, module, spec))
     configs = {
         "linear": LlamaConfig(
@@ -235,16 +231,17 @@ def test_whisper_matches_sinusoids() -> None:
         assert_conforms(ours(spec, positions), theirs, positions)
 
 
-@pytest.mark.parametrize("module", ["m2m_100", "speech_to_text"])
-def test_fairseq_matches_the_transformers_ports(module: str) -> None:
-    if module == "m2m_100":
-        from transformers.models.m2m_100.modeling_m2m_100 import (
-            M2M100SinusoidalPositionalEmbedding as Embedding,
-        )
-    else:
-        from transformers.models.speech_to_text.modeling_speech_to_text import (
-            Speech2TextSinusoidalPositionalEmbedding as Embedding,
-        )
+def sinusoidal_embedding(module: str, model: str) -> Any:
+    """transformers' ``{model}SinusoidalPositionalEmbedding`` class, from ``models.{module}``."""
+    modeling = importlib.import_module(f"transformers.models.{module}.modeling_{module}")
+    return getattr(modeling, f"{model}SinusoidalPositionalEmbedding")
+
+
+@pytest.mark.parametrize(
+    ("module", "model"), [("m2m_100", "M2M100"), ("speech_to_text", "Speech2Text")]
+)
+def test_fairseq_matches_the_transformers_ports(module: str, model: str) -> None:
+    Embedding = sinusoidal_embedding(module, model)
     for dim, padding in ((1024, 1), (7, 0), (256, 3)):
         theirs = Embedding.get_embedding(4098, dim, padding).numpy()
         positions = np.arange(4098)
@@ -268,16 +265,9 @@ def test_fairseq_matches_the_transformers_ports(module: str) -> None:
     assert position_ids[0, 0] == 2  # token 0 is row padding_idx + 1
 
 
-@pytest.mark.parametrize("model", ["marian", "pegasus"])
-def test_split_layout_matches_marian_and_pegasus(model: str) -> None:
-    if model == "marian":
-        from transformers.models.marian.modeling_marian import (
-            MarianSinusoidalPositionalEmbedding as Embedding,
-        )
-    else:
-        from transformers.models.pegasus.modeling_pegasus import (
-            PegasusSinusoidalPositionalEmbedding as Embedding,
-        )
+@pytest.mark.parametrize(("module", "model"), [("marian", "Marian"), ("pegasus", "Pegasus")])
+def test_split_layout_matches_marian_and_pegasus(module: str, model: str) -> None:
+    Embedding = sinusoidal_embedding(module, model)
     for dim in (512, 9):
         theirs = Embedding(1024, dim).create_weight().numpy()
         positions = np.arange(1024)
