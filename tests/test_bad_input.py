@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import grpc
 import numpy as np
@@ -44,6 +45,13 @@ def request(
 ) -> pb.GetEncodingRequest:
     return pb.GetEncodingRequest(
         spec=sinusoidal(d_model, **spec), range=pb.PositionRange(start=start, stop=stop)
+    )
+
+
+def stream_request(d_model: int, stop: int, **fields: Any) -> pb.StreamEncodingRequest:
+    """A stream of the sinusoidal table's rows ``[0, stop)``."""
+    return pb.StreamEncodingRequest(
+        spec=sinusoidal(d_model), range=pb.PositionRange(start=0, stop=stop), **fields
     )
 
 
@@ -175,9 +183,7 @@ def test_unary_result_over_its_limit_says_to_stream(
 def test_stream_over_its_limit_is_refused_before_computing(
     stub: posenc_pb2_grpc.PositionalEncodingServiceStub,
 ) -> None:
-    huge = pb.StreamEncodingRequest(
-        spec=sinusoidal(4096), range=pb.PositionRange(start=0, stop=2**20 + 1)
-    )
+    huge = stream_request(4096, 2**20 + 1)
     error = refused(
         grpc.StatusCode.RESOURCE_EXHAUSTED, lambda: next(iter(stub.StreamEncoding(huge)))
     )
@@ -188,10 +194,7 @@ def test_stream_over_its_limit_is_refused_before_computing(
 def test_chunk_smaller_than_a_row_is_refused(
     stub: posenc_pb2_grpc.PositionalEncodingServiceStub,
 ) -> None:
-    message = pb.StreamEncodingRequest(
-        spec=sinusoidal(1024), range=pb.PositionRange(start=0, stop=10)
-    )
-    message.max_chunk_bytes = 4095
+    message = stream_request(1024, 10, max_chunk_bytes=4095)
     error = refused(grpc.StatusCode.INVALID_ARGUMENT, lambda: list(stub.StreamEncoding(message)))
     assert "max_chunk_bytes" in field_violations(error)
 
