@@ -367,20 +367,27 @@ def test_console_script_serve_and_health() -> None:
         server.wait(30)
 
 
-def test_serve_without_the_server_extra() -> None:
-    # Simulates an install without posenc-server: there is no posenc_server to hand over to.
+def serve_without(module: str, cli: str, argv: list[str]) -> str:
+    """The standard error of ``{cli}.main(argv)`` in a new interpreter that cannot import
+    ``module``, which must exit 2 naming the install of this checkout's server (make test
+    installs from it: the command names its server/ directory, not the package index)."""
     code = (
-        "import sys; sys.modules['posenc_server'] = None; "
-        "from posenc.cli import main; raise SystemExit(main(['serve', '--port', '0']))"
+        f"import sys; sys.modules[{module!r}] = None; "
+        f"from {cli} import main; raise SystemExit(main({argv!r}))"
     )
     result = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=60
     )
-    assert result.returncode == 2
-    assert "the server is not installed" in result.stderr
-    # make test installs from this checkout: the command names its server/ directory.
+    assert result.returncode == 2, result.stderr
     assert f"'{Path(posenc.__file__).parents[2] / 'server'}'" in result.stderr, result.stderr
-    assert "Traceback" not in result.stderr
+    return result.stderr
+
+
+def test_serve_without_the_server_extra() -> None:
+    # Simulates an install without posenc-server: there is no posenc_server to hand over to.
+    stderr = serve_without("posenc_server", "posenc.cli", ["serve", "--port", "0"])
+    assert "the server is not installed" in stderr
+    assert "Traceback" not in stderr
 
 
 def test_version() -> None:
@@ -509,18 +516,9 @@ def test_positions_take_the_forms_sizes_take(server: RunningServer, tmp_path: Pa
 
 def test_serve_names_the_missing_module_and_the_matching_install_command() -> None:
     # `posenc serve` hands over to the server's own command, which says what it misses.
-    code = (
-        "import sys; sys.modules['grpc_reflection'] = None; "
-        "from posenc_server.cli import main; raise SystemExit(main(['--port', '0']))"
-    )
-    result = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60
-    )
-    assert result.returncode == 2
-    assert "needs the module grpc_reflection" in result.stderr
-    assert "not installed" in result.stderr and "pip install" in result.stderr
-    # make test installs from this checkout: the command names it, not the package index.
-    assert f"'{Path(posenc.__file__).parents[2] / 'server'}'" in result.stderr, result.stderr
+    stderr = serve_without("grpc_reflection", "posenc_server.cli", ["--port", "0"])
+    assert "needs the module grpc_reflection" in stderr
+    assert "not installed" in stderr and "pip install" in stderr
 
 
 @pytest.mark.slow
