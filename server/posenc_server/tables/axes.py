@@ -9,40 +9,35 @@ position limit.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from decimal import Decimal
 from typing import ClassVar
 
-from posenc_server.errors import FieldViolation
-from posenc_server.tables.base import Checker, Doc, Limits
+from posenc_server.tables.base import BASE, Checker, Limits, declared, parameter
 from posenc_server.tables.multiaxis import RotaryMultiAxis
-from posenc_server.tables.rotary import LAYOUTS, Rotary
+from posenc_server.tables.rotary import Rotary
 
 
-@dataclass(frozen=True)
+@declared(
+    "rotary_axes",
+    "N-axis rotary cos/sin (diffusers' get_1d_rotary_pos_embed per axis, concatenated: "
+    "Flux, HunyuanVideo, Wan, CogVideoX, Lumina): axis a has the frequencies "
+    "rope_theta ** (-2k / axes_dim[a]) at coordinate a",
+)
 class RotaryAxes(RotaryMultiAxis):
     """Rotary over three coordinate axes, each with its own width (``axes_dim``)."""
 
-    NAME: ClassVar[str] = "rotary_axes"
-    DESCRIPTION: ClassVar[str] = (
-        "N-axis rotary cos/sin (diffusers' get_1d_rotary_pos_embed per axis, concatenated: "
-        "Flux, HunyuanVideo, Wan, CogVideoX, Lumina): axis a has the frequencies "
-        "rope_theta ** (-2k / axes_dim[a]) at coordinate a"
-    )
-    PARAMETERS: ClassVar = {
-        "axes_dim": Doc("the rotary width of each of the 3 axes, each even (0: left out)"),
-        "rope_theta": Doc("frequency base, finite and > 1", "10000"),
-        "layout": Doc(
-            "gptj (diffusers' interleaved pairs, 2 * sum(axes_dim) columns), transformers "
-            "(2 * sum(axes_dim)) or vllm (sum(axes_dim))",
-            "gptj",
-        ),
-    }
     AXES: ClassVar[int] = 3
 
-    axes_dim: tuple[int, ...] = ()
-    rope_theta: float = 10000.0
-    layout: str = "gptj"
+    axes_dim: tuple[int, ...] = parameter(
+        (), "the rotary width of each of the 3 axes, each even (0: left out)"
+    )
+    rope_theta: float = parameter(10000.0, BASE)
+    layout: str = parameter(
+        "gptj",
+        "gptj (diffusers' interleaved pairs, 2 * sum(axes_dim) columns), transformers "
+        "(2 * sum(axes_dim)) or vllm (sum(axes_dim))",
+        "gptj",
+    )
 
     @property
     def slots(self) -> int:
@@ -69,11 +64,9 @@ class RotaryAxes(RotaryMultiAxis):
             first += count
         return out
 
-    def validate(self, path: str, limits: Limits) -> list[FieldViolation]:
+    def check(self, check: Checker, limits: Limits) -> None:
         """Three even widths, not all zero, the row within max_d_model; theta; layout."""
-        check = Checker(path)
-        check.real("rope_theta", self.rope_theta, 1.0)
-        check.one_of("layout", self.layout, LAYOUTS)
+        self.check_rotary(check)
         if len(self.axes_dim) != self.AXES:
             check.add("axes_dim", f"must be 3 widths, got {len(self.axes_dim)} values")
         elif any(dim % 2 for dim in self.axes_dim) or not any(self.axes_dim):
@@ -83,4 +76,3 @@ class RotaryAxes(RotaryMultiAxis):
             )
         else:
             self.check_width(check, limits, "axes_dim")
-        return check.violations

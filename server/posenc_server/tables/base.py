@@ -2,8 +2,10 @@
 
 A table kind is a frozen dataclass whose fields are exactly the fields of its message in
 ``posenc.v1`` (an unset optional field is the dataclass default), so that ``convert`` builds
-it from a request generically and the kind is the whole cache key of its rows. Kinds with a
-``oneof`` of sub-messages (rotary's scaling) list the classes of its cases in ``VARIANTS``.
+it from a request generically and the kind is the whole cache key of its rows. It is declared
+by ``declared`` (its name and description) over fields made by ``parameter`` (each with its
+documentation), so each is said once, where the field is. Kinds with a ``oneof`` of
+sub-messages (rotary's scaling) list the classes of its cases in ``VARIANTS``.
 """
 
 from __future__ import annotations
@@ -11,9 +13,9 @@ from __future__ import annotations
 import abc
 import dataclasses
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import ClassVar, Protocol
+from typing import Any, ClassVar, Protocol, TypeVar, dataclass_transform
 
 from posenc_server import engine
 from posenc_server.errors import FieldViolation
@@ -53,8 +55,13 @@ class Doc:
     default: str = ""
 
 
+BASE = Doc("frequency base, finite and > 1", "10000")
+"""The documentation of a geometric schedule's base (``rope_theta``, ``base``)."""
+
+
 class Documented(abc.ABC):
-    """A table kind or a variant of one: its proto field name and its documentation."""
+    """A table kind or a variant of one: its proto field name and its documentation, which
+    ``declared`` sets."""
 
     NAME: ClassVar[str]
     """The field of the message that selects it (``EncodingSpec.table``'s, or a oneof's)."""
@@ -63,6 +70,40 @@ class Documented(abc.ABC):
     """Every field of its message by name, except the ``VARIANTS`` cases."""
     VARIANTS: ClassVar[Mapping[str, Mapping[str, type[Documented]]]] = {}
     """Per oneof of sub-messages: the class of each case, by field name."""
+    __dataclass_fields__: ClassVar[dict[str, dataclasses.Field[Any]]]
+    """Every one is a dataclass (``declared``)."""
+
+
+T = TypeVar("T")
+D = TypeVar("D", bound=Documented)
+_DOC = "posenc.doc"
+
+
+def parameter(default: T, doc: Doc | str, shown: str | None = None) -> T:
+    """A field of a kind's message, with what GetServerInfo says of it: ``doc`` (``shown``,
+    when given, is the default it names in place of ``doc``'s)."""
+    if isinstance(doc, str):
+        doc = Doc(doc, shown or "")
+    elif shown is not None:
+        doc = Doc(doc.description, shown)
+    return field(default=default, metadata={_DOC: doc})
+
+
+@dataclass_transform(frozen_default=True)
+def declared(name: str, description: str) -> Callable[[type[D]], type[D]]:
+    """Declare a table kind or a variant: a frozen dataclass, selected by the field ``name``
+    and described by ``description``; its ``PARAMETERS`` are the docs of its ``parameter``
+    fields, in field order (the message's)."""
+
+    def declare(cls: type[D]) -> type[D]:
+        kind = dataclass(frozen=True)(cls)
+        kind.NAME, kind.DESCRIPTION = name, description
+        kind.PARAMETERS = {
+            f.name: f.metadata[_DOC] for f in dataclasses.fields(kind) if _DOC in f.metadata
+        }
+        return kind
+
+    return declare
 
 
 class TableKind(Documented):
@@ -91,10 +132,16 @@ class TableKind(Documented):
     def write_columns(self, target: engine.Rows, rows: engine.ComplexRows) -> None:
         """Write rows of ``v = sin + i cos`` into ``target`` in this kind's column order."""
 
-    @abc.abstractmethod
     def validate(self, path: str, limits: Limits) -> list[FieldViolation]:
         """Every problem of the parameters, named ``{path}.{field}`` (``path`` is the
         kind's message, e.g. ``spec.rotary``). The engine may run the kind when empty."""
+        check = Checker(path)
+        self.check(check, limits)
+        return check.violations
+
+    @abc.abstractmethod
+    def check(self, check: Checker, limits: Limits) -> None:
+        """Add every problem of the parameters to ``check`` (``validate``)."""
 
 
 IDENTITY = engine.PositionMap()

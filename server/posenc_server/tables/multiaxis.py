@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import abc
 from collections.abc import Sequence
-from dataclasses import dataclass
 from decimal import Decimal, localcontext
 from typing import ClassVar
 
@@ -27,8 +26,17 @@ import numpy as np
 import numpy.typing as npt
 
 from posenc_server import engine
-from posenc_server.errors import FieldViolation
-from posenc_server.tables.base import Checker, Doc, Limits, TableKind, max_frequency, number
+from posenc_server.tables.base import (
+    BASE,
+    Checker,
+    Doc,
+    Limits,
+    TableKind,
+    declared,
+    max_frequency,
+    number,
+    parameter,
+)
 from posenc_server.tables.rotary import LAYOUTS, Rotary
 
 # Complex elements composed per pass: keeps a pass's scratch rows within a few MiB.
@@ -99,6 +107,7 @@ class RotaryMultiAxis(MultiAxis):
     """A several-axis rotary kind (M-RoPE, ``axes.RotaryAxes``): a one-axis position is the
     same coordinate on every axis, its columns a rotary ``layout``'s."""
 
+    rope_theta: float
     layout: str
 
     def coordinates(self, positions: engine.Int64Array) -> engine.Int64Array:
@@ -108,6 +117,11 @@ class RotaryMultiAxis(MultiAxis):
     def write_columns(self, target: engine.Rows, rows: engine.ComplexRows) -> None:
         """cos and sin (``v = sin + i cos``) in the rotary layout's order."""
         LAYOUTS[self.layout](target, rows.imag, rows.real)
+
+    def check_rotary(self, check: Checker) -> None:
+        """``rope_theta`` a base, ``layout`` a rotary layout."""
+        check.real("rope_theta", self.rope_theta, 1.0)
+        check.one_of("layout", self.layout, LAYOUTS)
 
     def check_width(self, check: Checker, limits: Limits, name: str) -> None:
         """The row, in its layout, within the server's max_d_model (else a problem of
@@ -133,32 +147,29 @@ def _geometric(base: float, columns: int) -> list[Decimal]:
 # -- M-RoPE ------------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
+@declared(
+    "mrope",
+    "M-RoPE: rotary cos/sin whose frequencies take their angles from the (t, h, w) "
+    "axes by mrope_section, merged as the model applies them",
+)
 class MRope(RotaryMultiAxis):
     """Multimodal rotary (Qwen2-VL, Qwen2.5-VL; Qwen3-VL interleaved)."""
 
-    NAME: ClassVar[str] = "mrope"
-    DESCRIPTION: ClassVar[str] = (
-        "M-RoPE: rotary cos/sin whose frequencies take their angles from the (t, h, w) "
-        "axes by mrope_section, merged as the model applies them"
-    )
-    PARAMETERS: ClassVar = {
-        "head_dim": Doc("the attention head width, even, >= 2"),
-        "rope_theta": Doc("frequency base, finite and > 1", "10000"),
-        "mrope_section": Doc("frequencies of the t, h and w axes, summing to head_dim / 2"),
-        "interleaved": Doc("Qwen3-VL's interleaved sections (else consecutive runs)", "false"),
-        "layout": Doc(
-            "transformers (2 * head_dim columns), vllm (head_dim) or gptj (2 * head_dim)",
-            "transformers",
-        ),
-    }
     AXES: ClassVar[int] = 3
 
-    head_dim: int = 0
-    rope_theta: float = 10000.0
-    mrope_section: tuple[int, ...] = ()
-    interleaved: bool = False
-    layout: str = "transformers"
+    head_dim: int = parameter(0, "the attention head width, even, >= 2")
+    rope_theta: float = parameter(10000.0, BASE)
+    mrope_section: tuple[int, ...] = parameter(
+        (), "frequencies of the t, h and w axes, summing to head_dim / 2"
+    )
+    interleaved: bool = parameter(
+        False, "Qwen3-VL's interleaved sections (else consecutive runs)", "false"
+    )
+    layout: str = parameter(
+        "transformers",
+        "transformers (2 * head_dim columns), vllm (head_dim) or gptj (2 * head_dim)",
+        "transformers",
+    )
 
     @property
     def width(self) -> int:
@@ -192,11 +203,9 @@ class MRope(RotaryMultiAxis):
             out.append(([inv_freq[i] for i in filled], filled))
         return out
 
-    def validate(self, path: str, limits: Limits) -> list[FieldViolation]:
+    def check(self, check: Checker, limits: Limits) -> None:
         """theta, layout, head_dim, and sections that share out head_dim / 2."""
-        check = Checker(path)
-        check.real("rope_theta", self.rope_theta, 1.0)
-        check.one_of("layout", self.layout, LAYOUTS)
+        self.check_rotary(check)
         if self.head_dim < 2 or self.head_dim % 2:
             check.add("head_dim", f"must be even and at least 2, got {self.head_dim}")
         elif len(self.mrope_section) != self.AXES or sum(self.mrope_section) != self.slots:
@@ -211,7 +220,6 @@ class MRope(RotaryMultiAxis):
             )
         if not check.violations:
             self.check_width(check, limits, "head_dim")
-        return check.violations
 
 
 # -- sin-cos grids -----------------------------------------------------------------------------
@@ -275,43 +283,37 @@ def _grid_coordinates(positions: engine.Int64Array, shape: Sequence[int]) -> eng
     return out
 
 
-_GRID_BASE = Doc("frequency base, finite and > 1", "10000")
 _SCALE = Doc("divides every position, finite and > 0", "1")
 
 
-@dataclass(frozen=True)
+def _cells(axis: str) -> int:
+    """The field of a grid's cell count on ``axis``."""
+    return parameter(0, f"cells of the {axis} axis, >= 1")
+
+
+@declared(
+    "sincos_grid_2d",
+    "2D sin-cos grid (diffusers get_2d_sincos_pos_embed, ViT-MAE): the width axis's 1D "
+    "[sin | cos] table, then the height axis's",
+)
 class SinCosGrid2d(MultiAxis):
     """A 2D sin-cos grid (ViT-MAE, DiT, PixArt, SD3)."""
 
-    NAME: ClassVar[str] = "sincos_grid_2d"
-    DESCRIPTION: ClassVar[str] = (
-        "2D sin-cos grid (diffusers get_2d_sincos_pos_embed, ViT-MAE): the width axis's 1D "
-        "[sin | cos] table, then the height axis's"
-    )
-    PARAMETERS: ClassVar = {
-        "embed_dim": Doc("columns of a row, a multiple of 4"),
-        "grid_height": Doc("cells of the height axis, >= 1"),
-        "grid_width": Doc("cells of the width axis, >= 1"),
-        "base": _GRID_BASE,
-        "base_size": Doc(
-            "index i of an axis of n cells is position i * base_size / n / "
-            "interpolation_scale (diffusers)",
-            "i / interpolation_scale",
-        ),
-        "interpolation_scale": _SCALE,
-        "height_first": Doc("the height axis's columns first", "false: width first"),
-        "flip_sin_to_cos": Doc("each axis [cos | sin]", "false: [sin | cos]"),
-    }
     AXES: ClassVar[int] = 2
 
-    embed_dim: int = 0
-    grid_height: int = 0
-    grid_width: int = 0
-    base: float = 10000.0
-    base_size: float | None = None
-    interpolation_scale: float = 1.0
-    height_first: bool = False
-    flip_sin_to_cos: bool = False
+    embed_dim: int = parameter(0, "columns of a row, a multiple of 4")
+    grid_height: int = _cells("height")
+    grid_width: int = _cells("width")
+    base: float = parameter(10000.0, BASE)
+    base_size: float | None = parameter(
+        None,
+        "index i of an axis of n cells is position i * base_size / n / interpolation_scale "
+        "(diffusers)",
+        "i / interpolation_scale",
+    )
+    interpolation_scale: float = parameter(1.0, _SCALE)
+    height_first: bool = parameter(False, "the height axis's columns first", "false: width first")
+    flip_sin_to_cos: bool = parameter(False, "each axis [cos | sin]", "false: [sin | cos]")
 
     @property
     def width(self) -> int:
@@ -349,9 +351,8 @@ class SinCosGrid2d(MultiAxis):
         """Two 1D tables of ``embed_dim / 2`` columns."""
         _grid_columns(target, rows, (self.embed_dim // 4,) * 2, self.flip_sin_to_cos)
 
-    def validate(self, path: str, limits: Limits) -> list[FieldViolation]:
+    def check(self, check: Checker, limits: Limits) -> None:
         """embed_dim, the grid, the base and the position scales."""
-        check = Checker(path)
         if self.embed_dim < 4 or self.embed_dim % 4:
             check.add("embed_dim", f"must be a positive multiple of 4, got {self.embed_dim}")
         elif self.embed_dim > limits.max_d_model:
@@ -369,38 +370,28 @@ class SinCosGrid2d(MultiAxis):
                         formula = f"base_size / {name} / interpolation_scale"
                     cause = "interpolation_scale" if self.base_size is None else "base_size"
                     _check_scale(check, limits, cause, self.scale(count), formula)
-        return check.violations
 
 
-@dataclass(frozen=True)
+@declared(
+    "sincos_grid_3d",
+    "3D sin-cos grid (diffusers get_3d_sincos_pos_embed): the temporal axis's 1D "
+    "[sin | cos] table, then the width axis's and the height axis's",
+)
 class SinCosGrid3d(MultiAxis):
     """A 3D sin-cos grid (video: CogVideoX, Latte)."""
 
-    NAME: ClassVar[str] = "sincos_grid_3d"
-    DESCRIPTION: ClassVar[str] = (
-        "3D sin-cos grid (diffusers get_3d_sincos_pos_embed): the temporal axis's 1D "
-        "[sin | cos] table, then the width axis's and the height axis's"
-    )
-    PARAMETERS: ClassVar = {
-        "embed_dim": Doc("columns of a row: temporal_dim + a multiple of 4"),
-        "grid_frames": Doc("cells of the temporal axis, >= 1"),
-        "grid_height": Doc("cells of the height axis, >= 1"),
-        "grid_width": Doc("cells of the width axis, >= 1"),
-        "base": _GRID_BASE,
-        "temporal_dim": Doc("columns of the temporal table, even, >= 2", "embed_dim / 4"),
-        "spatial_interpolation_scale": _SCALE,
-        "temporal_interpolation_scale": _SCALE,
-    }
     AXES: ClassVar[int] = 3
 
-    embed_dim: int = 0
-    grid_frames: int = 0
-    grid_height: int = 0
-    grid_width: int = 0
-    base: float = 10000.0
-    temporal_dim: int | None = None
-    spatial_interpolation_scale: float = 1.0
-    temporal_interpolation_scale: float = 1.0
+    embed_dim: int = parameter(0, "columns of a row: temporal_dim + a multiple of 4")
+    grid_frames: int = _cells("temporal")
+    grid_height: int = _cells("height")
+    grid_width: int = _cells("width")
+    base: float = parameter(10000.0, BASE)
+    temporal_dim: int | None = parameter(
+        None, "columns of the temporal table, even, >= 2", "embed_dim / 4"
+    )
+    spatial_interpolation_scale: float = parameter(1.0, _SCALE)
+    temporal_interpolation_scale: float = parameter(1.0, _SCALE)
 
     @property
     def temporal(self) -> int:
@@ -446,9 +437,8 @@ class SinCosGrid3d(MultiAxis):
         spatial = (self.embed_dim - self.temporal) // 4
         _grid_columns(target, rows, (self.temporal // 2, spatial, spatial), False)
 
-    def validate(self, path: str, limits: Limits) -> list[FieldViolation]:
+    def check(self, check: Checker, limits: Limits) -> None:
         """The widths, the grid, the base and the scales."""
-        check = Checker(path)
         temporal = self.temporal
         if self.temporal_dim is not None and (temporal < 2 or temporal % 2):
             check.add("temporal_dim", f"must be even and at least 2, got {temporal}")
@@ -473,4 +463,3 @@ class SinCosGrid3d(MultiAxis):
             ("grid_width", self.grid_width),
         )
         _check_cells(check, limits, cells)
-        return check.violations

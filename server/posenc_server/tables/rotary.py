@@ -11,13 +11,11 @@ computes the same formulas in float32.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 from decimal import Decimal, localcontext
 from typing import ClassVar
 
 from posenc_server import engine
-from posenc_server.errors import FieldViolation
-from posenc_server.tables.base import Checker, Doc, Limits, TableKind
+from posenc_server.tables.base import BASE, Checker, Limits, TableKind, declared, parameter
 from posenc_server.tables.scalings import SCALINGS, Frequencies, Scaling
 
 
@@ -49,30 +47,24 @@ LAYOUTS: dict[str, Callable[[engine.Rows, engine.Float64Array, engine.Float64Arr
 """Column writers by ``posenc.v1.RopeLayout`` name."""
 
 
-@dataclass(frozen=True)
+@declared(
+    "rotary",
+    "transformers' rotary cos/sin: inv_freq[i] = rope_theta ** (-2i / rotary_dim), "
+    "then the scaling (unset: the default rope type), times its attention factor",
+)
 class Rotary(TableKind):
     """A rotary cos/sin table."""
 
-    NAME: ClassVar[str] = "rotary"
-    DESCRIPTION: ClassVar[str] = (
-        "transformers' rotary cos/sin: inv_freq[i] = rope_theta ** (-2i / rotary_dim), "
-        "then the scaling (unset: the default rope type), times its attention factor"
-    )
-    PARAMETERS: ClassVar = {
-        "head_dim": Doc("the attention head width, >= 2"),
-        "rope_theta": Doc("frequency base, finite and > 1", "10000"),
-        "partial_rotary_factor": Doc("rotary_dim = int(head_dim * it), in (0, 1]", "1"),
-        "layout": Doc(
-            "transformers (2 * rotary_dim columns), vllm (rotary_dim) or gptj (2 * rotary_dim)",
-            "transformers",
-        ),
-    }
     VARIANTS: ClassVar = {"scaling": SCALINGS}
 
-    head_dim: int = 0
-    rope_theta: float = 10000.0
-    partial_rotary_factor: float = 1.0
-    layout: str = "transformers"
+    head_dim: int = parameter(0, "the attention head width, >= 2")
+    rope_theta: float = parameter(10000.0, BASE)
+    partial_rotary_factor: float = parameter(1.0, "rotary_dim = int(head_dim * it), in (0, 1]", "1")
+    layout: str = parameter(
+        "transformers",
+        "transformers (2 * rotary_dim columns), vllm (rotary_dim) or gptj (2 * rotary_dim)",
+        "transformers",
+    )
     scaling: Scaling | None = None
 
     @property
@@ -121,9 +113,8 @@ class Rotary(TableKind):
         """cos and sin (``v = sin + i cos``) in the layout's order."""
         LAYOUTS[self.layout](target, rows.imag, rows.real)
 
-    def validate(self, path: str, limits: Limits) -> list[FieldViolation]:
+    def check(self, check: Checker, limits: Limits) -> None:
         """The fields, the scaling's, then rotary_dim and the width."""
-        check = Checker(path)
         check.real("rope_theta", self.rope_theta, 1.0)
         if check.real("partial_rotary_factor", self.partial_rotary_factor, 0.0) and not (
             self.partial_rotary_factor <= 1.0
@@ -138,7 +129,7 @@ class Rotary(TableKind):
         if self.scaling is not None and scaling is not None:
             self.scaling.check(scaling, limits)
         if check.violations:
-            return check.violations
+            return
         dim = self.rotary_dim
         minimum = Scaling.MIN_ROTARY_DIM if self.scaling is None else self.scaling.MIN_ROTARY_DIM
         if dim < minimum or dim % 2:
@@ -147,7 +138,7 @@ class Rotary(TableKind):
                 f"rotary_dim = int(head_dim * partial_rotary_factor) = {dim} must be even "
                 f"and at least {minimum}",
             )
-            return check.violations
+            return
         if self.scaling is not None and scaling is not None:
             self.scaling.check_rotary_dim(scaling, dim, limits)
         if self.width > limits.max_d_model:
@@ -156,4 +147,3 @@ class Rotary(TableKind):
                 f"the row width {self.width} (layout {self.layout}, rotary_dim {dim}) is over "
                 f"the server's max_d_model {limits.max_d_model}",
             )
-        return check.violations

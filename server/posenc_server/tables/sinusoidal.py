@@ -11,26 +11,23 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from decimal import Decimal, localcontext
-from typing import ClassVar
 
 import numpy as np
 
 from posenc_server import engine
-from posenc_server.errors import FieldViolation
 from posenc_server.tables.base import (
+    BASE,
     MAX_MAPPED_POSITION,
     Checker,
-    Doc,
     Limits,
     TableKind,
+    declared,
     max_frequency,
     number,
+    parameter,
 )
 
 DEFAULT_BASE = 10000.0
-
-_WIDTH = Doc("row width, 1 .. the server's max_d_model")
-_BASE = Doc("frequency base, finite and > 1", "10000")
 
 
 def geometric_frequencies(base: float, d_model: int, schedule: str) -> list[Decimal]:
@@ -80,7 +77,7 @@ SCHEDULES = ("paper", "tensor2tensor")
 class _Sinusoid(TableKind):
     """What the sinusoidal kinds share: a width and a frequency base."""
 
-    d_model: int = 0
+    d_model: int = parameter(0, "row width, 1 .. the server's max_d_model")
 
     @property
     def width(self) -> int:
@@ -105,27 +102,23 @@ def _offset_limit(limits: Limits) -> int:
     return min(limits.max_abs_position, MAX_MAPPED_POSITION - limits.max_abs_position)
 
 
-@dataclass(frozen=True)
+@declared(
+    "sinusoidal",
+    "Vaswani et al. 2017: sin and cos of position * base ** (-2i / d_model), "
+    "interleaved or split, or tensor2tensor's schedule",
+)
 class Sinusoidal(_Sinusoid):
     """The classic table (Vaswani et al. 2017) in either column order and schedule."""
 
-    NAME: ClassVar[str] = "sinusoidal"
-    DESCRIPTION: ClassVar[str] = (
-        "Vaswani et al. 2017: sin and cos of position * base ** (-2i / d_model), "
-        "interleaved or split, or tensor2tensor's schedule"
+    base: float = parameter(DEFAULT_BASE, BASE)
+    layout: str = parameter(
+        "interleaved", "interleaved (sin_0, cos_0, ...) or split ([sin | cos])", "interleaved"
     )
-    PARAMETERS: ClassVar = {
-        "d_model": _WIDTH,
-        "base": _BASE,
-        "layout": Doc("interleaved (sin_0, cos_0, ...) or split ([sin | cos])", "interleaved"),
-        "schedule": Doc(
-            "paper (base ** (-2i / d_model)) or tensor2tensor (base ** (-i / (h - 1)))", "paper"
-        ),
-    }
-
-    base: float = DEFAULT_BASE
-    layout: str = "interleaved"
-    schedule: str = "paper"
+    schedule: str = parameter(
+        "paper",
+        "paper (base ** (-2i / d_model)) or tensor2tensor (base ** (-i / (h - 1)))",
+        "paper",
+    )
 
     def waves(self) -> engine.Waves:
         """The schedule's frequencies."""
@@ -137,37 +130,29 @@ class Sinusoidal(_Sinusoid):
         n_sin = _sin_columns(self.d_model, self.schedule)
         LAYOUTS[self.layout](target, rows, n_sin, self.d_model // 2)
 
-    def validate(self, path: str, limits: Limits) -> list[FieldViolation]:
+    def check(self, check: Checker, limits: Limits) -> None:
         """d_model, base, layout and schedule."""
-        check = Checker(path)
         self._check(check, limits, "base", self.base)
         check.one_of("layout", self.layout, LAYOUTS)
         check.one_of("schedule", self.schedule, dict.fromkeys(SCHEDULES))
-        return check.violations
 
 
-@dataclass(frozen=True)
+@declared(
+    "tensor2tensor",
+    "tensor2tensor get_timing_signal_1d: [sin | cos] over d_model // 2 timescales from "
+    "min_timescale to max_timescale, zero last column for odd d_model; row p is "
+    "position p + start_index",
+)
 class Tensor2Tensor(_Sinusoid):
     """tensor2tensor's ``get_timing_signal_1d``."""
 
-    NAME: ClassVar[str] = "tensor2tensor"
-    DESCRIPTION: ClassVar[str] = (
-        "tensor2tensor get_timing_signal_1d: [sin | cos] over d_model // 2 timescales from "
-        "min_timescale to max_timescale, zero last column for odd d_model; row p is "
-        "position p + start_index"
+    max_timescale: float = parameter(
+        DEFAULT_BASE, "largest timescale, finite and > min_timescale", "10000"
     )
-    PARAMETERS: ClassVar = {
-        "d_model": _WIDTH,
-        "max_timescale": Doc("largest timescale, finite and > min_timescale", "10000"),
-        "min_timescale": Doc(
-            "smallest timescale, > 0, < max_timescale and <= 1024 (docs: table kinds)", "1"
-        ),
-        "start_index": Doc("added to every position", "0"),
-    }
-
-    max_timescale: float = DEFAULT_BASE
-    min_timescale: float = 1.0
-    start_index: int = 0
+    min_timescale: float = parameter(
+        1.0, "smallest timescale, > 0, < max_timescale and <= 1024 (docs: table kinds)", "1"
+    )
+    start_index: int = parameter(0, "added to every position", "0")
 
     def waves(self) -> engine.Waves:
         """``min * exp(-i * ln(max / min) / max(n - 1, 1))`` for ``i < n = d // 2``."""
@@ -195,9 +180,8 @@ class Tensor2Tensor(_Sinusoid):
         """Shifted by ``start_index``."""
         return engine.PositionMap(offset=self.start_index)
 
-    def validate(self, path: str, limits: Limits) -> list[FieldViolation]:
+    def check(self, check: Checker, limits: Limits) -> None:
         """d_model, the timescales and start_index."""
-        check = Checker(path)
         self._check(check, limits, "max_timescale", self.max_timescale)
         low, high = self.min_timescale, self.max_timescale
         high_valid = math.isfinite(high) and high > 1.0
@@ -212,26 +196,20 @@ class Tensor2Tensor(_Sinusoid):
             if math.isfinite(low) and low > highest:
                 check.add(
                     "min_timescale",
-                    f"must be at most {number(highest)} (2**52 / the largest shifted position), "
-                    f"got {low!r}",
+                    f"must be at most {number(highest)} (2**52 / the largest shifted "
+                    f"position), got {low!r}",
                 )
-        return check.violations
 
 
-@dataclass(frozen=True)
+@declared(
+    "whisper",
+    "Whisper encoder sinusoids(length, d_model, max_timescale): [sin | cos], even d_model >= 4",
+)
 class Whisper(_Sinusoid):
     """Whisper's encoder ``sinusoids(length, d_model, max_timescale)``."""
 
-    NAME: ClassVar[str] = "whisper"
-    DESCRIPTION: ClassVar[str] = (
-        "Whisper encoder sinusoids(length, d_model, max_timescale): [sin | cos], even d_model >= 4"
-    )
-    PARAMETERS: ClassVar = {
-        "d_model": Doc("row width, even and >= 4"),
-        "max_timescale": Doc("largest timescale, finite and > 1", "10000"),
-    }
-
-    max_timescale: float = DEFAULT_BASE
+    d_model: int = parameter(0, "row width, even and >= 4")
+    max_timescale: float = parameter(DEFAULT_BASE, "largest timescale, finite and > 1", "10000")
 
     def waves(self) -> engine.Waves:
         """tensor2tensor's schedule."""
@@ -239,33 +217,25 @@ class Whisper(_Sinusoid):
             geometric_frequencies(self.max_timescale, self.d_model, "tensor2tensor")
         )
 
-    def validate(self, path: str, limits: Limits) -> list[FieldViolation]:
+    def check(self, check: Checker, limits: Limits) -> None:
         """An even d_model >= 4 and max_timescale."""
-        check = Checker(path)
         if self._check(check, limits, "max_timescale", self.max_timescale) and (
             self.d_model % 2 or self.d_model < 4
         ):
             check.add("d_model", f"whisper needs an even d_model >= 4, got {self.d_model}")
-        return check.violations
 
 
-@dataclass(frozen=True)
+@declared(
+    "fairseq",
+    "fairseq SinusoidalPositionalEmbedding and its ports (M2M100, NLLB, Speech2Text): "
+    "row p is weight row p, token t is row padding_idx + 1 + t, row padding_idx is zero",
+)
 class Fairseq(_Sinusoid):
     """fairseq's ``SinusoidalPositionalEmbedding`` weights, padding row included."""
 
-    NAME: ClassVar[str] = "fairseq"
-    DESCRIPTION: ClassVar[str] = (
-        "fairseq SinusoidalPositionalEmbedding and its ports (M2M100, NLLB, Speech2Text): "
-        "row p is weight row p, token t is row padding_idx + 1 + t, row padding_idx is zero"
-    )
-    PARAMETERS: ClassVar = {
-        "d_model": Doc("row width, >= 4"),
-        "base": _BASE,
-        "padding_idx": Doc("the zero row, >= 0", "1"),
-    }
-
-    base: float = DEFAULT_BASE
-    padding_idx: int = 1
+    d_model: int = parameter(0, "row width, >= 4")
+    base: float = parameter(DEFAULT_BASE, BASE)
+    padding_idx: int = parameter(1, "the zero row, >= 0", "1")
 
     def waves(self) -> engine.Waves:
         """tensor2tensor's schedule (fairseq's ``log(base) / (half_dim - 1)`` step)."""
@@ -276,34 +246,27 @@ class Fairseq(_Sinusoid):
         """Row ``padding_idx`` is zero."""
         return engine.PositionMap(zero_row=self.padding_idx)
 
-    def validate(self, path: str, limits: Limits) -> list[FieldViolation]:
+    def check(self, check: Checker, limits: Limits) -> None:
         """d_model >= 4 (fairseq divides by half_dim - 1), base and padding_idx."""
-        check = Checker(path)
         if self._check(check, limits, "base", self.base) and self.d_model < 4:
             check.add("d_model", f"fairseq needs d_model >= 4, got {self.d_model}")
         check.between("padding_idx", self.padding_idx, 0, limits.max_abs_position)
-        return check.violations
 
 
-@dataclass(frozen=True)
+@declared(
+    "transformer_xl",
+    "Transformer-XL relative positions: [sin | cos] of min(r, clamp_len), "
+    "r = key_length - 1 - p when key_length is set, else p; even d_model",
+)
 class TransformerXl(_Sinusoid):
     """Transformer-XL's relative position embedding of ``pos_seq``."""
 
-    NAME: ClassVar[str] = "transformer_xl"
-    DESCRIPTION: ClassVar[str] = (
-        "Transformer-XL relative positions: [sin | cos] of min(r, clamp_len), "
-        "r = key_length - 1 - p when key_length is set, else p; even d_model"
+    d_model: int = parameter(0, "row width, even")
+    base: float = parameter(DEFAULT_BASE, BASE)
+    clamp_len: int = parameter(0, "relative positions above it are clamped to it; <= 0: none", "0")
+    key_length: int | None = parameter(
+        None, "klen: row p is relative position key_length - 1 - p", "none"
     )
-    PARAMETERS: ClassVar = {
-        "d_model": Doc("row width, even"),
-        "base": _BASE,
-        "clamp_len": Doc("relative positions above it are clamped to it; <= 0: none", "0"),
-        "key_length": Doc("klen: row p is relative position key_length - 1 - p", "none"),
-    }
-
-    base: float = DEFAULT_BASE
-    clamp_len: int = 0
-    key_length: int | None = None
 
     def waves(self) -> engine.Waves:
         """The paper's schedule."""
@@ -317,11 +280,9 @@ class TransformerXl(_Sinusoid):
             return engine.PositionMap(clamp=clamp)
         return engine.PositionMap(offset=self.key_length - 1, descending=True, clamp=clamp)
 
-    def validate(self, path: str, limits: Limits) -> list[FieldViolation]:
+    def check(self, check: Checker, limits: Limits) -> None:
         """An even d_model, base and key_length."""
-        check = Checker(path)
         if self._check(check, limits, "base", self.base) and self.d_model % 2:
             # Its [sin | cos] of ceil(d / 2) frequencies each is d + 1 wide for odd d.
             check.add("d_model", f"transformer_xl needs an even d_model, got {self.d_model}")
         check.between("key_length", self.key_length, 0, _offset_limit(limits))
-        return check.violations

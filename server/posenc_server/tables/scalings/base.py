@@ -6,9 +6,17 @@ from __future__ import annotations
 import abc
 from dataclasses import dataclass
 from decimal import Decimal
-from typing import ClassVar, Protocol
+from typing import ClassVar
 
-from posenc_server.tables.base import Checker, Doc, Documented, Limits, max_frequency, number
+from posenc_server.tables.base import (
+    Checker,
+    Doc,
+    Documented,
+    Limits,
+    max_frequency,
+    number,
+    parameter,
+)
 
 MAX_COUNT = 1 << 62
 MAX_FACTOR = 2.0**64
@@ -30,15 +38,6 @@ ORIGINAL = Doc("the pre-training context length, >= 1")
 FACTOR = Doc(
     "scaling factor, in [2**-10, 2**64] with the default position limit (docs: table kinds)"
 )
-DERIVED_FACTOR = Doc(FACTOR.description, "max_position_embeddings / original")
-CONFIG_LENGTH = Doc("the config's context length, only used to derive factor", "none")
-# The parameters of a scaling whose factor may be derived from the two lengths (YaRN,
-# LongRoPE: ``check_derived_factor``).
-DERIVED_LENGTHS = {
-    "factor": DERIVED_FACTOR,
-    "original_max_position_embeddings": ORIGINAL,
-    "max_position_embeddings": CONFIG_LENGTH,
-}
 
 
 @dataclass(frozen=True)
@@ -82,74 +81,65 @@ class Scaling(Documented):
         return self.scale(inv_freq, log_theta, self.rotary_dim(head_dim, partial))
 
 
-class DerivedLengths(Protocol):
-    """A scaling whose factor may be derived from the two context lengths (YaRN, LongRoPE)."""
+@dataclass(frozen=True)
+class DerivedFactor(Scaling):
+    """A scaling whose factor may be derived from the two context lengths (YaRN, LongRoPE),
+    and that derives an attention factor from it."""
 
-    NAME: ClassVar[str]
+    factor: float | None = parameter(None, FACTOR, "max_position_embeddings / original")
+    original_max_position_embeddings: int = parameter(0, ORIGINAL)
+    max_position_embeddings: int | None = parameter(
+        None, "the config's context length, only used to derive factor", "none"
+    )
 
-    @property
-    def factor(self) -> float | None: ...
-    @property
-    def original_max_position_embeddings(self) -> int: ...
-    @property
-    def max_position_embeddings(self) -> int | None: ...
-    @property
-    def attention_factor(self) -> float | None: ...
+    def derived_factor(self) -> Decimal:
+        """``factor``, else ``max_position_embeddings / original_max_position_embeddings``."""
+        if self.factor is not None:
+            return Decimal(self.factor)
+        assert self.max_position_embeddings is not None
+        return Decimal(self.max_position_embeddings) / Decimal(
+            self.original_max_position_embeddings
+        )
 
+    def check_derived_factor(self, check: Checker, limits: Limits) -> bool:
+        """factor, or the lengths it derives from; returns whether the factor is valid."""
+        valid = True
+        if self.factor is None and self.max_position_embeddings is None:
+            check.add("factor", f"rope type {self.NAME} needs factor or max_position_embeddings")
+            valid = False
+        valid &= check_factor(check, limits, self.factor)
+        valid &= check_lengths(
+            self, check, "original_max_position_embeddings", "max_position_embeddings"
+        )
+        if valid and self.factor is None:
+            derived = self.derived_factor()
+            if derived < Decimal(min_factor(limits)):
+                check.add(
+                    "max_position_embeddings",
+                    f"makes factor = max_position_embeddings / original_max_position_embeddings "
+                    f"= {float(derived):g}, under the smallest factor "
+                    f"{number(min_factor(limits))}",
+                )
+                valid = False
+        return valid
 
-def derived_factor(factor: float | None, max_length: int | None, original: int) -> Decimal:
-    """``factor``, else ``max_position_embeddings / original_max_position_embeddings``."""
-    if factor is not None:
-        return Decimal(factor)
-    assert max_length is not None
-    return Decimal(max_length) / Decimal(original)
+    def check_attention(
+        self, check: Checker, given: float | None, attention: Decimal, cause: str = ""
+    ) -> None:
+        """The attention factor (``given``, or derived from ``cause``: by default the field
+        the factor comes from) within (0, MAX_ATTENTION]."""
+        if given is not None or attention <= Decimal(MAX_ATTENTION):
+            return  # a given attention_factor has its own range check
+        check.add(
+            cause or ("factor" if self.factor is not None else "max_position_embeddings"),
+            f"gives an attention factor of {float(attention):.6g}, over the largest the server "
+            f"serves within its accuracy contract, {MAX_ATTENTION:g} (or set attention_factor)",
+        )
 
 
 def check_factor(check: Checker, limits: Limits, value: float | None, name: str = "factor") -> bool:
     """A scaling factor (None: unset, valid) within [min_factor, MAX_FACTOR]."""
     return check.real(name, value, min_factor(limits), strict=False, high=MAX_FACTOR)
-
-
-def check_derived_factor(scaling: DerivedLengths, check: Checker, limits: Limits) -> bool:
-    """factor, or the lengths it derives from; returns whether the factor is valid."""
-    valid = True
-    if scaling.factor is None and scaling.max_position_embeddings is None:
-        check.add("factor", f"rope type {scaling.NAME} needs factor or max_position_embeddings")
-        valid = False
-    valid &= check_factor(check, limits, scaling.factor)
-    valid &= check_lengths(
-        scaling, check, "original_max_position_embeddings", "max_position_embeddings"
-    )
-    if valid and scaling.factor is None:
-        derived = derived_factor(
-            None, scaling.max_position_embeddings, scaling.original_max_position_embeddings
-        )
-        if derived < Decimal(min_factor(limits)):
-            check.add(
-                "max_position_embeddings",
-                f"makes factor = max_position_embeddings / original_max_position_embeddings "
-                f"= {float(derived):g}, under the smallest factor {number(min_factor(limits))}",
-            )
-            valid = False
-    return valid
-
-
-def check_attention(
-    check: Checker, scaling: DerivedLengths, attention: Decimal, cause: str
-) -> None:
-    """The attention factor (given or derived from ``cause``) within (0, MAX_ATTENTION]."""
-    if scaling.attention_factor is not None or attention <= Decimal(MAX_ATTENTION):
-        return  # a given attention_factor has its own range check
-    check.add(
-        cause,
-        f"gives an attention factor of {float(attention):.6g}, over the largest the server "
-        f"serves within its accuracy contract, {MAX_ATTENTION:g} (or set attention_factor)",
-    )
-
-
-def cause_of_factor(scaling: DerivedLengths) -> str:
-    """The field a derived quantity of the factor comes from."""
-    return "factor" if scaling.factor is not None else "max_position_embeddings"
 
 
 def check_lengths(scaling: object, check: Checker, *names: str) -> bool:

@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from decimal import Decimal
 from typing import ClassVar
 
-from posenc_server.tables.base import Checker, Doc, Limits
+from posenc_server.tables.base import Checker, Limits, declared, parameter
 from posenc_server.tables.scalings.base import (
     FACTOR,
     Frequencies,
@@ -16,25 +15,18 @@ from posenc_server.tables.scalings.base import (
 )
 
 
-@dataclass(frozen=True)
+@declared("dynamic", "NTK-aware: rope_theta scaled for seq_len beyond max_position_embeddings")
 class Dynamic(Scaling):
     """Dynamic NTK."""
 
-    NAME: ClassVar[str] = "dynamic"
-    DESCRIPTION: ClassVar[str] = (
-        "NTK-aware: rope_theta scaled for seq_len beyond max_position_embeddings"
-    )
-    PARAMETERS: ClassVar = {
-        "factor": FACTOR,
-        "max_position_embeddings": Doc("the config's context length, >= 1"),
-        "seq_len": Doc("the sequence length the frequencies are for", "max_position_embeddings"),
-    }
     # It divides by rotary_dim - 2.
     MIN_ROTARY_DIM: ClassVar[int] = 4
 
-    factor: float = 0.0
-    max_position_embeddings: int = 0
-    seq_len: int | None = None
+    factor: float = parameter(0.0, FACTOR)
+    max_position_embeddings: int = parameter(0, "the config's context length, >= 1")
+    seq_len: int | None = parameter(
+        None, "the sequence length the frequencies are for", "max_position_embeddings"
+    )
 
     def log_theta(self, log_theta: Decimal, rotary_dim: int) -> Decimal:
         """``rope_theta * stretch ** (dim / (dim - 2))`` for the sequence length."""

@@ -3,33 +3,33 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from decimal import Decimal
-from typing import ClassVar
 
-from posenc_server.tables.base import Checker, Doc, Limits, max_frequency, number
+from posenc_server.tables.base import (
+    Checker,
+    Limits,
+    declared,
+    max_frequency,
+    number,
+    parameter,
+)
 from posenc_server.tables.scalings.base import MAX_ATTENTION, Frequencies, Scaling
 
 
-@dataclass(frozen=True)
+@declared(
+    "frequencies",
+    "explicit frequencies: inv_freq as given (rope_theta unused), exact angles of them",
+)
 class GivenFrequencies(Scaling):
     """Explicit frequencies (a model's own ``inv_freq`` buffer, or a rope type computed by
     the caller)."""
 
-    NAME: ClassVar[str] = "frequencies"
-    DESCRIPTION: ClassVar[str] = (
-        "explicit frequencies: inv_freq as given (rope_theta unused), exact angles of them"
+    inv_freq: tuple[float, ...] = parameter(
+        (),
+        "rotary_dim / 2 frequencies, each finite, |f| <= 1024 with the default position "
+        "limit (docs: table kinds); 0 gives cos 1, sin 0",
     )
-    PARAMETERS: ClassVar = {
-        "inv_freq": Doc(
-            "rotary_dim / 2 frequencies, each finite, |f| <= 1024 with the default position "
-            "limit (docs: table kinds); 0 gives cos 1, sin 0"
-        ),
-        "attention_factor": Doc("the scale of cos and sin, in (0, 2]", "1"),
-    }
-
-    inv_freq: tuple[float, ...] = ()
-    attention_factor: float | None = None
+    attention_factor: float | None = parameter(None, "the scale of cos and sin, in (0, 2]", "1")
 
     def scale(self, inv_freq: list[Decimal], log_theta: Decimal, rotary_dim: int) -> Frequencies:
         """The given frequencies, exactly (a double is a dyadic rational: Decimal holds it

@@ -2,28 +2,17 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from decimal import Decimal
-from typing import ClassVar
 
-from posenc_server.tables.base import Checker, Limits
-from posenc_server.tables.scalings.base import (
-    FACTOR,
-    Frequencies,
-    Scaling,
-    check_factor,
-)
+from posenc_server.tables.base import Checker, Limits, declared, parameter
+from posenc_server.tables.scalings.base import FACTOR, Frequencies, Scaling, check_factor
 
 
-@dataclass(frozen=True)
+@declared("linear", "default / factor (position interpolation)")
 class Linear(Scaling):
     """Position interpolation."""
 
-    NAME: ClassVar[str] = "linear"
-    DESCRIPTION: ClassVar[str] = "default / factor (position interpolation)"
-    PARAMETERS: ClassVar = {"factor": FACTOR}
-
-    factor: float = 0.0
+    factor: float = parameter(0.0, FACTOR)
 
     def scale(self, inv_freq: list[Decimal], log_theta: Decimal, rotary_dim: int) -> Frequencies:
         """``inv_freq / factor``."""

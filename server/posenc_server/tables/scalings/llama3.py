@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from decimal import Decimal
-from typing import ClassVar
 
 from posenc_server import numerics
-from posenc_server.tables.base import Checker, Doc, Limits
+from posenc_server.tables.base import Checker, Limits, declared, parameter
 from posenc_server.tables.scalings.base import (
     FACTOR,
     ORIGINAL,
@@ -18,23 +16,14 @@ from posenc_server.tables.scalings.base import (
 )
 
 
-@dataclass(frozen=True)
+@declared("llama3", "Llama 3.1: low frequencies / factor, smooth band between")
 class Llama3(Scaling):
     """Llama 3.1."""
 
-    NAME: ClassVar[str] = "llama3"
-    DESCRIPTION: ClassVar[str] = "Llama 3.1: low frequencies / factor, smooth band between"
-    PARAMETERS: ClassVar = {
-        "factor": FACTOR,
-        "original_max_position_embeddings": ORIGINAL,
-        "low_freq_factor": Doc("Llama 3 low_freq_factor, > 0"),
-        "high_freq_factor": Doc("Llama 3 high_freq_factor, >= low_freq_factor"),
-    }
-
-    factor: float = 0.0
-    original_max_position_embeddings: int = 0
-    low_freq_factor: float = 0.0
-    high_freq_factor: float = 0.0
+    factor: float = parameter(0.0, FACTOR)
+    original_max_position_embeddings: int = parameter(0, ORIGINAL)
+    low_freq_factor: float = parameter(0.0, "Llama 3 low_freq_factor, > 0")
+    high_freq_factor: float = parameter(0.0, "Llama 3 high_freq_factor, >= low_freq_factor")
 
     def scale(self, inv_freq: list[Decimal], log_theta: Decimal, rotary_dim: int) -> Frequencies:
         """Long wavelengths / factor, short ones kept, a smooth band between (none when the

@@ -4,58 +4,40 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
 from decimal import Decimal, localcontext
-from typing import ClassVar
 
 from posenc_server import engine
-from posenc_server.tables.base import Checker, Doc, Limits, number
+from posenc_server.tables.base import Checker, Limits, declared, number, parameter
 from posenc_server.tables.scalings.base import (
-    DERIVED_LENGTHS,
     MAX_ATTENTION,
     MAX_FACTOR,
+    DerivedFactor,
     Frequencies,
-    Scaling,
-    cause_of_factor,
-    check_attention,
-    check_derived_factor,
     check_lengths,
-    derived_factor,
     min_factor,
 )
 
+_FACTORS = "rotary_dim / 2 factors, each in [2**-10, 2**64] (docs: table kinds)"
 
-@dataclass(frozen=True)
-class LongRope(Scaling):
+
+@declared("longrope", "LongRoPE (Phi-3): short or long factors by seq_len, attention factor")
+class LongRope(DerivedFactor):
     """LongRoPE (Phi-3)."""
 
-    NAME: ClassVar[str] = "longrope"
-    DESCRIPTION: ClassVar[str] = (
-        "LongRoPE (Phi-3): short or long factors by seq_len, attention factor"
+    short_factor: tuple[float, ...] = parameter((), _FACTORS)
+    long_factor: tuple[float, ...] = parameter((), _FACTORS)
+    attention_factor: float | None = parameter(
+        None, "the scale of cos and sin, in (0, 2]", "sqrt(1 + ln(factor) / ln(original))"
     )
-    PARAMETERS: ClassVar = {
-        **DERIVED_LENGTHS,
-        "short_factor": Doc("rotary_dim / 2 factors, each in [2**-10, 2**64] (docs: table kinds)"),
-        "long_factor": Doc("rotary_dim / 2 factors, each in [2**-10, 2**64] (docs: table kinds)"),
-        "attention_factor": Doc(
-            "the scale of cos and sin, in (0, 2]", "sqrt(1 + ln(factor) / ln(original))"
-        ),
-        "seq_len": Doc("long_factor when above original_max_position_embeddings", "short_factor"),
-    }
-
-    factor: float | None = None
-    original_max_position_embeddings: int = 0
-    max_position_embeddings: int | None = None
-    short_factor: tuple[float, ...] = ()
-    long_factor: tuple[float, ...] = ()
-    attention_factor: float | None = None
-    seq_len: int | None = None
+    seq_len: int | None = parameter(
+        None, "long_factor when above original_max_position_embeddings", "short_factor"
+    )
 
     def attention(self) -> Decimal:
         """The attention factor: given, else ``sqrt(1 + ln(factor) / ln(original))`` (1 for
         a factor <= 1)."""
         original = self.original_max_position_embeddings
-        factor = derived_factor(self.factor, self.max_position_embeddings, original)
+        factor = self.derived_factor()
         if self.attention_factor is not None:
             return Decimal(self.attention_factor)
         if factor <= 1:
@@ -72,17 +54,14 @@ class LongRope(Scaling):
 
     def check(self, check: Checker, limits: Limits) -> None:
         """factor (or max_position_embeddings), lengths, attention."""
-        valid = check_derived_factor(self, check, limits)
+        valid = self.check_derived_factor(check, limits)
         valid &= check.real("attention_factor", self.attention_factor, 0.0, high=MAX_ATTENTION)
         check_lengths(self, check, "seq_len")
         if not valid or self.attention_factor is not None:
             return
         with localcontext() as context:
             context.prec = engine.PRECISION
-            factor = derived_factor(
-                self.factor, self.max_position_embeddings, self.original_max_position_embeddings
-            )
-            if factor > 1 and self.original_max_position_embeddings == 1:
+            if self.derived_factor() > 1 and self.original_max_position_embeddings == 1:
                 # ln(original) = 0: transformers divides by zero too.
                 check.add(
                     "original_max_position_embeddings",
@@ -90,7 +69,7 @@ class LongRope(Scaling):
                     "(or set attention_factor)",
                 )
                 return
-            check_attention(check, self, self.attention(), cause_of_factor(self))
+            self.check_attention(check, self.attention_factor, self.attention())
 
     def check_rotary_dim(self, check: Checker, rotary_dim: int, limits: Limits) -> None:
         """rotary_dim / 2 factors each, each within [min_factor, MAX_FACTOR]."""

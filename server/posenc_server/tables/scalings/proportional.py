@@ -2,31 +2,21 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from decimal import Decimal
-from typing import ClassVar
 
-from posenc_server.tables.base import Checker, Doc, Limits
-from posenc_server.tables.scalings.base import (
-    FACTOR,
-    Frequencies,
-    Scaling,
-    check_factor,
+from posenc_server.tables.base import Checker, Limits, declared, parameter
+from posenc_server.tables.scalings.base import FACTOR, Frequencies, Scaling, check_factor
+
+
+@declared(
+    "proportional",
+    "proportional (Gemma 4): rotary_dim = head_dim, rope_theta ** (-2i / head_dim) over "
+    "the partial_rotary_factor share, zero frequencies for the rest, all / factor",
 )
-
-
-@dataclass(frozen=True)
 class Proportional(Scaling):
     """Proportional RoPE (Gemma 4)."""
 
-    NAME: ClassVar[str] = "proportional"
-    DESCRIPTION: ClassVar[str] = (
-        "proportional (Gemma 4): rotary_dim = head_dim, rope_theta ** (-2i / head_dim) over "
-        "the partial_rotary_factor share, zero frequencies for the rest, all / factor"
-    )
-    PARAMETERS: ClassVar = {"factor": Doc(FACTOR.description, "1")}
-
-    factor: float | None = None
+    factor: float | None = parameter(None, FACTOR, "1")
 
     def rotary_dim(self, head_dim: int, partial_rotary_factor: float) -> int:
         """Every column of the head: the unrotated ones get zero frequencies."""
