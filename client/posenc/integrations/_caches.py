@@ -4,7 +4,8 @@ Both engines hold a rotary module's table as one ``[cos | sin]`` tensor (``rotar
 columns, one row per position), built in float32 at start-up from the module's own
 attributes. A :class:`Plan` says which posenc tables make up such a cache (one after the
 other, each from its first position), :func:`fetch` builds it, :func:`check_rows` compares it
-with the module's own, and :func:`install_modules` walks a model, building and checking every
+with the module's own. An integration declares its :class:`Engine` (its releases, served
+classes and buffers), whose ``install_model`` walks a model, building and checking every
 cache before it writes any (nothing is half-installed).
 """
 
@@ -16,7 +17,7 @@ import math
 import re
 import sys
 import warnings
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from typing import Any, Final, TypeVar, cast
 
@@ -176,14 +177,17 @@ def fope_refused(field: str) -> posenc.InvalidArgumentError:
     )
 
 
-def served_reason(
-    module: object, kind: str, served: frozenset[str], other: tuple[str, str]
-) -> str | None:
-    """None when ``kind`` is served, else why not. ``other``: the other engine's name and
-    package, whose classes share names, not attributes or row counts, with this one's."""
-    engine, package = other
-    if type(module).__module__.startswith(f"{package}."):
-        return f"{kind} is {engine}'s class: install it with posenc.integrations.{package}"
+# The engines posenc integrates, by package: their rotary classes share names, not
+# attributes or row counts, so a module of one is never served as the other's.
+ENGINES: Final = {"vllm": "vLLM", "sglang": "SGLang"}
+
+
+def served_reason(module: object, kind: str, served: frozenset[str], package: str) -> str | None:
+    """None when ``kind`` is served, else why not. ``package``: the engine being installed
+    (a module of another engine's package is named as that engine's)."""
+    for other, engine in ENGINES.items():
+        if other != package and type(module).__module__.startswith(f"{other}."):
+            return f"{kind} is {engine}'s class: install it with posenc.integrations.{other}"
     if kind in served:
         return None
     return f"{kind} is not a rotary class posenc serves (served: {', '.join(sorted(served))})"
@@ -343,6 +347,30 @@ class Releases:
         return version
 
 
+def _first_difference(
+    buffer: torch.Tensor, cache: torch.Tensor, positions: torch.Tensor
+) -> tuple[int, int, float, float] | None:
+    """The first ``(row, column)`` where ``cache`` is not ``buffer`` within both dtypes'
+    rounding and the engine's float32 angle error (row ``r`` is position ``positions[r]``,
+    one per row compared), with posenc's value and the module's there; None when all agree."""
+    rows = len(positions)
+    theirs, ours = buffer[:rows].detach().cpu(), cache[:rows].detach().cpu()
+    if theirs.is_complex():
+        theirs, ours = torch.view_as_real(theirs), torch.view_as_real(ours)
+    theirs, ours = theirs.to(torch.float64).flatten(1), ours.to(torch.float64).flatten(1)
+    scale = float(theirs.abs().max())
+    real = buffer.real if buffer.is_complex() else buffer
+    mine = cache.real if cache.is_complex() else cache
+    slack = torch.finfo(real.dtype).eps + torch.finfo(mine.dtype).eps
+    where = positions.to(torch.float64).abs()[:, None] + 1
+    allowed = scale * (slack + 2.0**-20 * where)
+    bad = ~((ours - theirs).abs() <= allowed)
+    if not bool(bad.any()):
+        return None
+    row, column = divmod(int(bad.flatten().nonzero()[0]), ours.shape[1])
+    return row, column, float(ours[row, column]), float(theirs[row, column])
+
+
 def check_rows(
     releases: Releases,
     module: str,
@@ -362,26 +390,15 @@ def check_rows(
     rows = min(len(buffer), VERIFY_ROWS)
     if rows == 0:
         return
-    theirs, ours = buffer[:rows].detach().cpu(), cache[:rows].detach().cpu()
-    if theirs.is_complex():
-        theirs, ours = torch.view_as_real(theirs), torch.view_as_real(ours)
-    theirs, ours = theirs.to(torch.float64).flatten(1), ours.to(torch.float64).flatten(1)
-    scale = float(theirs.abs().max())
-    real = buffer.real if buffer.is_complex() else buffer
-    mine = cache.real if cache.is_complex() else cache
-    slack = torch.finfo(real.dtype).eps + torch.finfo(mine.dtype).eps
     if positions is None:
         positions = torch.arange(start, start + rows)
-    where = positions[:rows].to(torch.float64).abs()[:, None] + 1
-    allowed = scale * (slack + 2.0**-20 * where)
-    bad = ~((ours - theirs).abs() <= allowed)
-    if not bool(bad.any()):
+    difference = _first_difference(buffer, cache, positions[:rows])
+    if difference is None:
         return
-    row, column = divmod(int(bad.flatten().nonzero()[0]), ours.shape[1])
+    row, column, ours, theirs = difference
     found = (
         f"{module}.{name} row {row} (position {int(positions[row])}), column {column} is "
-        f"{float(ours[row, column]):.6g} in posenc's table and "
-        f"{float(theirs[row, column]):.6g} in the module"
+        f"{ours:.6g} in posenc's table and {theirs:.6g} in the module"
     )
     version = releases.untested()
     if version is not None:
@@ -419,103 +436,186 @@ def check_shapes(module: torch.nn.Module, caches: Mapping[str, torch.Tensor]) ->
             )
 
 
-_Check = Callable[[str, torch.nn.Module, Mapping[str, torch.Tensor]], None]
-_Write = Callable[[torch.nn.Module, Mapping[str, torch.Tensor]], None]
+# Builds a module's caches (buffer name -> tensor) from its own attributes.
+_Build = Callable[[posenc.Client, torch.nn.Module], dict[str, torch.Tensor]]
+# Writes caches into a module; the client is the one the rows it grows later come from.
+_Write = Callable[[torch.nn.Module, Mapping[str, torch.Tensor], posenc.Client | None], None]
+# A module to install: its name, the module and its caches, built and checked.
+_Pending = tuple[str, torch.nn.Module, dict[str, torch.Tensor]]
 
 
-def install_checked(
-    releases: Releases,
-    rotary_emb: torch.nn.Module,
-    caches: Mapping[str, torch.Tensor],
-    *,
-    check: _Check,
-    install: _Write,
-    verify: bool,
-) -> None:
-    """Writes ``caches`` into a module with ``install`` once ``check`` (``verify``) or the
-    shapes alone accept them (an integration's ``install``)."""
-    # Outside the tested releases the check is the guard: it runs whatever verify says.
-    if verify or releases.warn(stacklevel=4) is not None:
-        check("", rotary_emb, caches)
-    else:
-        check_shapes(rotary_emb, caches)
-    install(rotary_emb, caches)
-
-
-def install_modules(
-    client: posenc.Client,
-    model: torch.nn.Module,
-    *,
-    releases: Releases,
-    build: Callable[[posenc.Client, torch.nn.Module], dict[str, torch.Tensor]],
-    served: Callable[[torch.nn.Module], str | None],
-    check: _Check,
-    verify: bool,
-    install: _Write,
-    caches: Iterable[str],
-    log: logging.Logger,
-) -> list[str]:
-    """Installs posenc's caches into every rotary module of ``model`` it serves (an
-    integration's ``install_model``).
-
-    ``served(module)`` is None for a module posenc serves, else why not; ``build`` makes its
-    caches (buffer name -> tensor), ``check`` refuses ones that differ from the module's own
-    (when ``verify``, and always outside the tested ``releases``), ``install`` writes them.
-    Every cache is built and checked before any is written: a refusal leaves the model as it
-    was. Modules holding a buffer named in ``caches`` that are not served are left alone and
-    logged with the reason.
-
-    Returns:
-        The name of each module installed (the first, for a module shared by several).
-
-    Raises:
-        posenc.InvalidArgumentError: No served rotary module, or a cache that differs.
-    """
-    # Outside the tested releases the check is the guard: it runs whatever verify says.
-    verify = releases.warn(stacklevel=4) is not None or verify
-    pending: list[tuple[str, torch.nn.Module, dict[str, torch.Tensor]]] = []
-    left: list[tuple[str, list[torch.Tensor]]] = []
-    seen: set[int] = set()
-    names = tuple(caches)
-    for name, module in model.named_modules():
-        buffers = [getattr(module, b, None) for b in names]
-        held = [b for b in buffers if isinstance(b, torch.Tensor)]
-        if not held or id(module) in seen:
-            continue
-        seen.add(id(module))
-        reason = served(module)
-        if reason is None:
-            try:
-                built = build(client, module)
-            except posenc.InvalidArgumentError as error:
-                # A class or a setting posenc has no table for: the module keeps its own.
-                reason = error.field_violations[0][1] if error.field_violations else str(error)
-            else:
-                if verify:
-                    check(name, module, built)
-                pending.append((name, module, built))
-                continue
-        left.append((f"{name} ({type(module).__name__}: {reason})", held))
-    # A module holding the memory of a cache installed here (a fused kernel's view of the
-    # rotary module's buffer) reads posenc's rows: it is not left.
+def _still_left(pending: list[_Pending], left: list[tuple[str, list[torch.Tensor]]]) -> list[str]:
+    """The names of the modules left, but for those holding the memory of a cache installed
+    here: one such (a fused kernel's view of the rotary module's buffer) reads posenc's rows."""
     written = {getattr(m, b).data_ptr() for _, m, built in pending for b in built}
-    left_names = [n for n, held in left if not any(b.data_ptr() in written for b in held)]
-    if not pending:
-        detail = f"; left: {'; '.join(left_names)}" if left_names else ""
-        raise violation(
-            "model", f"{type(model).__name__} holds no rotary module posenc serves{detail}"
-        )
-    for _, module, built in pending:
-        install(module, built)
-    if left_names:
-        log.warning(
-            "posenc installed %s; left with their own caches: %s",
-            ", ".join(name for name, _, _ in pending),
-            "; ".join(left_names),
-        )
-    else:
-        log.info("posenc installed %s", ", ".join(name for name, _, _ in pending))
-    return [name for name, _, _ in pending]
+    return [n for n, held in left if not any(b.data_ptr() in written for b in held)]
+
+
+@dataclass(frozen=True)
+class Engine:
+    """An engine's integration as its module declares it, and what each does alike: which
+    modules are served, checking caches against a module's own rows, installing them.
+
+    ``served``: the rotary classes posenc serves in the engine; ``buffers``: the names of
+    the buffers its rotary modules hold caches in; ``log``: the integration's logger, where
+    :meth:`install_model` names what it installed and what it left.
+    """
+
+    releases: Releases
+    served: frozenset[str]
+    buffers: tuple[str, ...]
+    log: logging.Logger
+
+    def kind(self, module: object) -> str:
+        """The served class whose cache ``module`` holds (:func:`kind_of`)."""
+        return kind_of(module, self.served)
+
+    def reason(self, module: object) -> str | None:
+        """None for a module posenc serves, else why not (:func:`served_reason`)."""
+        return served_reason(module, self.kind(module), self.served, self.releases.package)
+
+    def built(
+        self, client: posenc.Client, module: torch.nn.Module
+    ) -> tuple[str, dict[str, torch.Tensor] | None]:
+        """A served module's class, with its caches when they are no run of tables
+        (:func:`built_caches`), else None: the start of a ``caches_of``.
+
+        Raises:
+            posenc.InvalidArgumentError: A class posenc does not serve.
+        """
+        reason = self.reason(module)
+        if reason is not None:
+            raise violation("rotary_emb", reason)
+        kind = self.kind(module)
+        return kind, built_caches(client, module, kind)
+
+    def single(self, module: torch.nn.Module) -> str:
+        """The class of a module whose one cache a ``cos_sin_cache_of`` builds, once the
+        release is warned about when untested.
+
+        Raises:
+            posenc.InvalidArgumentError: Dual-chunk attention's module (five caches).
+        """
+        self.releases.warn(stacklevel=4)
+        kind = self.kind(module)
+        if kind == "DualChunkRotaryEmbedding":
+            raise violation("rotary_emb", f"{kind} holds five caches: build them with caches_of")
+        return kind
+
+    def check(
+        self, label: str, module: torch.nn.Module, caches: Mapping[str, torch.Tensor]
+    ) -> None:
+        """Refuses caches unlike the module's own (:func:`check_caches`), its row ``r`` the
+        position ``position_start + r`` (0 for a module with no ``position_start``)."""
+        start = int(getattr(module, "position_start", 0))
+        check_caches(self.releases, label, module, caches, start)
+
+    def install(
+        self,
+        module: torch.nn.Module,
+        caches: Mapping[str, torch.Tensor],
+        write: _Write,
+        *,
+        verify: bool,
+        client: posenc.Client | None = None,
+    ) -> None:
+        """Writes ``caches`` into a module with ``write`` once :meth:`check` (``verify``) or
+        the shapes alone accept them (an integration's ``install``)."""
+        # Outside the tested releases the check is the guard: it runs whatever verify says.
+        if verify or self.releases.warn(stacklevel=4) is not None:
+            self.check("", module, caches)
+        else:
+            check_shapes(module, caches)
+        write(module, caches, client)
+
+    def install_model(
+        self,
+        client: posenc.Client,
+        model: torch.nn.Module,
+        build: _Build,
+        write: _Write,
+        *,
+        verify: bool,
+    ) -> list[str]:
+        """Installs posenc's caches into every rotary module of ``model`` it serves (an
+        integration's ``install_model``).
+
+        ``build`` makes a served module's caches, :meth:`check` refuses ones that differ from
+        the module's own (when ``verify``, and always outside the tested releases), ``write``
+        writes them. Every cache is built and checked before any is written: a refusal
+        leaves the model as it was. Modules holding one of the engine's ``buffers`` that are
+        not served are left alone and logged with the reason.
+
+        Returns:
+            The name of each module installed (the first, for a module shared by several).
+
+        Raises:
+            posenc.InvalidArgumentError: No served rotary module, or a cache that differs.
+        """
+        # Outside the tested releases the check is the guard: it runs whatever verify says.
+        verify = self.releases.warn(stacklevel=4) is not None or verify
+        pending, left = self._walk(client, model, build, verify)
+        left_names = _still_left(pending, left)
+        if not pending:
+            detail = f"; left: {'; '.join(left_names)}" if left_names else ""
+            raise violation(
+                "model", f"{type(model).__name__} holds no rotary module posenc serves{detail}"
+            )
+        for _, module, built in pending:
+            write(module, built, client)
+        installed = ", ".join(name for name, _, _ in pending)
+        if left_names:
+            self.log.warning(
+                "posenc installed %s; left with their own caches: %s",
+                installed,
+                "; ".join(left_names),
+            )
+        else:
+            self.log.info("posenc installed %s", installed)
+        return [name for name, _, _ in pending]
+
+    def _walk(
+        self, client: posenc.Client, model: torch.nn.Module, build: _Build, verify: bool
+    ) -> tuple[list[_Pending], list[tuple[str, list[torch.Tensor]]]]:
+        """Each distinct module of ``model`` holding one of the buffers: to install (its
+        caches built and, ``verify``, checked), or left (named with the reason, with the
+        buffers it holds)."""
+        pending: list[_Pending] = []
+        left: list[tuple[str, list[torch.Tensor]]] = []
+        seen: set[int] = set()
+        for name, module in model.named_modules():
+            buffers = [getattr(module, b, None) for b in self.buffers]
+            held = [b for b in buffers if isinstance(b, torch.Tensor)]
+            if not held or id(module) in seen:
+                continue
+            seen.add(id(module))
+            built = self._prepare(client, name, module, build, verify)
+            if isinstance(built, str):
+                left.append((f"{name} ({type(module).__name__}: {built})", held))
+            else:
+                pending.append((name, module, built))
+        return pending, left
+
+    def _prepare(
+        self,
+        client: posenc.Client,
+        name: str,
+        module: torch.nn.Module,
+        build: _Build,
+        verify: bool,
+    ) -> dict[str, torch.Tensor] | str:
+        """A module's caches, built and (``verify``) checked, or why it keeps its own."""
+        reason = self.reason(module)
+        if reason is not None:
+            return reason
+        try:
+            built = build(client, module)
+        except posenc.InvalidArgumentError as error:
+            # A class or a setting posenc has no table for: the module keeps its own.
+            return error.field_violations[0][1] if error.field_violations else str(error)
+        if verify:
+            self.check(name, module, built)
+        return built
 
 
 # -- caches that are no run of tables (the same classes in vLLM and SGLang) --------------

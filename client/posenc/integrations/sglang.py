@@ -95,14 +95,9 @@ _SERVED_CLASSES: Final = (
 _PHI3_BUFFERS: Final = ("short_cos_sin_cache", "long_cos_sin_cache", "long_short_cos_sin_cache")
 
 
-def _kind(rotary_emb: object) -> str:
-    """The served class whose cache the module holds (:func:`_caches.kind_of`)."""
-    return _caches.kind_of(rotary_emb, _SERVED_CLASSES)
-
-
-def _served(rotary_emb: torch.nn.Module) -> str | None:
-    """None for a module posenc serves, else why not."""
-    return _caches.served_reason(rotary_emb, _kind(rotary_emb), _SERVED_CLASSES, ("vLLM", "vllm"))
+_BUFFERS: Final = ("cos_sin_cache", *_PHI3_BUFFERS, "cos_sin_q_cache")
+_ENGINE: Final = _caches.Engine(_RELEASES, _SERVED_CLASSES, _BUFFERS, _log)
+_kind, _served = _ENGINE.kind, _ENGINE.reason
 
 
 def _yarn(m: Any, original: int) -> posenc.Spec:
@@ -260,11 +255,7 @@ def caches_of(client: posenc.Client, rotary_emb: torch.nn.Module) -> dict[str, t
         posenc.InvalidArgumentError: A class or a setting posenc does not serve.
     """
     m: Any = rotary_emb
-    kind = _kind(m)
-    reason = _served(m)
-    if reason is not None:
-        raise violation("rotary_emb", reason)
-    built = _caches.built_caches(client, m, kind)
+    _, built = _ENGINE.built(client, m)
     if built is not None:
         return built
     caches = {}
@@ -290,11 +281,8 @@ def cos_sin_cache_of(
         posenc.InvalidArgumentError: A class or a setting posenc does not serve, or one with
             several caches (dual-chunk attention: :func:`caches_of`).
     """
-    _RELEASES.warn("SGLang integration")
     m: Any = rotary_emb
-    kind = _kind(m)
-    if kind == "DualChunkRotaryEmbedding":
-        raise violation("rotary_emb", f"{kind} holds five caches: build them with caches_of")
+    kind = _ENGINE.single(m)
     name = "long_short_cos_sin_cache" if kind == "Phi3LongRoPEScaledRotaryEmbedding" else None
     if kind in _BUILT or dtype is None:
         caches = caches_of(client, m)
@@ -588,11 +576,6 @@ def _write(
     object.__setattr__(m, "_ensure_cos_sin_cache_length", _Growth(m, client, plan, ensure))
 
 
-def _check(label: str, rotary_emb: torch.nn.Module, caches: Mapping[str, torch.Tensor]) -> None:
-    start = int(getattr(rotary_emb, "position_start", 0))
-    _caches.check_caches(_RELEASES, label, rotary_emb, caches, start)
-
-
 def install(
     rotary_emb: torch.nn.Module,
     cache: torch.Tensor | Mapping[str, torch.Tensor],
@@ -630,14 +613,7 @@ def install(
         caches = {"cos_sin_cache": cache}
     else:
         caches = dict(cache)
-    _caches.install_checked(
-        _RELEASES,
-        rotary_emb,
-        caches,
-        check=_check,
-        install=lambda module, caches: _write(module, caches, client),
-        verify=verify,
-    )
+    _ENGINE.install(rotary_emb, caches, _write, verify=verify, client=client)
 
 
 def install_model(
@@ -659,15 +635,4 @@ def install_model(
         posenc.InvalidArgumentError: The model holds no served rotary module, or
             (``verify``) a cache differs from a module's own.
     """
-    return _caches.install_modules(
-        client,
-        model,
-        releases=_RELEASES,
-        build=caches_of,
-        served=_served,
-        check=_check,
-        verify=verify,
-        install=lambda module, caches: _write(module, caches, client),
-        caches=("cos_sin_cache", *_PHI3_BUFFERS, "cos_sin_q_cache"),
-        log=_log,
-    )
+    return _ENGINE.install_model(client, model, caches_of, _write, verify=verify)

@@ -368,16 +368,9 @@ _SERVED_CLASSES: Final = (
 )
 
 
-def _kind(rotary_emb: torch.nn.Module) -> str:
-    """The served class whose cache the module holds (:func:`_caches.kind_of`)."""
-    return _caches.kind_of(rotary_emb, _SERVED_CLASSES)
-
-
-def _served(rotary_emb: torch.nn.Module) -> str | None:
-    """None for a module posenc serves, else why not."""
-    return _caches.served_reason(
-        rotary_emb, _kind(rotary_emb), _SERVED_CLASSES, ("SGLang", "sglang")
-    )
+_BUFFERS: Final = ("cos_sin_cache", "long_short_cos_sin_cache", "cos_sin_q_cache")
+_ENGINE: Final = _caches.Engine(_RELEASES, _SERVED_CLASSES, _BUFFERS, _log)
+_kind, _served = _ENGINE.kind, _ENGINE.reason
 
 
 def _yarn_arguments(m: Any, yarn: bool) -> dict[str, Any]:
@@ -548,11 +541,7 @@ def caches_of(client: posenc.Client, rotary_emb: torch.nn.Module) -> dict[str, t
         posenc.InvalidArgumentError: A class posenc does not serve.
     """
     m: Any = rotary_emb
-    kind = _kind(m)
-    reason = _served(m)
-    if reason is not None:
-        raise violation("rotary_emb", reason)
-    built = _caches.built_caches(client, m, kind)
+    kind, built = _ENGINE.built(client, m)
     if built is not None:
         return built
     name, buffer = _buffer(m)
@@ -583,10 +572,7 @@ def cos_sin_cache_of(
         posenc.InvalidArgumentError: A class posenc does not serve, or one with several
             caches (dual-chunk attention: :func:`caches_of`).
     """
-    _RELEASES.warn("vLLM integration")
-    kind = _kind(rotary_emb)
-    if kind == "DualChunkRotaryEmbedding":
-        raise violation("rotary_emb", f"{kind} holds five caches: build them with caches_of")
+    kind = _ENGINE.single(rotary_emb)
     _, buffer = _buffer(rotary_emb)
     mixed = kind == "NTKScalingRotaryEmbedding" and getattr(rotary_emb, "mixed_b", None) is not None
     if kind in ("Llama4VisionRotaryEmbedding", "FourierRotaryEmbedding") or mixed:
@@ -606,13 +592,12 @@ def cos_sin_cache_of(
     )
 
 
-def _check(
-    module_name: str, rotary_emb: torch.nn.Module, caches: Mapping[str, torch.Tensor]
+def _write(
+    rotary_emb: torch.nn.Module,
+    caches: Mapping[str, torch.Tensor],
+    client: posenc.Client | None = None,
 ) -> None:
-    _caches.check_caches(_RELEASES, module_name, rotary_emb, caches)
-
-
-def _write(rotary_emb: torch.nn.Module, caches: Mapping[str, torch.Tensor]) -> None:
+    # The client is not kept: vLLM does not grow a cache past its start-up rows.
     m: Any = rotary_emb
     _caches.copy_caches(m, caches)
     cache = caches.get("cos_sin_cache")
@@ -654,9 +639,7 @@ def install(
             table: one line naming the module, the buffer and the row that differs.
     """
     caches = {_buffer(rotary_emb)[0]: cache} if isinstance(cache, torch.Tensor) else dict(cache)
-    _caches.install_checked(
-        _RELEASES, rotary_emb, caches, check=_check, install=_write, verify=verify
-    )
+    _ENGINE.install(rotary_emb, caches, _write, verify=verify)
 
 
 def install_model(
@@ -678,15 +661,4 @@ def install_model(
         posenc.InvalidArgumentError: The model holds no served rotary module, or
             (``verify``) a cache differs from a module's own.
     """
-    return _caches.install_modules(
-        client,
-        model,
-        releases=_RELEASES,
-        build=caches_of,
-        served=_served,
-        check=_check,
-        verify=verify,
-        install=_write,
-        caches=("cos_sin_cache", "long_short_cos_sin_cache", "cos_sin_q_cache"),
-        log=_log,
-    )
+    return _ENGINE.install_model(client, model, caches_of, _write, verify=verify)
