@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator, Awaitable, Coroutine
 from types import TracebackType
-from typing import Any, assert_never
+from typing import Any
 
 import grpc
 import grpc.aio
@@ -158,36 +158,30 @@ class AsyncClient(
                 if isinstance(operation, core.Deliver):
                     yield operation.slice
                 else:
-                    try:
-                        stepper.send(await self._perform(operation))
-                    except grpc.RpcError as error:
-                        stepper.throw(error)
+                    stepper.send(await self._perform(operation))
 
     async def _perform(self, operation: core.Performed) -> Any:
-        match operation:
-            case core.Unary(method, request, timeout, affinity):
-                call = getattr(self._connect().pick(_affinity(affinity)), method)
-                return await call(request, timeout=timeout)
-            case core.OpenStream(request, timeout, affinity):
-                calls = self._connect().pick(_affinity(affinity))
-                return core.Stream(calls.stream_encoding(request, timeout=timeout))
-            case core.NextChunk(stream):
-                chunk = await stream.call.read()
-                return None if chunk is _EOF else chunk
-            case core.Sleep(seconds):
-                return await asyncio.sleep(seconds)
-            case core.Wait(tokens, timeout):
-                return await asyncio.wait(tokens, timeout=timeout)
-            case core.ReadAhead(ahead):
-                return self._read_ahead(ahead)
-            case core.ShareSession():
-                return self._share_session()
-            case core.Attach(shared, dtype):
-                return self._session().attach(shared, dtype)
-            case core.CopyShared(shared, out):
-                return self._session().copy(shared, out)
-            case _:
-                assert_never(operation)
+        """The outcome of ``operation``: its value, or the ``grpc.RpcError`` it failed with
+        (see :meth:`posenc._core.Stepper.send`)."""
+        try:
+            match operation:
+                case core.Unary(method, request, timeout, affinity):
+                    call = getattr(self._connect().pick(_affinity(affinity)), method)
+                    return await call(request, timeout=timeout)
+                case core.OpenStream(request, timeout, affinity):
+                    calls = self._connect().pick(_affinity(affinity))
+                    return core.Stream(calls.stream_encoding(request, timeout=timeout))
+                case core.NextChunk(stream):
+                    chunk = await stream.call.read()
+                    return None if chunk is _EOF else chunk
+                case core.Sleep(seconds):
+                    return await asyncio.sleep(seconds)
+                case core.Wait(tokens, timeout):
+                    return await asyncio.wait(tokens, timeout=timeout)
+                case _:
+                    return self._local(operation)
+        except grpc.RpcError as error:
+            return error
 
     def _new_token(self) -> asyncio.Future[None]:
         return asyncio.get_running_loop().create_future()

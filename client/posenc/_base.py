@@ -13,7 +13,7 @@ import operator
 import threading
 import time
 from collections.abc import Iterable, Sequence
-from typing import TYPE_CHECKING, Any, Generic, TypeVar, Unpack, cast
+from typing import TYPE_CHECKING, Any, Generic, TypeVar, Unpack, assert_never, cast
 
 import grpc
 import numpy.typing as npt
@@ -25,7 +25,7 @@ from posenc._channel import (
     Settings,
     channel_credentials,
 )
-from posenc._core import Core, Steps
+from posenc._core import Attach, CopyShared, Core, Local, ReadAhead, ShareSession, Steps
 from posenc._query import Plan, grid_plan, load_dtypes, range_plan
 from posenc._retry import DEFAULT_MAX_RETRIES, DEFAULT_RETRY_BACKOFF, DEFAULT_TIMEOUT
 from posenc._rows import (
@@ -448,6 +448,21 @@ class BaseClient(Generic[ArrayT, InfoT, StatusT, SlicesT]):
             if self._shared is not None:
                 self._shared.close()  # once the views it handed out are gone
                 self._shared = None
+
+    def _local(self, operation: Local) -> Any:
+        """Performs an operation that neither waits nor makes a call, which both clients
+        perform alike (from their driver: ``AsyncClient``'s on its event loop)."""
+        match operation:
+            case ReadAhead(ahead):
+                return self._read_ahead(ahead)
+            case ShareSession():
+                return self._share_session()
+            case Attach(shared, dtype):
+                return self._session().attach(shared, dtype)
+            case CopyShared(shared, out):
+                return self._session().copy(shared, out)
+            case _:
+                assert_never(operation)
 
     # -- what each client does its own way ----------------------------------------------------
 

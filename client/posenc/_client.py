@@ -9,7 +9,7 @@ import weakref
 from collections.abc import Iterator
 from concurrent import futures
 from types import TracebackType
-from typing import Any, assert_never
+from typing import Any
 
 import grpc
 
@@ -162,39 +162,33 @@ class Client(BaseClient[Result, ServerInfo, str, Iterator[Slice]]):
                 if isinstance(operation, core.Deliver):
                     yield operation.slice
                 else:
-                    try:
-                        stepper.send(self._perform(operation))
-                    except grpc.RpcError as error:
-                        stepper.throw(error)
+                    stepper.send(self._perform(operation))
 
     def _perform(self, operation: core.Performed) -> Any:
-        match operation:
-            case core.Unary(method, request, timeout, affinity):
-                if self._core.closed:  # an iterator made before close() starts no new RPC
-                    raise ClientClosedError()
-                call = getattr(self._pool.pick(_affinity(affinity)), method)
-                return call(request, timeout=timeout)
-            case core.OpenStream(request, timeout, affinity):
-                if self._core.closed:
-                    raise ClientClosedError()
-                calls = self._pool.pick(_affinity(affinity))
-                return core.Stream(calls.stream_encoding(request, timeout=timeout))
-            case core.NextChunk(stream):
-                return next(stream.call, None)
-            case core.Sleep(seconds):
-                return time.sleep(seconds)
-            case core.Wait(tokens, timeout):
-                return futures.wait(tokens, timeout=timeout)
-            case core.ReadAhead(ahead):
-                return self._read_ahead(ahead)
-            case core.ShareSession():
-                return self._share_session()
-            case core.Attach(shared, dtype):
-                return self._session().attach(shared, dtype)
-            case core.CopyShared(shared, out):
-                return self._session().copy(shared, out)
-            case _:
-                assert_never(operation)
+        """The outcome of ``operation``: its value, or the ``grpc.RpcError`` it failed with
+        (see :meth:`posenc._core.Stepper.send`)."""
+        try:
+            match operation:
+                case core.Unary(method, request, timeout, affinity):
+                    if self._core.closed:  # an iterator made before close() starts no new RPC
+                        raise ClientClosedError()
+                    call = getattr(self._pool.pick(_affinity(affinity)), method)
+                    return call(request, timeout=timeout)
+                case core.OpenStream(request, timeout, affinity):
+                    if self._core.closed:
+                        raise ClientClosedError()
+                    calls = self._pool.pick(_affinity(affinity))
+                    return core.Stream(calls.stream_encoding(request, timeout=timeout))
+                case core.NextChunk(stream):
+                    return next(stream.call, None)
+                case core.Sleep(seconds):
+                    return time.sleep(seconds)
+                case core.Wait(tokens, timeout):
+                    return futures.wait(tokens, timeout=timeout)
+                case _:
+                    return self._local(operation)
+        except grpc.RpcError as error:
+            return error
 
     def _new_token(self) -> futures.Future[None]:
         return futures.Future()

@@ -185,19 +185,19 @@ class CopyShared:
     out: Rows
 
 
+#: The operations both clients perform alike, without waiting (see ``BaseClient._local``).
+Local: TypeAlias = ReadAhead | ShareSession | Attach | CopyShared
 #: The operations a client performs (all but :class:`Deliver`, which its iterator yields).
-Performed: TypeAlias = (
-    Unary | OpenStream | NextChunk | Sleep | Wait | ReadAhead | ShareSession | Attach | CopyShared
-)
+Performed: TypeAlias = Unary | OpenStream | NextChunk | Sleep | Wait | Local
 Operation: TypeAlias = Performed | Deliver
 Steps: TypeAlias = Generator[Operation, Any, T]
 
 
 class Stepper(Generic[T]):
     """Runs the steps of one call for a driver: :meth:`next` gives the next operation,
-    after :meth:`send` (the operation's outcome) or :meth:`throw` (its ``grpc.RpcError``)
-    told the outcome of the last; None once the call returned (its value is
-    :attr:`result`). Closing it closes the steps, which cancels a stream left open."""
+    after :meth:`send` told the outcome of the last (its value, or its ``grpc.RpcError``);
+    None once the call returned (its value is :attr:`result`). Closing it closes the steps,
+    which cancels a stream left open."""
 
     def __init__(self, steps: Steps[T], first: Operation | None = None) -> None:
         """``first``: the operation the steps yielded already (they were started by their
@@ -235,7 +235,12 @@ class Stepper(Generic[T]):
             yield operation
 
     def send(self, value: object) -> None:
-        self._value = value
+        """The outcome of the last operation: its value, or the ``grpc.RpcError`` it failed
+        with, which is thrown into the steps (as :meth:`throw`)."""
+        if isinstance(value, grpc.RpcError):
+            self.throw(value)
+        else:
+            self._value = value
 
     def throw(self, error: BaseException) -> None:
         self._value, self._error = None, error
