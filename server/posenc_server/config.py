@@ -14,11 +14,13 @@ import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from importlib import metadata
-from typing import Any, Final
+from typing import Any, Final, TypeVar
 
 from posenc_protocol import limits
 from posenc_protocol.limits import CLIENT_RECEIVE_LIMIT, GIB, MESSAGE_OVERHEAD, MIB
 from posenc_protocol.numbers import integer
+
+T = TypeVar("T")
 
 DEFAULT_METRICS_PORT: Final = 9464
 """Prometheus' customary exporter port; on a shared host another server may hold it."""
@@ -34,149 +36,109 @@ _MAX_UNIX_PATH = 107
 _MIN_READ_TIMEOUT_SECONDS = 0.1
 
 
+def option(default: T, help_text: str) -> T:
+    """A setting with its default and its ``--help`` text (a flag and a variable each)."""
+    return field(default=default, metadata={"help": help_text})
+
+
 @dataclass(frozen=True)
 class ServerConfig:
     """Everything the server can be configured with; the defaults are production defaults."""
 
-    host: str = field(default="127.0.0.1", metadata={"help": "address to listen on"})
-    port: int = field(default=50051, metadata={"help": "gRPC port (0 picks a free one)"})
-    max_d_model: int = field(
-        default=limits.MAX_D_MODEL, metadata={"help": "largest d_model accepted"}
+    host: str = option("127.0.0.1", "address to listen on")
+    port: int = option(50051, "gRPC port (0 picks a free one)")
+    max_d_model: int = option(limits.MAX_D_MODEL, "largest d_model accepted")
+    max_abs_position: int = option(limits.MAX_ABS_POSITION, "largest |position|")
+    max_positions: int = option(limits.MAX_POSITIONS, "largest explicit position list")
+    max_unary_bytes: int = option(
+        limits.MAX_UNARY_BYTES, "largest GetEncoding result in bytes (fits a default client)"
     )
-    max_abs_position: int = field(
-        default=limits.MAX_ABS_POSITION, metadata={"help": "largest |position|"}
+    max_stream_bytes: int = option(
+        limits.MAX_STREAM_BYTES, "largest StreamEncoding result in bytes"
     )
-    max_positions: int = field(
-        default=limits.MAX_POSITIONS, metadata={"help": "largest explicit position list"}
+    max_chunk_bytes: int = option(
+        limits.MAX_CHUNK_BYTES,
+        "largest stream chunk in bytes (at most 4 MiB); a client may ask for "
+        "smaller ones, down to one row, and pays for each chunk's message and trip: "
+        "chunks of a few rows cost hundreds of times the server CPU per row of this "
+        "size's",
     )
-    max_unary_bytes: int = field(
-        default=limits.MAX_UNARY_BYTES,
-        metadata={"help": "largest GetEncoding result in bytes (fits a default client)"},
+    cache_bytes: int = option(512 * MIB, "cache budget in bytes")
+    spec_bytes: int = option(
+        16 * MIB,
+        "budget in bytes of the spec table (the frequencies and rotation tables "
+        "of recently used specs, up to 4 MiB each)",
     )
-    max_stream_bytes: int = field(
-        default=limits.MAX_STREAM_BYTES,
-        metadata={"help": "largest StreamEncoding result in bytes"},
+    processes: int = option(0, "server processes sharing the port (0: one per available core)")
+    workers: int = option(
+        64,
+        "threads computing tables, per process (calls waiting for their request "
+        "or for the client to read hold none)",
     )
-    max_chunk_bytes: int = field(
-        default=limits.MAX_CHUNK_BYTES,
-        metadata={
-            "help": "largest stream chunk in bytes (at most 4 MiB); a client may ask for "
-            "smaller ones, down to one row, and pays for each chunk's message and trip: "
-            "chunks of a few rows cost hundreds of times the server CPU per row of this "
-            "size's"
-        },
+    in_flight_bytes: int = option(
+        64 * MIB,
+        "memory for encoding calls in flight, per process: requests, their "
+        "working memory, and responses not yet handed to the client's connection; calls "
+        "beyond it wait, then get RESOURCE_EXHAUSTED with RetryInfo",
     )
-    cache_bytes: int = field(default=512 * MIB, metadata={"help": "cache budget in bytes"})
-    spec_bytes: int = field(
-        default=16 * MIB,
-        metadata={
-            "help": "budget in bytes of the spec table (the frequencies and rotation tables "
-            "of recently used specs, up to 4 MiB each)"
-        },
+    admission_wait_seconds: float = option(
+        1.0, "how long a call waits for room in in_flight_bytes before it is refused"
     )
-    processes: int = field(
-        default=0,
-        metadata={"help": "server processes sharing the port (0: one per available core)"},
+    read_timeout_seconds: float = option(
+        30.0,
+        "a call whose request message has not arrived this long after its "
+        "headers is ended with DEADLINE_EXCEEDED",
     )
-    workers: int = field(
-        default=64,
-        metadata={
-            "help": "threads computing tables, per process (calls waiting for their request "
-            "or for the client to read hold none)"
-        },
+    max_concurrent_streams: int = option(
+        48,
+        "streams one process serves at once; more get RESOURCE_EXHAUSTED "
+        "(below workers, so unary calls always find a thread to compute on; health "
+        "checks need none)",
     )
-    in_flight_bytes: int = field(
-        default=64 * MIB,
-        metadata={
-            "help": "memory for encoding calls in flight, per process: requests, their "
-            "working memory, and responses not yet handed to the client's connection; calls "
-            "beyond it wait, then get RESOURCE_EXHAUSTED with RetryInfo"
-        },
+    max_connections: int = option(
+        4096,
+        "client connections one process holds at once; more are closed as they "
+        "come (each holds memory outside the in-flight budget; 0: no limit)",
     )
-    admission_wait_seconds: float = field(
-        default=1.0,
-        metadata={"help": "how long a call waits for room in in_flight_bytes before it is refused"},
+    grace_seconds: float = option(30.0, "on SIGTERM, time in-flight calls get to finish")
+    max_connection_age_seconds: float = option(
+        300.0,
+        "close client connections after this long (+30 s for calls in flight), "
+        "so clients re-resolve DNS and find new replicas",
     )
-    read_timeout_seconds: float = field(
-        default=30.0,
-        metadata={
-            "help": "a call whose request message has not arrived this long after its "
-            "headers is ended with DEADLINE_EXCEEDED"
-        },
+    log_level: str = option("INFO", "DEBUG, INFO, WARNING or ERROR")
+    metrics_port: int = option(
+        DEFAULT_METRICS_PORT,
+        "Prometheus metrics HTTP port (0: a free one; -1: off; "
+        f"{DEFAULT_METRICS_PORT}, when busy: a free one, logged)",
     )
-    max_concurrent_streams: int = field(
-        default=48,
-        metadata={
-            "help": "streams one process serves at once; more get RESOURCE_EXHAUSTED "
-            "(below workers, so unary calls always find a thread to compute on; health "
-            "checks need none)"
-        },
+    metrics_host: str = option(
+        "127.0.0.1",
+        "address the metrics port listens on (the container image sets 0.0.0.0; "
+        "/metrics has no authentication: expose it to Prometheus only)",
     )
-    max_connections: int = field(
-        default=4096,
-        metadata={
-            "help": "client connections one process holds at once; more are closed as they "
-            "come (each holds memory outside the in-flight budget; 0: no limit)"
-        },
+    tls_cert_file: str = option("", "PEM certificate chain: serve TLS (with tls_key_file)")
+    tls_key_file: str = option("", "PEM private key of tls_cert_file")
+    tls_client_ca_file: str = option("", "PEM CA bundle: require client certificates (mutual TLS)")
+    auth_token_file: str = option(
+        "", "file holding the bearer token clients must send (health is exempt)"
     )
-    grace_seconds: float = field(
-        default=30.0, metadata={"help": "on SIGTERM, time in-flight calls get to finish"}
+    unix_socket: str = option(
+        "",
+        "also serve on this unix-domain socket (clients on this machine: target "
+        "unix:PATH), as the TCP port is served (TLS and token included); with shm_bytes, "
+        "large results travel through shared memory, handed out on PATH.shm. With "
+        "several processes, the first serves it",
     )
-    max_connection_age_seconds: float = field(
-        default=300.0,
-        metadata={
-            "help": "close client connections after this long (+30 s for calls in flight), "
-            "so clients re-resolve DNS and find new replicas"
-        },
+    shm_bytes: int = option(
+        GIB,
+        "shared memory for results over the unix socket, in bytes (memory the "
+        "server holds: count it in its limit; 0: none)",
     )
-    log_level: str = field(default="INFO", metadata={"help": "DEBUG, INFO, WARNING or ERROR"})
-    metrics_port: int = field(
-        default=DEFAULT_METRICS_PORT,
-        metadata={
-            "help": "Prometheus metrics HTTP port (0: a free one; -1: off; "
-            f"{DEFAULT_METRICS_PORT}, when busy: a free one, logged)"
-        },
-    )
-    metrics_host: str = field(
-        default="127.0.0.1",
-        metadata={
-            "help": "address the metrics port listens on (the container image sets 0.0.0.0; "
-            "/metrics has no authentication: expose it to Prometheus only)"
-        },
-    )
-    tls_cert_file: str = field(
-        default="", metadata={"help": "PEM certificate chain: serve TLS (with tls_key_file)"}
-    )
-    tls_key_file: str = field(default="", metadata={"help": "PEM private key of tls_cert_file"})
-    tls_client_ca_file: str = field(
-        default="", metadata={"help": "PEM CA bundle: require client certificates (mutual TLS)"}
-    )
-    auth_token_file: str = field(
-        default="",
-        metadata={"help": "file holding the bearer token clients must send (health is exempt)"},
-    )
-    unix_socket: str = field(
-        default="",
-        metadata={
-            "help": "also serve on this unix-domain socket (clients on this machine: target "
-            "unix:PATH), as the TCP port is served (TLS and token included); with shm_bytes, "
-            "large results travel through shared memory, handed out on PATH.shm. With "
-            "several processes, the first serves it"
-        },
-    )
-    shm_bytes: int = field(
-        default=GIB,
-        metadata={
-            "help": "shared memory for results over the unix socket, in bytes (memory the "
-            "server holds: count it in its limit; 0: none)"
-        },
-    )
-    shm_peers: str = field(
-        default="",
-        metadata={
-            "help": "who may map the shared memory: comma-separated uid:N and gid:N, checked "
-            "against each peer's kernel credentials (none: the server's own uid)"
-        },
+    shm_peers: str = option(
+        "",
+        "who may map the shared memory: comma-separated uid:N and gid:N, checked "
+        "against each peer's kernel credentials (none: the server's own uid)",
     )
 
     def __post_init__(self) -> None:
