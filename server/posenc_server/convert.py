@@ -252,16 +252,8 @@ def _coordinates(
         )
         return None
     flat = np.array(values, dtype=np.int64)
-    if (bad := _out_of_range(flat, limit)) is not None:
-        index, bad_count = bad
-        violations.append(
-            FieldViolation(
-                f"coordinates.coordinates[{index}]",
-                f"|coordinate| must be at most {limit}, got {int(flat[index])} (row "
-                f"{index // axes}, axis {index % axes})"
-                + (f"; {bad_count} coordinates out of range" if bad_count > 1 else ""),
-            )
-        )
+    if bad := _out_of_range(flat, limit, "coordinates.coordinates", "coordinate", axes):
+        violations.append(bad)
     return CoordinateList(flat.reshape(count, axes))
 
 
@@ -289,11 +281,27 @@ def _coordinates_shape_violation(
     return None
 
 
-def _out_of_range(values: npt.NDArray[np.int64], limit: int) -> tuple[int, int] | None:
-    """The index of the first value with |value| > limit, and how many there are."""
+def _out_of_range(
+    values: npt.NDArray[np.int64],
+    limit: int,
+    path: str,
+    noun: str,
+    axes: int = 1,
+) -> FieldViolation | None:
+    """The problem of the first of ``values`` (field ``path``, each a ``noun``; rows of
+    ``axes`` values, named when more than one) with |value| > limit, and how many there
+    are; None when there is none."""
     # Not np.abs: it overflows (stays negative) for -2**63.
     bad = np.flatnonzero((values > limit) | (values < -limit))
-    return (int(bad[0]), int(bad.size)) if bad.size else None
+    if not bad.size:
+        return None
+    index, count = int(bad[0]), int(bad.size)
+    where = f" (row {index // axes}, axis {index % axes})" if axes > 1 else ""
+    return FieldViolation(
+        f"{path}[{index}]",
+        f"|{noun}| must be at most {limit}, got {int(values[index])}{where}"
+        + (f"; {count} {noun}s out of range" if count > 1 else ""),
+    )
 
 
 def _check_range(selection: PositionRange, limit: int, violations: list[FieldViolation]) -> None:
@@ -331,15 +339,8 @@ def _check_positions(
                 f"must hold 1 to {limits.max_positions} positions, got {count}",
             )
         )
-    elif (bad := _out_of_range(positions, limit)) is not None:
-        index, bad_count = bad
-        violations.append(
-            FieldViolation(
-                f"positions.positions[{index}]",
-                f"|position| must be at most {limit}, got {int(positions[index])}"
-                + (f" ({bad_count} positions out of range)" if bad_count > 1 else ""),
-            )
-        )
+    elif bad := _out_of_range(positions, limit, "positions.positions", "position"):
+        violations.append(bad)
 
 
 # -- GetServerInfo ---------------------------------------------------------------------------
