@@ -236,10 +236,12 @@ def exact_table(rows: int, dim: int, theta: float) -> Any:
     return torch.cat((angles.cos(), angles.sin()), dim=-1)
 
 
-def model_of_subclasses(base: Any) -> Any:
-    """Two models' own subclasses of the engine's rotary class ``base``: ``fixed`` only fixes
-    the constructor's arguments (head 128, 2048 rows, theta 500000), ``other`` also computes
-    its frequencies otherwise."""
+def assert_fixed_subclass_served_alone(base: Any, install: Any, bound: float) -> None:
+    """A model's own subclass of the engine's rotary class ``base`` that only fixes the
+    constructor's arguments (head 128, 2048 rows, theta 500000) holds its base class's cache
+    and is served; one that computes its frequencies otherwise is left, named with the
+    reason. ``install(model)`` (an integration's install_model) must serve the first alone,
+    within ``bound`` of the exact table, and leave the second as it was."""
     import torch
 
     class FixedRotaryEmbedding(base):  # type: ignore[misc, valid-type]
@@ -253,15 +255,7 @@ def model_of_subclasses(base: Any) -> Any:
         def _compute_inv_freq(self, base: float) -> Any:
             return super()._compute_inv_freq(base) / 2
 
-    return torch.nn.ModuleDict({"fixed": FixedRotaryEmbedding(), "other": OtherRotaryEmbedding()})
-
-
-def assert_fixed_served_alone(model: Any, install: Any, bound: float) -> None:
-    """``install(model)`` (an integration's install_model) serves :func:`model_of_subclasses`'
-    ``fixed`` module alone, within ``bound`` of the exact table, and leaves ``other`` as it
-    was."""
-    import torch
-
+    model = torch.nn.ModuleDict({"fixed": FixedRotaryEmbedding(), "other": OtherRotaryEmbedding()})
     other = model["other"].cos_sin_cache.clone()
     assert install(model) == ["fixed"]
     assert torch.equal(model["other"].cos_sin_cache, other)

@@ -564,12 +564,8 @@ def test_installed_module_rotates_as_float64(
 
 
 def test_model_subclasses(rope: types.ModuleType, client: posenc.Client) -> None:
-    """A model's own subclass that only fixes the constructor's arguments holds its base
-    class's cache and is served; one that computes its frequencies otherwise is left,
-    named with the reason."""
-    model = engine_wheel.model_of_subclasses(rope.RotaryEmbedding)
-    engine_wheel.assert_fixed_served_alone(
-        model, lambda model: ps.install_model(model, client), EPS32
+    engine_wheel.assert_fixed_subclass_served_alone(
+        rope.RotaryEmbedding, lambda model: ps.install_model(model, client), EPS32
     )
 
 
