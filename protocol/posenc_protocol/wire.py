@@ -33,23 +33,26 @@ _NO_DATA = memoryview(b"")
 
 
 @dataclass(frozen=True, slots=True)
-class TensorView:
-    """A parsed ``Tensor`` whose ``data`` is a zero-copy view of the received message."""
+class RowsView:
+    """What both responses say of the rows they carry: their ``posenc.v1.DType`` and shape."""
 
     dtype: int = 0
-    row_offset: int = 0
     rows: int = 0
     columns: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class TensorView(RowsView):
+    """A parsed ``Tensor`` whose ``data`` is a zero-copy view of the received message."""
+
+    row_offset: int = 0
     data: memoryview = _NO_DATA
 
 
 @dataclass(frozen=True, slots=True)
-class SharedView:
+class SharedView(RowsView):
     """A parsed ``SharedTensor``: where rows lie in the server's shared memory."""
 
-    dtype: int = 0
-    rows: int = 0
-    columns: int = 0
     offset: int = 0
     lease: int = 0
 
@@ -182,7 +185,8 @@ def _parse_tensor(buffer: memoryview, position: int, end: int) -> TensorView:
             position = _skip(buffer, wire_type, position, end)
         if position > end:
             raise DecodeError("field runs past the end of the Tensor")
-    return TensorView(scalars[1], scalars[2], scalars[3], scalars[4], data)
+    dtype, row_offset, rows, columns = scalars[1:]
+    return TensorView(dtype, rows, columns, row_offset, data)
 
 
 def _parse_shared(buffer: memoryview, position: int, end: int) -> SharedView:
