@@ -26,7 +26,15 @@ from posenc._channel import (
     channel_credentials,
 )
 from posenc._core import Attach, CopyShared, Core, Local, ReadAhead, ShareSession, Steps
-from posenc._query import Plan, grid_plan, load_dtypes, range_plan
+from posenc._query import (
+    Plan,
+    grid_plan,
+    grid_query,
+    load_dtypes,
+    positions_query,
+    range_plan,
+    range_query,
+)
 from posenc._retry import DEFAULT_MAX_RETRIES, DEFAULT_RETRY_BACKOFF, DEFAULT_TIMEOUT
 from posenc._rows import (
     DEFAULT_READAHEAD_BYTES,
@@ -332,10 +340,10 @@ class BaseClient(Generic[ArrayT, InfoT, StatusT, SlicesT]):
         checked when this is called, not at the first slice. ``AsyncClient``:
         ``async for``.
         """
-        steps = self._core.iter_range(
-            start, stop, table, dtype, classic, chunk_bytes, timeout, device
+        arguments = (start, stop, table, dtype, classic)
+        return self._iterate(
+            self._core.iterate(range_query, arguments, chunk_bytes, timeout, device)
         )
-        return self._iterate(steps)
 
     def iter_positions(
         self,
@@ -353,10 +361,10 @@ class BaseClient(Generic[ArrayT, InfoT, StatusT, SlicesT]):
         ``rows`` are the rows of ``positions.reshape(-1)[index : index + len(rows)]``
         (positions of any shape are read flat). Otherwise as :meth:`iter_range`.
         """
-        steps = self._core.iter_positions(
-            positions, table, dtype, classic, chunk_bytes, timeout, device
+        arguments = (positions, table, dtype, classic)
+        return self._iterate(
+            self._core.iterate(positions_query, arguments, chunk_bytes, timeout, device)
         )
-        return self._iterate(steps)
 
     def get_grid(
         self,
@@ -390,7 +398,8 @@ class BaseClient(Generic[ArrayT, InfoT, StatusT, SlicesT]):
         """Streams a grid kind's whole grid, row-major, as ``(first_row, rows)`` slices
         (row ``r`` is the cell ``np.unravel_index(r, spec.grid_shape)``), in memory of one
         chunk however large the grid: as :meth:`iter_range` over ``[0, cells)``."""
-        return self._iterate(self._core.iter_grid(table, dtype, chunk_bytes, timeout, device))
+        steps = self._core.iterate(grid_query, (table, dtype), chunk_bytes, timeout, device)
+        return self._iterate(steps)
 
     # -- service --------------------------------------------------------------------------
 

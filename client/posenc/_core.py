@@ -19,7 +19,7 @@ import random
 import time
 from collections.abc import Callable, Generator, Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any, Final, Generic, TypeAlias, TypeVar
+from typing import Any, Concatenate, Final, Generic, ParamSpec, TypeAlias, TypeVar
 
 import grpc
 import numpy as np
@@ -31,12 +31,11 @@ from posenc._cursor import StreamCursor, decode_unary
 from posenc._output import Output, as_tensor, cos_sin_halves
 from posenc._query import (
     WIDTHS_KEPT,
+    Context,
     Plan,
     Query,
     Widths,
     affinity,
-    grid_plan,
-    grid_query,
     join_positions,
     parts,
     positions_plan,
@@ -76,6 +75,7 @@ from posenc_protocol.wire import SharedView, TensorView
 log = logging.getLogger("posenc")
 
 T = TypeVar("T")
+P = ParamSpec("P")
 Rows: TypeAlias = npt.NDArray[Any]
 #: What a table method returns: a numpy array, a ``torch.Tensor``, or a ``(cos, sin)`` pair of
 #: either (see :mod:`posenc._output`).
@@ -426,6 +426,18 @@ class _Form:
         self.rotary = rotary
 
 
+def _planned_by(
+    make_plan: Callable[Concatenate[Context, P], Plan],
+) -> Callable[Concatenate[Core, P], Steps[Result]]:
+    """A method of :class:`Core` taking ``make_plan``'s arguments: the steps of its plan."""
+
+    def steps(core: Core, /, *arguments: P.args, **options: P.kwargs) -> Steps[Result]:
+        return core.planned(make_plan(core, *arguments, **options))
+
+    steps.__doc__ = f"The steps of the plan of :func:`posenc._query.{make_plan.__name__}`."
+    return steps
+
+
 class Core:
     """The steps of every SDK call, on a client's settings, row cache and known widths.
 
@@ -569,20 +581,10 @@ class Core:
 
     # -- what the public methods run
 
-    def get_range(
-        self,
-        start: object,
-        stop: object,
-        table: object,
-        dtype: DTypeArg | None,
-        classic: Classic,
-        timeout: Timeout,
-        **output: Any,
-    ) -> Steps[Result]:
-        """Rows ``[start, stop)``, handed back as ``output`` (``out``, ``device``,
-        ``cos_sin``; see :class:`posenc._output.Output`) says: the steps of its plan, which
-        make its call themselves (the clients make a plan's call first: see finish())."""
-        return self.planned(range_plan(self, start, stop, table, dtype, classic, timeout, **output))
+    #: Rows ``[start, stop)``, handed back as ``output`` (``out``, ``device``, ``cos_sin``; see
+    #: :class:`posenc._output.Output`) says: the steps of its plan, which make its call
+    #: themselves (the clients make a plan's call first: see finish()).
+    get_range = _planned_by(range_plan)
 
     def get_positions(
         self,
@@ -604,12 +606,6 @@ class Core:
             self._remember(table, dtype, plan.query, plan.output)
         return self.planned(plan)
 
-    def get_grid(
-        self, table: object, dtype: DTypeArg | None, timeout: Timeout, **output: Any
-    ) -> Steps[Result]:
-        """A grid kind's whole grid, ``[*grid_shape, width]`` (as :meth:`get_range`)."""
-        return self.planned(grid_plan(self, table, dtype, timeout, **output))
-
     def iter_range(
         self,
         start: object,
@@ -621,39 +617,24 @@ class Core:
         timeout: Timeout,
         device: Any,
     ) -> Steps[None]:
-        """Rows ``[start, stop)`` slice by slice; arguments are checked now."""
+        """Rows ``[start, stop)`` slice by slice, of ``iter_range``'s arguments in one list,
+        for a caller that drives the steps itself (the clients' methods all go through
+        :meth:`iterate`); arguments are checked now."""
         arguments = (start, stop, table, dtype, classic)
-        return self.streamed(
-            stream_plan(self, range_query, arguments, chunk_bytes, timeout, device)
-        )
+        return self.iterate(range_query, arguments, chunk_bytes, timeout, device)
 
-    def iter_positions(
+    def iterate(
         self,
-        positions: npt.ArrayLike,
-        table: object,
-        dtype: DTypeArg | None,
-        classic: Classic,
+        made_by: Callable[..., tuple[Query, Output]],
+        arguments: tuple[object, ...],
         chunk_bytes: object,
         timeout: Timeout,
         device: Any,
     ) -> Steps[None]:
-        """The rows of positions (read flat) slice by slice; arguments are checked now."""
-        arguments = (positions, table, dtype, classic)
-        plan = stream_plan(self, positions_query, arguments, chunk_bytes, timeout, device)
-        return self.streamed(plan)
-
-    def iter_grid(
-        self,
-        table: object,
-        dtype: DTypeArg | None,
-        chunk_bytes: object,
-        timeout: Timeout,
-        device: Any,
-    ) -> Steps[None]:
-        """A grid kind's grid, row-major, slice by slice; arguments are checked now."""
-        arguments = (table, dtype)
-        plan = stream_plan(self, grid_query, arguments, chunk_bytes, timeout, device)
-        return self.streamed(plan)
+        """An iterator's slices, of the query ``made_by`` (:func:`posenc._query.range_query`,
+        ...) makes of ``arguments`` (see :func:`posenc._query.stream_plan`); arguments are
+        checked now."""
+        return self.streamed(stream_plan(self, made_by, arguments, chunk_bytes, timeout, device))
 
     def streamed(self, plan: Plan) -> Steps[None]:
         """The steps of an iterator's plan (:func:`posenc._query.stream_plan`): its slices."""

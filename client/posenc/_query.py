@@ -570,6 +570,7 @@ class Plan:
 
 def range_plan(
     context: Context,
+    /,
     start: object,
     stop: object,
     table: object,
