@@ -9,9 +9,15 @@ each is given with its spread over the repetitions.
 from __future__ import annotations
 
 import os
+import sys
 import time
 import types
+from pathlib import Path
 from typing import Any
+
+# Llama 3.1 8B's rope settings, as the test suites build the same model.
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+from model_configs import LLAMA3_1_ROPE  # type: ignore[import-not-found]  # tests/: no package
 
 import posenc
 from bench.common import Section, Sizes, Table, Target, median, percentile, ratio, runs_target
@@ -26,14 +32,6 @@ MODEL_SECONDS = 0.005
 
 
 def _llama3_config(transformers: Any, **overrides: Any) -> Any:
-    rope = {
-        "rope_type": "llama3",
-        "rope_theta": 500000.0,
-        "factor": 8.0,
-        "original_max_position_embeddings": 8192,
-        "low_freq_factor": 1.0,
-        "high_freq_factor": 4.0,
-    }
     values = {
         "vocab_size": 256,
         "hidden_size": 256,
@@ -42,7 +40,7 @@ def _llama3_config(transformers: Any, **overrides: Any) -> Any:
         "num_attention_heads": 2,  # head_dim 128
         "num_key_value_heads": 2,
         "max_position_embeddings": 131072,
-        "rope_parameters": rope,
+        "rope_parameters": dict(LLAMA3_1_ROPE),
         **overrides,
     }
     return transformers.LlamaConfig(**values)
