@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any, Final, Literal, TypeAlias, TypedDict
 import numpy.typing as npt
 
 from posenc.spec import Spec, enum_name
+from posenc_protocol.stats import CacheStats
 from posenc_protocol.v1 import posenc_pb2 as pb
 
 if TYPE_CHECKING:
@@ -75,18 +76,6 @@ class Limits:
     max_stream_bytes: int
     max_chunk_bytes: int
     max_receive_message_bytes: int
-
-
-@dataclass(frozen=True)
-class CacheStats:
-    """Server cache statistics since it started."""
-
-    hits: int
-    misses: int
-    evictions: int
-    bytes: int
-    entries: int
-    budget_bytes: int
 
 
 @dataclass(frozen=True)

@@ -6,6 +6,7 @@ hold (table kinds, parameters, enum values, field types); :mod:`posenc_protocol.
 holds a server's default limits; :mod:`posenc_protocol.wire` encodes and decodes a
 response's payload; :mod:`posenc_protocol.regions` writes and reads the messages of a
 server's region socket (shared memory for clients on its machine);
-:mod:`posenc_protocol.numbers` reads integers as people type them. It imports neither the SDK
-nor the server: both import it.
+:mod:`posenc_protocol.numbers` reads integers as people type them;
+:mod:`posenc_protocol.stats` holds the cache counters a server reports. It imports neither
+the SDK nor the server: both import it.
 """

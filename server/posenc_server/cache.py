@@ -5,8 +5,9 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Hashable
-from dataclasses import dataclass
 from typing import Generic, Protocol, TypeVar
+
+from posenc_protocol.stats import CacheStats
 
 
 class Sized(Protocol):
@@ -20,18 +21,6 @@ class Sized(Protocol):
 
 Key = TypeVar("Key", bound=Hashable)
 Block = TypeVar("Block", bound=Sized)
-
-
-@dataclass(frozen=True)
-class CacheStats:
-    """A consistent snapshot of the cache counters."""
-
-    hits: int
-    misses: int
-    evictions: int
-    bytes: int
-    entries: int
-    budget_bytes: int
 
 
 class _Pending(Generic[Block]):

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any, Protocol, TypeVar
 
 import numpy as np
@@ -353,14 +353,7 @@ def server_info_response(info: ServerInfo) -> pb.GetServerInfoResponse:
         server_id=info.server_id,
         limits=pb.Limits(**info.limits),
         dtypes=[number for name, number in _DTYPE_CODES.items() if name in engine.DTYPES],
-        cache=pb.CacheStats(
-            hits=info.cache.hits,
-            misses=info.cache.misses,
-            evictions=info.cache.evictions,
-            bytes=info.cache.bytes,
-            entries=info.cache.entries,
-            budget_bytes=info.cache.budget_bytes,
-        ),
+        cache=pb.CacheStats(**asdict(info.cache)),
         rows_computed=info.rows_computed,
         table_kinds=table_kinds(),
     )

@@ -23,7 +23,7 @@ import prometheus_client
 import prometheus_client.values
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, multiprocess
 
-from posenc_server.cache import CacheStats
+from posenc_protocol.stats import CacheStats
 
 MULTIPROCESS_DIR_ENV = "PROMETHEUS_MULTIPROC_DIR"
 # Set by the supervisor in a worker's environment: the worker's index (supervisor.py; not

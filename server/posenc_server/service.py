@@ -32,9 +32,10 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
+from posenc_protocol.stats import CacheStats
 from posenc_protocol.wire import build_tensor_response, encode_tensor_response
 from posenc_server import admission, engine
-from posenc_server.cache import BlockCache, CacheStats
+from posenc_server.cache import BlockCache
 from posenc_server.config import ServerConfig
 from posenc_server.errors import (
     FieldViolation,
