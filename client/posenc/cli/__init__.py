@@ -23,7 +23,8 @@ from posenc.errors import PosencError
 
 __all__ = ["main"]
 
-# The commands in the order of `posenc --help`; each module adds its parser and runs it.
+# The commands in the order of `posenc --help`; each module declares its help (COMMAND), adds
+# its arguments (add_arguments) and runs it (run).
 _COMMANDS: dict[str, ModuleType] = {
     "serve": serve,
     "fetch": fetch,
@@ -43,8 +44,8 @@ def _build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"posenc {__version__}")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    for command in _COMMANDS.values():
-        command.add_parser(commands)
+    for name, command in _COMMANDS.items():
+        command.add_arguments(command.COMMAND.add_to(commands, name))
     return parser
 
 

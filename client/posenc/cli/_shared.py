@@ -8,6 +8,7 @@ import json
 import os
 import sys
 from collections.abc import Sequence
+from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
 from typing import Any, NoReturn
@@ -139,6 +140,35 @@ class _Parser(argparse.ArgumentParser):
             file=sys.stderr,
         )
         raise SystemExit(EXIT_USAGE)
+
+
+@dataclass(frozen=True)
+class _Command:
+    """What ``posenc --help`` and ``posenc COMMAND --help`` say of a command: ``summary`` in
+    the list of commands, ``description`` above its arguments, ``epilog`` below them (kept
+    as written: examples, one a line); ``add_help`` False for a command that hands its flags
+    on, ``--help`` included."""
+
+    summary: str
+    description: str | None = None
+    epilog: str | None = None
+    add_help: bool = True
+
+    def add_to(
+        self, commands: argparse._SubParsersAction[argparse.ArgumentParser], name: str
+    ) -> argparse.ArgumentParser:
+        """The command's parser, added to ``commands`` as ``name``."""
+        # An epilog's examples keep their lines; the rest is wrapped to the terminal.
+        kept = self.epilog is not None
+        formatter = argparse.RawDescriptionHelpFormatter if kept else argparse.HelpFormatter
+        return commands.add_parser(
+            name,
+            help=self.summary,
+            description=self.description,
+            epilog=self.epilog,
+            formatter_class=formatter,
+            add_help=self.add_help,
+        )
 
 
 def _usage_error(message: str, command: str = "fetch") -> SystemExit:

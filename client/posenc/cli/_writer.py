@@ -14,6 +14,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -210,30 +211,42 @@ def _stop_on_termination() -> Iterator[None]:
             signal.signal(sig, handler)
 
 
+@dataclass(frozen=True)
+class _Rows:
+    """The rows a fetch writes: ``slices`` of ``(label, rows)``, the row of a slice's first
+    row being ``label - origin`` in an array of ``shape`` (rows, columns) in ``dtype``."""
+
+    slices: Iterator[tuple[int, npt.NDArray[Any]]]
+    shape: tuple[int, int]
+    dtype: np.dtype[Any]
+    origin: int
+
+    @property
+    def row_bytes(self) -> int:
+        """Bytes of one row in the file."""
+        return self.shape[1] * self.dtype.itemsize
+
+
 def _write(
     output: Path,
-    slices: Iterator[tuple[int, npt.NDArray[Any]]],
-    shape: tuple[int, int],
-    dtype: np.dtype[Any],
+    rows: _Rows,
     spec: Spec,
-    origin: int,
     no_progress: bool,
     file_shape: tuple[int, ...] | None = None,
 ) -> None:
     """Write the table into a file beside ``output`` that becomes it when complete
     (``file_shape``: the array's shape in the file, a grid's ``[*grid_shape, width]``; rows
-    are written as ``shape`` either way). On any failure, a full disk included, nothing is
-    left behind and the error is an OSError naming ``output``."""
+    are written as ``rows.shape`` either way). On any failure, a full disk included, nothing
+    is left behind and the error is an OSError naming ``output``."""
     started = time.monotonic()
-    row_bytes = shape[1] * dtype.itemsize
     partial: _Partial | None = None
     try:
         with _stop_on_termination():
             partial = _Partial(output)
-            header = _FORMATS[output.suffix](file_shape or shape, dtype, spec)
-            partial.reserve(len(header) + shape[0] * row_bytes)
+            header = _FORMATS[output.suffix](file_shape or rows.shape, rows.dtype, spec)
+            partial.reserve(len(header) + rows.shape[0] * rows.row_bytes)
             partial.write(0, memoryview(header))
-            _write_rows(partial, len(header), slices, shape, dtype, origin, no_progress)
+            _write_rows(partial, len(header), rows, no_progress)
     except OSError as error:
         if isinstance(error, PosencError):
             raise  # the server's failure (UNAVAILABLE is a ConnectionError), not the file's
@@ -242,34 +255,26 @@ def _write(
     finally:
         if partial is not None:
             partial.discard()
-    _report(output, shape, dtype, time.monotonic() - started)
+    _report(output, rows.shape, rows.dtype, time.monotonic() - started)
 
 
-def _write_rows(
-    partial: _Partial,
-    offset: int,
-    slices: Iterator[tuple[int, npt.NDArray[Any]]],
-    shape: tuple[int, int],
-    dtype: np.dtype[Any],
-    origin: int,
-    no_progress: bool,
-) -> None:
+def _write_rows(partial: _Partial, offset: int, rows: _Rows, no_progress: bool) -> None:
     """Writes each slice at its row's place after ``offset`` header bytes, then commits the
     file, with a progress bar on a terminal."""
-    row_bytes = shape[1] * dtype.itemsize
+    row_bytes = rows.row_bytes
     with tqdm(
-        total=shape[0],
+        total=rows.shape[0],
         unit="row",
         unit_scale=True,
         dynamic_ncols=True,
         file=sys.stderr,
         disable=no_progress or not sys.stderr.isatty(),
     ) as bar:
-        for label, rows in slices:
-            first = label - origin
-            data = np.ascontiguousarray(rows, dtype=dtype).view(np.uint8).reshape(-1)
+        for label, block in rows.slices:
+            first = label - rows.origin
+            data = np.ascontiguousarray(block, dtype=rows.dtype).view(np.uint8).reshape(-1)
             partial.write(offset + first * row_bytes, data.data)
-            bar.update(len(rows))
+            bar.update(len(block))
             bar.set_postfix_str(_human_bytes(bar.n * row_bytes), refresh=False)
         # Writing the file's pages out can take seconds after the last row: the bar
         # says so, and its clock runs until it is done.

@@ -8,7 +8,7 @@ import math
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Final
 
 import numpy as np
 import numpy.typing as npt
@@ -21,13 +21,14 @@ from posenc.cli._shared import (
     EXIT_OK,
     _add_client_arguments,
     _client,
+    _Command,
     _first_answer,
     _positive_float,
     _targets,
     _usage_error,
 )
 from posenc.cli._tables import _add_table_arguments, _table
-from posenc.cli._writer import _FORMATS, _check_output, _human_bytes, _write
+from posenc.cli._writer import _FORMATS, _check_output, _human_bytes, _Rows, _write
 from posenc.spec import Spec, position_axes
 from posenc_protocol.numbers import exact_integer, integer
 
@@ -48,6 +49,13 @@ metadata ("posenc.spec").
 Targets: --target may be repeated (calls are balanced round robin); the default is
 ${_TARGET_ENV} (comma-separated host:port list) or {DEFAULT_TARGET}.
 """
+
+
+COMMAND: Final = _Command(
+    "stream a table into a .npy or .safetensors file",
+    "Stream the rows of positions [START, STOP) of a table into a .npy or .safetensors file.",
+    _FETCH_EPILOG,
+)
 
 
 def _size(text: str) -> int:
@@ -160,22 +168,13 @@ def run(args: argparse.Namespace) -> int:
         _check_disk(args.output, rows * width * dtype.itemsize)
         grid_shape = table.grid_shape if args.start is None and not args.positions_file else None
         file_shape = None if grid_shape is None else (*grid_shape, width)
-        _write(
-            args.output, slices, (rows, width), dtype, table, origin, args.no_progress, file_shape
-        )
+        written = _Rows(slices, (rows, width), dtype, origin)
+        _write(args.output, written, table, args.no_progress, file_shape)
     return EXIT_OK
 
 
-def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    """The ``fetch`` command and its arguments."""
-    fetch = commands.add_parser(
-        "fetch",
-        help="stream a table into a .npy or .safetensors file",
-        description="Stream the rows of positions [START, STOP) of a table into a .npy or "
-        ".safetensors file.",
-        epilog=_FETCH_EPILOG,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+def add_arguments(fetch: argparse.ArgumentParser) -> None:
+    """The ``fetch`` command's arguments."""
     _add_rows_arguments(fetch)
     _add_table_arguments(fetch)
     _add_output_arguments(fetch)

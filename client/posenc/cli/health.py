@@ -9,7 +9,7 @@ import http.client
 import os
 import sys
 import urllib.request
-from typing import Any
+from typing import Any, Final
 
 from posenc.cli._shared import (
     EXIT_FAILURE,
@@ -17,6 +17,7 @@ from posenc.cli._shared import (
     EXIT_USAGE,
     _add_client_arguments,
     _client,
+    _Command,
     _targets,
 )
 from posenc.errors import PosencError
@@ -45,6 +46,16 @@ _HEALTH_PATH = "/healthz"
 
 # /healthz's body is one word; more is not read.
 _HEALTH_BODY_BYTES = 64
+
+
+COMMAND: Final = _Command(
+    "check health: exit 0 when SERVING, 1 otherwise",
+    "Print the grpc.health.v1 status; exit 0 when SERVING, 1 otherwise (NOT_SERVING, "
+    "unreachable, timeout). With several --target, checks each one. Without TLS flags, when "
+    f"${_SERVER_CERT_ENV} is set (the probe runs next to a TLS server, with its environment), "
+    "it connects with TLS trusting that certificate, under the name it carries, and presents "
+    f"it as its own when ${_SERVER_CLIENT_CA_ENV} is set (mutual TLS).",
+)
 
 
 def _certificate_name(path: str) -> str | None:
@@ -159,18 +170,8 @@ def _http_health(url: str, timeout: float) -> int:
     return EXIT_FAILURE
 
 
-def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    """The ``health`` command and its arguments."""
-    health = commands.add_parser(
-        "health",
-        help="check health: exit 0 when SERVING, 1 otherwise",
-        description="Print the grpc.health.v1 status; exit 0 when SERVING, 1 otherwise "
-        "(NOT_SERVING, unreachable, timeout). With several --target, checks each one. "
-        f"Without TLS flags, when ${_SERVER_CERT_ENV} is set (the probe runs next to a TLS "
-        "server, with its environment), it connects with TLS trusting that certificate, "
-        f"under the name it carries, and presents it as its own when ${_SERVER_CLIENT_CA_ENV} "
-        "is set (mutual TLS).",
-    )
+def add_arguments(health: argparse.ArgumentParser) -> None:
+    """The ``health`` command's arguments."""
     health.add_argument("--service", default="", help='service name (default "": the server)')
     health.add_argument(
         "--http",

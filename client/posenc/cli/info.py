@@ -6,14 +6,25 @@ import argparse
 import contextlib
 import json
 from collections.abc import Sequence
+from typing import Final
 
-from posenc.cli._shared import EXIT_OK, _add_client_arguments, _client, _first_answer, _targets
+from posenc.cli._shared import (
+    EXIT_OK,
+    _add_client_arguments,
+    _client,
+    _Command,
+    _first_answer,
+    _targets,
+)
 from posenc.errors import PosencError
 from posenc.spec import (
     choice_oneofs,
     kind_message,
 )
 from posenc.types import TableKind
+
+COMMAND: Final = _Command("describe the server: version, limits, cache")
+
 
 # -- info, health -----------------------------------------------------------------------
 
@@ -60,8 +71,7 @@ def _print_parameters(kinds: Sequence[TableKind]) -> None:
             print(f"    {name:<33} {default:<14} {parameter.description}")
 
 
-def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    """The ``info`` command and its arguments."""
-    info = commands.add_parser("info", help="describe the server: version, limits, cache")
+def add_arguments(info: argparse.ArgumentParser) -> None:
+    """The ``info`` command's arguments."""
     info.add_argument("--json", action="store_true", help="print JSON")
     _add_client_arguments(info, timeout=10.0)

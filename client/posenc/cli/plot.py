@@ -5,12 +5,14 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
+from typing import Final
 
 from posenc.cli._shared import (
     EXIT_OK,
     EXIT_USAGE,
     _add_client_arguments,
     _client,
+    _Command,
     _first_answer,
     _install_command,
     _positive_float,
@@ -50,6 +52,13 @@ The sinusoidal figures take the classic table's --d-model (default 128) and --ba
 """
 
 
+COMMAND: Final = _Command(
+    "draw a figure of the tables into a .png or .svg (needs the [plot] extra)",
+    "Draw figure KIND of a table, from a server's rows, into a .png or .svg.",
+    _PLOT_EPILOG,
+)
+
+
 def run(args: argparse.Namespace) -> int:
     spec = _table(args) if _table_given(args) else default_spec(args.kind)
     _check_output(args.output, _PLOT_FORMATS, "plot")
@@ -71,15 +80,8 @@ def run(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    """The ``plot`` command and its arguments."""
-    plot = commands.add_parser(
-        "plot",
-        help="draw a figure of the tables into a .png or .svg (needs the [plot] extra)",
-        description="Draw figure KIND of a table, from a server's rows, into a .png or .svg.",
-        epilog=_PLOT_EPILOG,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+def add_arguments(plot: argparse.ArgumentParser) -> None:
+    """The ``plot`` command's arguments."""
     plot.add_argument("kind", choices=tuple(FIGURES), metavar="KIND", help=", ".join(FIGURES))
     _add_table_arguments(plot)
     plot.add_argument(

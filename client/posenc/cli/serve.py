@@ -7,8 +7,15 @@ import importlib.util
 import os
 import sys
 from pathlib import Path
+from typing import Final
 
-from posenc.cli._shared import EXIT_USAGE, _checkout
+from posenc.cli._shared import EXIT_USAGE, _checkout, _Command
+
+# Its flags are the server's, handed over untouched: no --help of its own.
+COMMAND: Final = _Command(
+    "run a server (needs posenc-server installed; `posenc serve --help` for its flags)",
+    add_help=False,
+)
 
 
 def run(argv: list[str]) -> int:
@@ -36,10 +43,5 @@ def _install_command() -> str:
     return f"pip install {editable}'{Path(path, 'server')}'"
 
 
-def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    """The ``serve`` command: its flags are the server's, handed over untouched."""
-    commands.add_parser(
-        "serve",
-        help="run a server (needs posenc-server installed; `posenc serve --help` for its flags)",
-        add_help=False,
-    )
+def add_arguments(serve: argparse.ArgumentParser) -> None:
+    """None: the server parses the ``serve`` command's flags (:func:`run` hands them over)."""
