@@ -20,7 +20,7 @@ integer), posenc's by one float32 rounding (3e-8).
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import grid_specs
@@ -28,7 +28,6 @@ import numpy as np
 import pytest
 
 import posenc
-from posenc_server.app import RunningServer
 
 torch = pytest.importorskip("torch", reason="the conformance extra (make test installs it)")
 diffusers = pytest.importorskip("diffusers")
@@ -40,12 +39,6 @@ pytestmark = pytest.mark.slow
 # Largest difference between patched and native outputs at the training size: both grids are
 # within a few float32 ulps of exact there, and the model's float32 arithmetic adds its own.
 SAME_SIZE_TOLERANCE = 2e-5
-
-
-@pytest.fixture
-def client(server: RunningServer) -> Iterator[posenc.Client]:
-    with posenc.Client(server.target) as c:
-        yield c
 
 
 # -- the float64 reference: diffusers' grid functions with float64 positions -------------------
@@ -202,18 +195,42 @@ def _assert_no_worse(errors: dict[str, tuple[float, float, float]]) -> None:
 
 # -- the models --------------------------------------------------------------------------------
 
+# Every model is the smallest its settings allow: one layer of two heads over four latent
+# channels.
+_TINY = {"num_layers": 1, "num_attention_heads": 2, "in_channels": 4, "out_channels": 4}
+
+
+def _tiny(name: str, **settings: Any) -> Any:
+    """diffusers' transformer ``name`` with the :data:`_TINY` sizes (``settings`` take
+    precedence), its weights drawn from seed 0."""
+    torch.manual_seed(0)
+    return getattr(diffusers, name)(**{**_TINY, **settings})
+
+
+def _inputs(latents: tuple[int, ...], **conditions: Any) -> Callable[[Any], dict[str, Any]]:
+    """A model's inputs in a given dtype: random latents of shape ``latents``, then each
+    condition, a shape (random, drawn in this order, in that dtype) or a value."""
+
+    def make(dtype: Any) -> dict[str, Any]:
+        return {
+            "hidden_states": torch.randn(*latents, dtype=dtype),
+            **{
+                name: torch.randn(*value, dtype=dtype) if isinstance(value, tuple) else value
+                for name, value in conditions.items()
+            },
+        }
+
+    return make
+
+
+_STEP = torch.tensor([500])
+
 
 def _dit() -> Any:
-    from diffusers import DiTTransformer2DModel
-
-    torch.manual_seed(0)
     # DiT-XL/2's grid settings (patch 2, no interpolation scale), sample 16 latents.
-    return DiTTransformer2DModel(
-        num_attention_heads=2,
+    return _tiny(
+        "DiTTransformer2DModel",
         attention_head_dim=32,
-        in_channels=4,
-        out_channels=4,
-        num_layers=1,
         norm_num_groups=32,
         sample_size=16,
         patch_size=2,
@@ -221,41 +238,15 @@ def _dit() -> Any:
 
 
 def _dit_inputs(latent: int) -> Callable[[Any], dict[str, Any]]:
-    def make(dtype: Any) -> dict[str, Any]:
-        return {
-            "hidden_states": torch.randn(1, 4, latent, latent, dtype=dtype),
-            "timestep": torch.tensor([500]),
-            "class_labels": torch.tensor([3]),
-        }
-
-    return make
-
-
-def test_dit_is_exact_at_every_resolution(client: posenc.Client, monkeypatch: Any) -> None:
-    errors = _compare(
-        _dit(),
-        client,
-        monkeypatch,
-        {"training": _dit_inputs(16), "2x": _dit_inputs(32), "4x": _dit_inputs(64)},
-    )
-    # DiT's positions i / 1, i / 2, i / 4 are exact in float32: both grids are exact, and
-    # the outputs agree at every size.
-    for name, (_, _, difference) in errors.items():
-        assert difference <= SAME_SIZE_TOLERANCE, (name, _report(errors))
-    _assert_no_worse(errors)
+    return _inputs((1, 4, latent, latent), timestep=_STEP, class_labels=torch.tensor([3]))
 
 
 def _pixart() -> Any:
-    from diffusers import PixArtTransformer2DModel
-
-    torch.manual_seed(0)
     # PixArt-alpha 1024's grid settings (patch 2, interpolation_scale 2), sample 16 latents.
-    return PixArtTransformer2DModel(
-        num_attention_heads=2,
-        attention_head_dim=32,
-        in_channels=4,
+    return _tiny(
+        "PixArtTransformer2DModel",
         out_channels=8,
-        num_layers=1,
+        attention_head_dim=32,
         cross_attention_dim=64,
         caption_channels=16,
         sample_size=16,
@@ -265,48 +256,22 @@ def _pixart() -> Any:
 
 
 def _pixart_inputs(height: int, width: int) -> Callable[[Any], dict[str, Any]]:
-    def make(dtype: Any) -> dict[str, Any]:
-        return {
-            "hidden_states": torch.randn(1, 4, height, width, dtype=dtype),
-            "encoder_hidden_states": torch.randn(1, 6, 16, dtype=dtype),
-            "timestep": torch.tensor([500]),
-            "added_cond_kwargs": {"resolution": None, "aspect_ratio": None},
-        }
-
-    return make
-
-
-def test_pixart_buckets_take_exact_grids(client: posenc.Client, monkeypatch: Any) -> None:
-    # Aspect-ratio buckets: a grid of n cells has positions i * 8 / n / 2, a third or a
-    # fifth of an integer for n = 12, 20, 24, 40.
-    errors = _compare(
-        _pixart(),
-        client,
-        monkeypatch,
-        {
-            "training": _pixart_inputs(16, 16),
-            "bucket 24x40": _pixart_inputs(24, 40),
-            "2x bucket 48x80": _pixart_inputs(48, 80),
-            "4x": _pixart_inputs(64, 64),
-        },
+    return _inputs(
+        (1, 4, height, width),
+        encoder_hidden_states=(1, 6, 16),
+        timestep=_STEP,
+        added_cond_kwargs={"resolution": None, "aspect_ratio": None},
     )
-    _assert_no_worse(errors)
 
 
 def _sd3() -> Any:
-    from diffusers import SD3Transformer2DModel
-
-    torch.manual_seed(0)
     # SD3's grid settings: patch 2, pos_embed_max_size three times the training grid (its
     # positions i / 3), sample 16 latents.
-    return SD3Transformer2DModel(
+    return _tiny(
+        "SD3Transformer2DModel",
         sample_size=16,
         patch_size=2,
-        in_channels=4,
-        out_channels=4,
-        num_layers=1,
         attention_head_dim=32,
-        num_attention_heads=2,
         joint_attention_dim=32,
         caption_projection_dim=64,
         pooled_projection_dim=16,
@@ -315,82 +280,90 @@ def _sd3() -> Any:
 
 
 def _sd3_inputs(height: int, width: int) -> Callable[[Any], dict[str, Any]]:
-    def make(dtype: Any) -> dict[str, Any]:
-        return {
-            "hidden_states": torch.randn(1, 4, height, width, dtype=dtype),
-            "encoder_hidden_states": torch.randn(1, 6, 32, dtype=dtype),
-            "pooled_projections": torch.randn(1, 16, dtype=dtype),
-            "timestep": torch.tensor([500]),
-        }
-
-    return make
-
-
-def test_sd3_crops_an_exact_grid(client: posenc.Client, monkeypatch: Any) -> None:
-    # SD3 cannot run past pos_embed_max_size: 3x its training grid is its largest.
-    errors = _compare(
-        _sd3(),
-        client,
-        monkeypatch,
-        {
-            "training": _sd3_inputs(16, 16),
-            "2x": _sd3_inputs(32, 32),
-            "3x": _sd3_inputs(48, 48),
-            "crop 48x20": _sd3_inputs(48, 20),
-        },
+    return _inputs(
+        (1, 4, height, width),
+        encoder_hidden_states=(1, 6, 32),
+        pooled_projections=(1, 16),
+        timestep=_STEP,
     )
-    _assert_no_worse(errors)
+
+
+# CogVideoX's settings besides its positions: patch 2, temporal compression 4, 8 text tokens.
+_COGVIDEOX = {
+    "time_embed_dim": 32,
+    "text_embed_dim": 16,
+    "patch_size": 2,
+    "temporal_compression_ratio": 4,
+    "max_text_seq_length": 8,
+}
 
 
 def _cogvideox() -> Any:
-    from diffusers import CogVideoXTransformer3DModel
-
-    torch.manual_seed(0)
-    # CogVideoX-2b's grid settings: patch 2, temporal compression 4, spatial scale 1.875,
-    # sin-cos positions; 8 x 8 latents of 5 frames, 8 text tokens.
-    return CogVideoXTransformer3DModel(
-        num_attention_heads=2,
+    # CogVideoX-2b's grid settings: spatial scale 1.875, sin-cos positions; 8 x 8 latents of
+    # 5 frames.
+    return _tiny(
+        "CogVideoXTransformer3DModel",
+        **_COGVIDEOX,
         attention_head_dim=32,
-        in_channels=4,
-        out_channels=4,
-        time_embed_dim=32,
-        text_embed_dim=16,
-        num_layers=1,
         sample_width=8,
         sample_height=8,
         sample_frames=5,
-        patch_size=2,
-        temporal_compression_ratio=4,
-        max_text_seq_length=8,
         spatial_interpolation_scale=1.875,
         temporal_interpolation_scale=1.0,
     )
 
 
 def _cogvideox_inputs(frames: int, size: int) -> Callable[[Any], dict[str, Any]]:
-    def make(dtype: Any) -> dict[str, Any]:
-        return {
-            "hidden_states": torch.randn(1, frames, 4, size, size, dtype=dtype),
-            "encoder_hidden_states": torch.randn(1, 8, 16, dtype=dtype),
-            "timestep": torch.tensor([500]),
-        }
-
-    return make
+    return _inputs((1, frames, 4, size, size), encoder_hidden_states=(1, 8, 16), timestep=_STEP)
 
 
-def test_cogvideox_takes_an_exact_3d_grid(client: posenc.Client, monkeypatch: Any) -> None:
-    # Latent frames (5 - 1) // 4 + 1 = 2 at training; twice the frames and 2x, 4x the size.
-    errors = _compare(
-        _cogvideox(),
-        client,
-        monkeypatch,
+# name: the model, its inputs, the arguments of its inputs at each size, and whether the
+# model's own grid is exact at every size (else at the training size only).
+_GRID_MODELS: dict[str, tuple[Callable[[], Any], Callable[..., Any], dict[str, Any], bool]] = {
+    # DiT's positions i / 1, i / 2, i / 4 are exact in float32: both grids are exact, and the
+    # outputs agree at every size.
+    "dit": (_dit, _dit_inputs, {"training": (16,), "2x": (32,), "4x": (64,)}, True),
+    # Aspect-ratio buckets: a grid of n cells has positions i * 8 / n / 2, a third or a fifth
+    # of an integer for n = 12, 20, 24, 40.
+    "pixart": (
+        _pixart,
+        _pixart_inputs,
         {
-            "training": _cogvideox_inputs(2, 8),
-            "2x frames": _cogvideox_inputs(4, 8),
-            "2x": _cogvideox_inputs(2, 16),
-            "4x": _cogvideox_inputs(2, 32),
+            "training": (16, 16),
+            "bucket 24x40": (24, 40),
+            "2x bucket 48x80": (48, 80),
+            "4x": (64, 64),
         },
+        False,
+    ),
+    # SD3 cannot run past pos_embed_max_size: 3x its training grid is its largest.
+    "sd3": (
+        _sd3,
+        _sd3_inputs,
+        {"training": (16, 16), "2x": (32, 32), "3x": (48, 48), "crop 48x20": (48, 20)},
+        False,
+    ),
+    # Latent frames (5 - 1) // 4 + 1 = 2 at training; twice the frames and 2x, 4x the size.
+    "cogvideox": (
+        _cogvideox,
+        _cogvideox_inputs,
+        {"training": (2, 8), "2x frames": (4, 8), "2x": (2, 16), "4x": (2, 32)},
+        False,
+    ),
+}
+
+
+@pytest.mark.parametrize("model", list(_GRID_MODELS))
+def test_patched_grids_are_exact_at_every_size(
+    client: posenc.Client, monkeypatch: Any, model: str
+) -> None:
+    build, inputs, sizes, exact_everywhere = _GRID_MODELS[model]
+    errors = _compare(
+        build(), client, monkeypatch, {size: inputs(*args) for size, args in sizes.items()}
     )
+    if exact_everywhere:
+        for name, (_, _, difference) in errors.items():
+            assert difference <= SAME_SIZE_TOLERANCE, (name, _report(errors))
     _assert_no_worse(errors)
 
 
@@ -513,18 +486,12 @@ def test_a_model_without_a_grid_is_refused(client: posenc.Client) -> None:
 
 
 def _flux() -> Any:
-    from diffusers import FluxTransformer2DModel
-
-    torch.manual_seed(0)
     # Flux's rotary settings (head 128, axes (16, 56, 56), theta 10000), one layer of each.
-    return FluxTransformer2DModel(
+    return _tiny(
+        "FluxTransformer2DModel",
         patch_size=1,
-        in_channels=4,
-        out_channels=4,
-        num_layers=1,
         num_single_layers=1,
         attention_head_dim=128,
-        num_attention_heads=2,
         joint_attention_dim=32,
         pooled_projection_dim=16,
         axes_dims_rope=(16, 56, 56),
@@ -566,17 +533,11 @@ def test_flux_takes_its_rotary_tables_from_posenc(client: posenc.Client) -> None
 
 
 def _hunyuan_video() -> Any:
-    from diffusers import HunyuanVideoTransformer3DModel
-
-    torch.manual_seed(0)
     # HunyuanVideo's rotary settings: head 128, rope_axes_dim (16, 56, 56), theta 256,
     # patch 2 x 2 in space and 1 in time.
-    return HunyuanVideoTransformer3DModel(
-        in_channels=4,
-        out_channels=4,
-        num_attention_heads=2,
+    return _tiny(
+        "HunyuanVideoTransformer3DModel",
         attention_head_dim=128,
-        num_layers=1,
         num_single_layers=1,
         num_refiner_layers=1,
         patch_size=2,
@@ -647,20 +608,14 @@ def _exact_rotary(spec: posenc.Spec, cells: Any) -> Any:
 
 
 def _wan(max_seq_len: int = 1024) -> Any:
-    from diffusers import WanTransformer3DModel
-
-    torch.manual_seed(0)
     # Wan's rotary settings: head 128 split (44, 42, 42), theta 10000, patch (1, 2, 2).
-    return WanTransformer3DModel(
+    return _tiny(
+        "WanTransformer3DModel",
         patch_size=(1, 2, 2),
-        num_attention_heads=2,
         attention_head_dim=128,
-        in_channels=4,
-        out_channels=4,
         text_dim=32,
         freq_dim=32,
         ffn_dim=64,
-        num_layers=1,
         rope_max_seq_len=max_seq_len,
     )
 
@@ -694,28 +649,20 @@ _PREPARE = "_prepare_rotary_positional_embeddings"
 
 
 def _cogvideox_pipeline(patch_size_t: int | None, sample: tuple[int, int, int] = (8, 12, 5)) -> Any:
-    from diffusers import CogVideoXDDIMScheduler, CogVideoXPipeline, CogVideoXTransformer3DModel
+    from diffusers import CogVideoXDDIMScheduler, CogVideoXPipeline
 
-    torch.manual_seed(0)
     height, width, frames = sample
     # CogVideoX-5b's rotary settings: head 64 (axes 16, 24, 24), theta 10000, patch 2,
     # temporal compression 4; CogVideoX 1.5 adds a temporal patch of 2. Latent sample sizes
     # shrunk (the published 60 x 90 for the tables only).
-    transformer = CogVideoXTransformer3DModel(
-        num_attention_heads=2,
+    transformer = _tiny(
+        "CogVideoXTransformer3DModel",
+        **_COGVIDEOX,
         attention_head_dim=64,
-        in_channels=4,
-        out_channels=4,
-        time_embed_dim=32,
-        text_embed_dim=16,
-        num_layers=1,
         sample_height=height,
         sample_width=width,
         sample_frames=frames,
-        patch_size=2,
         patch_size_t=patch_size_t,
-        temporal_compression_ratio=4,
-        max_text_seq_length=8,
         use_rotary_positional_embeddings=True,
     )
     # The prompt comes as embeddings and the video goes out as latents: no tokenizer, text
@@ -826,19 +773,14 @@ def test_a_cogvideox_rotary_transformer_alone_names_its_pipeline(client: posenc.
 
 
 def _lumina2(axes_lens: tuple[int, int, int]) -> Any:
-    from diffusers import Lumina2Transformer2DModel
-
-    torch.manual_seed(0)
     # Lumina-Image 2.0's rotary settings shrunk: three axes (caption index, h, w), theta
     # 10000, patch 2; a head of 32 split (8, 12, 12).
-    return Lumina2Transformer2DModel(
+    return _tiny(
+        "Lumina2Transformer2DModel",
         sample_size=16,
         patch_size=2,
-        in_channels=4,
         hidden_size=64,
-        num_layers=1,
         num_refiner_layers=1,
-        num_attention_heads=2,
         num_kv_heads=1,
         multiple_of=16,
         axes_dim_rope=(8, 12, 12),
