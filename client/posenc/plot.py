@@ -473,11 +473,23 @@ def draw_scalings(data: Scalings) -> Figure:
 
 
 @dataclass(frozen=True)
-class Heatmap:
-    """A slice of the table, and how close two of its rows at distance k come, per k."""
+class _Classic:
+    """A figure's data of the classic table of ``d_model`` columns (by base, or at one)."""
 
     d_model: int
+
+
+@dataclass(frozen=True)
+class _OneBase(_Classic):
+    """A figure's data of the classic table at one ``base``."""
+
     base: float
+
+
+@dataclass(frozen=True)
+class Heatmap(_OneBase):
+    """A slice of the table, and how close two of its rows at distance k come, per k."""
+
     table: Floats
     """Rows [0, len(table)) of the table."""
     closest: Floats
@@ -532,11 +544,9 @@ def draw_heatmap(data: Heatmap) -> Figure:
 
 
 @dataclass(frozen=True)
-class Rotation:
+class Rotation(_OneBase):
     """``max |PE(p + k) - R(k) PE(p)|`` per position p and shift k."""
 
-    d_model: int
-    base: float
     positions: Ints
     residual: Mapping[int, Floats]
     """posenc's float64 table, ``R(k)`` from its row at position k."""
@@ -616,10 +626,9 @@ def draw_rotation(data: Rotation) -> Figure:
 
 
 @dataclass(frozen=True)
-class Similarity:
+class Similarity(_Classic):
     """Cosine similarity ``PE(p) . PE(p + k) / (|PE(p)| |PE(p + k)|)`` against k."""
 
-    d_model: int
     start: int
     """p."""
     shifts: Ints
@@ -657,10 +666,9 @@ def draw_similarity(data: Similarity) -> Figure:
 
 
 @dataclass(frozen=True)
-class Wavelengths:
+class Wavelengths(_Classic):
     """The wavelength ``2 pi / inv_freq[i]`` of each sin/cos pair, by base."""
 
-    d_model: int
     wavelength: Mapping[float, Floats]
 
 

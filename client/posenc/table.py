@@ -446,6 +446,40 @@ class _TableBase(Generic[ClientT]):
     def __len__(self) -> int:
         return self._plan.held
 
+    def get(
+        self,
+        positions: npt.ArrayLike,
+        *,
+        out: Any = None,
+        device: Any = None,
+        cos_sin: bool = False,
+    ) -> Any:
+        """The rows of ``positions``, of any shape ``S``: ``S + [width]``.
+
+        Rows the table holds come from memory (it grows first when the request reaches
+        past its end; see the module doc). The result takes the same forms as
+        :meth:`posenc.Client.get_positions`: ``positions`` may be a ``torch.Tensor`` (the
+        result is then a tensor on its device), ``device=`` asks for a tensor, ``out=``
+        fills a caller's buffer (numpy or torch) without allocating, and ``cos_sin=True``
+        gives a rotary table's ``(cos, sin)`` halves. A table made with ``views=True``
+        returns a view of its rows where it can (see the class doc), else a copy.
+        ``AsyncGrowingTable``: awaitable.
+        """
+        held = self._held(positions, out, device, cos_sin)
+        if held is not None:
+            return self._ready(held)
+        output, steps, grows = self._gather(positions, out, device, cos_sin)
+        return self._fetched(output, steps, grows)
+
+    def _ready(self, rows: Any) -> Any:
+        """Rows found in memory, as ``get`` returns them (or, asyncio, an awaitable)."""
+        raise NotImplementedError
+
+    def _fetched(self, output: Any, steps: Callable[[], Steps[Any]], grows: bool) -> Any:
+        """The result of ``get`` once ``steps`` fill ``output`` (or, asyncio, an
+        awaitable of it)."""
+        raise NotImplementedError
+
     def _held(self, positions: npt.ArrayLike, out: Any, device: Any, cos_sin: bool) -> Any:
         """The rows of ``positions`` from memory, or None when the table must fetch."""
         held = self._plan.held_view(positions, out, device, cos_sin)
@@ -508,28 +542,10 @@ class GrowingTable(_TableBase["Client"]):
         """
         self._run(lambda: self._plan.reserve(stop), self._plan.grows(stop))
 
-    def get(
-        self,
-        positions: npt.ArrayLike,
-        *,
-        out: Any = None,
-        device: Any = None,
-        cos_sin: bool = False,
-    ) -> Any:
-        """The rows of ``positions``, of any shape ``S``: ``S + [width]``.
+    def _ready(self, rows: Any) -> Any:
+        return rows
 
-        Rows the table holds come from memory (it grows first when the request reaches
-        past its end; see the module doc). The result takes the same forms as
-        :meth:`posenc.Client.get_positions`: ``positions`` may be a ``torch.Tensor`` (the
-        result is then a tensor on its device), ``device=`` asks for a tensor, ``out=``
-        fills a caller's buffer (numpy or torch) without allocating, and ``cos_sin=True``
-        gives a rotary table's ``(cos, sin)`` halves. A table made with ``views=True``
-        returns a view of its rows where it can (see the class doc), else a copy.
-        """
-        held = self._held(positions, out, device, cos_sin)
-        if held is not None:
-            return held
-        output, steps, grows = self._gather(positions, out, device, cos_sin)
+    def _fetched(self, output: Any, steps: Callable[[], Steps[Any]], grows: bool) -> Any:
         return output.finish(self._run(steps, grows))
 
     def _run(self, plan: Callable[[], Steps[T]], grows: bool) -> T:
@@ -562,19 +578,10 @@ class AsyncGrowingTable(_TableBase["AsyncClient"]):
         """Holds at least rows ``[0, stop)`` (see :meth:`GrowingTable.reserve`)."""
         await self._run(lambda: self._plan.reserve(stop), self._plan.grows(stop))
 
-    async def get(
-        self,
-        positions: npt.ArrayLike,
-        *,
-        out: Any = None,
-        device: Any = None,
-        cos_sin: bool = False,
-    ) -> Any:
-        """The rows of ``positions`` (see :meth:`GrowingTable.get`)."""
-        held = self._held(positions, out, device, cos_sin)
-        if held is not None:
-            return held
-        output, steps, grows = self._gather(positions, out, device, cos_sin)
+    async def _ready(self, rows: Any) -> Any:
+        return rows
+
+    async def _fetched(self, output: Any, steps: Callable[[], Steps[Any]], grows: bool) -> Any:
         return output.finish(await self._run(steps, grows))
 
     async def _run(self, plan: Callable[[], Steps[T]], grows: bool) -> T:
