@@ -38,16 +38,15 @@ from posenc._checks import INT64_MAX
 from posenc._query import Query, distinct
 
 DEFAULT_ROW_CACHE_BYTES = 64 << 20
-# One default unary call. Measured on a 64-sequence step of 1 MiB, fetching several steps
-# at once was slower per step than one call per step: read-ahead pays while the
-# per-call cost outweighs the bytes.
+# One default unary call: read-ahead pays while a call's fixed cost outweighs its bytes.
+# A step larger than that costs no less per step fetched several at once than alone.
 DEFAULT_READAHEAD_BYTES = DEFAULT_UNARY_MAX_BYTES
 # Further ahead than this, rows are more likely wasted (a sequence ends) than used.
 MAX_READAHEAD_ROWS = 64
 #: Steps that a sequence's rows are fetched ahead at least, whatever the window: the time of
 #: this many of the loop's steps (5 ms of model time each, say) for a background fetch to
-#: land. With one step's lead, a 64-sequence step of 1 MiB waited for its fetch whenever
-#: that took longer than one step's model time: the decode loop's p99.
+#: land. With a lead of one step, a step waits whenever its fetch takes longer than the
+#: model's time between two steps (a busy server, a block to compute).
 LEAD_STEPS = 4
 # Calls with more positions than this are batch work, not decode steps: they bypass the
 # cache (so the server, not the cache, judges a list longer than its limit).
