@@ -144,11 +144,15 @@ class Output:
         out: Any = None,
         device: Any = None,
         cos_sin: bool = False,
-        positions_device: Any = None,
-        torch_dtype: bool = False,
-        rotary: bool = True,
+        positions_device: Any,
+        torch_dtype: bool,
+        rotary: bool,
     ) -> Output:
-        """Checks the output arguments of a call whose rows have leading ``shape``."""
+        """Checks the output arguments (``out``, ``device``, ``cos_sin``) of a call whose rows
+        have leading ``shape``. What the call's other arguments tell has no default, so that
+        every caller says it: the device its positions are on (None: not a tensor's), whether
+        its ``dtype=`` was a torch dtype, and whether its table is rotary (only a rotary one
+        splits into ``cos_sin`` halves)."""
         if not isinstance(cos_sin, bool):
             raise bad_argument("cos_sin", f"must be true or false, got {cos_sin!r}")
         if cos_sin and not rotary:
