@@ -619,20 +619,10 @@ def install(
 def install_model(
     model: torch.nn.Module, client: posenc.Client, *, verify: bool = True
 ) -> list[str]:
-    """Installs posenc's caches into every rotary module of a loaded SGLang model.
-
-    Each distinct module (``get_rope`` shares one between layers) gets :func:`caches_of`
-    its own attributes over its current rows, compared with its own (``verify``); every
-    cache is built and checked before any is written, so a refusal leaves the model as it
-    was. Rows SGLang adds later come from ``client`` (keep it open). Modules posenc does not
-    serve keep their caches and are named, with the reason, in one WARNING line of this
-    module's logger.
-
-    Returns:
-        The name of each module installed (the first, for a module shared by several).
-
-    Raises:
-        posenc.InvalidArgumentError: The model holds no served rotary module, or
-            (``verify``) a cache differs from a module's own.
+    """Installs posenc's caches into every rotary module of a loaded SGLang model, as
+    :func:`posenc.integrations.vllm.install_model` does into a vLLM model's (the same
+    checks, the same all-or-nothing install, the same WARNING line naming the modules left,
+    the same result and errors), each module's caches over its current rows. Rows SGLang
+    adds later come from ``client`` (keep it open).
     """
     return _ENGINE.install_model(client, model, caches_of, _write, verify=verify)

@@ -67,7 +67,7 @@ import sys
 import types
 import warnings
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator, Iterator
 from contextlib import contextmanager
 from typing import Any, Final
 
@@ -562,7 +562,28 @@ class _Rotary(_State):
         """The tables a layer type may be, in order of preference: ``(why, spec)``, where
         ``spec`` is a :class:`posenc.Spec` (without its layout) or the error that stopped
         its config from giving one."""
+        config_spec = yield from self._config_candidates(layer_type)
+        buffer = _layer_inv_freq(reference, layer_type)
+        count = 0 if buffer is None else int(buffer.numel())
+        if config_spec is not None and count and _width(config_spec) != 2 * count:
+            # The head size its frequency buffer was made for (a per-layer head size or
+            # partial factor the config keeps elsewhere).
+            parameters = config_spec.parameters
+            if parameters.get("scaling") != "proportional":
+                parameters.pop("partial_rotary_factor", None)
+            parameters["head_dim"] = 2 * count
+            with contextlib.suppress(posenc.InvalidArgumentError):
+                yield "head", posenc.Spec("rotary", **parameters)
         rope_type = self.rope_type(layer_type)
+        if buffer is not None and count and "dynamic" not in rope_type and rope_type != "longrope":
+            scale = _attention_scaling(reference, layer_type)
+            yield "frequencies", _frequencies_spec(buffer, scale)
+
+    def _config_candidates(
+        self, layer_type: str | None
+    ) -> Generator[tuple[str, Any], None, posenc.Spec | None]:
+        """The tables the config gives a layer type (or the errors it stops at); returns
+        its plain rotary spec, if one."""
         values = self._layer_values(layer_type)
         config_spec: posenc.Spec | None = None
         # A module merging several axes: its M-RoPE spec (Qwen-VL's sections), then its
@@ -580,36 +601,7 @@ class _Rotary(_State):
                 config_spec = spec
             if kind in ("rotary", "mrope"):
                 yield "config", spec
-        buffer = _layer_inv_freq(reference, layer_type)
-        count = 0 if buffer is None else int(buffer.numel())
-        if config_spec is not None and config_spec.kind == "rotary" and count:
-            parameters = config_spec.parameters
-            if _width(config_spec) != 2 * count:
-                # The head size its frequency buffer was made for (a per-layer head size or
-                # partial factor the config keeps elsewhere).
-                if parameters.get("scaling") == "proportional":
-                    parameters["head_dim"] = 2 * count
-                else:
-                    parameters.pop("partial_rotary_factor", None)
-                    parameters["head_dim"] = 2 * count
-                with contextlib.suppress(posenc.InvalidArgumentError):
-                    yield "head", posenc.Spec("rotary", **parameters)
-        if buffer is not None and count and "dynamic" not in rope_type and rope_type != "longrope":
-            scale = _attention_scaling(reference, layer_type)
-            try:
-                yield (
-                    "frequencies",
-                    posenc.Spec(
-                        "rotary",
-                        head_dim=2 * count,
-                        layout="vllm",
-                        scaling="frequencies",
-                        inv_freq=buffer.detach().double().cpu().tolist(),
-                        **({} if scale == 1.0 else {"attention_factor": scale}),
-                    ),
-                )
-            except posenc.InvalidArgumentError as error:
-                yield "frequencies", error
+        return config_spec
 
     def _layer_values(self, layer_type: str | None) -> dict[str, Any]:
         """The config's keys for one layer type: its own config where the model has
@@ -1049,6 +1041,22 @@ def _layer_inv_freq(module: nn.Module, layer_type: str | None) -> torch.Tensor |
     return _inv_freq(module)
 
 
+def _frequencies_spec(buffer: torch.Tensor, scale: float) -> posenc.Spec | Exception:
+    """The table of a module's own frequencies (its ``inv_freq`` buffer) at exact angles,
+    scaled by ``scale``, or the error that stops one."""
+    try:
+        return posenc.Spec(
+            "rotary",
+            head_dim=2 * int(buffer.numel()),
+            layout="vllm",
+            scaling="frequencies",
+            inv_freq=buffer.detach().double().cpu().tolist(),
+            **({} if scale == 1.0 else {"attention_factor": scale}),
+        )
+    except posenc.InvalidArgumentError as error:
+        return error
+
+
 def _attention_scaling(module: nn.Module, layer_type: str | None) -> float:
     """A layer type's attention scaling (``{layer_type}_attention_scaling``), else the
     module's; 1 when it keeps none."""
@@ -1278,17 +1286,39 @@ def _frozen(tensor: torch.Tensor) -> nn.Parameter:
     return nn.Parameter(tensor, requires_grad=False)
 
 
+def _replace_embedding(
+    handle: Patch, path: str, module: Any, embedding: Any, spec: posenc.Spec, verify: bool
+) -> int:
+    """Replaces the weight of ``embedding`` (an ``nn.Embedding`` of ``module``, or
+    ``module`` itself) with posenc's rows of ``spec`` once they match its own (``verify``),
+    ``module`` holding the table it grows from; the rows it holds."""
+    weight: torch.Tensor = embedding.weight
+    handle._override(module, _STATE, _Sinusoid(handle, spec))
+    handle.specs[path] = spec
+    table = handle.table(spec, _served(weight.dtype))
+    _verify_rows(path, spec, table, weight, verify)
+    table.reserve(len(weight))
+    handle._replace(embedding, "weight", _frozen(_whole(table, weight)))
+    handle._replace(embedding, "num_embeddings", len(table))
+    return len(table)
+
+
+def _grow_embedding(module: Any, embedding: Any, rows: int) -> bool:
+    """Grows the weight of a replaced ``embedding`` (``module``'s, or ``module``) to at least
+    ``rows`` rows of posenc's table; whether it grew."""
+    current: torch.Tensor = embedding.weight
+    if rows <= len(current):
+        return False
+    grown = _state(module).grown(rows, current)
+    embedding.weight = _frozen(grown)
+    embedding.num_embeddings = len(grown)
+    return True
+
+
 def _patch_split(handle: Patch, name: str, module: Any, verify: bool) -> None:
     """Marian/Pegasus: the weight of an ``nn.Embedding`` ``[sin | cos]``, grown on demand."""
-    weight: torch.Tensor = module.weight
-    spec = posenc.Spec("sinusoidal", d_model=weight.shape[1], layout="split")
-    handle._override(module, _STATE, _Sinusoid(handle, spec))
-    handle.specs[name] = spec
-    table = handle.table(spec, _served(weight.dtype))
-    _verify_rows(name, spec, table, weight, verify)
-    table.reserve(len(weight))
-    handle._replace(module, "weight", _frozen(_whole(table, weight)))
-    handle._replace(module, "num_embeddings", len(table))
+    spec = posenc.Spec("sinusoidal", d_model=module.weight.shape[1], layout="split")
+    _replace_embedding(handle, name, module, module, spec, verify)
     handle._bind(module, "forward", _split_forward)
 
 
@@ -1308,11 +1338,7 @@ def _split_forward(
             dtype=torch.long,
             device=current.device,
         )
-    top = int(position_ids.max()) + 1 if position_ids.numel() else 0
-    if top > len(current):
-        grown = _state(module).grown(top, current)
-        module.weight = _frozen(grown)
-        module.num_embeddings = len(grown)
+    _grow_embedding(module, module, int(position_ids.max()) + 1 if position_ids.numel() else 0)
     with torch.no_grad():
         return nn.functional.embedding(position_ids, module.weight)
 
@@ -1336,17 +1362,11 @@ def _patch_xlm(handle: Patch, name: str, module: Any, verify: bool) -> None:
     """XLM's sinusoidal position embeddings (interleaved), grown with its ``position_ids``
     buffer before a forward whose input outgrows them."""
     embedding = module.position_embeddings
-    weight = embedding.weight
-    spec = posenc.Spec("sinusoidal", d_model=weight.shape[1])
+    device = embedding.weight.device
+    spec = posenc.Spec("sinusoidal", d_model=embedding.weight.shape[1])
     path = f"{name}.position_embeddings" if name else "position_embeddings"
-    handle._override(module, _STATE, _Sinusoid(handle, spec))
-    handle.specs[path] = spec
-    table = handle.table(spec, _served(weight.dtype))
-    _verify_rows(path, spec, table, weight, verify)
-    table.reserve(len(weight))
-    handle._replace(embedding, "weight", _frozen(_whole(table, weight)))
-    handle._replace(embedding, "num_embeddings", len(table))
-    handle._replace(module, "position_ids", torch.arange(len(table), device=weight.device)[None])
+    rows = _replace_embedding(handle, path, module, embedding, spec, verify)
+    handle._replace(module, "position_ids", torch.arange(rows, device=device)[None])
     hook = module.register_forward_pre_hook(_xlm_grow, with_kwargs=True)
     handle._undo.append(hook.remove)
 
@@ -1361,9 +1381,6 @@ def _xlm_grow(module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Non
     if positions is not None and positions.numel():
         top = max(top, int(positions.max()) + 1)
     embedding = module.position_embeddings
-    current: torch.Tensor = embedding.weight
-    if top > len(current):
-        grown = _state(module).grown(top, current)
-        embedding.weight = _frozen(grown)
-        embedding.num_embeddings = len(grown)
-        module.position_ids = torch.arange(len(grown), device=current.device)[None]
+    if _grow_embedding(module, embedding, top):
+        weight = embedding.weight
+        module.position_ids = torch.arange(len(weight), device=weight.device)[None]
