@@ -80,8 +80,9 @@ rows_of = _caches.rows_of
 
 
 class UnsupportedVLLMError(posenc.PosencError, RuntimeError):
-    """A vLLM rotary module posenc has no table for (FAILED_PRECONDITION). Kept for
-    callers that catch it: no release is refused by its version any more."""
+    """A vLLM rotary module posenc has no table for (FAILED_PRECONDITION). Not raised: it
+    stays for callers whose ``except`` names it, as no release is refused by its version
+    (an untested one is served once each cache matches the module's own rows)."""
 
     default_code = grpc.StatusCode.FAILED_PRECONDITION
 
