@@ -70,12 +70,6 @@ SEQ = 12
 BATCH = 2
 
 
-@pytest.fixture
-def client(server: Any) -> Iterator[posenc.Client]:
-    with posenc.Client(server.target) as client:
-        yield client
-
-
 @pytest.fixture(autouse=True)
 def _quiet() -> Iterator[None]:
     # transformers warns about configs it accepts (YaRN's implicit factor, missing masks).
@@ -89,15 +83,19 @@ def _quiet() -> Iterator[None]:
 
 # Published head sizes and rope settings; layers, hidden size and heads shrunk. The head
 # size is the config's head_dim where the family has one, else hidden_size / heads.
-TINY = {
+# _TINY_MHA: for the families whose every head has keys and values of its own; TINY: the
+# grouped-query families, one key-value head.
+_TINY_MHA = {
     "vocab_size": 96,
     "hidden_size": 64,
     "intermediate_size": 96,
     "num_hidden_layers": 2,
     "num_attention_heads": 2,
-    "num_key_value_heads": 1,
     "initializer_range": 0.3,
 }
+TINY = {**_TINY_MHA, "num_key_value_heads": 1}
+# The smallest mixture of experts: two, one a token.
+_TWO_EXPERTS = {"num_local_experts": 2, "num_experts_per_tok": 1}
 
 
 def _llama3() -> Any:  # Llama 3.1 8B
@@ -185,8 +183,7 @@ def _mixtral() -> Any:  # Mixtral 8x7B
         head_dim=128,
         max_position_embeddings=32768,
         rope_theta=1000000.0,
-        num_local_experts=2,
-        num_experts_per_tok=1,
+        **_TWO_EXPERTS,
     )
 
 
@@ -251,8 +248,7 @@ _LLAMA4_TEXT: dict[str, Any] = {  # Llama 4 Scout: llama3 scaling, every other l
     **TINY,
     "head_dim": 128,
     "intermediate_size_mlp": 96,
-    "num_local_experts": 2,
-    "num_experts_per_tok": 1,
+    **_TWO_EXPERTS,
     "interleave_moe_layer_step": 1,
     "no_rope_layers": [1, 0],
     "max_position_embeddings": 10485760,
@@ -271,18 +267,20 @@ def _llama4() -> Any:
     return transformers.Llama4TextConfig(**_LLAMA4_TEXT)
 
 
+# The vision tower Gemma 3 and Llama 4 run with: one layer of two heads, 2 x 2 patches.
+_TINY_VISION: dict[str, Any] = {
+    "hidden_size": 32,
+    "intermediate_size": 32,
+    "num_hidden_layers": 1,
+    "num_attention_heads": 2,
+    "image_size": 28,
+    "patch_size": 14,
+}
+
+
 def _gemma3_vl() -> Any:  # Gemma 3 4B as loaded: Gemma3ForConditionalGeneration
     return transformers.Gemma3Config(
-        text_config=_GEMMA3_TEXT,
-        vision_config={
-            "hidden_size": 32,
-            "intermediate_size": 32,
-            "num_hidden_layers": 1,
-            "num_attention_heads": 2,
-            "image_size": 28,
-            "patch_size": 14,
-        },
-        mm_tokens_per_image=4,
+        text_config=_GEMMA3_TEXT, vision_config=dict(_TINY_VISION), mm_tokens_per_image=4
     )
 
 
@@ -290,12 +288,7 @@ def _llama4_vl() -> Any:  # Llama 4 Scout as loaded: Llama4ForConditionalGenerat
     return transformers.Llama4Config(
         text_config=_LLAMA4_TEXT,
         vision_config={
-            "hidden_size": 32,
-            "intermediate_size": 32,
-            "num_hidden_layers": 1,
-            "num_attention_heads": 2,
-            "image_size": 28,
-            "patch_size": 14,
+            **_TINY_VISION,
             "vision_output_dim": 32,
             "projector_input_dim": 32,
             "projector_output_dim": 32,
@@ -307,8 +300,7 @@ def _gpt_oss() -> Any:  # gpt-oss 20B: YaRN, half-width tables
     return transformers.GptOssConfig(
         **TINY,
         head_dim=64,
-        num_local_experts=2,
-        num_experts_per_tok=1,
+        **_TWO_EXPERTS,
         sliding_window=128,
         layer_types=["sliding_attention", "full_attention"],
         max_position_embeddings=131072,
@@ -326,14 +318,7 @@ def _gpt_oss() -> Any:  # gpt-oss 20B: YaRN, half-width tables
 
 def _gpt_neox() -> Any:  # Pythia 160M: head 64, 16 rotary columns
     return transformers.GPTNeoXConfig(
-        vocab_size=96,
-        hidden_size=128,
-        intermediate_size=96,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        initializer_range=0.3,
-        max_position_embeddings=2048,
-        rotary_pct=0.25,
+        **{**_TINY_MHA, "hidden_size": 128}, max_position_embeddings=2048, rotary_pct=0.25
     )
 
 
@@ -351,13 +336,9 @@ def _gptj() -> Any:  # GPT-J 6B: head 256, rotary_dim 64
 
 def _deepseek(config: Any, mscale: float) -> Any:
     return config(
-        vocab_size=96,
-        hidden_size=64,
-        intermediate_size=96,
-        moe_intermediate_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=2,
+        **_TINY_MHA,
         num_key_value_heads=2,
+        moe_intermediate_size=32,
         n_routed_experts=2,
         n_shared_experts=1,
         num_experts_per_tok=1,
@@ -367,7 +348,6 @@ def _deepseek(config: Any, mscale: float) -> Any:
         qk_nope_head_dim=128,
         qk_rope_head_dim=64,
         v_head_dim=128,
-        initializer_range=0.3,
         max_position_embeddings=163840,
         rope_parameters={
             **DEEPSEEK_V3_YARN,
@@ -463,6 +443,25 @@ def _vision(module: Any) -> bool:
     return "axial" in kinds or "Vision" in type(module).__name__
 
 
+def _rotary_forward(
+    rows: Callable[[Any, str | None], tuple[Any, Any]], complex_rows: bool, half: bool, pairs: bool
+) -> Callable[..., Any]:
+    """A rotary module's forward that returns ``rows``' (cos, sin) in the module's own form:
+    complex, half width, GPT-J's pairs, or else the halves duplicated."""
+
+    def forward(x: Any, position_ids: Any, layer_type: str | None = None) -> Any:
+        cos, sin = rows(position_ids, layer_type)
+        if complex_rows:
+            return torch.complex(torch.from_numpy(cos), torch.from_numpy(sin))
+        if pairs:
+            cos, sin = np.repeat(cos, 2, -1), np.repeat(sin, 2, -1)
+        elif not half:
+            cos, sin = np.concatenate([cos, cos], -1), np.concatenate([sin, sin], -1)
+        return torch.from_numpy(cos).to(x.dtype), torch.from_numpy(sin).to(x.dtype)
+
+    return forward
+
+
 def feed(model: Any, rows: Callable[[Any, str | None], tuple[Any, Any]]) -> None:
     """Makes ``model`` take (cos, sin) of position_ids from ``rows(position_ids,
     layer_type)`` (float64 numpy halves), through its rotary modules (in the form each
@@ -478,24 +477,7 @@ def feed(model: Any, rows: Callable[[Any, str | None], tuple[Any, Any]]) -> None
             # Cohere: GPT-J's pairs (cos_0, cos_0, cos_1, ...), not duplicated halves.
             pairs = not complex_rows and torch.equal(probe[0][0, 1, 0::2], probe[0][0, 1, 1::2])
 
-            def forward(
-                x: Any,
-                position_ids: Any,
-                layer_type: str | None = None,
-                _c: bool = complex_rows,
-                _h: bool = half,
-                _p: bool = pairs,
-            ) -> Any:
-                cos, sin = rows(position_ids, layer_type)
-                if _c:
-                    return torch.complex(torch.from_numpy(cos), torch.from_numpy(sin))
-                if _p:
-                    cos, sin = np.repeat(cos, 2, -1), np.repeat(sin, 2, -1)
-                elif not _h:
-                    cos, sin = np.concatenate([cos, cos], -1), np.concatenate([sin, sin], -1)
-                return torch.from_numpy(cos).to(x.dtype), torch.from_numpy(sin).to(x.dtype)
-
-            module.forward = forward
+            module.forward = _rotary_forward(rows, complex_rows, half, pairs)
         elif hasattr(module, "embed_positions") and hasattr(module, "rotary_dim"):
             native = type(module).forward
 
@@ -836,6 +818,43 @@ def assert_same_logits(family: str, ours: Any, native: Any) -> None:
     assert difference <= 1e-4 * scale
 
 
+def native_and_patched(
+    model: Any,
+    client: posenc.Client,
+    forward: Callable[[], Any],
+    check: Callable[[Any], object],
+    **options: Any,
+) -> tuple[Any, Any]:
+    """``forward()``'s output from the native model, then from the model patched by
+    ``patch(model, client, **options)``; ``check(handle)`` runs on the patch after that
+    forward."""
+    with torch.no_grad():
+        native = forward()
+        with patch(model, client, **options) as handle:
+            ours = forward()
+            check(handle)
+    return native, ours
+
+
+def assert_same_audio_logits(
+    family: str,
+    model: Any,
+    client: posenc.Client,
+    inputs: tuple[Any, Any],
+    check: Callable[[Any], object],
+) -> None:
+    """An encoder-decoder audio model's logits for ``inputs`` (input features, decoder ids):
+    patched as native, within float32 noise; ``check(handle)`` on the patch."""
+    features, decoder = inputs
+    native, ours = native_and_patched(
+        model,
+        client,
+        lambda: model(input_features=features, decoder_input_ids=decoder).logits,
+        check,
+    )
+    assert_same_logits(family, ours, native)
+
+
 def seq2seq_logits(model: Any, source: int, target: int) -> Any:
     generator = torch.Generator().manual_seed(2)
     ids = torch.randint(3, 96, (BATCH, source), generator=generator)
@@ -887,29 +906,20 @@ def test_speech2text_encoder_and_decoder(client: posenc.Client) -> None:
     model = transformers.Speech2TextForConditionalGeneration(_speech2text()).eval()
     features = torch.randn(1, 40, model.config.input_feat_per_channel * 1)
     decoder = torch.randint(3, 96, (1, 6))
-    with torch.no_grad():
-        native = model(input_features=features, decoder_input_ids=decoder).logits
-        with patch(model, client) as handle:
-            assert {spec.kind for spec in handle.specs.values()} == {"fairseq"}
-            ours = model(input_features=features, decoder_input_ids=decoder).logits
-    assert_same_logits("speech2text", ours, native)
+
+    def check(handle: Any) -> None:
+        assert {spec.kind for spec in handle.specs.values()} == {"fairseq"}
+
+    assert_same_audio_logits("speech2text", model, client, (features, decoder), check)
 
 
 @pytest.mark.slow
 def test_whisper_encoder_table_is_posenc(client: posenc.Client) -> None:
     config = transformers.WhisperConfig(
-        vocab_size=96,
-        d_model=32,
-        encoder_layers=1,
-        decoder_layers=1,
-        encoder_attention_heads=2,
-        decoder_attention_heads=2,
-        encoder_ffn_dim=64,
-        decoder_ffn_dim=64,
+        **_TINY_SEQ2SEQ,
         num_mel_bins=8,
         max_source_positions=50,
         max_target_positions=32,
-        init_std=0.3,
         pad_token_id=0,
         bos_token_id=1,
         eos_token_id=2,
@@ -919,15 +929,14 @@ def test_whisper_encoder_table_is_posenc(client: posenc.Client) -> None:
     model = transformers.WhisperForConditionalGeneration(config).eval()
     features = torch.randn(1, 8, 100)
     decoder = torch.tensor([[1, 2, 3]])
-    with torch.no_grad():
-        native = model(input_features=features, decoder_input_ids=decoder).logits
-        with patch(model, client) as handle:
-            (spec,) = handle.specs.values()
-            assert spec == posenc.Spec("whisper", d_model=32)
-            weight = model.model.encoder.embed_positions.weight
-            np.testing.assert_array_equal(weight.numpy(), client.get_range(0, 50, spec))
-            ours = model(input_features=features, decoder_input_ids=decoder).logits
-    assert_same_logits("whisper", ours, native)
+
+    def check(handle: Any) -> None:
+        (spec,) = handle.specs.values()
+        assert spec == posenc.Spec("whisper", d_model=32)
+        weight = model.model.encoder.embed_positions.weight
+        np.testing.assert_array_equal(weight.numpy(), client.get_range(0, 50, spec))
+
+    assert_same_audio_logits("whisper", model, client, (features, decoder), check)
 
 
 @pytest.mark.slow
@@ -944,14 +953,16 @@ def test_xlm_sinusoidal_grows(client: posenc.Client) -> None:
     torch.manual_seed(0)
     model = transformers.XLMModel(config).eval()
     ids = torch.randint(3, 96, (1, 40))
-    with torch.no_grad():
-        native = model(ids).last_hidden_state
-        with patch(model, client, min_rows=64) as handle:
-            (spec,) = handle.specs.values()
-            assert spec == posenc.Spec("sinusoidal", d_model=32)
-            ours = model(ids).last_hidden_state
-            longer = model(torch.randint(3, 96, (1, 200))).last_hidden_state
-            assert longer.shape == (1, 200, 32)
+
+    def check(handle: Any) -> None:
+        (spec,) = handle.specs.values()
+        assert spec == posenc.Spec("sinusoidal", d_model=32)
+        longer = model(torch.randint(3, 96, (1, 200))).last_hidden_state
+        assert longer.shape == (1, 200, 32)
+
+    native, ours = native_and_patched(
+        model, client, lambda: model(ids).last_hidden_state, check, min_rows=64
+    )
     assert_same_logits("xlm", ours, native)
 
 
@@ -966,46 +977,28 @@ _VL_TOKENS = {
 }
 
 
-def _qwen2_vl() -> Any:  # Qwen2-VL 7B: head 128, sections 16 / 24 / 24
-    return transformers.Qwen2VLForConditionalGeneration(
-        transformers.Qwen2VLConfig(
-            text_config={
-                **_VL_TEXT,
-                "hidden_size": 256,
-                "rope_parameters": dict(QWEN2_VL_MROPE),
-            },
-            vision_config=dict(QWEN2_VL_VISION),
-            **_VL_TOKENS,
-        )
+def _qwen_vl(model: str, text: dict[str, Any], vision: dict[str, Any]) -> Any:
+    """transformers' ``{model}ForConditionalGeneration`` of a ``{model}Config``: the tiny
+    text model with ``text``'s settings, the vision tower ``vision``."""
+    config = getattr(transformers, f"{model}Config")(
+        text_config={**_VL_TEXT, **text}, vision_config=dict(vision), **_VL_TOKENS
     )
+    return getattr(transformers, f"{model}ForConditionalGeneration")(config)
+
+
+def _qwen2_vl() -> Any:  # Qwen2-VL 7B: head 128, sections 16 / 24 / 24
+    text = {"hidden_size": 256, "rope_parameters": dict(QWEN2_VL_MROPE)}
+    return _qwen_vl("Qwen2VL", text, QWEN2_VL_VISION)
 
 
 def _qwen2_5_vl() -> Any:  # Qwen2.5-VL 7B
-    return transformers.Qwen2_5_VLForConditionalGeneration(
-        transformers.Qwen2_5_VLConfig(
-            text_config={
-                **_VL_TEXT,
-                "hidden_size": 256,
-                "rope_parameters": dict(QWEN2_VL_MROPE),
-            },
-            vision_config=dict(QWEN2_5_VL_VISION),
-            **_VL_TOKENS,
-        )
-    )
+    text = {"hidden_size": 256, "rope_parameters": dict(QWEN2_VL_MROPE)}
+    return _qwen_vl("Qwen2_5_VL", text, QWEN2_5_VL_VISION)
 
 
 def _qwen3_vl() -> Any:  # Qwen3-VL 8B: head 128, interleaved 24 / 20 / 20
-    return transformers.Qwen3VLForConditionalGeneration(
-        transformers.Qwen3VLConfig(
-            text_config={
-                **_VL_TEXT,
-                "head_dim": 128,
-                "rope_parameters": dict(QWEN3_VL_MROPE),
-            },
-            vision_config={**QWEN3_VL_VISION, "out_hidden_size": 64},
-            **_VL_TOKENS,
-        )
-    )
+    text = {"head_dim": 128, "rope_parameters": dict(QWEN3_VL_MROPE)}
+    return _qwen_vl("Qwen3VL", text, {**QWEN3_VL_VISION, "out_hidden_size": 64})
 
 
 VISION_LANGUAGE = {"qwen2-vl": _qwen2_vl, "qwen2.5-vl": _qwen2_5_vl, "qwen3-vl": _qwen3_vl}
