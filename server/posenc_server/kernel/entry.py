@@ -41,10 +41,11 @@ def _entry_points(stored: int, suffix: str) -> tuple[Kernel, Kernel]:
     They make the scratch arrays and hand the rows to the format's loop (``rows``), which
     runs without reference counting, as an entry point, allocating, cannot.
 
-    ``stored`` is a constant of each: numba compiles only the branch that calls its
-    format's loop, for the arrays each is given. The loop is named there rather than held
-    in the closure: numba keys a cached function by its closure's contents, and a compiled
-    function's would be new in every process, so the cache would never be used."""
+    ``stored`` is a constant of each: it picks its format's loop of ``rows.ROTATED`` or
+    ``rows.RANGED`` as the entry point is compiled, for the arrays each is given. The
+    closure holds the format's number, not its loop: numba keys a cached function by its
+    closure's contents, and a compiled function's would be new in every process, so the
+    cache would never be used."""
     return _rotate_entry(stored, suffix), _range_entry(stored, suffix)
 
 
@@ -72,13 +73,7 @@ def _rotate_entry(stored: int, suffix: str) -> Kernel:
         + i c`` and ``v(j) = S + i C``; column ``k`` of ``out`` is pair value ``columns[k]``
         (``2 * count``: zero)."""
         target = _target(columns, bases.shape[2], amplitude, out, scratch_type)
-        args = (bases, base_index, rotations, rotation_index, target)
-        if stored == BFLOAT16:
-            rows.rotated_bfloat16(*args)
-        elif stored == FLOAT16:
-            rows.rotated_float16(*args)
-        else:
-            rows.rotated_values(*args)
+        rows.ROTATED[stored](bases, base_index, rotations, rotation_index, target)
 
     return compiled(named(rotate_into, f"rotate_into{suffix}"))
 
@@ -103,13 +98,7 @@ def _range_entry(stored: int, suffix: str) -> Kernel:
         bases and indices made by numpy, a dozen small arrays a block."""
         target = _target(columns, freq_hi.size, amplitude, out, scratch_type)
         base, position = np.empty((1, 2, freq_hi.size)), np.empty(1, dtype=np.int64)
-        args = (first, freq_hi, freq_lo, rotations, target, base, position)
-        if stored == BFLOAT16:
-            rows.ranged_bfloat16(*args)
-        elif stored == FLOAT16:
-            rows.ranged_float16(*args)
-        else:
-            rows.ranged_values(*args)
+        rows.RANGED[stored](first, freq_hi, freq_lo, rotations, target, base, position)
 
     return compiled(named(range_into, f"range_into{suffix}"))
 

@@ -1,5 +1,5 @@
 """The loops over a call's rows, one for each stored format (``numerics.STORE_*``) and each
-way a call names its rows: by index arrays (``rotated_*``) or as a range (``ranged_*``).
+way a call names its rows: by index arrays (``ROTATED``) or as a range (``RANGED``).
 
 Each row is computed once, from its factors stored as planes (the sines, then the cosines)
 that the loops read as contiguous arrays: the interleaved sinusoidal layout's values go
@@ -10,7 +10,7 @@ on the way."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Final
+from typing import Final, NamedTuple
 
 import numba
 import numpy as np
@@ -142,6 +142,20 @@ def _row_loops(stored: int, name: str) -> tuple[Callable[..., None], Callable[..
     return helper(named(rotated, f"rotated_{name}")), helper(named(ranged, f"ranged_{name}"))
 
 
-rotated_values, ranged_values = _row_loops(VALUES, "values")
-rotated_bfloat16, ranged_bfloat16 = _row_loops(BFLOAT16, "bfloat16")
-rotated_float16, ranged_float16 = _row_loops(FLOAT16, "float16")
+class Formats(NamedTuple):
+    """A loop in each stored format, at the index of its number (``numerics.STORE_*``): an
+    entry point indexes it with its own constant ``stored``, which numba resolves as it
+    compiles the entry point, so each calls its format's loop directly and is compiled
+    with no other's. (A plain tuple of loops would be typed as one of function pointers.)"""
+
+    values: Callable[..., None]
+    bfloat16: Callable[..., None]
+    float16: Callable[..., None]
+
+
+assert (VALUES, BFLOAT16, FLOAT16) == (0, 1, 2), "Formats holds the formats in this order"
+_LOOPS = [_row_loops(stored, name) for stored, name in enumerate(Formats._fields)]
+ROTATED = Formats(*(loops[0] for loops in _LOOPS))
+"""The loops over rows named by index arrays (``rotate_into``'s)."""
+RANGED = Formats(*(loops[1] for loops in _LOOPS))
+"""The loops over a range of rows (``range_into``'s)."""
