@@ -193,6 +193,12 @@ def served_reason(module: object, kind: str, served: frozenset[str], package: st
     return f"{kind} is not a rotary class posenc serves (served: {', '.join(sorted(served))})"
 
 
+# The classes the engines share whose caches are no run of tables: built_caches builds them.
+BUILT: Final = frozenset(
+    {"Llama4VisionRotaryEmbedding", "DualChunkRotaryEmbedding", "FourierRotaryEmbedding"}
+)
+
+
 def built_caches(client: posenc.Client, m: Any, kind: str) -> dict[str, torch.Tensor] | None:
     """The caches of the classes the engines share whose cache is no run of tables
     (dual-chunk attention's five, FoPE's, Llama 4 vision's), None for another class."""

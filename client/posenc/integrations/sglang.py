@@ -75,13 +75,10 @@ _PLAIN: Final = frozenset({"RotaryEmbedding", "MRotaryEmbedding", "Ernie4_5_VLRo
 _YARN: Final = frozenset(
     {"YaRNScalingRotaryEmbedding", "YaRNScalingMRotaryEmbedding", "DeepseekScalingRotaryEmbedding"}
 )
-_BUILT: Final = frozenset(
-    {"Llama4VisionRotaryEmbedding", "DualChunkRotaryEmbedding", "FourierRotaryEmbedding"}
-)
 _SERVED_CLASSES: Final = (
     _PLAIN
     | _YARN
-    | _BUILT
+    | _caches.BUILT
     | {
         "LinearScalingRotaryEmbedding",
         "DynamicNTKScalingRotaryEmbedding",
@@ -284,7 +281,7 @@ def cos_sin_cache_of(
     m: Any = rotary_emb
     kind = _ENGINE.single(m)
     name = "long_short_cos_sin_cache" if kind == "Phi3LongRoPEScaledRotaryEmbedding" else None
-    if kind in _BUILT or dtype is None:
+    if kind in _caches.BUILT or dtype is None:
         caches = caches_of(client, m)
         cache = caches[name or "cos_sin_cache"]
         if dtype is not None:
@@ -565,7 +562,7 @@ def _write(
     if kind == "FourierRotaryEmbedding":
         m.update_buffer = True  # its first forward would recompute the float32 rows
     ensure = getattr(m, "_ensure_cos_sin_cache_length", None)
-    if client is None or ensure is None or kind in _BUILT or "cos_sin_cache" not in caches:
+    if client is None or ensure is None or kind in _caches.BUILT or "cos_sin_cache" not in caches:
         return
     if isinstance(ensure, _Growth):
         ensure.client = client

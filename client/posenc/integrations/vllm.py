@@ -347,13 +347,9 @@ _PLAIN: Final = frozenset(
         "Ernie4_5_VLRotaryEmbedding",
     }
 )
-# The classes whose cache is not a concatenation of tables, built by their own functions.
-_BUILT: Final = frozenset(
-    {"Llama4VisionRotaryEmbedding", "DualChunkRotaryEmbedding", "FourierRotaryEmbedding"}
-)
 _SERVED_CLASSES: Final = (
     _PLAIN
-    | _BUILT
+    | _caches.BUILT
     | {
         "LinearScalingRotaryEmbedding",
         "DynamicNTKScalingRotaryEmbedding",
