@@ -255,7 +255,8 @@ def test_fairseq_matches_the_transformers_ports(module: str, model: str) -> None
     spec = posenc.Spec("fairseq", d_model=64, padding_idx=1)
     for past in (0, 100):
         positions = embedding.create_position_ids_from_input_ids(input_ids, 1, past)
-        # transformers 5.24 names the offset cache_length (past_key_values_length before).
+        # transformers 5.24 and later name the offset cache_length, older releases
+        # past_key_values_length.
         offset = (
             "cache_length" if "cache_length" in forward_parameters else "past_key_values_length"
         )
