@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from decimal import Decimal, localcontext
+from typing import ClassVar
 
 import numpy as np
 
@@ -74,10 +75,37 @@ SCHEDULES = ("paper", "tensor2tensor")
 
 
 @dataclass(frozen=True)
+class WidthRule:
+    """What a kind needs of ``d_model`` besides the server's range: said once, for its
+    documentation and for its check."""
+
+    even: bool = False
+    minimum: int = 1
+
+    @property
+    def doc(self) -> str:
+        """The documentation of ``d_model``."""
+        needs = (["even"] if self.even else []) + (
+            [f">= {self.minimum}"] if self.minimum > 1 else []
+        )
+        return "row width, " + (" and ".join(needs) or "1 .. the server's max_d_model")
+
+    def problem(self, kind: str, d_model: int) -> str | None:
+        """What is wrong with ``d_model`` (within the server's range) for ``kind``."""
+        if (self.even and d_model % 2) or d_model < self.minimum:
+            even = "an even " if self.even else ""
+            minimum = f" >= {self.minimum}" if self.minimum > 1 else ""
+            return f"{kind} needs {even}d_model{minimum}, got {d_model}"
+        return None
+
+
+@dataclass(frozen=True)
 class _Sinusoid(TableKind):
     """What the sinusoidal kinds share: a width and a frequency base."""
 
-    d_model: int = parameter(0, "row width, 1 .. the server's max_d_model")
+    WIDTH: ClassVar[WidthRule] = WidthRule()
+
+    d_model: int = parameter(0, WIDTH.doc)
 
     @property
     def width(self) -> int:
@@ -89,12 +117,13 @@ class _Sinusoid(TableKind):
         ``d_model`` (the families' layout; the classic table has its own)."""
         _split(target, rows, self.d_model // 2, self.d_model // 2)
 
-    def _check(self, check: Checker, limits: Limits, base_field: str, base: float) -> bool:
-        """Check ``d_model`` and the base; returns whether ``d_model`` is in range."""
+    def _check(self, check: Checker, limits: Limits, base_field: str, base: float) -> None:
+        """Check ``d_model`` (in range, then the kind's ``WIDTH``) and the base."""
         in_range = check.between("d_model", self.d_model, 1, limits.max_d_model)
         if not (math.isfinite(base) and base > 1.0):
             check.add(base_field, f"must be finite and greater than 1, got {base!r}")
-        return in_range
+        if in_range and (problem := self.WIDTH.problem(self.NAME, self.d_model)):
+            check.add("d_model", problem)
 
 
 def _offset_limit(limits: Limits) -> int:
@@ -208,7 +237,9 @@ class Tensor2Tensor(_Sinusoid):
 class Whisper(_Sinusoid):
     """Whisper's encoder ``sinusoids(length, d_model, max_timescale)``."""
 
-    d_model: int = parameter(0, "row width, even and >= 4")
+    WIDTH: ClassVar[WidthRule] = WidthRule(even=True, minimum=4)
+
+    d_model: int = parameter(0, WIDTH.doc)
     max_timescale: float = parameter(DEFAULT_BASE, "largest timescale, finite and > 1", "10000")
 
     def waves(self) -> engine.Waves:
@@ -219,10 +250,7 @@ class Whisper(_Sinusoid):
 
     def check(self, check: Checker, limits: Limits) -> None:
         """An even d_model >= 4 and max_timescale."""
-        if self._check(check, limits, "max_timescale", self.max_timescale) and (
-            self.d_model % 2 or self.d_model < 4
-        ):
-            check.add("d_model", f"whisper needs an even d_model >= 4, got {self.d_model}")
+        self._check(check, limits, "max_timescale", self.max_timescale)
 
 
 @declared(
@@ -233,7 +261,10 @@ class Whisper(_Sinusoid):
 class Fairseq(_Sinusoid):
     """fairseq's ``SinusoidalPositionalEmbedding`` weights, padding row included."""
 
-    d_model: int = parameter(0, "row width, >= 4")
+    # fairseq divides by half_dim - 1.
+    WIDTH: ClassVar[WidthRule] = WidthRule(minimum=4)
+
+    d_model: int = parameter(0, WIDTH.doc)
     base: float = parameter(DEFAULT_BASE, BASE)
     padding_idx: int = parameter(1, "the zero row, >= 0", "1")
 
@@ -247,9 +278,8 @@ class Fairseq(_Sinusoid):
         return engine.PositionMap(zero_row=self.padding_idx)
 
     def check(self, check: Checker, limits: Limits) -> None:
-        """d_model >= 4 (fairseq divides by half_dim - 1), base and padding_idx."""
-        if self._check(check, limits, "base", self.base) and self.d_model < 4:
-            check.add("d_model", f"fairseq needs d_model >= 4, got {self.d_model}")
+        """d_model >= 4, base and padding_idx."""
+        self._check(check, limits, "base", self.base)
         check.between("padding_idx", self.padding_idx, 0, limits.max_abs_position)
 
 
@@ -261,7 +291,10 @@ class Fairseq(_Sinusoid):
 class TransformerXl(_Sinusoid):
     """Transformer-XL's relative position embedding of ``pos_seq``."""
 
-    d_model: int = parameter(0, "row width, even")
+    # Its [sin | cos] of ceil(d / 2) frequencies each is d + 1 wide for odd d.
+    WIDTH: ClassVar[WidthRule] = WidthRule(even=True)
+
+    d_model: int = parameter(0, WIDTH.doc)
     base: float = parameter(DEFAULT_BASE, BASE)
     clamp_len: int = parameter(0, "relative positions above it are clamped to it; <= 0: none", "0")
     key_length: int | None = parameter(
@@ -282,7 +315,5 @@ class TransformerXl(_Sinusoid):
 
     def check(self, check: Checker, limits: Limits) -> None:
         """An even d_model, base and key_length."""
-        if self._check(check, limits, "base", self.base) and self.d_model % 2:
-            # Its [sin | cos] of ceil(d / 2) frequencies each is d + 1 wide for odd d.
-            check.add("d_model", f"transformer_xl needs an even d_model, got {self.d_model}")
+        self._check(check, limits, "base", self.base)
         check.between("key_length", self.key_length, 0, _offset_limit(limits))
