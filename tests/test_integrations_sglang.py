@@ -521,6 +521,8 @@ def test_fope_llama4_vision_and_dual_chunk(rope: types.ModuleType, client: posen
         )
     finally:
         variant.torch = original
+    # A dtype by name, as for the classes of plans.
+    assert ps.cos_sin_cache_of(client, fope, dtype="float64").dtype == torch.float64
     model = torch.nn.ModuleDict({"fope": fope, "vision": vision, "dual": dual})
     assert ps.install_model(model, client) == ["fope", "vision", "dual"]
     assert fope.update_buffer is True

@@ -285,7 +285,7 @@ def cos_sin_cache_of(
         caches = caches_of(client, m)
         cache = caches[name or "cos_sin_cache"]
         if dtype is not None:
-            cache = cache.to(dtype)
+            cache = cache.to(dtype if isinstance(dtype, torch.dtype) else getattr(torch, dtype))
         return cache.to(device or getattr(m, name or "cos_sin_cache").device)
     plan = _plans(m)[name or "cos_sin_cache"]
     buffer = getattr(m, name or "cos_sin_cache")
