@@ -128,7 +128,7 @@ def test_serve_refuses_what_grpc_cannot_take_in_one_line(
     """``posenc serve`` says what is wrong and exits 2, before anything listens."""
     assert run([*argv, "--port", "0", "--metrics-port", "-1"]) == 2
     error = capsys.readouterr().err
-    assert error.startswith("posenc serve: invalid configuration: " + argv[0])
+    assert error.startswith("posenc-server: invalid configuration: " + argv[0])
     assert "Traceback" not in error and error.count("\n") == 1
 
 

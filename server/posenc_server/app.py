@@ -24,7 +24,7 @@ from grpc_reflection.v1alpha import reflection
 
 from posenc_server import auth, health, heap, metrics, shm, supervisor, warmup
 from posenc_server.admission import ByteBudget
-from posenc_server.config import ServerConfig, shm_peers, startup_fields, version
+from posenc_server.config import PROGRAM, ServerConfig, shm_peers, startup_fields, version
 from posenc_server.interceptors import ServingInterceptor
 from posenc_server.service import EncodingService
 from posenc_server.servicer import (
@@ -567,12 +567,12 @@ def run(argv: Sequence[str] | None = None) -> int:
     try:
         config = ServerConfig.from_args(argv)
     except ValueError as error:
-        print(f"posenc serve: {error}", file=sys.stderr)
+        print(f"{PROGRAM}: {error}", file=sys.stderr)
         return 2
     try:
         raise_descriptor_limit(config)
     except OSError as error:
-        print(f"posenc serve: {error}", file=sys.stderr)
+        print(f"{PROGRAM}: {error}", file=sys.stderr)
         return 1
     heap.one_heap()
     worker = supervisor.worker_index()
@@ -635,7 +635,7 @@ def _serve(
     try:
         running, metrics_port, prefaulted = _bring_up(config, worker, serving, alive)
     except (OSError, RuntimeError, ValueError) as error:
-        print(f"posenc serve: {error}", file=sys.stderr)
+        print(f"{PROGRAM}: {error}", file=sys.stderr)
         return 1
     rooms.append(supervisor.ConnectionRoom(config, running.port))
     started.append(running)

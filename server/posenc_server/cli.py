@@ -26,7 +26,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ImportError as error:
         missing = error.name or str(error)
         print(
-            f"posenc serve: the server needs the module {missing}, which is not installed.\n"
+            f"posenc-server: the server needs the module {missing}, which is not installed.\n"
             f"Install it with: {install_command()}",
             file=sys.stderr,
         )

@@ -22,6 +22,9 @@ from posenc_protocol.numbers import integer
 
 T = TypeVar("T")
 
+#: The command's name in its usage and at the start of its one-line errors (``posenc serve``
+#: hands the process over to it).
+PROGRAM: Final = "posenc-server"
 DEFAULT_METRICS_PORT: Final = 9464
 """Prometheus' customary exporter port; on a shared host another server may hold it."""
 # A packed int64 takes at most 10 bytes on the wire.
@@ -303,7 +306,7 @@ class ServerConfig:
         """
         environ = os.environ if environ is None else environ
         parser = argparse.ArgumentParser(
-            prog="posenc serve",
+            prog=PROGRAM,
             description="Serve positional-encoding tables over gRPC.",
             epilog="Every flag can also be set as POSENC_<FLAG> (e.g. POSENC_PORT=50052).",
         )

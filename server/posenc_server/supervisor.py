@@ -34,7 +34,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from posenc_server import metrics, shm
-from posenc_server.config import DEFAULT_METRICS_PORT, ServerConfig, startup_fields
+from posenc_server.config import DEFAULT_METRICS_PORT, PROGRAM, ServerConfig, startup_fields
 
 log = logging.getLogger("posenc_server")
 
@@ -334,7 +334,7 @@ def _hold_port(config: ServerConfig) -> socket.socket | None:
         check_unix_socket_free(config)
         return _reserve_port(config)
     except OSError as error:
-        print(f"posenc serve: cannot listen on {config.address}: {error}", file=sys.stderr)
+        print(f"{PROGRAM}: cannot listen on {config.address}: {error}", file=sys.stderr)
         return None
 
 
@@ -479,7 +479,7 @@ def supervise(
     except OSError as error:
         port_holder.close()
         pool.cleanup()
-        print(f"posenc serve: {error}", file=sys.stderr)
+        print(f"{PROGRAM}: {error}", file=sys.stderr)
         return 1
     pool.workers.extend(pool.start(index) for index in range(config.process_count))
     try:
