@@ -3,8 +3,9 @@
 Each SDK call is a generator of this module (sans-I/O): it yields operations — make this
 unary call, open this stream, read its next chunk, sleep, wait for these read-ahead tokens,
 hand this slice to the caller, start this read-ahead — and the client performs each one
-its own way (blocking, or awaited), sending the result back in, or throwing the
-``grpc.RpcError`` in. The unary-or-stream choice, stream resume, the deadline and retries
+(blocking, or awaited; the ones that neither wait nor call once, in its base), sending
+its outcome back in: a value, or the ``grpc.RpcError`` that :class:`Stepper` throws into
+the steps. The unary-or-stream choice, stream resume, the deadline and retries
 and the read-ahead bookkeeping are written here only, on a query that :mod:`posenc._query`
 made of the call's arguments and whose requests :mod:`posenc._cursor` writes; the clients
 hold a driver of a few lines and the operations' I/O.

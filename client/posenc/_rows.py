@@ -38,8 +38,8 @@ from posenc._checks import INT64_MAX
 from posenc._query import Query, distinct
 
 DEFAULT_ROW_CACHE_BYTES = 64 << 20
-# One default unary call: read-ahead pays while a call's fixed cost outweighs its bytes.
-# A step larger than that costs no less per step fetched several at once than alone.
+# One default unary call: read-ahead pays while a call's fixed cost outweighs its bytes;
+# past that size the bytes dominate, and fetching several steps at once saves nothing.
 DEFAULT_READAHEAD_BYTES = DEFAULT_UNARY_MAX_BYTES
 # Further ahead than this, rows are more likely wasted (a sequence ends) than used.
 MAX_READAHEAD_ROWS = 64
