@@ -22,7 +22,7 @@ from model_configs import LLAMA3_1_ROPE  # type: ignore[import-not-found]  # tes
 import posenc
 from bench.common import Section, Sizes, Table, Target, median, percentile, ratio, runs_target
 from bench.floor import FloorClient
-from bench.harness import Servers, interleaved, step_times
+from bench.harness import Servers, interleaved, step_times, timed
 
 BATCH = 8
 NEW_TOKENS = 64
@@ -246,14 +246,10 @@ def run(sizes: Sizes, servers: Servers) -> Section:
         cold_specs = iter(range(10_000))
 
         def warm() -> float:
-            start = time.perf_counter()
-            warm_table.get(positions, cos_sin=True)
-            return time.perf_counter() - start
+            return timed(lambda: warm_table.get(positions, cos_sin=True))
 
         def viewed() -> float:
-            start = time.perf_counter()
-            view_table.get(positions, cos_sin=True)
-            return time.perf_counter() - start
+            return timed(lambda: view_table.get(positions, cos_sin=True))
 
         def cold() -> float:
             theta = 500000.0 + next(cold_specs)  # a table no server cache holds
@@ -266,15 +262,14 @@ def run(sizes: Sizes, servers: Servers) -> Section:
                     },
                 )
             )
-            start = time.perf_counter()
-            posenc.GrowingTable(client, fresh).get(positions, cos_sin=True)
-            return time.perf_counter() - start
+            return timed(lambda: posenc.GrowingTable(client, fresh).get(positions, cos_sin=True))
 
-        def computed() -> float:
-            start = time.perf_counter()
+        def native_table() -> None:
             with torch.no_grad():
                 native_module(x, positions)
-            return time.perf_counter() - start
+
+        def computed() -> float:
+            return timed(native_table)
 
         native_times, warm_times = interleaved(computed, warm, repeats)
         native_times2, cold_times = interleaved(computed, cold, repeats)

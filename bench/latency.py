@@ -12,7 +12,7 @@ import posenc
 from bench import decode
 from bench.common import Section, Sizes, Table, cpu_seconds, median, percentile, ratio, runs_target
 from bench.floor import FloorClient
-from bench.harness import Servers
+from bench.harness import Servers, timed
 from posenc._rows import LEAD_STEPS
 
 D_MODEL = 4096
@@ -148,22 +148,25 @@ def run(sizes: Sizes, servers: Servers) -> Section:
             for round_index in range(total):
                 step[0] = round_index
                 for kind in rng.permutation(kinds).tolist():
-                    call = calls[kind]
-                    t0 = time.perf_counter()
-                    call()
-                    elapsed = time.perf_counter() - t0
+                    elapsed = timed(calls[kind])
                     if kind in model_runs_after:
                         model()
                     if round_index >= sizes.latency_warmup:
                         samples[kind].append(elapsed)
             # The default client with nothing between steps: background fetches overlap the
             # steps, so this phase measures nothing else.
+            hurried_calls: dict[str, Callable[[], object]] = {
+                back_to_back[0]: lambda: hurried.get_positions(
+                    one + (back_to_back_offset + step[0]), D_MODEL
+                ),
+                back_to_back[1]: lambda: hurried.get_positions(
+                    batch + (back_to_back_offset + step[0]), D_MODEL
+                ),
+            }
             for round_index in range(total):
-                position = back_to_back_offset + round_index
-                for kind, positions in zip(back_to_back, (one, batch), strict=True):
-                    t0 = time.perf_counter()
-                    hurried.get_positions(positions + position, D_MODEL)
-                    elapsed = time.perf_counter() - t0
+                step[0] = round_index
+                for kind in back_to_back:
+                    elapsed = timed(hurried_calls[kind])
                     if round_index >= sizes.latency_warmup:
                         samples[kind].append(elapsed)
             # Decode loops as a model runs them: nothing waits for the background fetches,
