@@ -25,6 +25,7 @@ import pytest
 import posenc
 from posenc import _core as core
 from posenc._channel import Settings
+from posenc._query import range_query
 from posenc._rows import RowCache
 from posenc.testing import Status
 from posenc.types import DEFAULT
@@ -160,9 +161,10 @@ def run(fake: Fake, steps: core.Steps[Any]) -> tuple[Any, list[core.Slice]]:
                 delivered.append(operation.slice)
             else:
                 try:
-                    stepper.send(fake.perform(operation))
+                    outcome = fake.perform(operation)
                 except grpc.RpcError as error:
-                    stepper.throw(error)
+                    outcome = error
+                stepper.send(outcome)
         return stepper.result, delivered
 
 
@@ -189,6 +191,11 @@ def make_core(
 
 def get_range(c: core.Core, start: int, stop: int) -> core.Steps[Any]:
     return c.get_range(start, stop, WIDTH, None, {}, DEFAULT)
+
+
+def iter_range(c: core.Core, start: int, stop: int, chunk_bytes: int | None) -> core.Steps[None]:
+    """An ``iter_range`` of ``WIDTH`` rows, as the clients make it (checked now)."""
+    return c.iterate(range_query, (start, stop, WIDTH, None, {}), chunk_bytes, DEFAULT, None)
 
 
 def expected(positions: list[int]) -> np.ndarray[Any, Any]:
@@ -239,7 +246,7 @@ def test_an_interrupted_stream_resumes_from_the_last_row_received() -> None:
 def test_an_iterator_delivers_each_row_once_across_a_resume() -> None:
     fake = Fake(stream_failures=[(6, UNAVAILABLE)])
     c = make_core()
-    _, slices = run(fake, c.iter_range(0, 20, WIDTH, None, {}, None, DEFAULT, None))
+    _, slices = run(fake, iter_range(c, 0, 20, None))
     labels = [label for label, _ in slices]
     rows = np.concatenate([rows for _, rows in slices])
     assert labels == [0, 4, 6, 10, 14, 18]
@@ -306,7 +313,7 @@ def test_a_closed_core_refuses_calls() -> None:
     with pytest.raises(posenc.ClientClosedError):
         run(Fake(), get_range(c, 0, 4))
     with pytest.raises(posenc.ClientClosedError):  # an iterator's, when it is made
-        c.iter_range(0, 4, WIDTH, None, {}, None, DEFAULT, None)
+        iter_range(c, 0, 4, None)
 
 
 def test_a_unix_targets_range_travels_through_the_servers_shared_memory() -> None:
@@ -393,14 +400,14 @@ def test_an_iterator_is_planned_when_made_and_streams_its_plan() -> None:
     # steps then open the stream its plan describes.
     c = make_core()
     with pytest.raises(posenc.InvalidArgumentError):
-        c.iter_range(0, 8, WIDTH, None, {}, 0, DEFAULT, None)
-    steps = c.iter_range(0, 8, WIDTH, None, {}, 4096, DEFAULT, None)
+        iter_range(c, 0, 8, 0)
+    steps = iter_range(c, 0, 8, 4096)
     operation = next(steps)
     assert isinstance(operation, core.OpenStream)
     assert operation.request.max_chunk_bytes == 4096
     assert operation.request.range.start == 0 and operation.request.range.stop == 8
     steps.close()
-    _, slices = run(Fake(), c.iter_range(0, 8, WIDTH, None, {}, None, DEFAULT, None))
+    _, slices = run(Fake(), iter_range(c, 0, 8, None))
     np.testing.assert_array_equal(
         np.concatenate([rows for _, rows in slices]), expected(list(range(8)))
     )

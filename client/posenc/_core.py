@@ -20,7 +20,7 @@ import random
 import time
 from collections.abc import Callable, Generator, Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any, Concatenate, Final, Generic, ParamSpec, TypeAlias, TypeVar
+from typing import Any, Final, Generic, TypeAlias, TypeVar
 
 import grpc
 import numpy as np
@@ -32,7 +32,6 @@ from posenc._cursor import StreamCursor, decode_unary
 from posenc._output import Output, as_tensor, cos_sin_halves
 from posenc._query import (
     WIDTHS_KEPT,
-    Context,
     Plan,
     Query,
     Widths,
@@ -42,7 +41,6 @@ from posenc._query import (
     positions_plan,
     positions_query,
     range_plan,
-    range_query,
     stream_plan,
     unary_request,
 )
@@ -76,7 +74,6 @@ from posenc_protocol.wire import SharedView, TensorView
 log = logging.getLogger("posenc")
 
 T = TypeVar("T")
-P = ParamSpec("P")
 Rows: TypeAlias = npt.NDArray[Any]
 #: What a table method returns: a numpy array, a ``torch.Tensor``, or a ``(cos, sin)`` pair of
 #: either (see :mod:`posenc._output`).
@@ -244,6 +241,7 @@ class Stepper(Generic[T]):
             self._value = value
 
     def throw(self, error: BaseException) -> None:
+        """Throws ``error`` into the steps at their next step."""
         self._value, self._error = None, error
 
     def __enter__(self) -> Stepper[T]:
@@ -427,18 +425,6 @@ class _Form:
         self.rotary = rotary
 
 
-def _planned_by(
-    make_plan: Callable[Concatenate[Context, P], Plan],
-) -> Callable[Concatenate[Core, P], Steps[Result]]:
-    """A method of :class:`Core` taking ``make_plan``'s arguments: the steps of its plan."""
-
-    def steps(core: Core, /, *arguments: P.args, **options: P.kwargs) -> Steps[Result]:
-        return core.planned(make_plan(core, *arguments, **options))
-
-    steps.__doc__ = f"The steps of the plan of :func:`posenc._query.{make_plan.__name__}`."
-    return steps
-
-
 class Core:
     """The steps of every SDK call, on a client's settings, row cache and known widths.
 
@@ -582,10 +568,20 @@ class Core:
 
     # -- what the public methods run
 
-    #: Rows ``[start, stop)``, handed back as ``output`` (``out``, ``device``, ``cos_sin``; see
-    #: :class:`posenc._output.Output`) says: the steps of its plan, which make its call
-    #: themselves (the clients make a plan's call first: see finish()).
-    get_range = _planned_by(range_plan)
+    def get_range(
+        self,
+        start: object,
+        stop: object,
+        table: object,
+        dtype: DTypeArg | None,
+        classic: Classic,
+        timeout: Timeout,
+        **output: Any,
+    ) -> Steps[Result]:
+        """Rows ``[start, stop)``, handed back as ``output`` (``out``, ``device``,
+        ``cos_sin``; see :class:`posenc._output.Output`) says: the steps of its plan, which
+        make its call themselves (the clients make a plan's call first: see finish())."""
+        return self.planned(range_plan(self, start, stop, table, dtype, classic, timeout, **output))
 
     def get_positions(
         self,
@@ -606,23 +602,6 @@ class Core:
         if plan.query.axes == 1 and not classic and coordinate_axis == -1:
             self._remember(table, dtype, plan.query, plan.output)
         return self.planned(plan)
-
-    def iter_range(
-        self,
-        start: object,
-        stop: object,
-        table: object,
-        dtype: DTypeArg | None,
-        classic: Classic,
-        chunk_bytes: object,
-        timeout: Timeout,
-        device: Any,
-    ) -> Steps[None]:
-        """Rows ``[start, stop)`` slice by slice, of ``iter_range``'s arguments in one list,
-        for a caller that drives the steps itself (the clients' methods all go through
-        :meth:`iterate`); arguments are checked now."""
-        arguments = (start, stop, table, dtype, classic)
-        return self.iterate(range_query, arguments, chunk_bytes, timeout, device)
 
     def iterate(
         self,

@@ -570,7 +570,6 @@ class Plan:
 
 def range_plan(
     context: Context,
-    /,
     start: object,
     stop: object,
     table: object,
