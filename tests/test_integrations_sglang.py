@@ -478,6 +478,9 @@ def test_other_releases_are_served_after_checking(
     with pytest.warns(ps.UntestedReleaseWarning, match=window):
         installed = ps.install_model(torch.nn.Sequential(module), client)
     assert installed == ["0"]
+    with pytest.warns(ps.UntestedReleaseWarning) as caught:
+        ps.cos_sin_cache_of(client, module, dtype=torch.float32)
+    assert caught[0].filename == __file__  # the warning names the caller's line
     module.cos_sin_cache[7, 3] += 0.01
     with (
         pytest.warns(ps.UntestedReleaseWarning),

@@ -634,6 +634,9 @@ def test_other_releases_are_served_after_checking(
     with pytest.warns(pv.UntestedReleaseWarning, match=window):
         installed = pv.install_model(client, torch.nn.Sequential(module))
     assert installed == ["0"] and torch.equal(module.cos_sin_cache, cache)
+    with pytest.warns(pv.UntestedReleaseWarning) as caught:
+        pv.cos_sin_cache_of(client, module, dtype=torch.float32)
+    assert caught[0].filename == __file__  # the warning names the caller's line
     module.cos_sin_cache[7, 3] += 0.01  # as if this release built another table
     with (
         pytest.warns(pv.UntestedReleaseWarning),

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from functools import partial
 from typing import TYPE_CHECKING, Any, Final, Generic, TypedDict, TypeVar, Unpack
 
@@ -556,9 +556,10 @@ class GrowingTable(_TableBase["Client"]):
 
 
 class AsyncGrowingTable(_TableBase["AsyncClient"]):
-    """:class:`GrowingTable` over a :class:`posenc.AsyncClient`: ``get``, ``reserve`` and
-    ``rows`` are coroutines, and growth is serialised by an ``asyncio.Lock``. Arguments and
-    results as there::
+    """:class:`GrowingTable` over a :class:`posenc.AsyncClient`: ``reserve`` and ``rows``
+    are coroutines, ``get`` checks its arguments when called and returns an awaitable (as
+    :meth:`posenc.AsyncClient.get_positions`), and growth is serialised by an
+    ``asyncio.Lock``. Arguments and results as there::
 
         table = posenc.AsyncGrowingTable(client, spec, dtype="bfloat16")
         cos, sin = await table.get(position_ids, cos_sin=True)
@@ -567,6 +568,18 @@ class AsyncGrowingTable(_TableBase["AsyncClient"]):
     def __init__(self, client: AsyncClient, table: Table, **options: Unpack[TableOptions]) -> None:
         super().__init__(client, table, **options)
         self._lock = asyncio.Lock()
+
+    def get(
+        self,
+        positions: npt.ArrayLike,
+        *,
+        out: Any = None,
+        device: Any = None,
+        cos_sin: bool = False,
+    ) -> Awaitable[Any]:
+        """The rows of ``positions`` (see :meth:`GrowingTable.get`), awaitable."""
+        awaitable: Awaitable[Any] = super().get(positions, out=out, device=device, cos_sin=cos_sin)
+        return awaitable
 
     async def rows(self, stop: int | None = None) -> npt.NDArray[Any]:
         """The held rows ``[0, stop)`` (see :meth:`GrowingTable.rows`); grows to ``stop``."""

@@ -158,7 +158,8 @@ class _Command:
         self, commands: argparse._SubParsersAction[argparse.ArgumentParser], name: str
     ) -> argparse.ArgumentParser:
         """The command's parser, added to ``commands`` as ``name``."""
-        # An epilog's examples keep their lines; the rest is wrapped to the terminal.
+        # An epilog's examples (and the description beside them) keep their lines; the
+        # arguments' help is wrapped to the terminal.
         kept = self.epilog is not None
         formatter = argparse.RawDescriptionHelpFormatter if kept else argparse.HelpFormatter
         return commands.add_parser(

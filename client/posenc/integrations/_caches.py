@@ -502,7 +502,9 @@ class Engine:
         Raises:
             posenc.InvalidArgumentError: Dual-chunk attention's module (five caches).
         """
-        self.releases.warn(stacklevel=4)
+        # Frames: Releases.warn, this, cos_sin_cache_of, its reads_attributes wrapper, the
+        # caller: the warning names the caller's line.
+        self.releases.warn(stacklevel=5)
         kind = self.kind(module)
         if kind == "DualChunkRotaryEmbedding":
             raise violation("rotary_emb", f"{kind} holds five caches: build them with caches_of")
@@ -512,7 +514,8 @@ class Engine:
         self, label: str, module: torch.nn.Module, caches: Mapping[str, torch.Tensor]
     ) -> None:
         """Refuses caches unlike the module's own (:func:`check_caches`), its row ``r`` the
-        position ``position_start + r`` (0 for a module with no ``position_start``)."""
+        position ``position_start + r`` (SGLang's modules that start at a negative
+        position; 0 for a module with no ``position_start``, as every vLLM class)."""
         start = int(getattr(module, "position_start", 0))
         check_caches(self.releases, label, module, caches, start)
 
@@ -528,7 +531,7 @@ class Engine:
         """Writes ``caches`` into a module with ``write`` once :meth:`check` (``verify``) or
         the shapes alone accept them (an integration's ``install``)."""
         # Outside the tested releases the check is the guard: it runs whatever verify says.
-        if verify or self.releases.warn(stacklevel=4) is not None:
+        if verify or self.releases.warn(stacklevel=5) is not None:
             self.check("", module, caches)
         else:
             check_shapes(module, caches)
@@ -559,7 +562,7 @@ class Engine:
             posenc.InvalidArgumentError: No served rotary module, or a cache that differs.
         """
         # Outside the tested releases the check is the guard: it runs whatever verify says.
-        verify = self.releases.warn(stacklevel=4) is not None or verify
+        verify = self.releases.warn(stacklevel=5) is not None or verify
         pending, left = self._walk(client, model, build, verify)
         left_names = _still_left(pending, left)
         if not pending:

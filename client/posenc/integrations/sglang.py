@@ -618,8 +618,15 @@ def install_model(
 ) -> list[str]:
     """Installs posenc's caches into every rotary module of a loaded SGLang model, as
     :func:`posenc.integrations.vllm.install_model` does into a vLLM model's (the same
-    checks, the same all-or-nothing install, the same WARNING line naming the modules left,
-    the same result and errors), each module's caches over its current rows. Rows SGLang
-    adds later come from ``client`` (keep it open).
+    checks, the same all-or-nothing install, the same WARNING line naming the modules
+    left), each module's caches over its current rows. Rows SGLang adds later come from
+    ``client`` (keep it open).
+
+    Returns:
+        The name of each module installed (the first, for a module shared by several).
+
+    Raises:
+        posenc.InvalidArgumentError: The model holds no served rotary module, or
+            (``verify``) a cache differs from a module's own.
     """
     return _ENGINE.install_model(client, model, caches_of, _write, verify=verify)

@@ -162,7 +162,8 @@ class ModuleFrequenciesWarning(UserWarning):
 class Patch(Patched):
     """What :func:`patch` changed in a model: undone by :meth:`undo` or on leaving a ``with``.
 
-    Deep copies of the model made while patched stay patched (they share this patch).
+    Deep copies of the model made while patched stay patched: :meth:`undo` restores this
+    model only.
 
     Attributes:
         specs: The spec of each replaced table, by module name (``""`` is the model;
@@ -528,7 +529,7 @@ class _Rotary(_State):
         inv_freq = _inv_freq(module)
         assert inv_freq is not None
         probe = torch.zeros(1, device=inv_freq.device)
-        reference = _fresh(module, self.config, probe.device)
+        reference = _reference_module(module, self.config, probe.device)
         try:
             self.values = config_dict(self.config)
         except posenc.InvalidArgumentError:
@@ -993,7 +994,7 @@ class _Call:
         return result[0], result[1]
 
 
-def _fresh(module: nn.Module, config: Any, device: torch.device) -> nn.Module:
+def _reference_module(module: nn.Module, config: Any, device: torch.device) -> nn.Module:
     """A fresh module of ``module``'s class: float32 frequencies (a model cast to bfloat16
     rounded its inv_freq buffer too), initial dynamic state, and the model's own untouched;
     ``module`` itself when its class takes more than the config."""
@@ -1126,8 +1127,8 @@ def _gptj_attention_forward(module: nn.Module, *args: Any, **kwargs: Any) -> Any
 
 class _GPTJ(_State):
     """A GPT-J module whose ``[sin | cos]`` rows come from posenc: installed once the table
-    is checked against the leading rows of its ``embed_positions`` buffer, its forward
-    replaced by ``FORWARD``."""
+    is checked (``verify``) against the leading rows of its ``embed_positions`` buffer, its
+    forward replaced by ``FORWARD``."""
 
     FORWARD: Callable[..., Any]
     # Whether the state is registered in _LIVE, for the compiled forward's custom op.
