@@ -233,8 +233,8 @@ def test_deadlines_are_honoured_by_server_and_sdk(
 
 
 def test_metrics_publishing_tolerates_snapshots_out_of_order() -> None:
+    from posenc_protocol.stats import CacheStats
     from posenc_server import metrics
-    from posenc_server.cache import CacheStats
 
     publisher = metrics.ServicePublisher()
     before = metrics.CACHE_HITS._value.get()

@@ -338,6 +338,15 @@ def _cases(message: Descriptor) -> dict[str, Descriptor]:
     }
 
 
+def test_a_kind_documents_the_width_rule_it_checks() -> None:
+    # A kind with a width rule of its own must document d_model by that rule: a kind that
+    # sets WIDTH and keeps the base's d_model would check one rule and document another.
+    ruled = [kind for kind in KINDS.values() if hasattr(kind, "WIDTH")]
+    assert len(ruled) >= 4
+    for kind in ruled:
+        assert kind.PARAMETERS["d_model"].description == kind.WIDTH.doc, kind  # type: ignore[attr-defined]
+
+
 def test_every_kind_and_variant_has_the_fields_of_its_message() -> None:
     # Adding a parameter to the proto without its kind (or its documentation) fails here.
     def check(kind: type[Documented], message: Descriptor) -> None:

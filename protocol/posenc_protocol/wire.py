@@ -186,7 +186,7 @@ def _parse_tensor(buffer: memoryview, position: int, end: int) -> TensorView:
         if position > end:
             raise DecodeError("field runs past the end of the Tensor")
     dtype, row_offset, rows, columns = scalars[1:]
-    return TensorView(dtype, rows, columns, row_offset, data)
+    return TensorView(dtype=dtype, rows=rows, columns=columns, row_offset=row_offset, data=data)
 
 
 def _parse_shared(buffer: memoryview, position: int, end: int) -> SharedView:
