@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from functools import partial
 from typing import TYPE_CHECKING, Any, Final, Generic, TypedDict, TypeVar, Unpack
 
@@ -446,40 +446,6 @@ class _TableBase(Generic[ClientT]):
     def __len__(self) -> int:
         return self._plan.held
 
-    def get(
-        self,
-        positions: npt.ArrayLike,
-        *,
-        out: Any = None,
-        device: Any = None,
-        cos_sin: bool = False,
-    ) -> Any:
-        """The rows of ``positions``, of any shape ``S``: ``S + [width]``.
-
-        Rows the table holds come from memory (it grows first when the request reaches
-        past its end; see the module doc). The result takes the same forms as
-        :meth:`posenc.Client.get_positions`: ``positions`` may be a ``torch.Tensor`` (the
-        result is then a tensor on its device), ``device=`` asks for a tensor, ``out=``
-        fills a caller's buffer (numpy or torch) without allocating, and ``cos_sin=True``
-        gives a rotary table's ``(cos, sin)`` halves. A table made with ``views=True``
-        returns a view of its rows where it can (see the class doc), else a copy.
-        ``AsyncGrowingTable``: awaitable.
-        """
-        held = self._held(positions, out, device, cos_sin)
-        if held is not None:
-            return self._ready(held)
-        output, steps, grows = self._gather(positions, out, device, cos_sin)
-        return self._fetched(output, steps, grows)
-
-    def _ready(self, rows: Any) -> Any:
-        """Rows found in memory, as ``get`` returns them (or, asyncio, an awaitable)."""
-        raise NotImplementedError
-
-    def _fetched(self, output: Any, steps: Callable[[], Steps[Any]], grows: bool) -> Any:
-        """The result of ``get`` once ``steps`` fill ``output`` (or, asyncio, an
-        awaitable of it)."""
-        raise NotImplementedError
-
     def _held(self, positions: npt.ArrayLike, out: Any, device: Any, cos_sin: bool) -> Any:
         """The rows of ``positions`` from memory, or None when the table must fetch."""
         held = self._plan.held_view(positions, out, device, cos_sin)
@@ -542,10 +508,28 @@ class GrowingTable(_TableBase["Client"]):
         """
         self._run(lambda: self._plan.reserve(stop), self._plan.grows(stop))
 
-    def _ready(self, rows: Any) -> Any:
-        return rows
+    def get(
+        self,
+        positions: npt.ArrayLike,
+        *,
+        out: Any = None,
+        device: Any = None,
+        cos_sin: bool = False,
+    ) -> Any:
+        """The rows of ``positions``, of any shape ``S``: ``S + [width]``.
 
-    def _fetched(self, output: Any, steps: Callable[[], Steps[Any]], grows: bool) -> Any:
+        Rows the table holds come from memory (it grows first when the request reaches
+        past its end; see the module doc). The result takes the same forms as
+        :meth:`posenc.Client.get_positions`: ``positions`` may be a ``torch.Tensor`` (the
+        result is then a tensor on its device), ``device=`` asks for a tensor, ``out=``
+        fills a caller's buffer (numpy or torch) without allocating, and ``cos_sin=True``
+        gives a rotary table's ``(cos, sin)`` halves. A table made with ``views=True``
+        returns a view of its rows where it can (see the class doc), else a copy.
+        """
+        held = self._held(positions, out, device, cos_sin)
+        if held is not None:
+            return held
+        output, steps, grows = self._gather(positions, out, device, cos_sin)
         return output.finish(self._run(steps, grows))
 
     def _run(self, plan: Callable[[], Steps[T]], grows: bool) -> T:
@@ -556,10 +540,9 @@ class GrowingTable(_TableBase["Client"]):
 
 
 class AsyncGrowingTable(_TableBase["AsyncClient"]):
-    """:class:`GrowingTable` over a :class:`posenc.AsyncClient`: ``reserve`` and ``rows``
-    are coroutines, ``get`` checks its arguments when called and returns an awaitable (as
-    :meth:`posenc.AsyncClient.get_positions`), and growth is serialised by an
-    ``asyncio.Lock``. Arguments and results as there::
+    """:class:`GrowingTable` over a :class:`posenc.AsyncClient`: ``get``, ``reserve`` and
+    ``rows`` are coroutines, and growth is serialised by an ``asyncio.Lock``. Arguments and
+    results as there::
 
         table = posenc.AsyncGrowingTable(client, spec, dtype="bfloat16")
         cos, sin = await table.get(position_ids, cos_sin=True)
@@ -568,18 +551,6 @@ class AsyncGrowingTable(_TableBase["AsyncClient"]):
     def __init__(self, client: AsyncClient, table: Table, **options: Unpack[TableOptions]) -> None:
         super().__init__(client, table, **options)
         self._lock = asyncio.Lock()
-
-    def get(
-        self,
-        positions: npt.ArrayLike,
-        *,
-        out: Any = None,
-        device: Any = None,
-        cos_sin: bool = False,
-    ) -> Awaitable[Any]:
-        """The rows of ``positions`` (see :meth:`GrowingTable.get`), awaitable."""
-        awaitable: Awaitable[Any] = super().get(positions, out=out, device=device, cos_sin=cos_sin)
-        return awaitable
 
     async def rows(self, stop: int | None = None) -> npt.NDArray[Any]:
         """The held rows ``[0, stop)`` (see :meth:`GrowingTable.rows`); grows to ``stop``."""
@@ -591,10 +562,19 @@ class AsyncGrowingTable(_TableBase["AsyncClient"]):
         """Holds at least rows ``[0, stop)`` (see :meth:`GrowingTable.reserve`)."""
         await self._run(lambda: self._plan.reserve(stop), self._plan.grows(stop))
 
-    async def _ready(self, rows: Any) -> Any:
-        return rows
-
-    async def _fetched(self, output: Any, steps: Callable[[], Steps[Any]], grows: bool) -> Any:
+    async def get(
+        self,
+        positions: npt.ArrayLike,
+        *,
+        out: Any = None,
+        device: Any = None,
+        cos_sin: bool = False,
+    ) -> Any:
+        """The rows of ``positions`` (see :meth:`GrowingTable.get`)."""
+        held = self._held(positions, out, device, cos_sin)
+        if held is not None:
+            return held
+        output, steps, grows = self._gather(positions, out, device, cos_sin)
         return output.finish(await self._run(steps, grows))
 
     async def _run(self, plan: Callable[[], Steps[T]], grows: bool) -> T:
