@@ -485,9 +485,18 @@ class Core:
             return None
         if type(cos_sin) is not bool:
             return None
-        array = _signed_positions(positions)
-        if array is None:
+        # Positions as the steps would read them: a numpy array or a list of signed
+        # integers (unsigned may not fit; floats and objects: the steps judge them).
+        if type(positions) is np.ndarray:
+            array = positions
+        elif type(positions) is list:
+            array = np.asarray(positions)
+        else:
             return None
+        if array.dtype != np.int64:
+            if array.dtype.kind != "i":
+                return None
+            array = array.astype(np.int64)
         flat = array.reshape(-1)
         if not 0 < flat.size <= MAX_CACHED_CALL_ROWS or (cos_sin and not form.rotary):
             return None  # (cos_sin of a table not rotary: the steps say so)
@@ -956,18 +965,3 @@ class Core:
         finally:
             self._landed(plan)  # stored, failed or abandoned: nobody waits for it any more
         return (yield from self._fetch(query, budget))
-
-
-def _signed_positions(positions: object) -> npt.NDArray[np.int64] | None:
-    """Positions given as a numpy array or a list of signed integers, as int64 (the
-    fast path's reading); None for any other form, which the steps judge: unsigned (may
-    not fit), floats, objects."""
-    if type(positions) is np.ndarray:
-        array = positions
-    elif type(positions) is list:
-        array = np.asarray(positions)
-    else:
-        return None
-    if array.dtype == np.int64:
-        return array
-    return array.astype(np.int64) if array.dtype.kind == "i" else None

@@ -153,9 +153,10 @@ class Formats(NamedTuple):
     float16: Callable[..., None]
 
 
-assert (VALUES, BFLOAT16, FLOAT16) == (0, 1, 2), "Formats holds the formats in this order"
-_LOOPS = [_row_loops(stored, name) for stored, name in enumerate(Formats._fields)]
-ROTATED = Formats(*(loops[0] for loops in _LOOPS))
-"""The loops over rows named by index arrays (``rotate_into``'s)."""
-RANGED = Formats(*(loops[1] for loops in _LOOPS))
-"""The loops over a range of rows (``range_into``'s)."""
+if (VALUES, BFLOAT16, FLOAT16) != tuple(range(len(Formats._fields))):  # noqa: SIM300
+    raise ImportError("Formats must hold the stored formats in the order of their numbers")
+# The loops over rows named by index arrays (rotate_into's), and over a range (range_into's).
+ROTATED, RANGED = (
+    Formats(*loops)
+    for loops in zip(*(_row_loops(*stored) for stored in enumerate(Formats._fields)), strict=True)
+)
